@@ -1,0 +1,50 @@
+"""sigmoid-bias: DeepSeek-V3 routing. Sigmoid affinities; a per-expert bias steers *selection only*;
+group-limited top-k; kept affinities renormalised and scaled by ``routed_scaling_factor``."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.moe import Router, Routing
+
+
+class SigmoidBias(Router):
+    name = "sigmoid-bias"
+    summary = "DeepSeek-V3 sigmoid routing with selection-only bias correction and group-limited top-k."
+    paper = "DeepSeek-AI, DeepSeek-V3 Technical Report, 2024. arXiv:2412.19437"
+    card = "cards/sigmoid-bias.md"
+    space = "router-explorer"
+
+    def __init__(self, hidden_size, num_experts, top_k, n_group: int | None = 1, topk_group: int | None = 1,
+                 norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, **options):
+        n_group, topk_group = n_group or 1, topk_group or 1
+        if num_experts % n_group:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by n_group ({n_group})")
+        if not 1 <= topk_group <= n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+        if top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"top_k={top_k} exceeds the experts in {topk_group} of {n_group} groups")
+        super().__init__(hidden_size, num_experts, top_k, n_group=n_group, topk_group=topk_group,
+                         norm_topk_prob=bool(norm_topk_prob), routed_scaling_factor=float(routed_scaling_factor),
+                         **options)
+        self.n_group, self.topk_group = n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = bool(norm_topk_prob), float(routed_scaling_factor)
+        # Updated outside backprop (aux-loss-free balancing), so a buffer, kept in fp32.
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, hidden: torch.Tensor) -> Routing:
+        bias = None if self.bias is None else self.bias.float()
+        logits = F.linear(hidden.float(), self.weight.float(), bias)
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias  # the bias only decides *which* experts
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1)
+            keep = keep.bool().unsqueeze(-1).expand_as(grouped).reshape(-1, self.num_experts)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        indices = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, indices)  # ...while the weights come from the unbiased affinities
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights * self.routed_scaling_factor
+        return Routing(weights=weights.to(hidden.dtype), indices=indices, logits=logits)

@@ -1,0 +1,64 @@
+"""Tiny random configs of each supported family (hidden 64, 2-3 layers, 4-8 experts)."""
+import torch
+from transformers import (DeepseekV3Config, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
+                          Qwen3MoeConfig)
+
+COMMON = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_config(family: str):
+    if family == "mixtral":
+        return MixtralConfig(**COMMON, intermediate_size=96, num_hidden_layers=2, num_local_experts=4,
+                             num_experts_per_tok=2)
+    if family == "qwen2_moe":
+        return Qwen2MoeConfig(**COMMON, intermediate_size=128, moe_intermediate_size=48,
+                              shared_expert_intermediate_size=80, num_hidden_layers=3, num_experts=6,
+                              num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1])
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**COMMON, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                              num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16)
+    if family == "olmoe":
+        return OlmoeConfig(**COMMON, intermediate_size=48, num_hidden_layers=2, num_experts=8,
+                           num_experts_per_tok=2)
+    if family == "deepseek_v3":
+        return DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                                n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+                                topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                v_head_dim=16, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2, rope_interleave=True)
+    if family == "gpt_oss":
+        return GptOssConfig(**COMMON, intermediate_size=48, num_hidden_layers=2, num_local_experts=4,
+                            num_experts_per_tok=2, head_dim=16, sliding_window=16,
+                            layer_types=["sliding_attention", "full_attention"])
+    raise KeyError(family)
+
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
+
+
+def tiny_native(family: str, seed: int = 0):
+    """A randomly initialised native model. Router weights and biases get real spread (the families
+    initialise some of them to zero, which would make routing ties and hide mistakes)."""
+    from zoo.convert import family_of  # noqa: F401  (ensures plugins load)
+    from zoo.plugins import registry
+
+    torch.manual_seed(seed)
+    fam = registry.get("architecture", family).obj
+    model = fam.model_class(tiny_config(family)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "gate" in name or "router" in name or "bias" in name or "sinks" in name:
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.normal_(0, 0.1)
+    return model
+
+
+def padded_batch():
+    ids = torch.tensor([[5, 17, 33, 9, 70, 11, 3, 44], [0, 0, 0, 8, 21, 66, 12, 90]])
+    mask = torch.tensor([[1] * 8, [0, 0, 0, 1, 1, 1, 1, 1]])
+    return ids, mask

@@ -1,0 +1,17 @@
+"""moe-zoo: a plugin-based Mixture-of-Experts model zoo for the Hugging Face ecosystem.
+
+``import zoo`` loads the plugins and registers every ``zoo_<family>`` model type with the Auto classes.
+"""
+from zoo.hookspecs import hookimpl
+from zoo.components import Adapter, Compressor
+from zoo.moe import Experts, Router, Routing
+from zoo import moe
+from zoo.plugins import load_plugins
+from zoo.convert import convert, export
+from zoo.apply import apply, list_components
+from zoo.registry import list_models, load
+
+__all__ = ["Adapter", "Compressor", "Experts", "Router", "Routing", "apply", "convert", "export", "hookimpl",
+           "list_components", "list_models", "load", "moe"]
+
+load_plugins()

@@ -1,0 +1,115 @@
+"""zoo.apply: run any component by name on a model, validating first and recording the step."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from zoo.components import Registered
+from zoo.layout import moe_layers, sync_layout
+from zoo.options import accepted_options, check_options
+from zoo.plugins import load_plugins, registry
+
+APPLICABLE = ("router", "compressor", "adapter")
+
+
+class UnknownComponent(KeyError, ValueError):
+    def __str__(self):
+        return self.args[0]
+
+
+def list_components(kind: str | None = None) -> list[dict]:
+    """Every registered component (or those of one kind) with its metadata and the plugin it came from."""
+    load_plugins()
+    return [r.info() for r in registry.all(kind)]
+
+
+def find(name: str) -> Registered:
+    load_plugins()
+    for kind in APPLICABLE:
+        if name in registry.by_kind[kind]:
+            return registry.by_kind[kind][name]
+    try:
+        registry.get(None, name)
+    except KeyError as exc:
+        raise UnknownComponent(str(exc.args[0])) from None
+    raise UnknownComponent(f"{name!r} is not a router, compressor or adapter and cannot be applied")
+
+
+def apply(model, name: str, calibration=None, **options):
+    """Run component ``name`` on ``model`` and append the step to ``config.zoo_recipe``.
+
+    Options are checked before the model is touched: an unknown or invalid option raises and leaves the
+    model as it was. A native model of a supported family is converted (losslessly) first.
+    """
+    from zoo.convert import convert
+
+    reg = find(name)
+    cls = reg.obj
+    skip = ("hidden_size", "num_experts") if reg.kind == "router" else ()
+    check_options(cls, options, skip=skip)
+    if reg.kind == "router":
+        model = convert(model)
+        _swap_routers(model, cls, options)
+    elif reg.kind == "compressor":
+        component = cls(**options)
+        model = component.compress(convert(model), calibration=calibration)
+    else:
+        component = cls(**options)
+        model = component.attach(convert(model))
+    step = {"name": name, "kind": reg.kind, "options": _jsonable(options), "calibration": describe(calibration)}
+    model.config.zoo_recipe = list(model.config.zoo_recipe or []) + [step]
+    sync_layout(model)
+    return model
+
+
+def _swap_routers(model, cls, options):
+    """Build every new router first (any error leaves the model as it was), then swap them in.
+
+    Options the old router had and the new class accepts carry over (so ``top_k=1`` keeps
+    ``norm_topk_prob``), and so do gate weights of matching name and shape.
+    """
+    from zoo.convert import hook_new_routers
+
+    accepted = set(accepted_options(cls, skip=("hidden_size", "num_experts", "top_k")))
+    new = []
+    for _, moe in moe_layers(model):
+        old = moe.router
+        opts = {k: v for k, v in old.options.items() if k in accepted}
+        opts.update({k: v for k, v in options.items() if k != "top_k"})
+        router = cls(old.hidden_size, old.num_experts, options.get("top_k", old.top_k), **opts)
+        mine = router.state_dict()
+        carried = {k: v for k, v in old.state_dict().items() if k in mine and mine[k].shape == v.shape}
+        router.load_state_dict(carried, strict=False)
+        router.to(old.weight.device)
+        for p in router.parameters():
+            p.data = p.data.to(old.weight.dtype)
+        new.append((moe, router))
+    for moe, router in new:
+        moe.router = router
+    hook_new_routers(model, [r for _, r in new])
+
+
+def describe(calibration):
+    """A JSON-able record of calibration data: what it was, how much, and a checksum."""
+    if calibration is None:
+        return None
+    if isinstance(calibration, str):
+        calibration = [calibration]
+    try:
+        items = list(calibration)
+    except TypeError:
+        return {"type": type(calibration).__name__}
+    digest = hashlib.sha256()
+    for item in items:
+        digest.update(item.encode() if isinstance(item, str) else repr(getattr(item, "shape", item)).encode())
+    kind = "texts" if all(isinstance(i, str) for i in items) else "batches"
+    return {"type": kind, "count": len(items), "sha256": digest.hexdigest()[:16]}
+
+
+def _jsonable(options: dict) -> dict:
+    try:
+        json.dumps(options)
+        return dict(options)
+    except TypeError:
+        return {k: v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else repr(v)
+                for k, v in options.items()}

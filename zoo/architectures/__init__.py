@@ -1,0 +1,22 @@
+"""First-party architectures: the six native MoE families, registered through ``register_architectures``."""
+from zoo.hookspecs import hookimpl
+
+
+@hookimpl
+def register_architectures(register):
+    from zoo.architectures.deepseek_v3 import DeepseekV3
+    from zoo.architectures.gpt_oss import GptOss
+    from zoo.architectures.mixtral import Mixtral
+    from zoo.architectures.olmoe import Olmoe
+    from zoo.architectures.qwen2_moe import Qwen2Moe
+    from zoo.architectures.qwen3_moe import Qwen3Moe
+
+    for family in (Mixtral(), Qwen2Moe(), Qwen3Moe(), Olmoe(), DeepseekV3(), GptOss()):
+        register(family)
+
+
+@hookimpl
+def register_experts(register):
+    from zoo.moe import SwiGLUExperts
+
+    register(SwiGLUExperts)

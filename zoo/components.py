@@ -1,0 +1,97 @@
+"""Component base classes and the name -> class registry that plugins fill."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zoo.options import check_options, suggest
+
+# hook name -> component kind
+KINDS = {
+    "register_architectures": "architecture",
+    "register_routers": "router",
+    "register_experts": "experts",
+    "register_adapters": "adapter",
+    "register_compressors": "compressor",
+    "register_models": "model",
+}
+
+
+class Component:
+    """Metadata every component class carries."""
+
+    name: str = ""
+    summary: str = ""
+    paper: str = ""
+    card: str = ""
+    space: str = ""
+
+    def __init__(self, **options):
+        check_options(type(self), options)
+        self.options = options
+
+
+class Compressor(Component):
+    """``compress(model, calibration=None) -> model``. Validate options in ``__init__``."""
+
+    needs_calibration = False
+
+    def compress(self, model, calibration=None):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class Adapter(Component):
+    """``attach(model) -> model``; optional ``train_step`` and ``merge``."""
+
+    def attach(self, model):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@dataclass
+class Registered:
+    kind: str
+    name: str
+    obj: object  # the class (or the Family / ModelEntry instance)
+    plugin: str
+    distribution: str
+
+    @property
+    def summary(self) -> str:
+        return getattr(self.obj, "summary", "")
+
+    def info(self) -> dict:
+        o = self.obj
+        return {"name": self.name, "kind": self.kind, "summary": self.summary,
+                "paper": getattr(o, "paper", ""), "card": getattr(o, "card", ""), "space": getattr(o, "space", ""),
+                "plugin": self.plugin, "distribution": self.distribution}
+
+
+@dataclass
+class Registry:
+    by_kind: dict[str, dict[str, Registered]] = field(default_factory=lambda: {k: {} for k in KINDS.values()})
+
+    def add_all(self, entries: list[Registered]) -> None:
+        """Add a plugin's entries all at once, or none (a clash names both distributions)."""
+        for e in entries:
+            have = self.by_kind[e.kind].get(e.name)
+            if have is not None:
+                raise ValueError(
+                    f"{e.kind} {e.name!r} is registered twice: by {have.distribution} ({have.plugin}) "
+                    f"and by {e.distribution} ({e.plugin})")
+        for e in entries:
+            self.by_kind[e.kind][e.name] = e
+
+    def get(self, kind: str | None, name: str) -> Registered:
+        kinds = [kind] if kind else list(self.by_kind)
+        for k in kinds:
+            if name in self.by_kind[k]:
+                return self.by_kind[k][name]
+        known = [n for k in kinds for n in self.by_kind[k]]
+        what = f"{kind} component" if kind else "component"
+        raise KeyError(f"no {what} named {name!r}{suggest(name, known)}")
+
+    def all(self, kind: str | None = None) -> list[Registered]:
+        kinds = [kind] if kind else list(self.by_kind)
+        for k in kinds:
+            if k not in self.by_kind:
+                raise KeyError(f"unknown kind {k!r}{suggest(k, self.by_kind)}; kinds: {', '.join(self.by_kind)}")
+        return sorted((e for k in kinds for e in self.by_kind[k].values()), key=lambda e: (e.kind, e.name))

@@ -1,0 +1,99 @@
+"""zoo.convert (native -> zoo, lossless) and zoo.export (zoo -> native, when the layout allows)."""
+from __future__ import annotations
+
+import os
+
+from zoo.layout import moe_layers, read_layout, sync_layout
+from zoo.plugins import load_plugins, registry
+
+
+def family_of(model):
+    """The registered Family whose native (or zoo) classes this model uses."""
+    load_plugins()
+    zoo_family = getattr(type(model), "_zoo_family", None)
+    if zoo_family is not None:
+        return zoo_family
+    families = [r.obj for r in registry.all("architecture")]
+    for fam in families:
+        if isinstance(model, fam.model_class):
+            return fam
+    known = ", ".join(f.name for f in families)
+    raise TypeError(f"{type(model).__name__} is not a supported MoE family (supported: {known})")
+
+
+def convert(model):
+    """Swap each native MoE block for a SparseMoE holding the same weights; the model becomes ``zoo_<family>``.
+
+    Attention, norms and embeddings stay the family's own. Logits are unchanged (within float rounding).
+    """
+    from zoo.architectures.factory import adopt
+
+    fam = family_of(model)
+    if getattr(type(model), "_zoo_family", None) is not None:
+        return model  # already converted
+    config = model.config
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, fam.block_class):
+            layer.mlp = fam.from_native(layer.mlp, config)
+    adopt(model, fam)
+    sync_layout(model)
+    hook_new_routers(model)
+    return model
+
+
+def hook_new_routers(model, routers=None):
+    """Routers added after transformers installed its output recorders need the recorder too."""
+    if not getattr(model.model, "_output_capturing_hooks_installed", False):
+        return
+    from transformers.utils.output_capturing import install_output_capuring_hook
+
+    for router in routers if routers is not None else [moe.router for _, moe in moe_layers(model)]:
+        install_output_capuring_hook(router, "router_logits", 2)
+
+
+def export(model, path) -> str:
+    """Write the family's native checkpoint (loadable by plain transformers, vLLM, TGI) or raise
+    ``NotExportable`` naming why the layout has no native form."""
+    from zoo.architectures.family import NotExportable
+
+    fam = family_of(model)
+    layout = read_layout(model)
+    for i, moe in moe_layers(model):
+        if type(moe.experts).__name__ != "SwiGLUExperts":
+            raise NotExportable(f"layer {i} has {moe.experts.name!r} experts; native {fam.name} needs dense experts")
+    native_cfg = fam.native_config(model.config, layout)
+    native_cfg.architectures = [fam.model_class.__name__]
+    state = dict(model.state_dict())
+    for i, moe in moe_layers(model):
+        prefix = f"model.layers.{i}.mlp."
+        for key in [k for k in state if k.startswith(prefix)]:
+            del state[key]
+        for key, value in fam.to_native_state(moe.state_dict()).items():
+            state[prefix + key] = value
+    import torch
+
+    with torch.device("meta"):
+        native = fam.model_class(native_cfg)
+    native.load_state_dict(state, strict=True, assign=True)
+    if model.config.tie_word_embeddings:
+        native.tie_weights()
+    native.generation_config = model.generation_config
+    _atomic_save(native, os.fspath(path))
+    return os.fspath(path)
+
+
+def _atomic_save(model, path):
+    import shutil
+    import tempfile
+
+    from zoo.architectures.factory import _replace_dir
+
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    try:
+        model.save_pretrained(tmp)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

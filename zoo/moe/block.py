@@ -1,0 +1,77 @@
+"""SparseMoE: the one module type every plugin works on."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from zoo.moe.experts import Experts
+from zoo.moe.routing import Router
+
+
+class SharedMLP(nn.Module):
+    """Always-on shared expert(s): a SwiGLU MLP, optionally scaled by a sigmoid gate (Qwen2-MoE)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, gated: bool = False):
+        super().__init__()
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate = nn.Linear(hidden_size, 1, bias=False) if gated else None
+
+    def options(self) -> dict:
+        return {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "gated": self.gate is not None}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.gate is None else torch.sigmoid(self.gate(x)) * out
+
+
+class SparseMoE(nn.Module):
+    """``SparseMoE(router, experts, shared_experts=None)``: [B, S, H] -> [B, S, H].
+
+    ``returns_router_scores`` makes it return ``(out, weights)`` for families whose decoder layer
+    unpacks a tuple (GPT-OSS). Router logits reach ``output_router_logits`` through a recorder on
+    ``Router`` outputs (see ``zoo.architectures.factory``).
+    """
+
+    def __init__(self, router: Router, experts: Experts, shared_experts: nn.Module | None = None,
+                 returns_router_scores: bool = False):
+        super().__init__()
+        if router.num_experts != experts.num_experts:
+            raise ValueError(f"router has {router.num_experts} experts but experts has {experts.num_experts}")
+        self.router, self.experts, self.shared_experts = router, experts, shared_experts
+        self.returns_router_scores = returns_router_scores
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.router.top_k
+
+    def forward(self, hidden: torch.Tensor):
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        routing = self.router(x)
+        out = self.experts(x, routing)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        out = out.view(shape)
+        return (out, routing.weights) if self.returns_router_scores else out
+
+    def layout(self) -> dict:
+        """A JSON-able description that ``zoo.moe.build_block`` turns back into an empty block."""
+        return {
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "router": self.router.name,
+            "router_options": dict(self.router.options),
+            "experts": self.experts.name,
+            "experts_options": self.experts.options(),
+            "shared_experts": None if self.shared_experts is None else self.shared_experts.options(),
+            "returns_router_scores": self.returns_router_scores,
+        }

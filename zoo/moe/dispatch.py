@@ -1,0 +1,38 @@
+"""Index bookkeeping for expert dispatch (MegaBlocks style): computed without grad, apart from compute."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class DispatchPlan(NamedTuple):
+    order: torch.Tensor  # [n] positions into the flattened [T*k] routing, grouped by expert
+    token: torch.Tensor  # [n] token index of each sorted slot
+    counts: list[int]  # tokens per expert (length E); slots of the empty marker E are dropped
+
+
+@torch.no_grad()
+def sort_by_expert(indices: torch.Tensor, num_experts: int) -> DispatchPlan:
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
+    n = sum(counts)
+    order = order[:n]  # the empty marker (== E) sorts last
+    return DispatchPlan(order, order // indices.shape[1], counts)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, tokens: int) -> torch.Tensor:
+    """Scale each sorted expert output by its routing weight and add it back to its token."""
+    w = weights.reshape(-1).index_select(0, plan.order)
+    y = y * w[:, None].to(y.dtype)
+    out = torch.zeros(tokens, y.shape[-1], dtype=y.dtype, device=y.device)
+    return out.index_add_(0, plan.token, y)
+
+
+@torch.no_grad()
+def gather_rows(indices: torch.Tensor, num_experts: int):
+    """Flattened expert ids safe to index with, and a 0/1 mask of real (non-empty) slots."""
+    flat = indices.reshape(-1)
+    valid = flat < num_experts
+    return flat.clamp(max=num_experts - 1), valid

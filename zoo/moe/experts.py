@@ -1,0 +1,126 @@
+"""Experts: the compute half of an MoE block. Indices come from a Router; here they are only consumed."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from zoo.moe.dispatch import combine, gather_rows, sort_by_expert
+from zoo.options import check_options
+
+
+class Experts(nn.Module):
+    """Base class of expert kinds. ``forward(hidden [T, H], routing) -> [T, H]``.
+
+    Every kind states its size honestly: ``num_parameters()`` counts stored elements, ``nbytes()`` counts
+    stored bytes (packed integer weights and their scales included), ``active_parameters(k)`` what one
+    token reads with k experts.
+    """
+
+    name: str = ""
+    summary: str = ""
+    paper: str = ""
+    card: str = ""
+    space: str = ""
+    num_experts: int
+
+    def options(self) -> dict:
+        """Constructor arguments that rebuild this module (stored in ``config.zoo_layout``)."""
+        raise NotImplementedError
+
+    def num_parameters(self) -> int:
+        return sum(t.numel() for t in self.state_dict().values())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
+
+    def active_parameters(self, k: int) -> int:
+        return self.num_parameters() * k // self.num_experts
+
+
+def _silu_glu(gate, up, limit=None, alpha=None):
+    return F.silu(gate) * up
+
+
+def _clamped_glu(gate, up, limit=7.0, alpha=1.702):
+    # GPT-OSS: clamp, a sharper sigmoid gate, and a +1 on the linear half.
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+ACTIVATIONS = {"silu": _silu_glu, "clamped-swiglu": _clamped_glu}
+
+
+class SwiGLUExperts(Experts):
+    """Dense fused SwiGLU experts in the transformers v5 layout: ``gate_up_proj [E, 2I, H]`` (gate rows
+    first, then up rows) and ``down_proj [E, H, I]``; optional biases ``[E, 2I]`` and ``[E, H]``."""
+
+    name = "swiglu"
+    summary = "Dense fused SwiGLU experts (transformers v5 layout), sort-based dispatch, gather path for decode."
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu",
+                 bias: bool = False, swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702):
+        super().__init__()
+        check_options(type(self), {})
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose from {sorted(ACTIVATIONS)}")
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.activation, self.swiglu_limit, self.swiglu_alpha = activation, swiglu_limit, swiglu_alpha
+        self._act = ACTIVATIONS[activation]
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+    def options(self) -> dict:
+        opts = {"num_experts": self.num_experts, "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size, "activation": self.activation,
+                "bias": self.gate_up_proj_bias is not None}
+        if self.activation == "clamped-swiglu":
+            opts.update(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
+        return opts
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self._act(gate, up, self.swiglu_limit, self.swiglu_alpha)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert on its own slice of tokens, ``x [n, H] -> [n, H]``."""
+        b1 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[e]
+        b2 = None if self.down_proj_bias is None else self.down_proj_bias[e]
+        return F.linear(self.glu(F.linear(x, self.gate_up_proj[e], b1)), self.down_proj[e], b2)
+
+    def forward(self, hidden: torch.Tensor, routing) -> torch.Tensor:
+        tokens, k = routing.indices.shape
+        if tokens * k <= self.num_experts:
+            return self._forward_gather(hidden, routing)
+        return self._forward_sorted(hidden, routing)
+
+    def _forward_sorted(self, hidden, routing):
+        """Prefill: sort (token, slot) pairs by expert, run each expert on its contiguous slice."""
+        plan = sort_by_expert(routing.indices, self.num_experts)
+        x = hidden.index_select(0, plan.token)
+        outs, start = [], 0
+        for e, n in enumerate(plan.counts):  # host-side counts: fine for prefill, never on the decode path
+            if n:
+                outs.append(self.expert(e, x[start:start + n]))
+            start += n
+        y = torch.cat(outs) if outs else x[:0]
+        return combine(y, routing.weights, plan, hidden.shape[0])
+
+    def _forward_gather(self, hidden, routing):
+        """Decode: few tokens meet few experts, so gather the selected experts' weights (no host sync)."""
+        idx, valid = gather_rows(routing.indices, self.num_experts)
+        k = routing.indices.shape[1]
+        x = hidden.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+        h = torch.bmm(self.gate_up_proj[idx], x).squeeze(-1)
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[idx]
+        y = torch.bmm(self.down_proj[idx], self.glu(h).unsqueeze(-1)).squeeze(-1)
+        if self.down_proj_bias is not None:
+            y = y + self.down_proj_bias[idx]
+        w = (routing.weights.reshape(-1) * valid).to(y.dtype)
+        return (y * w[:, None]).view(hidden.shape[0], k, -1).sum(1).to(hidden.dtype)

@@ -1,0 +1,56 @@
+"""Routing: which experts each token goes to, and with what weight. No compute happens here."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from zoo.options import check_options
+
+
+class Routing(NamedTuple):
+    """The result of a router for T tokens.
+
+    ``indices`` equal to the number of experts mark an empty slot (a token routed to fewer than k experts,
+    as with expert-choice); their weight is ignored. A NamedTuple so transformers' output recorders can
+    pick ``logits`` by position.
+    """
+
+    weights: torch.Tensor  # [T, k]
+    indices: torch.Tensor  # [T, k] long
+    logits: torch.Tensor | None = None  # [T, E]
+
+
+class Router(nn.Module):
+    """Base class of routers: a linear gate ``weight [E, H]`` (optionally with ``bias [E]``) plus a
+    selection rule implemented by ``forward``. Subclasses pass all their options up so the layout can
+    record and rebuild them."""
+
+    name: str = ""
+    summary: str = ""
+    paper: str = ""
+    card: str = ""
+    space: str = ""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, bias: bool = False, **options):
+        super().__init__()
+        check_options(type(self), {"bias": bias, **options}, skip=("hidden_size", "num_experts", "top_k"))
+        if not 1 <= int(top_k) <= int(num_experts):
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        self.hidden_size, self.num_experts, self.top_k = int(hidden_size), int(num_experts), int(top_k)
+        self.options = {"bias": bool(bias), **options}
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
+        nn.init.normal_(self.weight, std=0.02)
+
+    def gate_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, E] raw router logits."""
+        return F.linear(hidden, self.weight, self.bias)
+
+    def forward(self, hidden: torch.Tensor) -> Routing:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden_size}, experts={self.num_experts}, k={self.top_k}, options={self.options}"

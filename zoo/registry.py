@@ -1,0 +1,77 @@
+"""Model registry (timm style): ``arch.tag`` names with their hub id, family, license and paper."""
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import asdict, dataclass
+
+from zoo.options import suggest
+from zoo.plugins import load_plugins, registry
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str  # "<family>.<tag>", e.g. "mixtral.8x7b-v0.1"
+    hub_id: str
+    family: str
+    license: str
+    paper: str
+    summary: str = ""
+    local_path: str | None = None  # checkpoints shipped with the zoo load offline from here
+
+    def info(self) -> dict:
+        return asdict(self)
+
+
+def list_models(pattern: str = "*") -> list[ModelEntry]:
+    """Registered models whose name matches the fnmatch ``pattern`` (case-insensitive)."""
+    load_plugins()
+    entries = (r.obj for r in registry.all("model"))
+    return sorted((e for e in entries if fnmatch.fnmatch(e.name.lower(), pattern.lower())), key=lambda e: e.name)
+
+
+def get_model(name: str) -> ModelEntry:
+    load_plugins()
+    found = registry.by_kind["model"].get(name)
+    if found is None:
+        raise KeyError(f"no model named {name!r}{suggest(name, registry.by_kind['model'])}")
+    return found.obj
+
+
+class HubUnavailable(OSError):
+    pass
+
+
+def load(name_or_path: str, convert: bool = True, **kwargs):
+    """Load a local folder, a registry name, ``hf-hub:org/name`` or a hub id as a causal LM.
+
+    Native checkpoints of a supported family are converted to the zoo block (losslessly) unless
+    ``convert=False``. Offline, a hub id that is not cached fails with an error that says so.
+    """
+    from transformers import AutoModelForCausalLM
+
+    import zoo
+
+    target = os.fspath(name_or_path)
+    if not os.path.isdir(target):
+        if target.startswith("hf-hub:"):
+            target = target[len("hf-hub:"):]
+        elif target in registry.by_kind["model"]:
+            entry = get_model(target)
+            target = entry.local_path if entry.local_path and os.path.isdir(entry.local_path) else entry.hub_id
+        elif "/" not in target:
+            get_model(target)  # raises with close matches
+    try:
+        model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
+    except OSError as exc:
+        if os.path.isdir(target):
+            raise
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        why = "the Hub is offline here (HF_HUB_OFFLINE=1)" if offline else "the Hub could not be reached"
+        raise HubUnavailable(f"cannot load {target!r}: {why} and it is not in the local cache ({exc})") from exc
+    if convert:
+        try:
+            model = zoo.convert(model)
+        except TypeError:
+            pass  # not an MoE family the zoo knows: return it as transformers built it
+    return model
