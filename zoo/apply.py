@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 
 from zoo.components import Registered
@@ -18,9 +19,11 @@ class UnknownComponent(KeyError, ValueError):
 
 
 def list_components(kind: str | None = None) -> list[dict]:
-    """Every registered component (or those of one kind) with its metadata and the plugin it came from."""
+    """Registered components (or those of one kind) with their metadata and the plugin each came from.
+
+    Model entries are listed by ``zoo.list_models``, so they are left out unless ``kind="model"``."""
     load_plugins()
-    return [r.info() for r in registry.all(kind)]
+    return [r.info() for r in registry.all(kind) if kind is not None or r.kind != "model"]
 
 
 def find(name: str) -> Registered:
@@ -76,7 +79,7 @@ def _swap_routers(model, cls, options):
         old = moe.router
         opts = {k: v for k, v in old.options.items() if k in accepted}
         opts.update({k: v for k, v in options.items() if k != "top_k"})
-        router = cls(old.hidden_size, old.num_experts, options.get("top_k", old.top_k), **opts)
+        router = cls(old.hidden_size, old.num_experts, options.get("top_k", _default_k(cls, old.top_k)), **opts)
         mine = router.state_dict()
         carried = {k: v for k, v in old.state_dict().items() if k in mine and mine[k].shape == v.shape}
         router.load_state_dict(carried, strict=False)
@@ -87,6 +90,12 @@ def _swap_routers(model, cls, options):
     for moe, router in new:
         moe.router = router
     hook_new_routers(model, [r for _, r in new])
+
+
+def _default_k(cls, current: int) -> int:
+    """Keep the layer's k, unless the router class fixes its own default (e.g. a top-1 router)."""
+    default = inspect.signature(cls.__init__).parameters.get("top_k")
+    return current if default is None or default.default is inspect.Parameter.empty else default.default
 
 
 def describe(calibration):

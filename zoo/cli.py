@@ -1,0 +1,143 @@
+"""The ``moe-zoo`` command line (click). Plugins may add commands through ``register_commands``."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+def _json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+@click.group()
+@click.version_option(package_name="moe-zoo")
+def cli():
+    """moe-zoo: load, change and share Mixture-of-Experts models."""
+
+
+@cli.command()
+@click.argument("pattern", default="*")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def models(pattern, as_json):
+    """List registered models matching PATTERN (fnmatch over arch.tag names)."""
+    import zoo
+
+    entries = zoo.list_models(pattern)
+    if as_json:
+        return _json([e.info() for e in entries])
+    for e in entries:
+        click.echo(f"{e.name:32} {e.hub_id:40} {e.family:12} {e.license}")
+
+
+@cli.command()
+@click.option("--all", "show_all", is_flag=True, help="Include the first-party plugins.")
+def plugins(show_all):
+    """Installed plugins as JSON: name, version, hooks, components (and the error of a broken one)."""
+    from zoo.plugins import plugin_report
+
+    _json(plugin_report(include_defaults=show_all))
+
+
+@cli.command()
+@click.argument("kind", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def components(kind, as_json):
+    """List components (routers, experts, compressors, adapters, architectures), optionally of one KIND."""
+    import zoo
+
+    kind = {"routers": "router", "compressors": "compressor", "adapters": "adapter",
+            "architectures": "architecture"}.get(kind, kind)
+    try:
+        rows = zoo.list_components(kind)
+    except KeyError as exc:
+        raise click.UsageError(str(exc.args[0])) from None
+    if as_json:
+        return _json(rows)
+    for r in rows:
+        click.echo(f"{r['kind']:12} {r['name']:18} {r['summary']}")
+
+
+@cli.command()
+@click.argument("name")
+def info(name):
+    """Everything known about a component or a model NAME, as JSON."""
+    from zoo.options import accepted_options
+    from zoo.plugins import load_plugins, registry
+
+    load_plugins()
+    if name in registry.by_kind["model"]:
+        return _json(registry.by_kind["model"][name].obj.info())
+    try:
+        reg = registry.get(None, name)
+    except KeyError as exc:
+        raise click.ClickException(str(exc.args[0])) from None
+    row = reg.info()
+    if isinstance(reg.obj, type):
+        row["options"] = accepted_options(reg.obj, skip=("hidden_size", "num_experts"))
+    _json(row)
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("out")
+def convert(src, out):
+    """Load SRC (folder, registry name or hub id), convert it to zoo blocks and save to OUT."""
+    import zoo
+
+    model = zoo.load(src)
+    model.save_pretrained(out)
+    click.echo(f"saved {type(model).__name__} to {out}")
+
+
+def parse_step(step: str) -> tuple[str, dict]:
+    """``name:k=v,k2=v2`` -> (name, options); values are parsed as JSON where they can be."""
+    name, _, rest = step.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"option {item!r} in step {step!r} must look like key=value")
+        try:
+            options[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.strip()] = value
+    return name.strip(), options
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("steps", nargs=-1, required=True)
+@click.option("--out", required=True, help="Folder to save the result to.")
+def apply(src, steps, out):
+    """Apply STEPS (``name:k=v,...``) to SRC in order and save to --out."""
+    import zoo
+    from zoo.apply import find
+
+    parsed = [parse_step(s) for s in steps]
+    for name, _ in parsed:
+        try:
+            find(name)
+        except KeyError as exc:
+            raise click.ClickException(str(exc)) from None
+    model = zoo.load(src)
+    for name, options in parsed:
+        try:
+            model = zoo.apply(model, name, **options)
+        except (ValueError, TypeError) as exc:
+            raise click.ClickException(f"step {name}: {exc}") from None
+        click.echo(f"applied {name} {options}")
+    model.save_pretrained(out)
+    click.echo(f"saved to {out}")
+
+
+def main():
+    from zoo.plugins import commands_hook
+
+    commands_hook(cli)
+    cli()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
