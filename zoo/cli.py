@@ -132,6 +132,15 @@ def apply(src, steps, out):
     click.echo(f"saved to {out}")
 
 
+def _add_builtin_commands():
+    from zoo.tour import tour
+
+    cli.add_command(tour)
+
+
+_add_builtin_commands()
+
+
 def main():
     from zoo.plugins import commands_hook
 

@@ -104,19 +104,10 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
     try:
         self._zoo_family.model_class.save_pretrained(self, tmp, *args, **kwargs)
-        _write_card(self, tmp)
         _replace_dir(tmp, save_directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _write_card(model, path) -> None:
-    try:
-        from zoo.cards import render_card
-    except ImportError:
-        return
-    render_card(model).save(os.path.join(path, "README.md"))
 
 
 def _replace_dir(tmp: str, dest: str) -> None:

@@ -1,0 +1,27 @@
+# Set-up is part of every target: a fresh machine needs only python3 and make.
+VENV := .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+export GRADIO_ANALYTICS_ENABLED := False
+
+.PHONY: run test bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	# torch first, from the CPU build; then everything else pinned against it (never a CUDA torch)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	touch $@
+
+run: $(VENV)/.installed
+	$(VENV)/bin/moe-zoo tour --out out/tour
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/moe_block.py
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,93 @@
+"""Model registry, zoo.load, and the moe-zoo command line."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import zoo
+from zoo.cli import cli, parse_step
+from zoo.layout import moe_layers
+from zoo.registry import HubUnavailable
+from tiny import FAMILIES, padded_batch, tiny_native
+
+IDS, MASK = padded_batch()
+
+
+def test_list_models_patterns_and_metadata():
+    mixtral = zoo.list_models("*mixtral*")
+    assert mixtral and all(e.family == "mixtral" for e in mixtral)
+    assert {e.family for e in zoo.list_models()} == set(FAMILIES)
+    for e in zoo.list_models():
+        assert e.name.startswith(e.family + ".") and "/" in e.hub_id and e.license and e.paper
+    assert zoo.list_models("nothing-like-this*") == []
+
+
+def test_load_hub_id_offline_says_so(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubUnavailable, match="offline"):
+        zoo.load("mixtral.8x7b-v0.1")
+    with pytest.raises(HubUnavailable, match="offline"):
+        zoo.load("hf-hub:some-org/some-moe")
+
+
+def test_load_unknown_registry_name_suggests():
+    with pytest.raises(KeyError, match="did you mean"):
+        zoo.load("mixtral.8x7b-v0.2")
+
+
+def test_load_local_native_folder_converts(tmp_path):
+    native = tiny_native("qwen2_moe")
+    native.save_pretrained(tmp_path / "n")
+    with torch.no_grad():
+        ref = native(input_ids=IDS, attention_mask=MASK).logits
+    model = zoo.load(str(tmp_path / "n")).eval()
+    assert type(model).__name__ == "ZooQwen2MoeForCausalLM" and len(moe_layers(model)) == 2
+    with torch.no_grad():
+        assert (model(input_ids=IDS, attention_mask=MASK).logits - ref)[MASK.bool()].abs().max() < 1e-5
+    assert type(zoo.load(str(tmp_path / "n"), convert=False)).__name__ == "Qwen2MoeForCausalLM"
+
+
+def test_parse_step():
+    assert parse_step("topk-softmax:top_k=1,norm_topk_prob=false") == (
+        "topk-softmax", {"top_k": 1, "norm_topk_prob": False})
+    assert parse_step("prune:domain=code") == ("prune", {"domain": "code"})
+
+
+def test_cli_listing_commands():
+    runner = CliRunner()
+    res = runner.invoke(cli, ["models", "*olmoe*"])
+    assert res.exit_code == 0 and "allenai/OLMoE-1B-7B-0924" in res.output
+    res = runner.invoke(cli, ["components", "routers", "--json"])
+    assert res.exit_code == 0 and {"topk-softmax", "sigmoid-bias"} <= {r["name"] for r in json.loads(res.output)}
+    res = runner.invoke(cli, ["info", "sigmoid-bias"])
+    info = json.loads(res.output)
+    assert "DeepSeek-V3" in info["paper"] and "routed_scaling_factor" in info["options"]
+    res = runner.invoke(cli, ["info", "sigmoid-bais"])
+    assert res.exit_code != 0 and "did you mean 'sigmoid-bias'" in res.output
+    res = runner.invoke(cli, ["plugins", "--all"])
+    names = {p["name"] for p in json.loads(res.output)}
+    assert {"zoo.architectures", "zoo_routers"} <= names
+
+
+def test_cli_convert_and_apply(tmp_path):
+    tiny_native("mixtral").save_pretrained(tmp_path / "native")
+    runner = CliRunner()
+    res = runner.invoke(cli, ["convert", str(tmp_path / "native"), str(tmp_path / "zoo")])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(cli, ["apply", str(tmp_path / "zoo"), "topk-softmax:top_k=1", "--out", str(tmp_path / "k1")])
+    assert res.exit_code == 0, res.output
+    model = zoo.load(str(tmp_path / "k1"))
+    assert [m.top_k for _, m in moe_layers(model)] == [1, 1]
+    assert model.config.zoo_recipe[-1]["options"] == {"top_k": 1}
+    res = runner.invoke(cli, ["apply", str(tmp_path / "zoo"), "topk-softmax:top_kk=1", "--out", str(tmp_path / "x")])
+    assert res.exit_code != 0 and "did you mean 'top_k'" in res.output and not (tmp_path / "x").exists()
+
+
+def test_main_job_tour(tmp_path):
+    res = CliRunner().invoke(cli, ["tour", "--out", str(tmp_path / "tour")])
+    assert res.exit_code == 0, res.output
+    assert "topk-softmax" in res.output and "sigmoid-bias" in res.output
+    diffs = [float(line.rsplit("= ", 1)[1].split()[0]) for line in res.output.splitlines() if "logit diff" in line]
+    assert len(diffs) == 2 and max(diffs) < 1e-5
+    assert (tmp_path / "tour" / "model.safetensors").exists()
