@@ -4,7 +4,7 @@ For each token count T and dtype it builds one Mixtral MoE block (H=1024, I=2816
 with seeded weights, runs it through transformers' ``eager`` and ``grouped_mm`` experts implementations
 and through ``zoo.moe.SparseMoE`` (made by ``Mixtral().from_native``), checks that the three outputs
 agree, then times each forward under ``torch.inference_mode()``: warm-up runs, then the median of
-repeats sized so each cell takes about half a second of measuring.
+repeats (the three take turns; at least 5, else about 1.5 s of measuring per cell, see ``--budget``).
 
     python benchmarks/moe_block.py                      # full table (several minutes on 2 cores)
     python benchmarks/moe_block.py --tokens 1 128 --dtypes bf16
@@ -51,19 +51,24 @@ def build(hidden: int, inter: int, experts: int = 8, top_k: int = 2, seed: int =
     return blocks
 
 
-def median_ms(fn, x, warmup: int, repeats: int | None, budget_s: float) -> float:
+def median_ms(blocks: dict, x, warmup: int, repeats: int | None, budget_s: float) -> dict:
+    """Median forward time of each block in ms. The blocks take turns (in a rotating order) within each
+    repeat, so drift in machine speed hits all of them alike."""
     for _ in range(warmup):
-        fn(x)
-    if repeats is None:  # size the repeats from one timed run
+        for b in blocks.values():
+            b(x)
+    if repeats is None:  # size the repeats from one timed round
         t0 = time.perf_counter()
-        fn(x)
-        repeats = max(3, min(200, round(budget_s / max(time.perf_counter() - t0, 1e-6))))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(x)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for b in blocks.values():
+            b(x)
+        repeats = max(5, min(200, round(budget_s / max(time.perf_counter() - t0, 1e-6))))
+    names, times = list(blocks), {k: [] for k in blocks}
+    for i in range(repeats):
+        for k in names[i % len(names):] + names[:i % len(names)]:
+            t0 = time.perf_counter()
+            blocks[k](x)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def main(argv=None):
@@ -72,13 +77,13 @@ def main(argv=None):
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="H=64, I=96, T in {1, 16}, one repeat")
-    p.add_argument("--budget", type=float, default=0.5, help="seconds of timed repeats per measurement")
+    p.add_argument("--budget", type=float, default=1.5, help="seconds of timed repeats per cell (at least 5)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     hidden, inter = (64, 96) if args.smoke else (1024, 2816)
     tokens = [1, 16] if args.smoke else args.tokens
-    warmup, repeats = (1, 1) if args.smoke else (3, None)
+    warmup, repeats = (1, 1) if args.smoke else (2, None)
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, H={hidden}, I={inter}, E=8, top-2")
 
     rows, met = [], True
@@ -96,7 +101,7 @@ def main(argv=None):
                 for k in ("grouped_mm", "zoo"):
                     torch.testing.assert_close(outs[k].float(), ref, atol=TOL[dname], rtol=TOL[dname] if dname == "bf16" else 0.0,
                                                msg=lambda m, k=k: f"{k} vs eager, T={t} {dname}: {m}")
-                ms = {k: median_ms(b, x, warmup, repeats, args.budget) for k, b in blocks.items()}
+                ms = median_ms(blocks, x, warmup, repeats, args.budget)
                 ratio = ms["zoo"] / min(ms["eager"], ms["grouped_mm"])
                 met &= ratio <= TARGET
                 rows.append((t, dname, ms["eager"], ms["grouped_mm"], ms["zoo"], ratio,

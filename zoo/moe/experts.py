@@ -122,5 +122,5 @@ class SwiGLUExperts(Experts):
         y = torch.bmm(self.down_proj[idx], self.glu(h).unsqueeze(-1)).squeeze(-1)
         if self.down_proj_bias is not None:
             y = y + self.down_proj_bias[idx]
-        w = (routing.weights.reshape(-1) * valid).to(y.dtype)
+        w = torch.where(valid, routing.weights.reshape(-1), 0).to(y.dtype)  # empty slots: ignored, even if NaN
         return (y * w[:, None]).view(hidden.shape[0], k, -1).sum(1).to(hidden.dtype)
