@@ -95,6 +95,20 @@ def test_padding_tokens_do_not_count(loss):
     assert not torch.allclose(fn(padded), base, rtol=1e-3)
 
 
+@pytest.mark.parametrize("loss", ["balance", "z"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_padding_logits_do_not_count(loss, bad):
+    torch.manual_seed(11)
+    fn = (lambda lg, m: load_balancing_loss(lg, 2, m)) if loss == "balance" else z_loss
+    real = torch.randn(6, 4)
+    mask = torch.tensor([1, 1, 1, 1, 1, 1, 0, 0])
+    logits = torch.cat([real, torch.full((2, 4), bad)]).requires_grad_()
+    value = fn(logits, mask)
+    torch.testing.assert_close(value, fn(real, None))
+    value.backward()
+    assert torch.isfinite(logits.grad).all() and torch.count_nonzero(logits.grad[6:]) == 0
+
+
 def test_all_padding_gives_zero_not_nan():
     logits = torch.randn(5, 4)
     mask = torch.zeros(5)

@@ -192,15 +192,18 @@ def test_dispatch_paths_agree(tokens, num_experts, k, dtype):
     (1, 8, 2, "gather"), (3, 8, 2, "gather"), (4, 8, 2, "gather"), (5, 8, 2, "sorted"),
     (8, 8, 1, "gather"), (9, 8, 1, "sorted"), (64, 4, 2, "sorted"),
 ])
-def test_forward_picks_path_by_tokens_times_k(monkeypatch, tokens, num_experts, k, expected):
+@pytest.mark.parametrize("compiling", [False, True])
+def test_forward_picks_path(monkeypatch, tokens, num_experts, k, expected, compiling):
+    """Gather only inside a compiled graph (decode, T*k <= E); eager always sorts (no weight copies)."""
     ex = make_experts(num_experts, torch.float32)
     called = []
     for path in ("sorted", "gather"):
         original = getattr(ex, PATHS[path])
         monkeypatch.setattr(ex, PATHS[path], lambda *a, _p=path, _f=original: called.append(_p) or _f(*a))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     weights, indices = random_routing(tokens, num_experts, k, torch.float32)
     out = ex(torch.randn(tokens, H), Routing(weights, indices))
-    assert called == [expected]
+    assert called == [expected if compiling else "sorted"]
     assert out.shape == (tokens, H)
 
 
@@ -252,13 +255,9 @@ def test_empty_slots_are_ignored(path, dtype):
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
-@pytest.mark.parametrize("path", [
-    "sorted",
-    pytest.param("gather", marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG zoo/moe/experts.py _forward_gather: empty-slot weights are multiplied by 0 instead of masked, "
-        "so a non-finite weight in an empty slot (which Routing says is ignored) turns the token into NaN"))),
-])
+@pytest.mark.parametrize("path", ["sorted", "gather"])
 def test_empty_slot_weight_is_ignored_even_if_not_finite(path, bad):
+    # Routing says an empty slot's weight is ignored: masked out, not multiplied by 0 (inf * 0 = NaN).
     torch.manual_seed(5)
     ex = make_experts(E_IDLE, torch.float32)
     indices = torch.tensor([[0, 8], [3, 8]])
@@ -267,6 +266,13 @@ def test_empty_slot_weight_is_ignored_even_if_not_finite(path, bad):
     out = getattr(ex, PATHS[path])(x, Routing(weights, indices))
     expected = ref_experts(x, weights, indices, fp32_leaves(ex))
     torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["sorted", "gather", "auto"])
+def test_no_tokens(path):
+    ex = make_experts(8, torch.float32)
+    out = getattr(ex, PATHS[path])(torch.zeros(0, H), Routing(torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long)))
+    assert out.shape == (0, H)
 
 
 # ------------------------------------------------------------------------------------ clamped-swiglu

@@ -95,7 +95,10 @@ class SwiGLUExperts(Experts):
 
     def forward(self, hidden: torch.Tensor, routing) -> torch.Tensor:
         tokens, k = routing.indices.shape
-        if tokens * k <= self.num_experts:
+        # Compiled decode: gather the selected experts' weights (static shapes, no host sync). Eager code
+        # takes the sorted path even for one token: slicing experts by Python index reads weights in place,
+        # where the gather would copy whole expert matrices.
+        if torch.compiler.is_compiling() and tokens * k <= self.num_experts:
             return self._forward_gather(hidden, routing)
         return self._forward_sorted(hidden, routing)
 
@@ -123,4 +126,4 @@ class SwiGLUExperts(Experts):
         if self.down_proj_bias is not None:
             y = y + self.down_proj_bias[idx]
         w = torch.where(valid, routing.weights.reshape(-1), 0).to(y.dtype)  # empty slots: ignored, even if NaN
-        return (y * w[:, None]).view(hidden.shape[0], k, -1).sum(1).to(hidden.dtype)
+        return (y * w[:, None]).view(hidden.shape[0], k, y.shape[-1]).sum(1).to(hidden.dtype)

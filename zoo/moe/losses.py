@@ -23,6 +23,7 @@ def load_balancing_loss(logits: torch.Tensor, top_k: int, attention_mask: torch.
     logits = logits.float()
     num_experts = logits.shape[-1]
     mask = _token_mask(logits, attention_mask)
+    logits = logits.masked_fill(mask[:, None] == 0, 0.0)  # padding must not leak NaN/inf into the sums
     probs = F.softmax(logits, dim=-1)
     chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).sum(1).float()  # [T, E]
     denom = mask.sum().clamp(min=1)
@@ -35,6 +36,7 @@ def z_loss(logits: torch.Tensor, attention_mask: torch.Tensor | None = None) -> 
     """ST-MoE router z-loss: mean over non-padding tokens of logsumexp(logits)^2."""
     logits = logits.float()
     mask = _token_mask(logits, attention_mask)
+    logits = logits.masked_fill(mask[:, None] == 0, 0.0)
     return (torch.logsumexp(logits, dim=-1).pow(2) * mask).sum() / mask.sum().clamp(min=1)
 
 
