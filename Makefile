@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 run: $(VENV)/.installed
-	$(VENV)/bin/moe-zoo tour --out out/tour
+	$(VENV)/bin/moe-zoo tour
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -10,8 +10,9 @@ from zoo.plugins import load_plugins
 from zoo.convert import convert, export
 from zoo.apply import apply, list_components
 from zoo.registry import list_models, load
+from zoo.cards import card
 
-__all__ = ["Adapter", "Compressor", "Experts", "Router", "Routing", "apply", "convert", "export", "hookimpl",
+__all__ = ["Adapter", "Compressor", "Experts", "Router", "Routing", "apply", "card", "convert", "export", "hookimpl",
            "list_components", "list_models", "load", "moe"]
 
 load_plugins()

@@ -28,7 +28,7 @@ def models(pattern, as_json):
     if as_json:
         return _json([e.info() for e in entries])
     for e in entries:
-        click.echo(f"{e.name:32} {e.hub_id:40} {e.family:12} {e.license}")
+        click.echo(f"{e.name:32} {e.hub_id or '(shipped with moe-zoo)':40} {e.family:12} {e.license}")
 
 
 @cli.command()
@@ -91,6 +91,29 @@ def convert(src, out):
     click.echo(f"saved {type(model).__name__} to {out}")
 
 
+@cli.command("eval")
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write the expert-usage heatmap PNG here.")
+@click.option("--windows", default=24, show_default=True, help="Held-out windows of 256 tokens per domain.")
+@click.option("--no-speed", is_flag=True, help="Skip the prefill/decode timing.")
+def eval_command(model, as_json, plot, windows, no_speed):
+    """Evaluate MODEL (folder or registry name): perplexity per domain, expert usage, speed, size."""
+    import zoo
+    from zoo.eval import evaluate, format_table, plot_usage
+
+    result = evaluate(zoo.load(model).eval(), max_windows=windows, measure_speed=not no_speed)
+    if plot:
+        plot_usage(result, plot, title=model)
+    if as_json:
+        return _json(result)
+    click.echo(format_table({model: result}))
+    for domain, layers in result["usage"].items():
+        for layer in layers:
+            click.echo(f"usage {domain:8} layer {layer['layer']}: {layer['counts']} "
+                       f"(entropy {layer['entropy_bits']:.2f}/{layer['max_entropy_bits']:.0f} bits)")
+
+
 def parse_step(step: str) -> tuple[str, dict]:
     """``name:k=v,k2=v2`` -> (name, options); values are parsed as JSON where they can be."""
     name, _, rest = step.partition(":")
@@ -134,8 +157,10 @@ def apply(src, steps, out):
 
 def _add_builtin_commands():
     from zoo.tour import tour
+    from zoo.train_cli import train
 
     cli.add_command(tour)
+    cli.add_command(train)
 
 
 _add_builtin_commands()

@@ -1,4 +1,7 @@
-"""Registry entries for public MoE checkpoints of the six supported families (loaded from the Hub)."""
+"""Registry entries: public MoE checkpoints of the six supported families (loaded from the Hub) and the
+zoo's own small checkpoints, shipped in the package and loaded offline."""
+from pathlib import Path
+
 from zoo.hookspecs import hookimpl
 from zoo.registry import ModelEntry
 
@@ -40,7 +43,21 @@ PUBLIC = [
 ]
 
 
+SHIPPED = Path(__file__).resolve().parent / "_data" / "models"
+CORPUS = "trained by moe-zoo on its shipped corpus: Shakespeare (public domain) and Python stdlib source (PSF)"
+
+OWN = [
+    ModelEntry("mixtral.zoo-tiny-moe", None, "mixtral", "apache-2.0", MIXTRAL,
+               "the zoo's embedded default: 15.5M params, 8 experts top-2, 4 layers; " + CORPUS,
+               str(SHIPPED / "zoo-tiny-moe")),
+    ModelEntry("mistral.zoo-tiny-dense", None, "mistral", "apache-2.0",
+               "Jiang et al., Mistral 7B, 2023. arXiv:2310.06825",
+               "dense control of zoo-tiny-moe: same active parameters, same tokens; " + CORPUS,
+               str(SHIPPED / "zoo-tiny-dense")),
+]
+
+
 @hookimpl
 def register_models(register):
-    for entry in PUBLIC:
+    for entry in PUBLIC + OWN:
         register(entry)

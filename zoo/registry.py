@@ -12,7 +12,7 @@ from zoo.plugins import load_plugins, registry
 @dataclass(frozen=True)
 class ModelEntry:
     name: str  # "<family>.<tag>", e.g. "mixtral.8x7b-v0.1"
-    hub_id: str
+    hub_id: str | None  # None for checkpoints that exist only in the zoo's own folder
     family: str
     license: str
     paper: str
@@ -31,11 +31,23 @@ def list_models(pattern: str = "*") -> list[ModelEntry]:
 
 
 def get_model(name: str) -> ModelEntry:
+    """An entry by its full ``arch.tag`` name, or by its tag alone when that is unambiguous."""
     load_plugins()
-    found = registry.by_kind["model"].get(name)
-    if found is None:
-        raise KeyError(f"no model named {name!r}{suggest(name, registry.by_kind['model'])}")
-    return found.obj
+    models = registry.by_kind["model"]
+    if name in models:
+        return models[name].obj
+    by_tag = [r.obj for n, r in models.items() if n.split(".", 1)[-1] == name]
+    if len(by_tag) == 1:
+        return by_tag[0]
+    raise KeyError(f"no model named {name!r}{suggest(name, list(models) + [n.split('.', 1)[-1] for n in models])}")
+
+
+def _is_registry_name(name: str) -> bool:
+    try:
+        get_model(name)
+        return True
+    except KeyError:
+        return False
 
 
 class HubUnavailable(OSError):
@@ -56,7 +68,7 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
     if not os.path.isdir(target):
         if target.startswith("hf-hub:"):
             target = target[len("hf-hub:"):]
-        elif target in registry.by_kind["model"]:
+        elif _is_registry_name(target):
             entry = get_model(target)
             target = entry.local_path if entry.local_path and os.path.isdir(entry.local_path) else entry.hub_id
         elif "/" not in target:

@@ -1,45 +1,47 @@
-"""The main job for now: the zoo's core story on a tiny random Mixtral, in a few seconds.
+"""The main job: the zoo's core story on its embedded default model, in a few minutes on 2 cores.
 
-Convert (lossless), list the plugins, apply a recipe step, save with the recipe, reload through the Auto
-classes and check the logits. Trained checkpoints replace the random model once the zoo ships its own.
+Load ``zoo-tiny-moe``, list the installed plugins, apply a recipe, evaluate before and after through the
+one harness, save the result with its rendered model card, and print the before/after table.
 """
 from __future__ import annotations
 
 import json
+import os
 
 import click
-import torch
 
 
 @click.command()
-@click.option("--out", default="out/tour", show_default=True, help="Where to save the result.")
-def tour(out):
-    """Convert a tiny Mixtral, apply topk-softmax:top_k=1, save, reload and compare."""
-    from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
-
+@click.option("--model", "name", default="zoo-tiny-moe", show_default=True, help="Registry name or folder.")
+@click.option("--step", "steps", multiple=True, default=["topk-softmax:top_k=1"], show_default=True,
+              help="Recipe step NAME[:k=v,...]; repeat for several.")
+@click.option("--out", default="out", show_default=True, help="Folder for the result and its card.")
+@click.option("--windows", default=16, show_default=True, help="Held-out windows of 256 tokens per domain.")
+@click.option("--no-speed", is_flag=True, help="Skip the speed measurement.")
+def tour(name, steps, out, windows, no_speed):
+    """Load, list plugins, apply a recipe, evaluate before/after, save with a card, print the table."""
     import zoo
-    from zoo.layout import moe_layers
+    from zoo.cli import parse_step
+    from zoo.eval import evaluate, format_table, plot_usage
+    from zoo.plugins import plugin_report
 
-    torch.manual_seed(0)
-    cfg = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
-    native = MixtralForCausalLM(cfg).eval()
-    ids = torch.randint(0, 256, (2, 16))
-    with torch.no_grad():
-        ref = native(input_ids=ids).logits
-        model = zoo.convert(native)
-        diff = (model(input_ids=ids).logits - ref).abs().max().item()
-    click.echo(f"converted {type(model).__name__}: {len(moe_layers(model))} SparseMoE blocks, "
-               f"max |logit diff| vs native = {diff:.2e}")
-    click.echo("\ncomponents:")
-    for c in zoo.list_components():
-        click.echo(f"  {c['kind']:12} {c['name']:18} {c['summary']}")
-    zoo.apply(model, "topk-softmax", top_k=1)
-    with torch.no_grad():
-        after = model(input_ids=ids).logits
-    model.save_pretrained(out)
-    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
-    with torch.no_grad():
-        reload_diff = (loaded(input_ids=ids).logits - after).abs().max().item()
-    click.echo(f"\napplied topk-softmax top_k=1; recipe: {json.dumps(loaded.config.zoo_recipe)}")
-    click.echo(f"saved to {out}; reloaded {type(loaded).__name__}, max |logit diff| = {reload_diff:.2e}")
+    model = zoo.load(name).eval()
+    click.echo(f"loaded {name}: {type(model).__name__}")
+    click.echo("\nplugins:")
+    for p in plugin_report(include_defaults=True):
+        status = f"ERROR {p['error'].splitlines()[-1]}" if "error" in p else ", ".join(p["components"])
+        click.echo(f"  {p['name']} ({p['distribution']} {p['version']}): {status}")
+    before = evaluate(model, max_windows=windows, measure_speed=not no_speed)
+    for step in steps:
+        step_name, options = parse_step(step)
+        model = zoo.apply(model, step_name, **options)
+        click.echo(f"\napplied {step_name} {json.dumps(options)}")
+    after = evaluate(model, max_windows=windows, measure_speed=not no_speed)
+    dest = os.path.join(out, f"{os.path.basename(name.rstrip('/'))}-{'-'.join(s.split(':')[0] for s in steps)}")
+    model.save_pretrained(dest)
+    zoo.card(model, after, model_name=os.path.basename(dest)).save(os.path.join(dest, "README.md"))
+    plot_usage(after, os.path.join(dest, "expert_usage.png"), title=f"{name} after {', '.join(steps)}")
+    with open(os.path.join(dest, "eval.json"), "w") as f:
+        json.dump({"before": before, "after": after}, f, indent=1)
+    click.echo("\n" + format_table({"before": before, "after": after}))
+    click.echo(f"\nsaved to {dest} (weights, README.md model card, expert_usage.png, eval.json)")

@@ -104,6 +104,9 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
     try:
         self._zoo_family.model_class.save_pretrained(self, tmp, *args, **kwargs)
+        from zoo.cards import card
+
+        card(self).save(os.path.join(tmp, "README.md"))
         _replace_dir(tmp, save_directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

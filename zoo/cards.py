@@ -1,0 +1,69 @@
+"""Model cards: ``zoo.card(model)`` renders ``cards/`` templates with huggingface_hub's ModelCard."""
+from __future__ import annotations
+
+import jinja2
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from zoo.resources import resource_path
+
+
+def _layout_summary(layout) -> str:
+    parts = []
+    for i, e in enumerate(layout or []):
+        parts.append(f"L{i}: dense" if not e else
+                     f"L{i}: {e['num_experts']} x {e['experts']} experts, {e['router']} top-{e['num_experts_per_tok']}")
+    return "; ".join(parts) or "no MoE layers"
+
+
+def card(model, eval_result: dict | None = None, repo_id: str | None = None, model_name: str | None = None,
+         summary: str | None = None) -> ModelCard:
+    """A ModelCard for a zoo model: metadata (base_model, library_name, tags, model-index), the recipe
+    with its calibration data, evaluation results, how to load it, and every component's citation."""
+    from zoo.architectures.family import NotExportable
+    from zoo.convert import family_of
+    from zoo.layout import read_layout
+    from zoo.plugins import registry
+
+    fam = family_of(model)
+    cfg = model.config
+    layout, recipe = read_layout(model), list(cfg.zoo_recipe or [])
+    used = [("architecture", fam.name)] + [("router", n) for n in sorted({e["router"] for e in layout if e})]
+    used += [(s["kind"], s["name"]) for s in recipe if (s["kind"], s["name"]) not in used]
+    comps = [registry.by_kind[k][n] for k, n in used if n in registry.by_kind.get(k, {})]
+    try:
+        fam.native_config(cfg, layout)
+        exportable, reason = True, ""
+    except NotExportable as exc:
+        exportable, reason = False, str(exc)
+    name = model_name or (repo_id or "").split("/")[-1] or f"zoo-{fam.name}"
+    base = getattr(cfg, "zoo_base_model", None)
+    results = []
+    data = ModelCardData(library_name="moe-zoo", base_model=base, pipeline_tag="text-generation",
+                         tags=["moe", "mixture-of-experts", fam.name] + [c.name for c in comps[1:]])
+    if eval_result:
+        data.model_name = name
+        data.eval_results = [
+            EvalResult(task_type="text-generation", dataset_type="moe-zoo-corpus", dataset_name=f"moe-zoo corpus ({d})",
+                       dataset_split="validation", metric_type="perplexity", metric_value=v)
+            for d, v in eval_result["perplexity"].items()]
+        results = [(f"perplexity ({d})", f"{v:.2f}") for d, v in eval_result["perplexity"].items()]
+        size = eval_result["size"]
+        results += [("parameters", f"{size['params'] / 1e6:.2f} M"),
+                    ("active parameters / token", f"{size['active_params'] / 1e6:.2f} M"),
+                    ("bytes", f"{size['bytes'] / 1e6:.1f} MB")]
+    context = {"family": fam.name, "layout_summary": _layout_summary(layout), "recipe": recipe}
+    sections = [_render_section(c.obj.card, context) for c in comps if getattr(c.obj, "card", "")]
+    citations = [c.obj.paper for c in comps if getattr(c.obj, "paper", "")]
+    return ModelCard.from_template(
+        data, template_path=str(resource_path("cards/base.md")), model_name=name,
+        summary=summary or f"A {fam.name} Mixture-of-Experts model built with moe-zoo.", recipe=recipe,
+        results=results, sections=sections, repo_id=repo_id or "PATH", family=fam.name,
+        exportable=exportable, export_reason=reason, citations=list(dict.fromkeys(citations)))
+
+
+def _render_section(path: str, context: dict) -> str:
+    try:
+        text = resource_path(path).read_text()
+    except FileNotFoundError:
+        return ""
+    return jinja2.Template(text).render(**context)

@@ -1,0 +1,38 @@
+"""Token streams of the shipped corpus, and the batches training and evaluation draw from them."""
+from __future__ import annotations
+
+import torch
+
+from zoo.data.corpus import DOMAINS, load_text
+from zoo.data.tokenizer import load_tokenizer
+
+_CACHE: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def token_stream(domain: str, split: str, tokenizer=None) -> torch.Tensor:
+    """The whole split as one 1-D tensor of token ids (documents separated by eos)."""
+    key = (domain, split)
+    if key not in _CACHE:
+        tok = tokenizer or load_tokenizer()
+        _CACHE[key] = torch.tensor(tok(load_text(domain, split))["input_ids"], dtype=torch.int32)
+    return _CACHE[key]
+
+
+def train_batch(streams: dict[str, torch.Tensor], step: int, batch_size: int, seq_len: int, seed: int = 0):
+    """Random windows, half from each domain; a pure function of (seed, step) so runs resume exactly
+    and two models trained with the same seed see the same tokens."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    rows = []
+    for i in range(batch_size):
+        stream = streams[DOMAINS[i % len(DOMAINS)]]
+        start = int(torch.randint(0, len(stream) - seq_len, (1,), generator=g))
+        rows.append(stream[start:start + seq_len])
+    return torch.stack(rows).long()
+
+
+def eval_windows(stream: torch.Tensor, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
+    """Consecutive non-overlapping windows from the start of a held-out stream (deterministic)."""
+    n = len(stream) // seq_len
+    if max_windows is not None:
+        n = min(n, max_windows)
+    return stream[: n * seq_len].view(n, seq_len).long()
