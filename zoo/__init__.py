@@ -9,10 +9,10 @@ from zoo import moe
 from zoo.plugins import load_plugins
 from zoo.convert import convert, export
 from zoo.apply import apply, list_components
-from zoo.registry import list_models, load
+from zoo.registry import list_models, load, load_tokenizer
 from zoo.cards import card
 
 __all__ = ["Adapter", "Compressor", "Experts", "Router", "Routing", "apply", "card", "convert", "export", "hookimpl",
-           "list_components", "list_models", "load", "moe"]
+           "list_components", "list_models", "load", "load_tokenizer", "moe"]
 
 load_plugins()

@@ -52,7 +52,7 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
                     ("active parameters / token", f"{size['active_params'] / 1e6:.2f} M"),
                     ("bytes", f"{size['bytes'] / 1e6:.1f} MB")]
     context = {"family": fam.name, "layout_summary": _layout_summary(layout), "recipe": recipe}
-    sections = [_render_section(c.obj.card, context) for c in comps if getattr(c.obj, "card", "")]
+    sections = [render_component_card(c.obj, context) for c in comps if getattr(c.obj, "card", "")]
     citations = [c.obj.paper for c in comps if getattr(c.obj, "paper", "")]
     return ModelCard.from_template(
         data, template_path=str(resource_path("cards/base.md")), model_name=name,
@@ -61,9 +61,7 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
         exportable=exportable, export_reason=reason, citations=list(dict.fromkeys(citations)))
 
 
-def _render_section(path: str, context: dict) -> str:
-    try:
-        text = resource_path(path).read_text()
-    except FileNotFoundError:
-        return ""
-    return jinja2.Template(text).render(**context)
+def render_component_card(component, context: dict | None = None) -> str:
+    """A component's own card section (its ``card`` template), rendered with ``context``."""
+    text = resource_path(component.card, owner=component).read_text()
+    return jinja2.Template(text, undefined=jinja2.StrictUndefined).render(**(context or {}))

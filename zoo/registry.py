@@ -54,6 +54,28 @@ class HubUnavailable(OSError):
     pass
 
 
+def _resolve(target: str) -> str:
+    """A folder stays a folder; ``hf-hub:org/name`` becomes ``org/name``; a registry name becomes its
+    shipped folder or hub id; anything else without a slash must be a registry name (close matches)."""
+    if os.path.isdir(target):
+        return target
+    if target.startswith("hf-hub:"):
+        return target[len("hf-hub:"):]
+    if _is_registry_name(target):
+        entry = get_model(target)
+        return entry.local_path if entry.local_path and os.path.isdir(entry.local_path) else entry.hub_id
+    if "/" not in target:
+        get_model(target)  # raises with close matches
+    return target
+
+
+def load_tokenizer(name_or_path: str, **kwargs):
+    """The tokenizer stored with a model (folder, registry name, ``hf-hub:`` id or hub id)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_resolve(os.fspath(name_or_path)), **kwargs)
+
+
 def load(name_or_path: str, convert: bool = True, **kwargs):
     """Load a local folder, a registry name, ``hf-hub:org/name`` or a hub id as a causal LM.
 
@@ -65,14 +87,7 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
     import zoo
 
     target = os.fspath(name_or_path)
-    if not os.path.isdir(target):
-        if target.startswith("hf-hub:"):
-            target = target[len("hf-hub:"):]
-        elif _is_registry_name(target):
-            entry = get_model(target)
-            target = entry.local_path if entry.local_path and os.path.isdir(entry.local_path) else entry.hub_id
-        elif "/" not in target:
-            get_model(target)  # raises with close matches
+    target = _resolve(target)
     try:
         model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
     except OSError as exc:

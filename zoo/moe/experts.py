@@ -58,6 +58,8 @@ class SwiGLUExperts(Experts):
 
     name = "swiglu"
     summary = "Dense fused SwiGLU experts (transformers v5 layout), sort-based dispatch, gather path for decode."
+    card = "cards/swiglu.md"
+    space = "model-zoo"
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu",
                  bias: bool = False, swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702):
