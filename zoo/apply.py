@@ -50,6 +50,7 @@ def apply(model, name: str, calibration=None, **options):
     cls = reg.obj
     skip = ("hidden_size", "num_experts") if reg.kind == "router" else ()
     check_options(cls, options, skip=skip)
+    component = None
     if reg.kind == "router":
         model = convert(model)
         _swap_routers(model, cls, options)
@@ -60,6 +61,8 @@ def apply(model, name: str, calibration=None, **options):
         component = cls(**options)
         model = component.attach(convert(model))
     step = {"name": name, "kind": reg.kind, "options": _jsonable(options), "calibration": describe(calibration)}
+    if getattr(component, "results", None):
+        step["results"] = component.results
     model.config.zoo_recipe = list(model.config.zoo_recipe or []) + [step]
     sync_layout(model)
     return model
@@ -102,6 +105,8 @@ def describe(calibration):
     """A JSON-able record of calibration data: what it was, how much, and a checksum."""
     if calibration is None:
         return None
+    if isinstance(calibration, dict):
+        return {"type": "corpus", **calibration}
     if isinstance(calibration, str):
         calibration = [calibration]
     try:

@@ -64,4 +64,4 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
 def render_component_card(component, context: dict | None = None) -> str:
     """A component's own card section (its ``card`` template), rendered with ``context``."""
     text = resource_path(component.card, owner=component).read_text()
-    return jinja2.Template(text, undefined=jinja2.StrictUndefined).render(**(context or {}))
+    return jinja2.Template(text).render(**(context or {}))

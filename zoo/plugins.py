@@ -21,6 +21,7 @@ DEFAULT_PLUGINS = (
     "zoo.architectures",
     "zoo.model_entries",
     "zoo_routers",
+    "zoo_compressors",
 )
 
 pm = pluggy.PluginManager("moe_zoo")

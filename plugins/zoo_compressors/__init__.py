@@ -1,0 +1,11 @@
+"""First-party compressors: pruning and merging of experts."""
+from zoo import hookimpl
+
+
+@hookimpl
+def register_compressors(register):
+    from zoo_compressors.prune_frequency import PruneFrequency
+    from zoo_compressors.prune_reap import PruneReap
+
+    register(PruneFrequency)
+    register(PruneReap)

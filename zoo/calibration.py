@@ -1,0 +1,59 @@
+"""Calibration data for compressors: texts, token batches, or a slice of the shipped corpus by domain."""
+from __future__ import annotations
+
+import torch
+
+from zoo.data.corpus import DOMAINS
+
+
+def corpus(domain: str = "mixed", tokens: int = 16384, seq_len: int = 256, seed: int = 0) -> dict:
+    """A calibration spec: ``tokens`` tokens of the corpus' *train* split (never the held-out one)."""
+    if domain not in (*DOMAINS, "mixed"):
+        raise ValueError(f"domain must be one of {(*DOMAINS, 'mixed')}, got {domain!r}")
+    return {"domain": domain, "tokens": int(tokens), "seq_len": int(seq_len), "seed": int(seed)}
+
+
+def batches(calibration, tokenizer=None, batch_size: int = 8) -> list[torch.Tensor]:
+    """Turn any accepted calibration value into a list of LongTensor batches ``[B, S]``.
+
+    Accepted: a spec from ``corpus(...)`` (a dict), a list of texts (needs ``tokenizer``), a LongTensor
+    ``[B, S]`` or a list of them.
+    """
+    if calibration is None:
+        raise ValueError("this component needs calibration data: pass calibration=zoo.calibration.corpus(...)")
+    if isinstance(calibration, dict):
+        rows = _corpus_rows(calibration, tokenizer)
+    elif torch.is_tensor(calibration):
+        rows = calibration.long()
+    elif isinstance(calibration, str) or (isinstance(calibration, (list, tuple)) and calibration
+                                          and all(isinstance(t, str) for t in calibration)):
+        texts = [calibration] if isinstance(calibration, str) else list(calibration)
+        tok = tokenizer or _default_tokenizer()
+        return [torch.tensor([ids]) for ids in tok(texts)["input_ids"] if ids]
+    elif isinstance(calibration, (list, tuple)) and all(torch.is_tensor(t) for t in calibration):
+        return [t.long() if t.dim() == 2 else t.long()[None] for t in calibration]
+    else:
+        raise TypeError(f"unsupported calibration data {type(calibration).__name__}: pass "
+                        "zoo.calibration.corpus(domain, tokens), texts, or token batches")
+    return list(rows.split(batch_size))
+
+
+def _corpus_rows(spec: dict, tokenizer) -> torch.Tensor:
+    from zoo.data.tokens import token_stream
+
+    spec = corpus(**spec)
+    domains = DOMAINS if spec["domain"] == "mixed" else (spec["domain"],)
+    n_rows = max(1, spec["tokens"] // spec["seq_len"])
+    g = torch.Generator().manual_seed(spec["seed"])
+    rows = []
+    for i in range(n_rows):
+        stream = token_stream(domains[i % len(domains)], "train", tokenizer or _default_tokenizer())
+        start = int(torch.randint(0, len(stream) - spec["seq_len"], (1,), generator=g))
+        rows.append(stream[start:start + spec["seq_len"]])
+    return torch.stack(rows).long()
+
+
+def _default_tokenizer():
+    from zoo.data.tokenizer import load_tokenizer
+
+    return load_tokenizer()

@@ -1,0 +1,65 @@
+"""Structural edits of a SparseMoE: keep a subset of experts, or replace experts by merged ones.
+
+The router keeps one row per remaining expert, so routing among the survivors is unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+from zoo.moe.block import SparseMoE
+from zoo.moe.experts import SwiGLUExperts
+
+
+def _router_like(old, num_experts: int, top_k: int | None = None):
+    """A router of the old one's class and options for ``num_experts`` experts. Group-limited selection
+    (DeepSeek-V3) is turned off when the expert set changes: its groups were the original experts'."""
+    opts = dict(old.options)
+    if "n_group" in opts and num_experts != old.num_experts:
+        opts.update(n_group=1, topk_group=1)
+    k = min(top_k or old.top_k, num_experts)
+    return type(old)(old.hidden_size, num_experts, k, **opts)
+
+
+def _slice_experts(experts: SwiGLUExperts, rows: torch.Tensor, weights: torch.Tensor | None = None):
+    """New experts; each is a (weighted) combination of old ones: ``rows`` [N] or ``weights`` [N, E]."""
+    opts = experts.options()
+    n = len(rows) if weights is None else weights.shape[0]
+    opts["num_experts"] = n
+    new = SwiGLUExperts(**opts).to(experts.gate_up_proj.device, experts.gate_up_proj.dtype)
+    with torch.no_grad():
+        for name, param in experts.named_parameters():
+            if weights is None:
+                value = param.index_select(0, rows)
+            else:
+                value = torch.einsum("ne,e...->n...", weights.to(torch.float32), param.float()).to(param.dtype)
+            getattr(new, name).copy_(value)
+    return new
+
+
+@torch.no_grad()
+def keep_experts(moe: SparseMoE, keep) -> SparseMoE:
+    """A SparseMoE with only the experts ``keep`` (in that order); their router rows come along."""
+    keep = torch.as_tensor(sorted(int(i) for i in keep), dtype=torch.long)
+    if len(keep) < 1 or len(set(keep.tolist())) != len(keep):
+        raise ValueError("keep must name at least one expert, without repeats")
+    router = _router_like(moe.router, len(keep))
+    state = {k: (v.index_select(0, keep) if v.dim() and v.shape[0] == moe.num_experts else v)
+             for k, v in moe.router.state_dict().items()}
+    router.load_state_dict(state)
+    router.to(moe.router.weight.device)
+    return SparseMoE(router, _slice_experts(moe.experts, keep), moe.shared_experts, moe.returns_router_scores)
+
+
+@torch.no_grad()
+def merge_experts(moe: SparseMoE, groups: list[list[int]], weights: list[list[float]], router_rows) -> SparseMoE:
+    """One expert per group: the weighted average of its members' weights; ``router_rows`` [N, ...] gives
+    the router state for the merged experts (a function of the old state, chosen by the method)."""
+    mix = torch.zeros(len(groups), moe.num_experts)
+    for g, (members, w) in enumerate(zip(groups, weights)):
+        total = float(sum(w))
+        for m, x in zip(members, w):
+            mix[g, m] = x / total
+    router = _router_like(moe.router, len(groups))
+    router.load_state_dict(router_rows(moe.router.state_dict(), mix))
+    router.to(moe.router.weight.device)
+    return SparseMoE(router, _slice_experts(moe.experts, None, mix), moe.shared_experts, moe.returns_router_scores)
