@@ -4,8 +4,10 @@ from zoo import hookimpl
 
 @hookimpl
 def register_compressors(register):
+    from zoo_compressors.hc_smoe import HcSmoe
     from zoo_compressors.prune_frequency import PruneFrequency
     from zoo_compressors.prune_reap import PruneReap
 
     register(PruneFrequency)
     register(PruneReap)
+    register(HcSmoe)

@@ -1,0 +1,81 @@
+"""hc-smoe against an independent reference: mean outputs, clustering, frequency-weighted merge, router rows."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import zoo
+from zoo.layout import moe_layers
+from zoo_compressors.hc_smoe import cluster_experts
+from tiny import tiny_native
+
+CAL = [torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+
+def reference(model):
+    """Per layer: each expert's mean output over all tokens, and its routed count (naive loops)."""
+    out, handles = {}, []
+    for i, moe in moe_layers(model):
+        out[i] = {"sum": torch.zeros(moe.num_experts, moe.router.hidden_size, dtype=torch.float64),
+                  "count": torch.zeros(moe.num_experts), "tokens": 0}
+
+        def hook(router, args, routing, i=i, moe=moe):
+            x = args[0]
+            out[i]["tokens"] += x.shape[0]
+            for e in range(moe.num_experts):
+                for t in range(x.shape[0]):
+                    out[i]["sum"][e] += moe.experts.expert(e, x[t:t + 1])[0].double()
+            for e in routing.indices.reshape(-1).tolist():
+                out[i]["count"][e] += 1
+        handles.append(moe.router.register_forward_hook(hook))
+    with torch.no_grad():
+        for ids in CAL:
+            model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    return {i: (v["sum"] / v["tokens"], v["count"]) for i, v in out.items()}
+
+
+def test_cluster_experts_gives_exactly_n_groups():
+    feats = torch.tensor([[0.0], [0.1], [5.0], [5.2], [9.0]])
+    groups = cluster_experts(feats, 3)
+    assert sorted(map(sorted, groups)) == [[0, 1], [2, 3], [4]]
+    assert sorted(sum(cluster_experts(torch.randn(8, 4), 5), [])) == list(range(8))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("router_rows", ["dominant", "average"])
+def test_hc_smoe_merges_like_the_reference(family, router_rows, tmp_path):
+    model = zoo.convert(tiny_native(family))
+    old = {i: {k: v.clone() for k, v in moe.state_dict().items()} for i, moe in moe_layers(model)}
+    ref = reference(model)
+    n = moe_layers(model)[0][1].num_experts // 2
+    zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=n, router_rows=router_rows)
+    clusters = model.config.zoo_recipe[-1]["results"]["clusters"]
+    for i, moe in moe_layers(model):
+        mean, count = ref[i]
+        groups = cluster_experts(mean.float(), n)
+        assert sorted(map(sorted, groups)) == sorted(map(sorted, clusters[str(i)]))
+        assert moe.num_experts == n
+        for g, members in enumerate(clusters[str(i)]):
+            w = count[members].double() + 1e-9
+            w = w / w.sum()
+            for name in ("gate_up_proj", "down_proj"):
+                expect = (old[i][f"experts.{name}"][members].double() * w.view(-1, 1, 1)).sum(0)
+                torch.testing.assert_close(getattr(moe.experts, name)[g].double(), expect, rtol=1e-5, atol=1e-7)
+            rows = old[i]["router.weight"][members].double()
+            expect_row = rows[int(count[members].argmax())] if router_rows == "dominant" else (rows * w[:, None]).sum(0)
+            torch.testing.assert_close(moe.router.weight[g].double(), expect_row, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        logits = model(input_ids=CAL[0]).logits
+    model.save_pretrained(tmp_path / "m")
+    with torch.no_grad():
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()(input_ids=CAL[0]).logits
+    assert (again - logits).abs().max() < 1e-6
+
+
+def test_hc_smoe_rejects_bad_linkage_before_touching_the_model():
+    model = zoo.convert(tiny_native("mixtral"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="linkage must be one of"):
+        zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=2, linkage="ward-ish")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
