@@ -7,7 +7,9 @@ def register_compressors(register):
     from zoo_compressors.hc_smoe import HcSmoe
     from zoo_compressors.prune_frequency import PruneFrequency
     from zoo_compressors.prune_reap import PruneReap
+    from zoo_compressors.quantize import Quantize
 
     register(PruneFrequency)
     register(PruneReap)
     register(HcSmoe)
+    register(Quantize)

@@ -18,5 +18,7 @@ def register_architectures(register):
 @hookimpl
 def register_experts(register):
     from zoo.moe import SwiGLUExperts
+    from zoo.moe.quantized import QuantizedExperts
 
     register(SwiGLUExperts)
+    register(QuantizedExperts)
