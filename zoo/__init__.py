@@ -11,8 +11,9 @@ from zoo.convert import convert, export
 from zoo.apply import apply, list_components
 from zoo.registry import list_models, load, load_tokenizer
 from zoo.cards import card
+from zoo.hub import push_to_hub
 
 __all__ = ["Adapter", "Compressor", "Experts", "Router", "Routing", "apply", "card", "convert", "export", "hookimpl",
-           "list_components", "list_models", "load", "load_tokenizer", "moe"]
+           "list_components", "list_models", "load", "load_tokenizer", "moe", "push_to_hub"]
 
 load_plugins()

@@ -63,7 +63,12 @@ def _resolve(target: str) -> str:
         return target[len("hf-hub:"):]
     if _is_registry_name(target):
         entry = get_model(target)
-        return entry.local_path if entry.local_path and os.path.isdir(entry.local_path) else entry.hub_id
+        if entry.local_path and os.path.isdir(entry.local_path):
+            return entry.local_path
+        if entry.hub_id is None:
+            raise FileNotFoundError(f"{entry.name} ships with moe-zoo but its checkpoint is missing at "
+                                    f"{entry.local_path}; reinstall moe-zoo")
+        return entry.hub_id
     if "/" not in target:
         get_model(target)  # raises with close matches
     return target

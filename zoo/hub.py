@@ -1,0 +1,105 @@
+"""Publish a zoo model on the Hugging Face Hub: weights, model card and tokenizer in a model repo, and the
+Gradio Space that demonstrates its components in a Space repo that points back at it."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+DEFAULT_SPACE = "router-explorer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def space_for(model) -> tuple[str, type | None]:
+    """(Space name, component class that names it): the first step of the recipe whose component has a
+    ``space``; ``router-explorer`` when none has."""
+    from zoo.plugins import load_plugins, registry
+
+    load_plugins()
+    for step in model.config.zoo_recipe or []:
+        reg = registry.by_kind.get(step.get("kind"), {}).get(step.get("name"))
+        if reg is not None and getattr(reg.obj, "space", ""):
+            return reg.obj.space, reg.obj
+    return DEFAULT_SPACE, None
+
+
+def push_to_hub(model, repo_id: str, space: bool = True, tokenizer=None, token: str | None = None,
+                private: bool = False, commit_message: str = "Upload model with moe-zoo",
+                space_dir: str | os.PathLike | None = None, endpoint: str | None = None) -> dict:
+    """Upload ``model`` to the model repo ``repo_id`` and, with ``space=True``, its demo Space to
+    ``<repo_id>-<space>``.
+
+    The model repo gets ``model.save_pretrained`` (weights, config, the model card as README.md) and the
+    tokenizer: ``tokenizer`` when given, else the tokenizer files beside ``config._name_or_path`` when that
+    is a folder. The Space is the folder ``spaces/<space>/`` (or ``space_dir``) of the first recipe component
+    that names one; its README front matter lists ``repo_id`` under ``models``, and its ``MOE_ZOO_MODEL``
+    variable is set to ``hf-hub:<repo_id>`` when the Space is created. ``endpoint`` defaults to
+    ``HF_ENDPOINT``. The token is sent only as the Authorization header: it is not in the result, nor in
+    any error raised here.
+    """
+    from huggingface_hub import HfApi
+
+    from zoo.cards import card
+    from zoo.resources import resource_path
+
+    if getattr(type(model), "_zoo_family", None) is None:
+        raise TypeError(f"push_to_hub takes a zoo model, not {type(model).__name__}: zoo.convert(model) first")
+    api = HfApi(endpoint=endpoint, token=token)
+    result = {"repo_id": repo_id, "url": None, "commit_oid": None, "commit_url": None,
+              "space_id": None, "space_url": None, "space_commit_oid": None}
+    with _token_hidden(token), tempfile.TemporaryDirectory(prefix="moe-zoo-push-") as tmp:
+        folder = Path(tmp) / "model"
+        model.save_pretrained(folder)
+        card(model, repo_id=repo_id).save(folder / "README.md")  # "how to load" names the repo, not PATH
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        elif os.path.isdir(saved_from := getattr(model.config, "_name_or_path", "") or ""):
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(saved_from, name)):
+                    shutil.copy2(os.path.join(saved_from, name), folder / name)
+        result["url"] = str(api.create_repo(repo_id, private=private, exist_ok=True))
+        info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
+        result.update(commit_oid=info.oid, commit_url=info.commit_url)
+        if not space:
+            return result
+
+        name, owner = space_for(model)
+        source = Path(space_dir) if space_dir is not None else resource_path(f"spaces/{name}", owner=owner)
+        space_id = f"{repo_id}-{name}"
+        staged = Path(tmp) / "space"
+        _stage_space(source, staged, repo_id, name)
+        result["space_url"] = str(api.create_repo(
+            space_id, repo_type="space", space_sdk="gradio", private=private, exist_ok=True,
+            space_variables=[{"key": "MOE_ZOO_MODEL", "value": f"hf-hub:{repo_id}"}]))
+        info = api.upload_folder(repo_id=space_id, repo_type="space", folder_path=staged,
+                                 commit_message=f"{commit_message} ({name} Space)")
+        result.update(space_id=space_id, space_commit_oid=info.oid)
+    return result
+
+
+def _stage_space(source: Path, dest: Path, repo_id: str, name: str) -> None:
+    """Copy the Space folder, with ``models: [repo_id]`` in its README front matter."""
+    from huggingface_hub import SpaceCard
+
+    if not (source / "app.py").is_file():
+        raise FileNotFoundError(f"the Space folder {source} has no app.py")
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".*"))
+    readme = dest / "README.md"
+    space_card = (SpaceCard.load(readme) if readme.is_file()
+                  else SpaceCard(f"---\nsdk: gradio\napp_file: app.py\n---\n\n# {name}\n"))
+    space_card.data.models = [repo_id]
+    space_card.save(readme)
+
+
+@contextmanager
+def _token_hidden(token: str | None):
+    """Re-raise any error whose text contains the token with the token masked (and its cause dropped)."""
+    try:
+        yield
+    except Exception as exc:
+        if token and token in str(exc):
+            raise RuntimeError(str(exc).replace(token, "hf_***")) from None
+        raise
