@@ -156,11 +156,12 @@ def apply(src, steps, out):
 
 
 def _add_builtin_commands():
+    from zoo.demo_cli import demo
     from zoo.tour import tour
     from zoo.train_cli import train
 
-    cli.add_command(tour)
-    cli.add_command(train)
+    for command in (tour, train, demo):
+        cli.add_command(command)
 
 
 _add_builtin_commands()

@@ -13,8 +13,8 @@ import click
 
 @click.command()
 @click.option("--model", "name", default="zoo-tiny-moe", show_default=True, help="Registry name or folder.")
-@click.option("--step", "steps", multiple=True, default=["topk-softmax:top_k=1"], show_default=True,
-              help="Recipe step NAME[:k=v,...]; repeat for several.")
+@click.option("--step", "steps", multiple=True, default=["prune-reap:num_experts=6", "quantize:bits=8"],
+              show_default=True, help="Recipe step NAME[:k=v,...]; repeat for several.")
 @click.option("--out", default="out", show_default=True, help="Folder for the result and its card.")
 @click.option("--windows", default=16, show_default=True, help="Held-out windows of 256 tokens per domain.")
 @click.option("--no-speed", is_flag=True, help="Skip the speed measurement.")

@@ -1,0 +1,187 @@
+"""The Gradio Spaces driven through their HTTP API with gradio_client, plus zoo.spaces and ``moe-zoo demo``.
+
+The helpers at the top (``default_model``, ``serve``) are shared with test_meta.py and test_browser.py.
+"""
+import base64
+import contextlib
+import math
+import os
+import socket
+import urllib.request
+
+import pytest
+
+import zoo
+from zoo.registry import get_model
+
+
+def build_standin(path):
+    """A random Mixtral (hidden 64, 2 layers, 8 experts, top-2) with the shipped tokenizer: a stand-in for
+    zoo-tiny-moe while it is not in the checkout. Router weights get real spread, so routing is not a tie."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from zoo.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                           num_experts_per_tok=2, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def default_model(tmp_path_factory):
+    """What the Spaces load (``MOE_ZOO_MODEL``): as already set, else the shipped zoo-tiny-moe, else a stand-in."""
+    if os.environ.get("MOE_ZOO_MODEL"):
+        yield os.environ["MOE_ZOO_MODEL"]
+        return
+    shipped = get_model("zoo-tiny-moe").local_path
+    value = "zoo-tiny-moe" if os.path.isfile(os.path.join(shipped, "config.json")) else \
+        str(build_standin(tmp_path_factory.mktemp("zoo-tiny-moe-standin")))
+    os.environ["MOE_ZOO_MODEL"] = value
+    yield value
+    os.environ.pop("MOE_ZOO_MODEL", None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(demo):
+    """Launch a built ``gr.Blocks`` on 127.0.0.1 (a free port), check the page answers 200, yield its URL."""
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), share=False,
+                quiet=True)
+    try:
+        with urllib.request.urlopen(demo.local_url, timeout=30) as response:
+            assert response.status == 200
+        yield demo.local_url
+    finally:
+        demo.close()
+
+
+@contextlib.contextmanager
+def client_for(name):
+    from gradio_client import Client
+
+    from zoo.spaces import load_app
+
+    with serve(load_app(name).build_demo()) as url:
+        yield Client(url, verbose=False, analytics_enabled=False, download_files=False)
+
+
+@pytest.fixture(scope="module")
+def explorer(default_model):
+    with client_for("router-explorer") as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model_zoo(default_model):
+    with client_for("model-zoo") as client:
+        yield client
+
+
+TEXT = "To be, or not to be, that is the question.\nimport os\nprint(os.getcwd())"
+
+
+def analyze(client, router, k, text=TEXT):
+    plot, ppl, table = client.predict(text, router, k, api_name="/analyze")
+    experts = [[[int(e) for e in cell.split(", ")] for cell in row[1:]] for row in table["data"]]
+    return plot, ppl, table, experts  # experts[token][layer] = the expert indices picked
+
+
+# ---- router-explorer ----------------------------------------------------------------------------------
+
+def test_explorer_returns_heatmap_perplexity_and_assignment(explorer):
+    plot, ppl, table, experts = analyze(explorer, "topk-softmax", 2)
+    assert plot["type"] == "matplotlib"
+    head, _, data = plot["plot"].partition(",")
+    assert head == "data:image/png;base64"
+    png = base64.b64decode(data)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert isinstance(ppl, float) and math.isfinite(ppl) and ppl > 1
+    n_layers = len(table["headers"]) - 1
+    assert table["headers"] == ["token"] + [f"layer {i}" for i in range(n_layers)] and n_layers >= 2
+    assert "".join(row[0] for row in table["data"]).replace("␣", " ").replace("⏎", "\n") == TEXT
+    assert all(len(layer) == 2 and len(set(layer)) == 2 for row in experts for layer in row)
+
+
+def test_explorer_top1_changes_assignment_and_perplexity(explorer):
+    _, ppl2, _, experts2 = analyze(explorer, "topk-softmax", 2)
+    _, ppl1, _, experts1 = analyze(explorer, "topk-softmax", 1)
+    assert all(len(layer) == 1 for row in experts1 for layer in row)
+    assert experts1 != experts2
+    # top-1 keeps the most probable of the top-2 experts (same gate weights, fewer kept)
+    assert all(set(a) <= set(b) for r1, r2 in zip(experts1, experts2) for a, b in zip(r1, r2))
+    assert abs(ppl1 - ppl2) > 1e-3 * ppl2, (ppl1, ppl2)
+    # every analysis starts from a fresh copy of the base model: nothing accumulates
+    _, again, _, experts_again = analyze(explorer, "topk-softmax", 2)
+    assert experts_again == experts2 and again == pytest.approx(ppl2, rel=1e-6)
+
+
+def test_explorer_lists_every_router(explorer):
+    router, k = explorer.predict(api_name="/defaults")
+    assert router["value"] == "topk-softmax" and k["value"] == 2 and k["maximum"] >= 2
+    info = explorer.view_api(print_info=False, return_format="dict")
+    params = info["named_endpoints"]["/analyze"]["parameters"]
+    choices = next(p for p in params if p["parameter_name"] == "router")["type"]["enum"]
+    assert set(choices) == {c["name"] for c in zoo.list_components("router")}
+    _, ppl, _, _ = analyze(explorer, "sigmoid-bias", 2)
+    assert math.isfinite(ppl)
+    _, _, _, experts = analyze(explorer, "topk-softmax", k["maximum"])
+    assert all(sorted(layer) == list(range(k["maximum"])) for row in experts for layer in row)
+
+
+# ---- model-zoo ------------------------------------------------------------------------------------------
+
+def test_model_zoo_lists_models_and_components(model_zoo):
+    models = model_zoo.predict(api_name="/models")
+    names = [row[0] for row in models["data"]]
+    assert "mixtral.zoo-tiny-moe" in names
+    assert names == [e.name for e in zoo.list_models()]
+    components = model_zoo.predict(api_name="/components")
+    assert {(r[0], r[1]) for r in components["data"]} == {(c["kind"], c["name"]) for c in zoo.list_components()}
+
+
+def test_model_zoo_renders_component_and_model_cards(model_zoo, default_model):
+    card = model_zoo.predict("topk-softmax", api_name="/component_card")
+    assert card.startswith("### Router: topk-softmax") and "norm_topk_prob" in card
+    assert model_zoo.predict("mixtral", api_name="/component_card").startswith("### Architecture: mixtral")
+    name = "mixtral.zoo-tiny-moe" if default_model == "zoo-tiny-moe" else default_model
+    card = model_zoo.predict(name, api_name="/model_card")
+    assert "library_name: moe-zoo" in card and "## Recipe" in card and "### Router: topk-softmax" in card
+
+
+# ---- zoo.spaces and the CLI -----------------------------------------------------------------------------
+
+def test_space_dir_and_unknown_names():
+    from zoo.spaces import UnknownSpace, list_spaces, space_dir
+
+    assert {"router-explorer", "model-zoo"} <= set(list_spaces())
+    assert (space_dir("router-explorer") / "app.py").is_file()
+    with pytest.raises(UnknownSpace, match="did you mean 'router-explorer'"):
+        space_dir("router-explorr")
+
+
+def test_demo_command():
+    from click.testing import CliRunner
+
+    from zoo.cli import cli
+
+    result = CliRunner().invoke(cli, ["demo", "--help"])
+    assert result.exit_code == 0 and "--port" in result.output
+    result = CliRunner().invoke(cli, ["demo", "model-zo"])
+    assert result.exit_code == 1 and "did you mean 'model-zoo'" in result.output

@@ -1,0 +1,17 @@
+"""``moe-zoo demo NAME``: serve one of the zoo's Gradio Spaces locally."""
+import click
+
+
+@click.command()
+@click.argument("name")
+@click.option("--port", type=int, help="Port on 127.0.0.1 (default: Gradio's, 7860 or the next free one).")
+def demo(name, port):
+    """Launch the Gradio Space NAME (e.g. router-explorer, model-zoo) on 127.0.0.1.
+
+    The Space runs offline on the embedded default model; set MOE_ZOO_MODEL to use another."""
+    from zoo.spaces import UnknownSpace, launch
+
+    try:
+        launch(name, port)
+    except UnknownSpace as exc:
+        raise click.ClickException(str(exc)) from None
