@@ -185,3 +185,25 @@ def test_demo_command():
     assert result.exit_code == 0 and "--port" in result.output
     result = CliRunner().invoke(cli, ["demo", "model-zo"])
     assert result.exit_code == 1 and "did you mean 'model-zoo'" in result.output
+
+
+# ---- compression-lab ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lab(default_model):
+    os.environ["MOE_ZOO_LAB_WINDOWS"] = "2"
+    with client_for("compression-lab") as client:
+        yield client
+    os.environ.pop("MOE_ZOO_LAB_WINDOWS", None)
+
+
+def test_lab_compresses_and_compares_with_the_base(lab):
+    _plot, table = lab.predict("prune-reap", "strong", api_name="/compress")
+    rows = {r[0]: r for r in table["data"]}
+    assert set(rows) == {"base", "prune-reap strong"}
+    base_mb, pruned_mb = rows["base"][1], rows["prune-reap strong"][1]
+    assert pruned_mb == pytest.approx(base_mb / 2, rel=0.01)  # half the experts, half the expert bytes
+    assert all(math.isfinite(v) and v > 1 for v in rows["prune-reap strong"][2:])
+    _plot, table = lab.predict("quantize", "mild", api_name="/compress")
+    rows = {r[0]: r for r in table["data"]}
+    assert rows["quantize mild"][1] < 0.6 * rows["base"][1]  # int8 codes vs 16- or 32-bit floats
