@@ -4,6 +4,7 @@ from zoo import hookimpl
 
 @hookimpl
 def register_compressors(register):
+    from zoo_compressors.channel_topk import ChannelTopK
     from zoo_compressors.hc_smoe import HcSmoe
     from zoo_compressors.prune_frequency import PruneFrequency
     from zoo_compressors.prune_reap import PruneReap
@@ -13,3 +14,4 @@ def register_compressors(register):
     register(PruneReap)
     register(HcSmoe)
     register(Quantize)
+    register(ChannelTopK)

@@ -18,7 +18,9 @@ def register_architectures(register):
 @hookimpl
 def register_experts(register):
     from zoo.moe import SwiGLUExperts
+    from zoo.moe.channel_topk import ChannelTopKExperts
     from zoo.moe.quantized import QuantizedExperts
 
     register(SwiGLUExperts)
     register(QuantizedExperts)
+    register(ChannelTopKExperts)

@@ -1,0 +1,30 @@
+"""channel-topk: calibration-free top-k channel selection inside each expert (weight-informed scores)."""
+from zoo import Compressor
+from zoo.layout import moe_layers
+from zoo.moe.channel_topk import ChannelTopKExperts
+from zoo.moe.experts import SwiGLUExperts
+
+
+class ChannelTopK(Compressor):
+    name = "channel-topk"
+    summary = "Per token, read only the top-k intermediate channels of each expert's down projection (no calibration)."
+    paper = ("Channel Selection for MoE Decoding Needs No Calibration Data (2026); Chen et al., WINA: Weight Informed "
+             "Neuron Activation for Accelerating LLM Inference, 2025, arXiv:2505.19427")
+    card = "cards/channel-topk.md"
+    space = "compression-lab"
+
+    def __init__(self, budget: float = 0.5):
+        if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 < budget <= 1:
+            raise ValueError(f"budget (fraction of channels read per token) must be in (0, 1], got {budget!r}")
+        super().__init__(budget=budget)
+        self.budget = float(budget)
+
+    def compress(self, model, calibration=None):
+        layers = moe_layers(model)
+        for i, moe in layers:
+            if type(moe.experts) is not SwiGLUExperts:
+                raise ValueError(f"layer {i} has {moe.experts.name!r} experts; channel-topk needs dense experts")
+        new = {i: ChannelTopKExperts.from_dense(moe.experts, self.budget) for i, moe in layers}
+        for i, moe in layers:
+            moe.experts = new[i]
+        return model
