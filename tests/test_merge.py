@@ -79,3 +79,36 @@ def test_hc_smoe_rejects_bad_linkage_before_touching_the_model():
     with pytest.raises(ValueError, match="linkage must be one of"):
         zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=2, linkage="ward-ish")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_subspace_merge_at_full_rank_is_the_frequency_weighted_average():
+    from zoo_compressors.sub_moe import subspace_merge
+
+    ws = [torch.randn(6, 4) for _ in range(3)]
+    f = torch.tensor([1.0, 2.0, 5.0])
+    avg = sum(w * x for w, x in zip(ws, f / f.sum()))
+    torch.testing.assert_close(subspace_merge(ws, f, 1.0).float(), avg, rtol=1e-5, atol=1e-6)
+    low = subspace_merge(ws, f, 0.5)  # rank 3 of 6: the average projected on the top-3 shared left subspace
+    u = torch.linalg.svd(torch.cat(ws, 1).double(), full_matrices=False)[0][:, :3]
+    torch.testing.assert_close(low, u @ u.T @ avg.double(), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_sub_moe_uses_kmeans_clusters_and_roundtrips(family, tmp_path):
+    from sklearn.cluster import KMeans
+
+    model = zoo.convert(tiny_native(family))
+    ref = reference(model)
+    n = moe_layers(model)[0][1].num_experts // 2
+    zoo.apply(model, "sub-moe", calibration=CAL, num_experts=n, rank_ratio=0.75)
+    clusters = model.config.zoo_recipe[-1]["results"]["clusters"]
+    for i, moe in moe_layers(model):
+        labels = KMeans(n_clusters=n, n_init=10, random_state=0).fit(ref[i][0].float().numpy()).labels_
+        expect = sorted(sorted(int(j) for j in (labels == c).nonzero()[0]) for c in range(n))
+        assert sorted(clusters[str(i)]) == expect and moe.num_experts == n
+    with torch.no_grad():
+        logits = model(input_ids=CAL[0]).logits
+    model.save_pretrained(tmp_path / "m")
+    with torch.no_grad():
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()(input_ids=CAL[0]).logits
+    assert (again - logits).abs().max() < 1e-6

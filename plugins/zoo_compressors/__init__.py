@@ -9,9 +9,11 @@ def register_compressors(register):
     from zoo_compressors.prune_frequency import PruneFrequency
     from zoo_compressors.prune_reap import PruneReap
     from zoo_compressors.quantize import Quantize
+    from zoo_compressors.sub_moe import SubMoe
 
     register(PruneFrequency)
     register(PruneReap)
     register(HcSmoe)
     register(Quantize)
     register(ChannelTopK)
+    register(SubMoe)
