@@ -13,7 +13,7 @@ from zoo.stats import collect
 from zoo_compressors.allocation import HIGH, LOW, alphaq, esd_alpha, pmq
 from zoo_compressors.base import _tokenizer_for
 
-ALLOCATIONS = ("uniform", "pmq", "alphaq")
+ALLOCATIONS = ("uniform", "pmq", "alphaq", "random")  # random: the same budget spent blindly (a baseline)
 
 
 def relative_error(w: torch.Tensor, bits: int, group_size: int) -> float:
@@ -73,7 +73,11 @@ class Quantize(Compressor):
                           for i, moe in layers for _ in range(moe.num_experts)], dtype=float)
         weights = {(i, e): (moe.experts.gate_up_proj[e].detach(), moe.experts.down_proj[e].detach())
                    for i, moe in layers for e in range(moe.num_experts)}
-        if self.allocation == "alphaq":
+        if self.allocation == "random":
+            rng = np.random.default_rng(0)
+            bits = np.full(len(flat), LOW)
+            bits[rng.permutation(len(flat))[: int((self.bits - LOW) / (HIGH - LOW) * len(flat) + 1e-9)]] = HIGH
+        elif self.allocation == "alphaq":
             alphas = np.array([np.mean([esd_alpha(w) for w in weights[key]]) for key in flat])
             self.results["alpha"] = [round(float(a), 3) for a in alphas]
             bits = alphaq(alphas, sizes, self.bits)

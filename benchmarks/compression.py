@@ -1,0 +1,98 @@
+"""Every compressor at two strengths on zoo-tiny-moe, in one run: expert bytes, total bytes, perplexity per
+domain (and its ratio to the base), and the MoE block's decode time at T=1 and T=16 as a ratio to the
+uncompressed block measured in the same run.
+
+    python benchmarks/compression.py                 # full table (a few minutes on 2 cores)
+    python benchmarks/compression.py --windows 4     # fewer held-out windows, faster
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+import zoo
+from zoo import calibration
+from zoo.eval import perplexity_and_usage, sizes
+from zoo.layout import moe_layers
+
+RUNS = [  # (label, component, options): 25% and 50% fewer expert bytes, or 8 / 4 bits / a 6-bit mix
+    ("prune-frequency 6/8", "prune-frequency", {"num_experts": 6}),
+    ("prune-frequency 4/8", "prune-frequency", {"num_experts": 4}),
+    ("prune-reap 6/8", "prune-reap", {"num_experts": 6}),
+    ("prune-reap 4/8", "prune-reap", {"num_experts": 4}),
+    ("hc-smoe 6/8", "hc-smoe", {"num_experts": 6}),
+    ("hc-smoe 4/8", "hc-smoe", {"num_experts": 4}),
+    ("sub-moe 6/8", "sub-moe", {"num_experts": 6}),
+    ("sub-moe 4/8", "sub-moe", {"num_experts": 4}),
+    ("quantize int8", "quantize", {"bits": 8}),
+    ("quantize int4", "quantize", {"bits": 4}),
+    ("quantize 6b random", "quantize", {"bits": 6, "allocation": "random"}),
+    ("quantize 6b pmq", "quantize", {"bits": 6, "allocation": "pmq"}),
+    ("quantize 6b alphaq", "quantize", {"bits": 6, "allocation": "alphaq"}),
+    ("channel-topk 0.5", "channel-topk", {"budget": 0.5}),
+    ("channel-topk 0.25", "channel-topk", {"budget": 0.25}),
+]
+
+
+@torch.no_grad()
+def block_ms(moe, tokens: int, hidden: int, dtype, repeats: int = 30) -> float:
+    x = torch.randn(1, tokens, hidden, dtype=dtype, generator=torch.Generator().manual_seed(tokens))
+    for _ in range(3):
+        moe(x)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        moe(x)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def measure(model, tok, windows: int, base_blocks=None) -> dict:
+    ppl, _ = perplexity_and_usage(model, tok, max_windows=windows)
+    blocks = [m for _, m in moe_layers(model)]
+    expert_bytes = sum(m.experts.nbytes() for m in blocks)
+    dtype = next(model.parameters()).dtype
+    hidden = blocks[0].router.hidden_size
+    timing = {t: block_ms(blocks[0], t, hidden, dtype) for t in (1, 16)}
+    if base_blocks is not None:  # the uncompressed block, timed again now, for a same-moment ratio
+        timing = {t: timing[t] / block_ms(base_blocks[0], t, hidden, dtype) for t in (1, 16)}
+    return {"ppl": ppl, "expert_bytes": expert_bytes, "bytes": sizes(model)["bytes"], "block": timing}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="zoo-tiny-moe")
+    ap.add_argument("--windows", type=int, default=16, help="held-out windows of 256 tokens per domain")
+    ap.add_argument("--calibration-tokens", type=int, default=8192)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    base = zoo.load(args.model).eval()
+    tok = zoo.load_tokenizer(args.model)
+    cal = calibration.corpus("mixed", tokens=args.calibration_tokens)
+    ref = measure(base, tok, args.windows)
+    base_blocks = [m for _, m in moe_layers(base)]
+    rows = [("base", ref, {1: 1.0, 16: 1.0})]
+    for label, name, options in RUNS:
+        model = zoo.apply(copy.deepcopy(base), name, calibration=cal, **options)
+        r = measure(model, tok, args.windows, base_blocks)
+        rows.append((label, r, r["block"]))
+    domains = list(ref["ppl"])
+    head = (f"{'method':22} {'expert MB':>9} {'total MB':>8} " + " ".join(f"{'ppl ' + d:>11} {'ratio':>6}" for d in domains)
+            + f" {'block T=1':>9} {'block T=16':>10}")
+    print(f"model {args.model}, {args.windows} windows x 256 tokens per domain, calibration {args.calibration_tokens} "
+          f"train tokens (mixed), torch threads {args.threads}; block times are ratios to the uncompressed block")
+    print(head)
+    print("-" * len(head))
+    for label, r, block in rows:
+        cells = " ".join(f"{r['ppl'][d]:11.3f} {r['ppl'][d] / ref['ppl'][d]:6.3f}" for d in domains)
+        print(f"{label:22} {r['expert_bytes'] / 1e6:9.2f} {r['bytes'] / 1e6:8.2f} {cells} {block[1]:9.2f} {block[16]:10.2f}")
+    print(f"(base block: T=1 {ref['block'][1]:.3f} ms, T=16 {ref['block'][16]:.3f} ms)")
+
+
+if __name__ == "__main__":
+    main()
