@@ -104,9 +104,11 @@ def saliency():
 
 def build_demo() -> gr.Blocks:
     methods = [c["name"] for c in zoo.list_components("compressor")]
+    kinds = [c["name"] for c in zoo.list_components("experts") if c["space"] == "compression-lab"]
     with gr.Blocks(title="MoE compression lab", analytics_enabled=False) as demo:
         gr.Markdown(f"# MoE compression lab\nCompress `{MODEL}` and compare expert bytes with perplexity "
-                    "on held-out text. Mild = 25% fewer experts or 8 bits; strong = 50% fewer experts or 4 bits.")
+                    "on held-out text. Mild = 25% fewer experts or 8 bits; strong = 50% fewer experts or 4 bits. "
+                    f"Expert kinds the compressors produce: {', '.join(kinds)}.")
         history = gr.State([])
         with gr.Row():
             method = gr.Dropdown(methods, value=methods[0], label="compressor")
