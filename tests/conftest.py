@@ -1,8 +1,22 @@
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For files of tiny tensors: one intra-op thread is faster, and does not spin against other work on a
+    small shared machine (two threads made such files ~10x slower on a busy 2-core box)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -5,14 +5,7 @@ import torch
 from zoo.moe import load_balancing_loss, model_load_balancing_loss, z_loss
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread is faster, and does not spin against other work on a
-    small shared machine (two threads made this file ~10x slower on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 
 def ref_balance(logits, k, mask=None):

@@ -16,14 +16,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 PATHS = {"sorted": "_forward_sorted", "gather": "_forward_gather", "auto": "forward"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread is faster, and does not spin against other work on a
-    small shared machine (two threads made this file ~10x slower on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 
 # ----------------------------------------------------------------------------------------- reference
