@@ -28,6 +28,8 @@ RUNS = [  # (label, component, options): 25% and 50% fewer expert bytes, or 8 / 
     ("hc-smoe 4/8", "hc-smoe", {"num_experts": 4}),
     ("sub-moe 6/8", "sub-moe", {"num_experts": 6}),
     ("sub-moe 4/8", "sub-moe", {"num_experts": 4}),
+    ("moe-svd 0.75", "moe-svd", {"ratio": 0.75}),
+    ("moe-svd 0.5", "moe-svd", {"ratio": 0.5}),
     ("quantize int8", "quantize", {"bits": 8}),
     ("quantize int4", "quantize", {"bits": 4}),
     ("quantize 6b random", "quantize", {"bits": 6, "allocation": "random"}),

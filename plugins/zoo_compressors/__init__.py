@@ -6,6 +6,7 @@ from zoo import hookimpl
 def register_compressors(register):
     from zoo_compressors.channel_topk import ChannelTopK
     from zoo_compressors.hc_smoe import HcSmoe
+    from zoo_compressors.moe_svd import MoeSvd
     from zoo_compressors.prune_frequency import PruneFrequency
     from zoo_compressors.prune_reap import PruneReap
     from zoo_compressors.quantize import Quantize
@@ -17,3 +18,4 @@ def register_compressors(register):
     register(Quantize)
     register(ChannelTopK)
     register(SubMoe)
+    register(MoeSvd)

@@ -19,8 +19,10 @@ def register_architectures(register):
 def register_experts(register):
     from zoo.moe import SwiGLUExperts
     from zoo.moe.channel_topk import ChannelTopKExperts
+    from zoo.moe.factored import FactoredExperts
     from zoo.moe.quantized import QuantizedExperts
 
     register(SwiGLUExperts)
     register(QuantizedExperts)
     register(ChannelTopKExperts)
+    register(FactoredExperts)

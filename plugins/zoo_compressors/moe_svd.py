@@ -1,0 +1,165 @@
+"""moe-svd: MoE-SVD, training-free decomposition of experts into low-rank factors.
+
+1. Scaling matrices from calibration (activation-aware SVD): the Gram matrix of the layer's input, and of
+   each expert's intermediate activation over the tokens routed to it; ``S = cholesky(Gram)``.
+2. SVD of the scaled weight ``W S``, truncated to rank r.
+3. V-matrix sharing: the right factor of the most frequently routed expert is shared by all experts of
+   the layer; each expert's ``U_e`` is the best left factor for that shared V in the scaled metric.
+4. U-matrix trimming: only the ``u_keep`` fraction of U matrices of the most frequent experts is kept;
+   every other expert reuses the kept U that reconstructs it best.
+Selective decomposition: layers are ranked by a sensitivity score (routing-frequency-weighted share of
+scaled spectral energy lost at the layer's rank) and the least sensitive are decomposed, until the
+expert parameters kept reach ``ratio``.
+"""
+import math
+
+import torch
+
+from zoo import Compressor
+from zoo import calibration as calib
+from zoo.layout import moe_layers
+from zoo.moe.experts import SwiGLUExperts
+from zoo.moe.factored import FactoredExperts
+
+from zoo_compressors.base import _tokenizer_for
+
+
+def cholesky_scale(gram: torch.Tensor) -> torch.Tensor:
+    """Lower-triangular S with S S^T = Gram (damped so an unused direction stays invertible)."""
+    d = gram.shape[0]
+    damp = 1e-4 * (gram.diagonal().mean() if gram.diagonal().mean() > 0 else 1.0)
+    return torch.linalg.cholesky(gram + damp * torch.eye(d, dtype=gram.dtype))
+
+
+@torch.no_grad()
+def collect_grams(model, batches):
+    """Per MoE layer: input Gram [H, H], per-expert intermediate Grams [E, I, I], routed counts [E]."""
+    from tqdm.auto import tqdm
+
+    stats, handles = [], []
+    for _, moe in moe_layers(model):
+        st = {"input": torch.zeros(moe.router.hidden_size, moe.router.hidden_size, dtype=torch.float64),
+              "inter": torch.zeros(moe.num_experts, moe.experts.intermediate_size, moe.experts.intermediate_size,
+                                   dtype=torch.float64),
+              "counts": torch.zeros(moe.num_experts, dtype=torch.float64)}
+
+        def hook(router, args, routing, st=st, moe=moe):
+            x = args[0].double()
+            st["input"] += x.T @ x
+            for e in range(moe.num_experts):
+                tok = (routing.indices == e).any(-1).nonzero().flatten()
+                if len(tok):
+                    ex = moe.experts
+                    h = ex.glu(torch.nn.functional.linear(args[0][tok], ex.gate_up_proj[e])).double()
+                    st["inter"][e] += h.T @ h
+                    st["counts"][e] += len(tok)
+        handles.append(moe.router.register_forward_hook(hook))
+        stats.append(st)
+    try:
+        for ids in tqdm(batches, desc="moe-svd: scaling matrices", leave=False):
+            model(input_ids=ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def fit_shared(weights, scales, anchor: int, rank: int):
+    """Shared V from the anchor expert's scaled SVD; each expert's best U for it. Returns (U [E, out, r],
+    V [r, in], per-expert lost-energy share)."""
+    w_a, s_a = weights[anchor].double(), scales[anchor]
+    _, sv, vh = torch.linalg.svd(w_a @ s_a, full_matrices=False)
+    v = torch.linalg.solve_triangular(s_a, vh[:rank], upper=False, left=False)  # Vr S^-1, [r, in]
+    us, lost = [], []
+    for w, s in zip(weights, scales):
+        w, m = w.double(), s @ s.T
+        u = w @ m @ v.T @ torch.linalg.inv(v @ m @ v.T)
+        us.append(u)
+        total = (w @ s).pow(2).sum()
+        lost.append(float(((w - u @ v) @ s).pow(2).sum() / total.clamp(min=1e-30)))
+    return torch.stack(us), v, lost
+
+
+class MoeSvd(Compressor):
+    name = "moe-svd"
+    summary = "MoE-SVD: sensitivity-selected layers, low-rank experts with one shared V per layer, trimmed U."
+    paper = ("Li et al., MoE-SVD: Structured Mixture-of-Experts LLMs Compression via Singular Value Decomposition, "
+             "ICML 2025")
+    card = "cards/moe-svd.md"
+    space = "compression-lab"
+
+    def __init__(self, ratio: float = 0.75, layer_ratio: float = 0.5, u_keep: float = 1.0):
+        for key, value in (("ratio", ratio), ("layer_ratio", layer_ratio), ("u_keep", u_keep)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+                raise ValueError(f"{key} must be in (0, 1], got {value!r}")
+        super().__init__(ratio=ratio, layer_ratio=layer_ratio, u_keep=u_keep)
+        self.ratio, self.layer_ratio, self.u_keep = float(ratio), float(layer_ratio), float(u_keep)
+        self.results: dict = {}
+
+    def plan(self, n_layers: int) -> tuple[int, float]:
+        """How many layers to decompose, and the fraction of parameters each of them keeps."""
+        if self.ratio >= 1:
+            return 0, 1.0
+        m = math.ceil(n_layers * (1 - self.ratio) / (1 - self.layer_ratio)) if self.layer_ratio < 1 else n_layers + 1
+        return (m, self.layer_ratio) if m <= n_layers else (n_layers, self.ratio)
+
+    @staticmethod
+    def rank_for(ex: SwiGLUExperts, keep: float, num_u: int) -> int:
+        dense = ex.num_experts * 3 * ex.hidden_size * ex.intermediate_size
+        per_rank = num_u * (2 * ex.intermediate_size + ex.hidden_size) + ex.hidden_size + ex.intermediate_size
+        return max(1, int(keep * dense // per_rank))
+
+    @torch.no_grad()
+    def compress(self, model, calibration=None):
+        layers = moe_layers(model)
+        for i, moe in layers:
+            if type(moe.experts) is not SwiGLUExperts:
+                raise ValueError(f"layer {i} has {moe.experts.name!r} experts; moe-svd needs dense experts")
+        data = calibration if calibration is not None else calib.corpus("mixed", tokens=8192)
+        grams = collect_grams(model, calib.batches(data, _tokenizer_for(model)))
+        m, keep = self.plan(len(layers))
+        candidates = {}
+        for (i, moe), st in zip(layers, grams):
+            candidates[i] = self.factor_layer(moe.experts, st, keep)
+        order = sorted(candidates, key=lambda i: candidates[i][1])  # least sensitive first
+        chosen = sorted(order[:m])
+        for i, moe in layers:
+            if i in chosen:
+                moe.experts = candidates[i][0]
+        self.results = {"decomposed": chosen, "sensitivity": {str(i): round(candidates[i][1], 5) for i in candidates},
+                        "rank": {str(i): candidates[i][0].rank_gate_up for i in chosen}}
+        return model
+
+    def factor_layer(self, ex: SwiGLUExperts, st: dict, keep: float):
+        """(FactoredExperts, sensitivity) for one layer at the fraction ``keep`` of its expert parameters."""
+        E = ex.num_experts
+        freq = st["counts"] / st["counts"].sum().clamp(min=1)
+        num_u = max(1, round(self.u_keep * E))
+        r = min(self.rank_for(ex, keep, num_u), ex.hidden_size, ex.intermediate_size)
+        anchor = int(st["counts"].argmax())
+        s_in = cholesky_scale(st["input"])
+        u_gu, v_gu, lost_gu = fit_shared([ex.gate_up_proj[e] for e in range(E)], [s_in] * E, anchor, r)
+        s_inter = [cholesky_scale(st["inter"][e]) for e in range(E)]
+        u_dn, v_dn, lost_dn = fit_shared([ex.down_proj[e] for e in range(E)], s_inter, anchor, r)
+        sensitivity = float(sum(f * (a + b) / 2 for f, a, b in zip(freq.tolist(), lost_gu, lost_dn)))
+        kept = freq.argsort(descending=True, stable=True)[:num_u].tolist()
+        u_index = []
+        for e in range(E):  # trimmed experts reuse the kept U that reconstructs them best
+            err = [float(((ex.gate_up_proj[e].double() - u_gu[k] @ v_gu) @ s_in).pow(2).sum()
+                         + ((ex.down_proj[e].double() - u_dn[k] @ v_dn) @ s_inter[e]).pow(2).sum()) for k in kept]
+            u_index.append(e if e in kept else kept[min(range(len(kept)), key=err.__getitem__)])
+        slot = {e: n for n, e in enumerate(kept)}
+        opts = {k: v for k, v in ex.options().items() if k != "num_experts"}
+        new = FactoredExperts(E, rank_gate_up=r, rank_down=r, num_u=num_u,
+                              **{k: v for k, v in opts.items() if k not in ("hidden_size", "intermediate_size")},
+                              hidden_size=ex.hidden_size, intermediate_size=ex.intermediate_size)
+        dtype = ex.gate_up_proj.dtype
+        new.gate_up_u.copy_(u_gu[kept].to(dtype))
+        new.gate_up_v.copy_(v_gu.to(dtype))
+        new.down_u.copy_(u_dn[kept].to(dtype))
+        new.down_v.copy_(v_dn.to(dtype))
+        new.u_index.copy_(torch.tensor([slot[u] for u in u_index]))
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            if getattr(ex, name) is not None:
+                getattr(new, name).copy_(getattr(ex, name))
+        return new.to(dtype), sensitivity
