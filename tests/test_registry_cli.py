@@ -83,12 +83,3 @@ def test_cli_convert_and_apply(tmp_path):
     assert model.config.zoo_recipe[-1]["options"] == {"top_k": 1}
     res = runner.invoke(cli, ["apply", str(tmp_path / "zoo"), "topk-softmax:top_kk=1", "--out", str(tmp_path / "x")])
     assert res.exit_code != 0 and "did you mean 'top_k'" in res.output and not (tmp_path / "x").exists()
-
-
-def test_main_job_tour(tmp_path):
-    res = CliRunner().invoke(cli, ["tour", "--out", str(tmp_path / "tour")])
-    assert res.exit_code == 0, res.output
-    assert "topk-softmax" in res.output and "sigmoid-bias" in res.output
-    diffs = [float(line.rsplit("= ", 1)[1].split()[0]) for line in res.output.splitlines() if "logit diff" in line]
-    assert len(diffs) == 2 and max(diffs) < 1e-5
-    assert (tmp_path / "tour" / "model.safetensors").exists()

@@ -1,0 +1,57 @@
+"""Copy a trained checkpoint into the package as one of the zoo's own models: bf16 weights (half the bytes;
+training ran under bf16 autocast), the tokenizer, the training history, and a model card with evaluation.
+
+    python -m zoo.ship runs/zoo-tiny-moe/final zoo/_data/models/zoo-tiny-moe --name zoo-tiny-moe
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+
+import torch
+
+
+def ship(src: str, dest: str, name: str, windows: int = 24) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import zoo
+    from zoo.eval import evaluate, plot_usage
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    tmp = dest.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.copy2(os.path.join(src, "training.json"), tmp)
+    result = evaluate(model, tokenizer, max_windows=windows)
+    with open(os.path.join(tmp, "eval.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        zoo_model = zoo.convert(model)  # the card describes the model as the zoo sees it
+        card = zoo.card(zoo_model, result, model_name=name,
+                        summary=f"`{name}`: trained by moe-zoo on its shipped corpus (Shakespeare and Python "
+                                "standard-library source). A native checkpoint: plain transformers loads it.")
+        card.save(os.path.join(tmp, "README.md"))
+        plot_usage(result, os.path.join(tmp, "expert_usage.png"), title=name)
+    except TypeError:
+        pass  # a dense control: no MoE blocks to describe
+    shutil.rmtree(dest, ignore_errors=True)
+    os.rename(tmp, dest)
+    return result
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("src")
+    ap.add_argument("dest")
+    ap.add_argument("--name", required=True)
+    args = ap.parse_args(argv)
+    result = ship(args.src, args.dest, args.name)
+    print(json.dumps({k: v for k, v in result.items() if k != "usage"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
