@@ -84,7 +84,7 @@ def spaces(default_model):  # noqa: F811
 def test_component_has_a_space_that_launches(component, spaces):
     assert component["space"], f"{component['name']} names no `space`"
     config = spaces(component["space"], owner(component))
-    assert json.dumps(config).count(json.dumps(component["name"])) > 0, \
+    assert json.dumps(config, default=str).count(json.dumps(component["name"])) > 0, \
         f"the {component['space']} Space never mentions {component['name']} (e.g. in a dropdown)"
 
 

@@ -75,6 +75,7 @@ def _swap_routers(model, cls, options):
     ``norm_topk_prob``), and so do gate weights of matching name and shape.
     """
     from zoo.convert import hook_new_routers
+    from zoo.moe.surgery import place_like
 
     accepted = set(accepted_options(cls, skip=("hidden_size", "num_experts", "top_k")))
     new = []
@@ -86,10 +87,7 @@ def _swap_routers(model, cls, options):
         mine = router.state_dict()
         carried = {k: v for k, v in old.state_dict().items() if k in mine and mine[k].shape == v.shape}
         router.load_state_dict(carried, strict=False)
-        router.to(old.weight.device)
-        for p in router.parameters():
-            p.data = p.data.to(old.weight.dtype)
-        new.append((moe, router))
+        new.append((moe, place_like(router, old)))
     for moe, router in new:
         moe.router = router
     hook_new_routers(model, [r for _, r in new])

@@ -11,7 +11,7 @@ from sklearn.cluster import KMeans
 
 from zoo.moe.block import SparseMoE
 from zoo.moe.experts import SwiGLUExperts
-from zoo.moe.surgery import _router_like
+from zoo.moe.surgery import _router_like, place_like
 from zoo.stats import collect
 
 from zoo_compressors.base import ExpertCountCompressor
@@ -71,5 +71,5 @@ class SubMoe(ExpertCountCompressor):
         dominant = [max(g, key=lambda m: float(freq[m])) for g in groups]
         router.load_state_dict({k: (v[dominant] if v.dim() and v.shape[0] == moe.num_experts else v)
                                 for k, v in moe.router.state_dict().items()})
-        router.to(moe.router.weight.device)
+        place_like(router, moe.router)
         return SparseMoE(router, experts, moe.shared_experts, moe.returns_router_scores)

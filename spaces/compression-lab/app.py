@@ -107,8 +107,9 @@ def build_demo() -> gr.Blocks:
     kinds = [c["name"] for c in zoo.list_components("experts") if c["space"] == "compression-lab"]
     with gr.Blocks(title="MoE compression lab", analytics_enabled=False) as demo:
         gr.Markdown(f"# MoE compression lab\nCompress `{MODEL}` and compare expert bytes with perplexity "
-                    "on held-out text. Mild = 25% fewer experts or 8 bits; strong = 50% fewer experts or 4 bits. "
-                    f"Expert kinds the compressors produce: {', '.join(kinds)}.")
+                    "on held-out text. Mild = 25% fewer experts or 8 bits; strong = 50% fewer experts or 4 bits. ")
+        gr.Dropdown(kinds, value=kinds[0] if kinds else None, label="expert kinds the compressors produce",
+                    interactive=False)
         history = gr.State([])
         with gr.Row():
             method = gr.Dropdown(methods, value=methods[0], label="compressor")

@@ -10,6 +10,15 @@ from zoo.moe.block import SparseMoE
 from zoo.moe.experts import SwiGLUExperts
 
 
+def place_like(router, old):
+    """Put a new router where the old one lived: same device, parameters in the old dtype (buffers such as
+    DeepSeek's selection bias keep their own dtype)."""
+    router.to(old.weight.device)
+    for p in router.parameters():
+        p.data = p.data.to(old.weight.dtype)
+    return router
+
+
 def _router_like(old, num_experts: int, top_k: int | None = None):
     """A router of the old one's class and options for ``num_experts`` experts. Group-limited selection
     (DeepSeek-V3) is turned off when the expert set changes: its groups were the original experts'."""
@@ -46,7 +55,7 @@ def keep_experts(moe: SparseMoE, keep) -> SparseMoE:
     state = {k: (v.index_select(0, keep) if v.dim() and v.shape[0] == moe.num_experts else v)
              for k, v in moe.router.state_dict().items()}
     router.load_state_dict(state)
-    router.to(moe.router.weight.device)
+    place_like(router, moe.router)
     return SparseMoE(router, _slice_experts(moe.experts, keep), moe.shared_experts, moe.returns_router_scores)
 
 
@@ -61,5 +70,5 @@ def merge_experts(moe: SparseMoE, groups: list[list[int]], weights: list[list[fl
             mix[g, m] = x / total
     router = _router_like(moe.router, len(groups))
     router.load_state_dict(router_rows(moe.router.state_dict(), mix))
-    router.to(moe.router.weight.device)
+    place_like(router, moe.router)
     return SparseMoE(router, _slice_experts(moe.experts, None, mix), moe.shared_experts, moe.returns_router_scores)
