@@ -17,10 +17,13 @@ from zoo.registry import get_model
 MOE, DENSE = get_model("zoo-tiny-moe"), get_model("zoo-tiny-dense")
 
 
+WINDOWS = 24  # the held-out windows training validated on: 24 x 256 tokens per domain
+
+
 @pytest.fixture(scope="module")
 def results():
     tok = zoo.load_tokenizer("zoo-tiny-moe")
-    return {name: evaluate(zoo.load(name).eval(), tok, max_windows=4, measure_speed=False)
+    return {name: evaluate(zoo.load(name).eval(), tok, max_windows=WINDOWS, measure_speed=False)
             for name in ("zoo-tiny-moe", "zoo-tiny-dense")}
 
 
@@ -49,7 +52,7 @@ def test_sizes_and_evaluation_are_sane(results):
         assert all(1 < p < 500 for p in r["perplexity"].values()), r["perplexity"]
     for domain, layers in moe["usage"].items():
         for layer in layers:
-            assert sum(layer["counts"]) == 4 * 256 * 2  # windows x tokens x top-2
+            assert sum(layer["counts"]) == WINDOWS * 256 * 2  # windows x tokens x top-2
             assert 0 < layer["entropy_bits"] <= layer["max_entropy_bits"]
 
 
