@@ -37,7 +37,7 @@ print(json.dumps(result))
 
 PULL = f"""
 import sys, torch
-ref = torch.load(sys.argv[1])
+ref = torch.load(sys.argv[1], weights_only=True)
 import zoo
 from transformers import AutoModelForCausalLM
 from huggingface_hub import HfApi, ModelCard, SpaceCard
@@ -127,7 +127,8 @@ def test_push_to_hub_then_load_back_over_http(hub, tmp_path):
     pull = run(hub, tmp_path, PULL, tmp_path / "pushed.pt", tmp_path / "pulled.pt")
     hub.stop()  # every request is logged once the server has stopped
 
-    ref, out = torch.load(tmp_path / "pushed.pt"), torch.load(tmp_path / "pulled.pt")
+    ref = torch.load(tmp_path / "pushed.pt", weights_only=True)
+    out = torch.load(tmp_path / "pulled.pt", weights_only=True)
     for how in ("zoo.load", "auto"):
         assert out[how]["class"] == "ZooMixtralForCausalLM"
         assert out[how]["state"].keys() == ref["state"].keys()

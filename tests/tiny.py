@@ -62,3 +62,14 @@ def padded_batch():
     ids = torch.tensor([[5, 17, 33, 9, 70, 11, 3, 44], [0, 0, 0, 8, 21, 66, 12, 90]])
     mask = torch.tensor([[1] * 8, [0, 0, 0, 1, 1, 1, 1, 1]])
     return ids, mask
+
+
+def reload_max_diff(model, ids, path) -> float:
+    """Save ``model``, load it back through the Auto classes, and return the largest logit difference."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        model.save_pretrained(path)
+        again = AutoModelForCausalLM.from_pretrained(path).eval()(input_ids=ids).logits
+    return (again - logits).abs().max().item()
