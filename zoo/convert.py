@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from zoo.atomic import atomic_directory
 from zoo.layout import moe_layers, read_layout, sync_layout
 from zoo.plugins import load_plugins, registry
 
@@ -78,22 +79,6 @@ def export(model, path) -> str:
     if model.config.tie_word_embeddings:
         native.tie_weights()
     native.generation_config = model.generation_config
-    _atomic_save(native, os.fspath(path))
+    with atomic_directory(path) as tmp:
+        native.save_pretrained(tmp)
     return os.fspath(path)
-
-
-def _atomic_save(model, path):
-    import shutil
-    import tempfile
-
-    from zoo.architectures.factory import _replace_dir
-
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
-    try:
-        model.save_pretrained(tmp)
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

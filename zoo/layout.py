@@ -27,14 +27,10 @@ def build_block(entry: dict) -> SparseMoE:
     router_cls = registry.get("router", entry["router"]).obj
     experts_cls = registry.get("experts", entry["experts"]).obj
     experts = experts_cls(**entry["experts_options"])
-    router = router_cls(experts_hidden_size(experts, entry), entry["num_experts"], entry["num_experts_per_tok"],
+    router = router_cls(experts.hidden_size, entry["num_experts"], entry["num_experts_per_tok"],
                         **entry["router_options"])
     shared = SharedMLP(**entry["shared_experts"]) if entry.get("shared_experts") else None
     return SparseMoE(router, experts, shared, returns_router_scores=entry.get("returns_router_scores", False))
-
-
-def experts_hidden_size(experts, entry) -> int:
-    return entry.get("hidden_size") or experts.hidden_size
 
 
 def apply_layout(model, layout) -> None:

@@ -17,30 +17,28 @@ def ship(src: str, dest: str, name: str, windows: int = 24) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import zoo
+    from zoo.atomic import atomic_directory
     from zoo.eval import evaluate, plot_usage
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
     tokenizer = AutoTokenizer.from_pretrained(src)
-    tmp = dest.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.copy2(os.path.join(src, "training.json"), tmp)
-    try:
-        model = zoo.convert(model)  # evaluation reads expert usage off the zoo block; the files stay native
-    except TypeError:
-        pass  # the dense control: no MoE blocks
-    result = evaluate(model, tokenizer, max_windows=windows)
-    with open(os.path.join(tmp, "eval.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    if getattr(type(model), "_zoo_family", None) is not None:
-        card = zoo.card(model, result, model_name=name,
-                        summary=f"`{name}`: trained by moe-zoo on its shipped corpus (Shakespeare and Python "
-                                "standard-library source). A native checkpoint: plain transformers loads it.")
-        card.save(os.path.join(tmp, "README.md"))
-        plot_usage(result, os.path.join(tmp, "expert_usage.png"), title=name)
-    shutil.rmtree(dest, ignore_errors=True)
-    os.rename(tmp, dest)
+    with atomic_directory(dest) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.copy2(os.path.join(src, "training.json"), tmp)
+        try:
+            model = zoo.convert(model)  # evaluation reads expert usage off the zoo block; the files stay native
+        except TypeError:
+            pass  # the dense control: no MoE blocks
+        result = evaluate(model, tokenizer, max_windows=windows)
+        with open(os.path.join(tmp, "eval.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        if getattr(type(model), "_zoo_family", None) is not None:
+            card = zoo.card(model, result, model_name=name,
+                            summary=f"`{name}`: trained by moe-zoo on its shipped corpus (Shakespeare and Python "
+                                    "standard-library source). A native checkpoint: plain transformers loads it.")
+            card.save(os.path.join(tmp, "README.md"))
+            plot_usage(result, os.path.join(tmp, "expert_usage.png"), title=name)
     return result
 
 

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from zoo.atomic import atomic_directory
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokenizer import load_tokenizer
 from zoo.data.tokens import eval_windows, token_stream, train_batch
@@ -121,23 +122,15 @@ def validate(model, windows: dict[str, torch.Tensor], bf16: bool, batch: int = 8
 
 
 def save_checkpoint(path: str, model, optimizer, step: int, history: dict, cfg: TrainConfig) -> None:
-    tmp = path + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    model.save_pretrained(os.path.join(tmp, "model"))
-    tensors, meta = {}, {"param_groups": optimizer.state_dict()["param_groups"]}
-    for idx, state in optimizer.state_dict()["state"].items():
-        for name, value in state.items():
-            tensors[f"{idx}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
-    save_file(tensors, os.path.join(tmp, "optimizer.safetensors"))
-    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-        json.dump({"step": step, "history": history, "config": asdict(cfg), **meta}, f)
-    if os.path.exists(path):
-        os.rename(path, path + ".old")
-    os.rename(tmp, path)
-    if os.path.exists(path + ".old"):
-        import shutil
-
-        shutil.rmtree(path + ".old")
+    with atomic_directory(path) as tmp:
+        model.save_pretrained(os.path.join(tmp, "model"))
+        tensors, meta = {}, {"param_groups": optimizer.state_dict()["param_groups"]}
+        for idx, state in optimizer.state_dict()["state"].items():
+            for name, value in state.items():
+                tensors[f"{idx}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
+        save_file(tensors, os.path.join(tmp, "optimizer.safetensors"))
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "history": history, "config": asdict(cfg), **meta}, f)
 
 
 def load_checkpoint(path: str, optimizer):

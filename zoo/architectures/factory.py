@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder
 
+from zoo.atomic import atomic_directory
 from zoo.layout import apply_layout, moe_layers, sync_layout
 from zoo.moe import Router, model_load_balancing_loss
 
@@ -96,28 +95,10 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, cache
 
 
 def _save_pretrained(self, save_directory, *args, **kwargs):
-    """Record the current layout, then save atomically: write a sibling temp dir, then swap it in."""
+    """Record the current layout, then save atomically, with the model card as README.md."""
+    from zoo.cards import card
+
     sync_layout(self)
-    save_directory = os.fspath(save_directory)
-    parent = os.path.dirname(os.path.abspath(save_directory))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
-    try:
+    with atomic_directory(save_directory) as tmp:
         self._zoo_family.model_class.save_pretrained(self, tmp, *args, **kwargs)
-        from zoo.cards import card
-
         card(self).save(os.path.join(tmp, "README.md"))
-        _replace_dir(tmp, save_directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _replace_dir(tmp: str, dest: str) -> None:
-    if os.path.exists(dest):
-        old = dest.rstrip("/") + ".old-" + os.path.basename(tmp)
-        os.rename(dest, old)
-        os.rename(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, dest)
