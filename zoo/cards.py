@@ -44,7 +44,7 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
         data.model_name = name
         data.eval_results = [
             EvalResult(task_type="text-generation", dataset_type="moe-zoo-corpus", dataset_name=f"moe-zoo corpus ({d})",
-                       dataset_split="validation", metric_type="perplexity", metric_value=v)
+                       dataset_config=d, dataset_split="validation", metric_type="perplexity", metric_value=v)
             for d, v in eval_result["perplexity"].items()]
         results = [(f"perplexity ({d})", f"{v:.2f}") for d, v in eval_result["perplexity"].items()]
         size = eval_result["size"]

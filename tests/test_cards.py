@@ -1,0 +1,34 @@
+"""zoo.card: metadata, recipe, results, loading instructions and citations; the YAML parses back."""
+import torch
+from huggingface_hub import ModelCard
+
+import zoo
+from tiny import tiny_native
+
+RESULT = {"perplexity": {"english": 101.5, "code": 40.25},
+          "size": {"params": 15_000_000, "active_params": 6_000_000, "bytes": 31_000_000}}
+
+
+def test_card_has_everything_and_round_trips_its_metadata(tmp_path):
+    model = zoo.convert(tiny_native("qwen3_moe"))
+    zoo.apply(model, "prune-reap", calibration=[torch.randint(3, 128, (2, 16))], num_experts=6)
+    card = zoo.card(model, RESULT, repo_id="org/tiny-reap")
+    data = card.data.to_dict()
+    assert data["library_name"] == "moe-zoo" and data["pipeline_tag"] == "text-generation"
+    assert {"moe", "qwen3_moe", "topk-softmax", "prune-reap"} <= set(data["tags"])
+    metrics = {r["dataset"]["name"]: r["metrics"][0]["value"] for r in data["model-index"][0]["results"]}
+    assert metrics == {"moe-zoo corpus (english)": 101.5, "moe-zoo corpus (code)": 40.25}
+    text = card.text
+    assert "`prune-reap` (compressor)" in text and '"num_experts": 6' in text and '"type": "batches"' in text
+    assert 'from_pretrained("org/tiny-reap")' in text and "zoo.export(model, path)" in text
+    assert "REAP the Experts" in text and "Qwen3 Technical Report" in text  # citations of what was used
+    assert ModelCard(card.content).data.to_dict() == data  # the YAML parses back to the same data
+
+
+def test_non_exportable_layout_says_why_and_save_writes_the_card(tmp_path):
+    model = zoo.convert(tiny_native("mixtral"))
+    zoo.apply(model, "quantize", bits=8, group_size=32)
+    assert "has no native mixtral form" in zoo.card(model).text
+    model.save_pretrained(tmp_path / "q")
+    readme = (tmp_path / "q" / "README.md").read_text()
+    assert readme.startswith("---\n") and "library_name: moe-zoo" in readme and "Compressor: quantize" in readme
