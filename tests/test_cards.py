@@ -32,3 +32,15 @@ def test_non_exportable_layout_says_why_and_save_writes_the_card(tmp_path):
     model.save_pretrained(tmp_path / "q")
     readme = (tmp_path / "q" / "README.md").read_text()
     assert readme.startswith("---\n") and "library_name: moe-zoo" in readme and "Compressor: quantize" in readme
+
+
+def test_a_model_converted_from_a_hub_checkpoint_names_it_as_base_model(tmp_path):
+    model = tiny_native("mixtral")
+    model.config._name_or_path = "mistralai/Mixtral-8x7B-v0.1"  # as from_pretrained of that hub id sets it
+    zoo.convert(model)
+    assert zoo.card(model).data.base_model == "mistralai/Mixtral-8x7B-v0.1"
+    model.save_pretrained(tmp_path / "m")
+    assert "base_model: mistralai/Mixtral-8x7B-v0.1" in (tmp_path / "m" / "README.md").read_text()
+    local = tiny_native("mixtral")
+    local.save_pretrained(tmp_path / "native")
+    assert zoo.card(zoo.load(str(tmp_path / "native"))).data.base_model is None  # a local folder is no hub id

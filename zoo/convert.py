@@ -37,6 +37,9 @@ def convert(model):
         if isinstance(layer.mlp, fam.block_class):
             layer.mlp = fam.from_native(layer.mlp, config)
     adopt(model, fam)
+    source = getattr(config, "_name_or_path", "") or ""
+    if "/" in source and not os.path.exists(source):  # loaded from the Hub: the card's base_model
+        config.zoo_base_model = source
     sync_layout(model)
     hook_new_routers(model)
     return model
