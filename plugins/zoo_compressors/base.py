@@ -52,3 +52,22 @@ def _tokenizer_for(model):
         return model_tokenizer(model.config._name_or_path)
     except Exception:
         return load_tokenizer()
+
+
+class ExpertPruner(ExpertCountCompressor):
+    """Keep each layer's ``num_experts`` highest-scoring experts; a subclass only defines ``score``."""
+
+    def score(self, stats):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def statistics(self, model, batches):
+        from zoo.stats import collect
+
+        return collect(model, batches, desc=f"{self.name}: calibrating")
+
+    def rebuild(self, moe, stats):
+        from zoo.moe.surgery import keep_experts
+
+        keep = sorted(self.score(stats).double().argsort(descending=True, stable=True)[: self.num_experts].tolist())
+        self.results.setdefault("kept", {})[str(stats.layer)] = keep
+        return keep_experts(moe, keep)

@@ -4,13 +4,10 @@ Saliency of expert j: the mean, over the calibration tokens whose top-k contains
 times the L2 norm of j's output. The lowest are dropped. Calibrating on one domain keeps what that
 domain uses (domain pruning, "Half the Experts, All the Code").
 """
-from zoo.moe.surgery import keep_experts
-from zoo.stats import collect
-
-from zoo_compressors.base import ExpertCountCompressor
+from zoo_compressors.base import ExpertPruner
 
 
-class PruneReap(ExpertCountCompressor):
+class PruneReap(ExpertPruner):
     name = "prune-reap"
     summary = "REAP: prune the experts with the lowest router-weighted activation norm on calibration data."
     paper = ("Lasby et al., REAP the Experts: Why Pruning Prevails for One-Shot MoE Compression, 2025, "
@@ -18,10 +15,5 @@ class PruneReap(ExpertCountCompressor):
     card = "cards/prune-reap.md"
     space = "compression-lab"
 
-    def statistics(self, model, batches):
-        return collect(model, batches, desc="prune-reap: saliency")
-
-    def rebuild(self, moe, stats):
-        keep = stats.reap.argsort(descending=True, stable=True)[: self.num_experts]
-        self.results.setdefault("kept", {})[str(stats.layer)] = sorted(keep.tolist())
-        return keep_experts(moe, keep.tolist())
+    def score(self, stats):
+        return stats.reap

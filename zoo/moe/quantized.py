@@ -9,7 +9,6 @@ Experts in one layer may use different bit widths (mixed-precision allocation). 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from zoo.moe.experts import SwiGLUExperts
 
