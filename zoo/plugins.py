@@ -22,6 +22,7 @@ DEFAULT_PLUGINS = (
     "zoo.model_entries",
     "zoo_routers",
     "zoo_compressors",
+    "zoo_adapters",
 )
 
 pm = pluggy.PluginManager("moe_zoo")
