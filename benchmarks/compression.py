@@ -19,7 +19,7 @@ from zoo import calibration
 from zoo.eval import perplexity_and_usage, sizes
 from zoo.layout import moe_layers
 
-RUNS = [  # (label, component, options): 25% and 50% fewer expert bytes, or 8 / 4 bits / a 6-bit mix
+RUNS = [  # (label, component, options): 25% and 50% fewer expert bytes, or 8 / 4 / 3-bit average
     ("prune-frequency 6/8", "prune-frequency", {"num_experts": 6}),
     ("prune-frequency 4/8", "prune-frequency", {"num_experts": 4}),
     ("prune-reap 6/8", "prune-reap", {"num_experts": 6}),
@@ -32,9 +32,14 @@ RUNS = [  # (label, component, options): 25% and 50% fewer expert bytes, or 8 / 
     ("moe-svd 0.5", "moe-svd", {"ratio": 0.5}),
     ("quantize int8", "quantize", {"bits": 8}),
     ("quantize int4", "quantize", {"bits": 4}),
-    ("quantize 6b random", "quantize", {"bits": 6, "allocation": "random"}),
-    ("quantize 6b pmq", "quantize", {"bits": 6, "allocation": "pmq"}),
-    ("quantize 6b alphaq", "quantize", {"bits": 6, "allocation": "alphaq"}),
+    ("quantize 3b uniform", "quantize", {"bits": 3}),
+    ("quantize 3b random", "quantize", {"bits": 3, "allocation": "random", "widths": [2, 3, 4]}),
+    ("quantize 3b pmq", "quantize", {"bits": 3, "allocation": "pmq", "widths": [2, 3, 4]}),
+    ("quantize 3b alphaq", "quantize", {"bits": 3, "allocation": "alphaq", "widths": [2, 3, 4]}),
+    ("quantize 2b uniform", "quantize", {"bits": 2}),  # below 3 bits the allocations start to matter
+    ("quantize 2.5b random", "quantize", {"bits": 2.5, "allocation": "random", "widths": [2, 3, 4]}),
+    ("quantize 2.5b pmq", "quantize", {"bits": 2.5, "allocation": "pmq", "widths": [2, 3, 4]}),
+    ("quantize 2.5b alphaq", "quantize", {"bits": 2.5, "allocation": "alphaq", "widths": [2, 3, 4]}),
     ("channel-topk 0.5", "channel-topk", {"budget": 0.5}),
     ("channel-topk 0.25", "channel-topk", {"budget": 0.25}),
 ]
@@ -88,12 +93,38 @@ def measure(model, tok, windows: int, base_blocks=None) -> dict:
     return {"ppl": ppl, "expert_bytes": expert_bytes, "bytes": sizes(model)["bytes"], "block": timing}
 
 
+def kernel_speed(hidden: int, inter: int, experts: int = 8, k: int = 2) -> dict:
+    """The quantized block against bf16 at T=1 on a larger, Mixtral-shaped block (random weights), where
+    weight reads rather than per-call overhead dominate: the shape the speed targets were measured on."""
+    from zoo.moe import SparseMoE, SwiGLUExperts
+    from zoo.moe.quantized import QuantizedExperts
+    from zoo_routers.topk_softmax import TopKSoftmax
+
+    torch.manual_seed(0)
+    dense = SwiGLUExperts(experts, hidden, inter)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.normal_(0, 0.02)
+    router = TopKSoftmax(hidden, experts, k)
+    blocks = {"bf16": SparseMoE(router, dense).to(torch.bfloat16).eval()}
+    for bits in (8, 4, 3):
+        blocks[f"{bits}-bit"] = SparseMoE(router, QuantizedExperts.from_dense(dense, bits, 64)).to(torch.bfloat16).eval()
+    ratios = {name: [] for name in blocks if name != "bf16"}
+    for _ in range(5):  # interleaved rounds: a noisy machine slows both sides of each ratio alike
+        base = block_ms(blocks["bf16"], 1, hidden, torch.bfloat16, repeats=10)
+        for name, got in ratios.items():
+            got.append(base / block_ms(blocks[name], 1, hidden, torch.bfloat16, repeats=10))
+    return {name: statistics.median(r) for name, r in ratios.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="zoo-tiny-moe")
     ap.add_argument("--windows", type=int, default=16, help="held-out windows of 256 tokens per domain")
     ap.add_argument("--calibration-tokens", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernel-shape", type=int, nargs=2, default=(1024, 2816), metavar=("HIDDEN", "INTER"),
+                    help="also time the quantized block at this size (0 0 to skip)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     base = zoo.load(args.model).eval()
@@ -123,6 +154,11 @@ def main(argv=None):
         print(f"{label:22} {r['expert_bytes'] / 1e6:9.2f} {r['bytes'] / 1e6:8.2f} {cells} {block[1]:9.2f} {block[16]:10.2f}")
     print(f"(base block: T=1 {ref['block'][1]:.3f} ms, T=16 {ref['block'][16]:.3f} ms)")
     print("* baseline, not a component: per-expert scaled SVD at moe-svd 0.5's parameter count, stored dense")
+    if all(args.kernel_shape):
+        h, i = args.kernel_shape
+        speed = kernel_speed(h, i)
+        print(f"\nMoE block speed-up over bf16 at T=1, hidden {h}, intermediate {i}, 8 experts top-2 (random weights): "
+              + ", ".join(f"{name} {x:.2f}x" for name, x in speed.items()))
 
 
 if __name__ == "__main__":

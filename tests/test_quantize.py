@@ -4,20 +4,21 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from tiny import tiny_native
 from transformers import AutoModelForCausalLM
+from zoo_compressors.allocation import alphaq, esd_alpha, pmq
 
 import zoo
 from zoo.layout import moe_layers
 from zoo.moe import Routing
 from zoo.moe.experts import SwiGLUExperts
+from zoo.moe.packing import pack, unpack
 from zoo.moe.quantized import QuantizedExperts
-from zoo_compressors.allocation import alphaq, esd_alpha, pmq
-from tiny import tiny_native
 
 CAL = [torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(0))]
 
 
-@pytest.mark.parametrize("bits", [[4, 4, 4, 4], [8, 8, 8, 8], [4, 8, 8, 4]])
+@pytest.mark.parametrize("bits", [[4, 4, 4, 4], [8, 8, 8, 8], [4, 8, 8, 4], [2, 3, 4, 8], [3, 3, 2, 2]])
 @pytest.mark.parametrize("activation,bias", [("silu", False), ("clamped-swiglu", True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_match_dequantized_reference(bits, activation, bias, dtype):
@@ -54,28 +55,36 @@ def test_bytes_are_real():
     dense = SwiGLUExperts(8, 256, 512)
     fp32 = dense.nbytes()
     b8 = QuantizedExperts.from_dense(dense, 8).nbytes()
-    b4 = QuantizedExperts.from_dense(dense, 4, group_size=64).nbytes()
     weights = dense.num_parameters()
     assert b8 == weights + 4 * 8 * (2 * 512 + 256)  # int8 codes plus one fp32 scale per output channel
-    assert b4 == weights // 2 + weights // 64 * 4  # 4-bit codes plus a bf16 scale and zero per 64 weights
-    assert b4 / fp32 == pytest.approx((4 + 0.5) / 32)
+    for bits in (2, 3, 4):  # codes plus a bf16 scale and zero per 64 weights
+        low = QuantizedExperts.from_dense(dense, bits, group_size=64).nbytes()
+        assert low == weights * bits // 8 + weights // 64 * 4
+        assert low / fp32 == pytest.approx((bits + 0.5) / 32)
     assert QuantizedExperts.from_dense(dense, 4).num_parameters() == dense.num_parameters()
 
 
-def test_pmq_is_the_exact_optimum_of_its_program():
+@pytest.mark.parametrize("widths,avg", [((4, 8), 6.0), ((2, 3, 4), 3.0), ((2, 3, 4, 8), 3.5)])
+def test_pmq_is_the_exact_optimum_of_its_program(widths, avg):
     rng = np.random.default_rng(0)
-    n = 9
-    sig, e4, e8 = rng.random(n), rng.random(n) * 0.1, rng.random(n) * 0.01
+    n = 7
+    sig = rng.random(n)
+    err = np.sort(rng.random((n, len(widths))), axis=1)[:, ::-1] * 2.0 ** (-2 * np.array(widths))
     sizes = rng.integers(1, 4, n).astype(float)
-    got = pmq(sig, e4, e8, sizes, 6.0)
-    best = None
-    for choice in itertools.product([4, 8], repeat=n):
-        c = np.array(choice)
-        if (c * sizes).sum() <= 6.0 * sizes.sum() + 1e-9:
-            cost = (sig * np.where(c == 8, e8, e4)).sum()
-            best = cost if best is None or cost < best else best
-    assert (got * sizes).sum() <= 6.0 * sizes.sum() + 1e-9
-    assert (sig * np.where(got == 8, e8, e4)).sum() == pytest.approx(best)
+    got = pmq(sig, err, sizes, widths, avg)
+    col = {w: j for j, w in enumerate(widths)}
+    cost = lambda c: sum(sig[e] * err[e, col[b]] for e, b in enumerate(c))
+    feasible = [c for c in itertools.product(widths, repeat=n) if (np.array(c) * sizes).sum() <= avg * sizes.sum() + 1e-9]
+    assert (got * sizes).sum() <= avg * sizes.sum() + 1e-9
+    assert cost(got) == pytest.approx(min(cost(c) for c in feasible))
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_dense_packing_roundtrips(bits):
+    codes = torch.randint(0, 2 ** bits, (6, 64), generator=torch.Generator().manual_seed(bits))
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (6, 64 * bits // 8)
+    assert torch.equal(unpack(packed, bits, 64), codes.int())
 
 
 def test_esd_alpha_recovers_a_power_law_and_alphaq_prefers_heavy_tails():
@@ -87,19 +96,23 @@ def test_esd_alpha_recovers_a_power_law_and_alphaq_prefers_heavy_tails():
         return torch.tensor(u @ np.diag(np.sqrt(ev)) @ v.T)
     heavy, light = esd_alpha(with_spectrum(2.0)), esd_alpha(with_spectrum(5.0))
     assert 1.5 < heavy < 2.6 and 3.5 < light < 7 and heavy < light
-    bits = alphaq(np.array([light, heavy, light, heavy]), np.ones(4), 6.0)
+    err = np.tile([0.1, 0.01], (4, 1))  # equal errors: only the spectra decide
+    bits = alphaq(np.array([light, heavy, light, heavy]), err, np.ones(4), (4, 8), 6.0)
     assert bits.tolist() == [4, 8, 4, 8]
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
-@pytest.mark.parametrize("bits,allocation", [(8, "uniform"), (4, "uniform"), (6, "pmq"), (6, "alphaq")])
-def test_apply_roundtrip_and_budget(family, bits, allocation, tmp_path):
+@pytest.mark.parametrize("bits,allocation,widths", [(8, "uniform", None), (4, "uniform", None), (3, "uniform", None),
+                                                    (6, "pmq", (4, 8)), (6, "alphaq", (4, 8)), (3, "pmq", (2, 3, 4)),
+                                                    (3, "random", (2, 3, 4))])
+def test_apply_roundtrip_and_budget(family, bits, allocation, widths, tmp_path):
     model = zoo.convert(tiny_native(family))
-    zoo.apply(model, "quantize", calibration=CAL, bits=bits, allocation=allocation, group_size=32)
-    widths = model.config.zoo_recipe[-1]["results"]["bits"]
-    flat = [b for layer in widths.values() for b in layer]
-    assert set(flat) <= {4, 8} and np.mean(flat) <= bits + 1e-9
-    if allocation != "uniform":
+    extra = {} if widths is None else {"widths": list(widths)}
+    zoo.apply(model, "quantize", calibration=CAL, bits=bits, allocation=allocation, group_size=32, **extra)
+    got = model.config.zoo_recipe[-1]["results"]["bits"]
+    flat = [b for layer in got.values() for b in layer]
+    assert set(flat) <= set(widths or [bits]) and np.mean(flat) <= bits + 1e-9
+    if bits == 6:
         assert set(flat) == {4, 8}  # a 6-bit average mixes both widths
     assert all(isinstance(m.experts, QuantizedExperts) for _, m in moe_layers(model))
     ids = CAL[0][:2]
@@ -124,7 +137,8 @@ def test_prune_then_quantize_compose(tmp_path):
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"bits": 3}, r"must be in \[4, 8\]"), ({"bits": 6}, "uniform allocation needs"),
+    ({"bits": 1}, r"must be in \[2, 8\]"), ({"bits": 6}, "uniform allocation needs"),
+    ({"bits": 3, "allocation": "pmq", "widths": [4, 8]}, r"must be in \[4, 8\]"), ({"widths": [5]}, "widths must be"),
     ({"allocation": "gptq"}, "allocation must be one of"), ({"group_size": 48}, "multiple of 32"),
     ({"group_size": 64}, "does not divide"), ({"bitz": 4}, "did you mean 'bits'"),
 ])

@@ -1,32 +1,38 @@
-"""Bit allocation across experts: uniform, PMQ (MC#: an integer linear program trading expert
-significance against quantization error under a bit budget) and AlphaQ (calibration-free, from each
-expert's heavy-tailed weight spectrum)."""
+"""Bit allocation across experts: PMQ (MC#) and AlphaQ, both as one multiple-choice program
+    minimise  sum_e importance_e * err_e(b_e)   s.t.  sum_e size_e * b_e <= avg_bits * sum_e size_e,
+    b_e in widths,
+solved exactly as a 0/1 integer program (one indicator per expert and width). PMQ takes its importance
+from calibration (how often and how strongly each expert is routed to); AlphaQ from each expert's
+heavy-tailed weight spectrum, without data."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-LOW, HIGH = 4, 8
+WIDTHS = (2, 3, 4, 8)
 
 
-def n_high(total: int, avg_bits: float) -> int:
-    """How many of ``total`` equal-size experts can take HIGH bits with the rest at LOW, within avg_bits."""
-    return int(np.floor(total * (avg_bits - LOW) / (HIGH - LOW) + 1e-9))
-
-
-def pmq(significance: np.ndarray, err_low: np.ndarray, err_high: np.ndarray, sizes: np.ndarray,
-        avg_bits: float) -> np.ndarray:
-    """MC#'s PMQ: choose one width per expert to minimise sum_e significance_e * err_e(width) subject to
-    sum_e size_e * width_e <= avg_bits * sum_e size_e. Solved exactly as a 0/1 program (x_e = 1: HIGH)."""
-    gain = significance * (err_low - err_high)  # objective drop when expert e goes from LOW to HIGH
-    budget = (avg_bits - LOW) * sizes.sum()
-    extra = (HIGH - LOW) * sizes
-    res = milp(c=-gain, constraints=LinearConstraint(extra[None, :], -np.inf, budget + 1e-6),
-               integrality=np.ones_like(gain), bounds=Bounds(0, 1))
+def allocate(importance: np.ndarray, err: np.ndarray, sizes: np.ndarray, widths, avg_bits: float) -> np.ndarray:
+    """err [experts, widths]: quantization error of each expert at each width. Returns one width per expert."""
+    widths = np.asarray(widths, dtype=float)
+    n, w = err.shape
+    if w != len(widths):
+        raise ValueError(f"err has {w} columns for {len(widths)} widths")
+    cost = (importance[:, None] * err).ravel()  # x[e * w + j] = 1: expert e takes widths[j]
+    one_each = np.kron(np.eye(n), np.ones(w))
+    bits = (sizes[:, None] * widths[None, :]).ravel()
+    res = milp(c=cost, integrality=np.ones(n * w), bounds=Bounds(0, 1),
+               constraints=[LinearConstraint(one_each, 1, 1),
+                            LinearConstraint(bits[None, :], -np.inf, avg_bits * sizes.sum() + 1e-6)])
     if not res.success:
-        raise RuntimeError(f"PMQ bit allocation failed: {res.message}")
-    return np.where(np.round(res.x) > 0, HIGH, LOW)
+        raise RuntimeError(f"bit allocation failed: {res.message}")
+    return widths[np.round(res.x).reshape(n, w).argmax(1)].astype(int)
+
+
+def pmq(significance: np.ndarray, err: np.ndarray, sizes: np.ndarray, widths, avg_bits: float) -> np.ndarray:
+    """MC#'s PMQ: significance (routing frequency x routing weight, from calibration) times error."""
+    return allocate(significance, err, sizes, widths, avg_bits)
 
 
 def esd_alpha(w: torch.Tensor, min_tail: int = 8) -> float:
@@ -35,7 +41,7 @@ def esd_alpha(w: torch.Tensor, min_tail: int = 8) -> float:
     ev = torch.linalg.svdvals(w.double()).pow(2).sort().values.numpy()
     ev = ev[ev > ev.max() * 1e-12]
     best = (np.inf, 2.0)
-    for i in range(0, max(1, len(ev) - min_tail)):
+    for i in range(max(1, len(ev) - min_tail)):
         tail = ev[i:]
         xmin = tail[0]
         alpha = 1 + len(tail) / np.log(tail / xmin).sum() if np.log(tail / xmin).sum() > 0 else np.inf
@@ -49,12 +55,7 @@ def esd_alpha(w: torch.Tensor, min_tail: int = 8) -> float:
     return float(best[1])
 
 
-def alphaq(alphas: np.ndarray, sizes: np.ndarray, avg_bits: float) -> np.ndarray:
-    """AlphaQ: heavier-tailed (smaller alpha, better trained) experts get HIGH bits first, within budget."""
-    bits = np.full(len(alphas), LOW)
-    budget = (avg_bits - LOW) * sizes.sum()
-    for e in np.argsort(alphas, kind="stable"):
-        cost = (HIGH - LOW) * sizes[e]
-        if cost <= budget + 1e-6:
-            bits[e], budget = HIGH, budget - cost
-    return bits
+def alphaq(alphas: np.ndarray, err: np.ndarray, sizes: np.ndarray, widths, avg_bits: float) -> np.ndarray:
+    """AlphaQ: heavier-tailed (smaller alpha, better-trained) experts weigh more in the error objective,
+    importance_e = mean(alpha) / alpha_e, so under the budget they are the ones kept at higher widths."""
+    return allocate(alphas.mean() / alphas, err, sizes, widths, avg_bits)

@@ -2,7 +2,11 @@
 
 Per expert and projection, a weight ``W [N, K]`` is stored as
   * 8 bits: ``int8 [N, K]`` with one scale per output channel (torch's int8 kernel is per-channel);
-  * 4 bits: torch's CPU int4 pack (``uint8 [N, K/2]``) with a bf16 scale and zero per ``group_size`` inputs.
+  * 4 bits: torch's CPU int4 pack (``uint8 [N, K/2]``) with a bf16 scale and zero per ``group_size`` inputs;
+  * 2 or 3 bits: the codes densely packed (``uint8 [N, K*bits/8]``, see ``zoo.moe.packing``) with the same
+    per-group scale and zero. torch has no 2/3-bit CPU kernel, so on first use each such weight is
+    expanded into the int4 pack (its codes fit in 0..15) and runs on the int4 kernel: 2/3 bits on disk
+    and in the saved model, 4 bits in the kernel's working copy.
 Experts in one layer may use different bit widths (mixed-precision allocation). Inputs get gradients
 (through the dequantized weight); the packed weights are frozen.
 """
@@ -10,9 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from zoo.moe.dispatch import gather_rows
 from zoo.moe.experts import SwiGLUExperts
+from zoo.moe.packing import pack, unpack
 
-BITS = (4, 8)
+BITS = (2, 3, 4, 8)
 
 
 def quantize_int8(w: torch.Tensor):
@@ -21,17 +27,24 @@ def quantize_int8(w: torch.Tensor):
     return q, scale
 
 
-def quantize_int4(w: torch.Tensor, group_size: int):
-    """Asymmetric per-group 4-bit codes (0..15); returns the packed weight and [K/g, N, 2] scale/zero."""
+def quantize_grouped(w: torch.Tensor, group_size: int, bits: int = 4):
+    """Asymmetric per-group codes in [0, 2**bits); returns the stored weight (torch's int4 pack for 4 bits,
+    dense 2/3-bit packing otherwise), the [K/g, N, 2] bf16 scale/zero and the codes."""
     n, k = w.shape
     g = w.float().view(n, k // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    # the kernel computes (q - 8) * scale + zero, so zero = lo + 8 * scale
+    top = 2 ** bits - 1
+    scale = ((hi - lo) / top).clamp(min=1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, top).to(torch.int32).view(n, k)
+    stored = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1) if bits == 4 else pack(q, bits)
+    # the int4 kernel computes (q - 8) * scale + zero, so zero = lo + 8 * scale (for every width)
     scale_zero = torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous()
-    return packed, scale_zero, q
+    return stored, scale_zero, q
+
+
+def int4_pack(bits: int, q: torch.Tensor, k: int) -> torch.Tensor:
+    """The int4-kernel form of a stored 2/3/4-bit weight."""
+    return q if bits == 4 else torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack(q, bits, k), 1)
 
 
 def dequantize(bits: int, q: torch.Tensor, scale: torch.Tensor, shape, group_size: int, codes=None):
@@ -39,6 +52,8 @@ def dequantize(bits: int, q: torch.Tensor, scale: torch.Tensor, shape, group_siz
     n, k = shape
     if bits == 8:
         return q.float() * scale.float()[:, None]
+    if codes is None and bits in (2, 3):
+        codes = unpack(q, bits, k)
     if codes is None:  # unpack by multiplying the identity: exact, and needs no knowledge of the pack layout
         eye = torch.eye(k, dtype=torch.float32)
         w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, q, group_size, scale.float())
@@ -74,10 +89,15 @@ def lowbit_linear(x, q, scale, bits, group_size, shape):
 
 
 class QuantizedExperts(SwiGLUExperts):
-    """SwiGLU experts with packed low-bit weights; ``bits`` gives each expert's width (4 or 8)."""
+    """SwiGLU experts with packed low-bit weights; ``bits`` gives each expert's width (2, 3, 4 or 8).
+
+    Experts of one width are stacked, e.g. ``gate_up_int8 [n8, 2I, H]`` with ``gate_up_int8_scale [n8, 2I]``
+    and ``gate_up_int4 [n4, 2I, H/2]`` with ``gate_up_int4_scale_zero [n4, H/g, 2I, 2]``, so one expert is
+    a view (eager prefill) and the selected ones are a gather (compiled decode, no host sync).
+    """
 
     name = "quantized"
-    summary = "Weight-only packed int8 / int4 experts with torch's CPU low-bit kernels, mixed widths per expert."
+    summary = "Weight-only packed 2/3/4/8-bit experts on torch's CPU int4/int8 kernels, mixed widths per expert."
     card = "cards/quantize.md"
     space = "compression-lab"
 
@@ -96,31 +116,38 @@ class QuantizedExperts(SwiGLUExperts):
         self.activation, self.swiglu_limit, self.swiglu_alpha = activation, swiglu_limit, swiglu_alpha
         self._act = ACTIVATIONS[activation]
         self.bits, self.group_size = bits, group_size
+        self.widths = sorted(set(bits))
+        self.slot = [bits[:e].count(b) for e, b in enumerate(bits)]  # expert e's position in its width's stack
         self.shapes = {"gate_up": (2 * intermediate_size, hidden_size), "down": (hidden_size, intermediate_size)}
-        for e, b in enumerate(bits):
+        for b in self.widths:
+            count = bits.count(b)
             for proj, (n, k) in self.shapes.items():
                 if b == 8:
-                    self.register_buffer(f"{proj}_q{e}", torch.zeros(n, k, dtype=torch.int8))
-                    self.register_buffer(f"{proj}_s{e}", torch.ones(n))
+                    self.register_buffer(f"{proj}_int8", torch.zeros(count, n, k, dtype=torch.int8))
+                    self.register_buffer(f"{proj}_int8_scale", torch.ones(count, n))
                 else:
-                    self.register_buffer(f"{proj}_q{e}", torch.zeros(n, k // 2, dtype=torch.uint8))
-                    self.register_buffer(f"{proj}_s{e}", torch.zeros(k // group_size, n, 2, dtype=torch.bfloat16))
+                    self.register_buffer(f"{proj}_int{b}", torch.zeros(count, n, k * b // 8, dtype=torch.uint8))
+                    self.register_buffer(f"{proj}_int{b}_scale_zero",
+                                         torch.zeros(count, k // group_size, n, 2, dtype=torch.bfloat16))
+        # index tables for the compiled gather path (not saved: ``bits`` rebuilds them)
+        self.register_buffer("width_of", torch.tensor(bits), persistent=False)
+        self.register_buffer("slot_of", torch.tensor(self.slot), persistent=False)
+        self._kernel_cache: dict = {}  # (proj, bits) -> int4-pack stack of 2/3-bit weights, built on first use
+        self.register_load_state_dict_post_hook(lambda module, keys: module._kernel_cache.clear())
         self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size)) if bias else None
         self.down_proj_bias = torch.nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
 
     @classmethod
     @torch.no_grad()
-    def from_dense(cls, experts: SwiGLUExperts, bits, group_size: int = 64) -> "QuantizedExperts":
+    def from_dense(cls, experts: SwiGLUExperts, bits, group_size: int = 64) -> QuantizedExperts:
         opts = experts.options()
         new = cls(bits=bits, group_size=group_size, **opts)
         for e, b in enumerate(new.bits):
             for proj, weight in (("gate_up", experts.gate_up_proj[e]), ("down", experts.down_proj[e])):
-                if b == 8:
-                    q, s = quantize_int8(weight)
-                else:
-                    q, s, _ = quantize_int4(weight, group_size)
-                getattr(new, f"{proj}_q{e}").copy_(q)
-                getattr(new, f"{proj}_s{e}").copy_(s)
+                q, s = quantize_int8(weight) if b == 8 else quantize_grouped(weight, group_size, b)[:2]
+                stored, scale = new.stored(proj, b)
+                stored[new.slot[e]].copy_(q)
+                scale[new.slot[e]].copy_(s)
         for name in ("gate_up_proj_bias", "down_proj_bias"):
             if getattr(experts, name) is not None:
                 getattr(new, name).copy_(getattr(experts, name))
@@ -131,24 +158,68 @@ class QuantizedExperts(SwiGLUExperts):
         opts.update(bits=list(self.bits), group_size=self.group_size)
         return opts
 
+    def stored(self, proj: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacked packed weights of one width and their scales (scale/zero below 8 bits)."""
+        suffix = "scale" if bits == 8 else "scale_zero"
+        return getattr(self, f"{proj}_int{bits}"), getattr(self, f"{proj}_int{bits}_{suffix}")
+
     def dequantized(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) in float: the reference for expert e."""
-        return tuple(dequantize(self.bits[e], getattr(self, f"{p}_q{e}"), getattr(self, f"{p}_s{e}"),
-                                self.shapes[p], self.group_size) for p in ("gate_up", "down"))
+        b, j = self.bits[e], self.slot[e]
+        return tuple(dequantize(b, self.stored(p, b)[0][j], self.stored(p, b)[1][j], self.shapes[p], self.group_size)
+                     for p in ("gate_up", "down"))
+
+    def _apply(self, fn, *args, **kwargs):
+        self._kernel_cache.clear()  # .to() / .bfloat16() move the stored weights: rebuild from them
+        return super()._apply(fn, *args, **kwargs)
+
+    def kernel_stack(self, proj: str, bits: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(weights, scales, kernel width) as the kernels read them: 2/3-bit stacks run on the int4 kernel."""
+        q, scale = self.stored(proj, bits)
+        if bits not in (2, 3):
+            return q, scale, bits
+        if (proj, bits) not in self._kernel_cache:
+            k = self.shapes[proj][1]
+            self._kernel_cache[proj, bits] = torch.stack([int4_pack(bits, w, k) for w in q]) if len(q) else q
+        return self._kernel_cache[proj, bits], scale, 4
+
+    def _linear(self, x, proj: str, bits: int, slot):
+        q, scale, kernel_bits = self.kernel_stack(proj, bits)
+        return lowbit_linear(x, q[slot], scale[slot], kernel_bits, self.group_size, self.shapes[proj])
+
+    def _expert_at(self, bits: int, slot, x: torch.Tensor, e) -> torch.Tensor:
+        h = self._linear(x, "gate_up", bits, slot)
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[e]
+        y = self._linear(self.glu(h), "down", bits, slot)
+        return y if self.down_proj_bias is None else y + self.down_proj_bias[e]
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        b1 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[e]
-        b2 = None if self.down_proj_bias is None else self.down_proj_bias[e]
-        h = lowbit_linear(x, getattr(self, f"gate_up_q{e}"), getattr(self, f"gate_up_s{e}"), self.bits[e],
-                          self.group_size, self.shapes["gate_up"])
-        if b1 is not None:
-            h = h + b1
-        y = lowbit_linear(self.glu(h), getattr(self, f"down_q{e}"), getattr(self, f"down_s{e}"), self.bits[e],
-                          self.group_size, self.shapes["down"])
-        return y if b2 is None else y + b2
+        return self._expert_at(self.bits[e], self.slot[e], x, e)
 
     def forward(self, hidden, routing):
-        return self._forward_sorted(hidden, routing)  # per-expert kernels; the compiled gather path is dense-only
+        tokens, k = routing.indices.shape
+        if torch.compiler.is_compiling() and tokens * k <= self.num_experts:
+            return self._forward_gather(hidden, routing)
+        for b in self.widths:  # build the 2/3-bit kernel stacks eagerly (prefill), never inside a compiled step
+            self.kernel_stack("gate_up", b), self.kernel_stack("down", b)
+        return self._forward_sorted(hidden, routing)
+
+    def _forward_gather(self, hidden, routing):
+        """Compiled decode: for each (token, slot) pick the selected expert's packed weights by index (a
+        gather, no host sync); with mixed widths every width is computed and masked to its own experts."""
+        idx, valid = gather_rows(routing.indices, self.num_experts)
+        k = routing.indices.shape[1]
+        w = torch.where(valid, routing.weights.reshape(-1), 0)
+        outs = []
+        for s in range(idx.shape[0]):  # T * k <= E slots, a static count
+            x = hidden[s // k: s // k + 1]
+            e, y = idx[s], 0
+            for b in self.widths:
+                y_b = self._expert_at(b, self.slot_of[e], x, e)
+                y = y_b if len(self.widths) == 1 else y + torch.where(self.width_of[e] == b, y_b, 0)
+            outs.append(y * w[s].to(y.dtype))
+        return torch.cat(outs).view(hidden.shape[0], k, -1).sum(1).to(hidden.dtype)
 
     def num_parameters(self) -> int:
         """Weights represented (as for dense experts); ``nbytes`` is what they really take."""
