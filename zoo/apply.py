@@ -68,6 +68,11 @@ def apply(model, name: str, calibration=None, **options):
     return model
 
 
+# Options a router class may accept that zoo.apply fills in per layer (recorded in the layout like any other):
+# the layer's index, and the selection rule it replaces (a router that wraps another one records it as `base`).
+LAYER_OPTIONS = {"layer": lambda i, old: i, "base": lambda i, old: old.options.get("base", old.name)}
+
+
 def _swap_routers(model, cls, options):
     """Build every new router first (any error leaves the model as it was), then swap them in.
 
@@ -78,11 +83,15 @@ def _swap_routers(model, cls, options):
     from zoo.moe.surgery import place_like
 
     accepted = set(accepted_options(cls, skip=("hidden_size", "num_experts", "top_k")))
+    given = sorted(set(options) & set(LAYER_OPTIONS))
+    if given:
+        raise ValueError(f"{', '.join(given)}: filled in by zoo.apply for each layer, not an option to pass")
     new = []
-    for _, moe in moe_layers(model):
+    for i, moe in moe_layers(model):
         old = moe.router
         opts = {k: v for k, v in old.options.items() if k in accepted}
         opts.update({k: v for k, v in options.items() if k != "top_k"})
+        opts.update({k: fill(i, old) for k, fill in LAYER_OPTIONS.items() if k in accepted})
         router = cls(old.hidden_size, old.num_experts, options.get("top_k", _default_k(cls, old.top_k)), **opts)
         mine = router.state_dict()
         carried = {k: v for k, v in old.state_dict().items() if k in mine and mine[k].shape == v.shape}

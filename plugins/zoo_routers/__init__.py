@@ -4,8 +4,14 @@ from zoo import hookimpl
 
 @hookimpl
 def register_routers(register):
+    from zoo_routers.expert_choice import ExpertChoice
     from zoo_routers.sigmoid_bias import SigmoidBias
+    from zoo_routers.steer import Steer
+    from zoo_routers.top_p import TopP
     from zoo_routers.topk_softmax import TopKSoftmax
 
     register(TopKSoftmax)
     register(SigmoidBias)
+    register(ExpertChoice)
+    register(TopP)
+    register(Steer)

@@ -1,0 +1,39 @@
+"""top-p: per token, the smallest set of experts (most probable first) whose softmax mass reaches p, at most
+``max_k`` of them, weights renormalised over the kept set. Fixed [T, max_k] output, empty slots marked E,
+and no host syncs, so it compiles with fullgraph=True."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from zoo.moe import Router, Routing
+
+
+class TopP(Router):
+    name = "top-p"
+    summary = "Top-p (top-any) routing: the fewest experts whose softmax mass reaches p, capped at max_k."
+    paper = ("Huang et al., Harder Tasks Need More Experts: Dynamic Routing in MoE Models, ACL 2024, "
+             "arXiv:2403.07652; Huang et al., MC#: Mixture Compressor for Mixture-of-Experts Large Models "
+             "(online top-any pruning), 2025, arXiv:2510.10962")
+    card = "cards/top-p.md"
+    space = "router-explorer"
+
+    def __init__(self, hidden_size, num_experts, top_k, p: float = 0.5, max_k: int | None = None, **options):
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1 or math.isnan(p):
+            raise ValueError(f"p must be a probability mass in (0, 1], got {p!r}")
+        if max_k is not None and (isinstance(max_k, bool) or not isinstance(max_k, int)
+                                  or not 1 <= max_k <= num_experts):
+            raise ValueError(f"max_k must be an integer in [1, {num_experts}] (or None for all experts), got {max_k!r}")
+        super().__init__(hidden_size, num_experts, top_k, p=float(p), max_k=max_k, **options)
+        self.p, self.max_k = float(p), int(num_experts if max_k is None else max_k)
+
+    def forward(self, hidden: torch.Tensor) -> Routing:
+        logits = self.gate_logits(hidden)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        top, order = probs.topk(self.max_k, dim=-1)  # most probable first
+        # Keep an expert while the mass of the more probable ones is still short of p: the first always stays.
+        keep = (top.cumsum(-1) - top) < self.p
+        weights = torch.where(keep, top, 0.0)
+        weights = weights / weights.sum(-1, keepdim=True)
+        indices = torch.where(keep, order, self.num_experts)
+        return Routing(weights=weights.to(hidden.dtype), indices=indices, logits=logits)
