@@ -1,0 +1,80 @@
+"""ewa: Experts Weights Averaging. While training, after every optimizer step each expert's weights move toward
+the mean of the layer's experts, ``W_e <- (1 - beta) W_e + beta * mean_j W_j``; at the end the MoE collapses
+into one FFN per layer whose weights are the experts' plain average.
+
+``zoo.apply(model, "ewa", beta=0.1)`` records the step; ``Ewa.from_model(model).register(optimizer, model)``
+then averages after every ``optimizer.step()`` (or call ``train_step(model)`` yourself).
+``zoo.apply(model, "ewa", collapse=True)`` collapses: each layer keeps one expert (the average), with top-1
+routing over that single expert. It stays a zoo model of the same family (saves, reloads and keeps its
+recipe; a Mixtral exports as a native Mixtral with one expert), and computes a dense FFN: a one-expert
+softmax router always gives weight 1. Shared experts are kept.
+"""
+from __future__ import annotations
+
+import torch
+
+from zoo import Adapter
+from zoo.layout import moe_layers
+from zoo.moe.surgery import merge_experts
+from zoo_adapters.upcycle import check_float
+
+
+def _averaged_rows(state: dict, mix: torch.Tensor) -> dict:
+    """The single merged expert's router state: ``mix`` [1, E] applied to every per-expert tensor."""
+    E = mix.shape[1]
+    return {k: (torch.einsum("ne,e...->n...", mix, v.float()).to(v.dtype) if v.dim() and v.shape[0] == E else v)
+            for k, v in state.items()}
+
+
+class Ewa(Adapter):
+    name = "ewa"
+    summary = "Experts Weights Averaging: pull experts toward their mean after each step; collapse to one FFN."
+    paper = ("Huang et al., Experts Weights Averaging: A New General Training Scheme for Vision Transformers, "
+             "2023, arXiv:2308.06093")
+    card = "cards/ewa.md"
+    space = "model-zoo"
+
+    def __init__(self, beta: float = 0.1, collapse: bool = False):
+        super().__init__(beta=beta, collapse=collapse)
+        self.beta = check_float("beta", beta, 0.0, 1.0)
+        if collapse is not True and collapse is not False:
+            raise ValueError(f"collapse must be true or false, got {collapse!r}")
+        self.collapse = collapse
+
+    def attach(self, model):
+        layers = self.check_model(model)
+        if self.collapse:
+            merged = [(i, merge_experts(moe, [list(range(moe.num_experts))], [[1.0] * moe.num_experts],
+                                        _averaged_rows)) for i, moe in layers]
+            for i, block in merged:  # swap only once every layer is built
+                model.model.layers[i].mlp = block
+        return model
+
+    def check_model(self, model):
+        layers = moe_layers(model)
+        if not layers:
+            raise TypeError("ewa needs an MoE model (a zoo model with SparseMoE layers)")
+        for i, moe in layers:
+            if moe.experts.name != "swiglu":
+                raise TypeError(f"ewa averages dense expert weights; layer {i} has {moe.experts.name!r} experts")
+        return layers
+
+    @torch.no_grad()
+    def train_step(self, model) -> None:
+        """One averaging step on every MoE layer: ``W_e <- (1 - beta) W_e + beta * mean_j W_j``."""
+        for _, moe in self.check_model(model):
+            for p in moe.experts.parameters():  # gate_up_proj, down_proj (and biases): experts on dim 0
+                p.lerp_(p.float().mean(0, keepdim=True).to(p.dtype), self.beta)
+
+    def register(self, optimizer, model):
+        """Average after every ``optimizer.step()``; returns the hook handle (``.remove()`` to stop)."""
+        return optimizer.register_step_post_hook(lambda opt, args, kwargs: self.train_step(model))
+
+    @classmethod
+    def from_model(cls, model) -> Ewa:
+        """The training-time EWA recorded in the model's recipe (the last ``ewa`` step without collapse)."""
+        steps = [s for s in model.config.zoo_recipe or [] if s["name"] == cls.name
+                 and not s["options"].get("collapse", False)]
+        if not steps:
+            raise ValueError("no training-time ewa step in this model's recipe: zoo.apply(model, 'ewa', beta=...)")
+        return cls(beta=steps[-1]["options"].get("beta", 0.1))

@@ -1,0 +1,222 @@
+"""upcycle: Sparse Upcycling. A dense Mistral model becomes a zoo Mixtral model: every layer's FFN is copied
+into ``num_experts`` experts (optionally perturbed) behind a new router; attention, norms and embeddings are
+copied unchanged.
+
+Identical experts and renormalised top-k weights (Mixtral's router) make the upcycled model compute the dense
+model's function at init, whatever the router picks; training then lets the experts drift apart, because each
+one only gets the gradient of the tokens routed to it.
+
+Router init: ``gate="random"`` draws N(0, initializer_range) rows (the Sparse Upcycling recipe);
+``gate="hidden"`` is mergekit's ``hidden`` gate mode, with the hidden state the router itself will see: each
+expert's row is the mean MLP input (after the post-attention norm) over that expert's prompts, minus the mean
+of all experts' rows (the other experts' prompts act as mergekit's negative prompts), scaled to unit norm.
+Default prompts: windows of the shipped corpus' *train* split, expert e from domain ``DOMAINS[e % 2]``.
+"""
+from __future__ import annotations
+
+import torch
+
+from zoo import Adapter
+
+GATES = ("random", "hidden")
+PROMPT_WINDOWS, PROMPT_LEN = 4, 128  # default prompts: per expert, 4 corpus windows of 128 tokens
+
+
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        span = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {span}, got {value!r}")
+    return value
+
+
+def check_float(name: str, value, low: float, high: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= (high or float("inf")):
+        span = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be a number in {span}, got {value!r}")
+    return float(value)
+
+
+def dense_mlps(model, who: str):
+    """The FFNs of a dense Mistral model, or a TypeError saying what ``who`` accepts."""
+    from transformers import MistralForCausalLM
+
+    if not isinstance(model, MistralForCausalLM):
+        raise TypeError(f"{who} needs a dense Mistral model (e.g. zoo.load('zoo-tiny-dense')), "
+                        f"got {type(model).__name__}")
+    if model.config.hidden_act != "silu":
+        raise TypeError(f"{who} needs SwiGLU FFNs (hidden_act='silu'), got {model.config.hidden_act!r}")
+    return [layer.mlp for layer in model.model.layers]
+
+
+@torch.no_grad()
+def to_mixtral(dense, blocks: list[tuple], top_k: int, router_aux_loss_coef: float):
+    """A zoo Mixtral holding a copy of ``dense``'s attention, norm and embedding weights, and per layer the
+    given ``(router [E, H], gate_up_proj [E, 2I, H], down_proj [E, H, I])``. The dense model is left as it was."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from zoo.convert import convert
+
+    _, gate_up, down = blocks[0]
+    skip = {"model_type", "transformers_version", "architectures"}
+    values = {k: v for k, v in dense.config.to_dict().items()
+              if k in MixtralConfig.__dataclass_fields__ and k not in skip}
+    values.update(num_local_experts=gate_up.shape[0], num_experts_per_tok=top_k, intermediate_size=down.shape[2],
+                  router_aux_loss_coef=router_aux_loss_coef)
+    config = MixtralConfig(**values)
+    config._attn_implementation = dense.config._attn_implementation
+    config._name_or_path = dense.config._name_or_path
+    with torch.device("meta"):
+        model = convert(MixtralForCausalLM(config))
+    state = {k: v.clone() for k, v in dense.state_dict().items() if ".mlp." not in k}
+    for i, (router, gate_up, down) in enumerate(blocks):
+        prefix = f"model.layers.{i}.mlp."
+        state.update({prefix + "router.weight": router, prefix + "experts.gate_up_proj": gate_up,
+                      prefix + "experts.down_proj": down})
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    buffers = dict(dense.named_buffers())
+    for name, buf in list(model.named_buffers()):  # non-persistent buffers (rotary inv_freq) are not in the state
+        if buf.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = buffers[name].clone()
+    model.generation_config = dense.generation_config
+    model.train(dense.training)
+    return model
+
+
+def ffn_weights(mlp) -> tuple[torch.Tensor, torch.Tensor]:
+    """A SwiGLU FFN's weights in the fused expert layout: ``gate_up [2I, H]`` (gate rows first), ``down [H, I]``."""
+    return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight
+
+
+def model_tokenizer(model):
+    """The model's own tokenizer where its folder has one, else the zoo's."""
+    from transformers import AutoTokenizer
+
+    from zoo.data.tokenizer import load_tokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model.config._name_or_path)
+    except (OSError, ValueError):  # no folder, or no tokenizer in it
+        return load_tokenizer()
+
+
+class Upcycle(Adapter):
+    name = "upcycle"
+    summary = "Sparse Upcycling: copy each dense FFN into E experts behind a new router (random or hidden-state init)."
+    paper = ("Komatsuzaki et al., Sparse Upcycling: Training Mixture-of-Experts from Dense Checkpoints, ICLR 2023, "
+             "arXiv:2212.05055; Liew et al., Scaling Laws for Upcycling Mixture-of-Experts Language Models, "
+             "ICML 2025, arXiv:2502.03009")
+    card = "cards/upcycle.md"
+    space = "model-zoo"
+    accepts_dense = True  # zoo.apply passes the dense model as it is (no zoo.convert first)
+
+    def __init__(self, num_experts: int = 8, top_k: int = 2, gate: str = "random", noise: float = 0.0,
+                 prompts: list | None = None, seed: int = 0, router_aux_loss_coef: float = 0.01):
+        super().__init__(num_experts=num_experts, top_k=top_k, gate=gate, noise=noise, prompts=prompts, seed=seed,
+                         router_aux_loss_coef=router_aux_loss_coef)
+        self.num_experts = check_int("num_experts", num_experts, 1)
+        self.top_k = check_int("top_k", top_k, 1, num_experts)
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+        self.gate = gate
+        self.noise = check_float("noise", noise, 0.0)
+        self.seed = check_int("seed", seed, 0)
+        self.router_aux_loss_coef = check_float("router_aux_loss_coef", router_aux_loss_coef, 0.0)
+        if prompts is not None:
+            if gate != "hidden":
+                raise ValueError("prompts are only used by gate='hidden'")
+            if not isinstance(prompts, (list, tuple)) or len(prompts) != num_experts:
+                raise ValueError(f"prompts must be a list of {num_experts} items (one per expert: a text, a list of "
+                                 "texts, or a list of token ids)")
+        self.prompts = prompts
+        self.results = {}
+
+    @torch.no_grad()
+    def attach(self, model):
+        mlps = dense_mlps(model, self.name)
+        E = self.num_experts
+        g = torch.Generator().manual_seed(self.seed)
+        routers = self.router_rows(model, mlps, g)
+        blocks = []
+        for mlp, router in zip(mlps, routers):
+            gate_up, down = ffn_weights(mlp)
+            gate_up, down = gate_up.expand(E, *gate_up.shape).clone(), down.expand(E, *down.shape).clone()
+            if self.noise:
+                for w in (gate_up, down):
+                    w += self.noise * w.float().std() * torch.randn(w.shape, generator=g).to(w.dtype)
+            blocks.append((router.to(gate_up.dtype), gate_up, down))
+        return to_mixtral(model, blocks, self.top_k, self.router_aux_loss_coef)
+
+    def router_rows(self, model, mlps, g) -> list[torch.Tensor]:
+        H, E = model.config.hidden_size, self.num_experts
+        if self.gate == "random":
+            std = model.config.initializer_range
+            self.results = {"router_init": f"random N(0, {std}^2)"}
+            return [torch.randn(E, H, generator=g) * std for _ in mlps]
+        per_expert, described = self.expert_prompts(model)
+        self.results = {"router_init": "hidden", "router_prompts": described}
+        sums = torch.zeros(len(mlps), E, H, dtype=torch.float64)
+        for e, batches in enumerate(per_expert):
+            sums[:, e] = mean_mlp_inputs(model, mlps, batches)
+        if E > 1:
+            sums -= sums.mean(dim=1, keepdim=True)
+        rows = sums / sums.norm(dim=-1, keepdim=True).clamp(min=1e-8)
+        return [r.float() for r in rows]
+
+    def expert_prompts(self, model) -> tuple[list[list[torch.Tensor]], str]:
+        """Per expert, a list of token batches ``[B, S]``, and a description for the recipe."""
+        if self.prompts is not None:
+            tok = None
+            out = []
+            for item in self.prompts:
+                items = [item] if isinstance(item, str) or (item and isinstance(item[0], int)) else list(item)
+                batches = []
+                for p in items:
+                    if isinstance(p, str):
+                        tok = tok or model_tokenizer(model)
+                        p = tok(p)["input_ids"]
+                    batches.append(torch.tensor([list(p)], dtype=torch.long))
+                if any(b.numel() == 0 or b.min() < 0 or b.max() >= model.config.vocab_size for b in batches):
+                    raise ValueError(f"prompts must be non-empty with token ids in [0, {model.config.vocab_size}) "
+                                     "(texts are tokenized with the model's tokenizer, else the zoo's)")
+                out.append(batches)
+            return out, f"{len(out)} user prompt sets"
+        from zoo import calibration
+        from zoo.data.corpus import DOMAINS
+        from zoo.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer()
+        if model.config.vocab_size != len(tok):
+            raise ValueError("gate='hidden' without prompts uses the zoo corpus, tokenized for the zoo's own "
+                             f"models (vocab {len(tok)}); this model's vocab is {model.config.vocab_size}: pass prompts")
+        out = []
+        for e in range(self.num_experts):
+            spec = calibration.corpus(DOMAINS[e % len(DOMAINS)], PROMPT_WINDOWS * PROMPT_LEN, PROMPT_LEN, self.seed + e)
+            out.append(calibration.batches(spec, tok))
+        return out, (f"zoo corpus train split: per expert {PROMPT_WINDOWS} windows of {PROMPT_LEN} tokens, expert e "
+                     f"from {DOMAINS[0]} (e even) or {DOMAINS[1]} (e odd), seed {self.seed} + e")
+
+
+@torch.no_grad()
+def mean_mlp_inputs(model, mlps, batches) -> torch.Tensor:
+    """[L, H] mean over all tokens of ``batches`` of each layer's FFN input."""
+    sums = torch.zeros(len(mlps), model.config.hidden_size, dtype=torch.float64)
+    count = 0
+
+    def hook(module, args, i):
+        sums[i] += args[0].reshape(-1, args[0].shape[-1]).double().sum(0)
+
+    handles = [m.register_forward_pre_hook(lambda mod, args, i=i: hook(mod, args, i)) for i, m in enumerate(mlps)]
+    was_training = model.training
+    model.eval()
+    try:
+        for ids in batches:
+            model(input_ids=ids.to(model.device))
+            count += ids.numel()
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return sums / max(count, 1)
