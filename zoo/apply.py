@@ -58,8 +58,8 @@ def apply(model, name: str, calibration=None, **options):
         component = cls(**options)
         model = component.compress(convert(model), calibration=calibration)
     else:
-        component = cls(**options)
-        model = component.attach(convert(model))
+        component = cls(**options)  # an adapter that builds an MoE from a dense model gets it unconverted
+        model = component.attach(model if getattr(cls, "accepts_dense", False) else convert(model))
     step = {"name": name, "kind": reg.kind, "options": _jsonable(options), "calibration": describe(calibration)}
     if getattr(component, "results", None):
         step["results"] = component.results
