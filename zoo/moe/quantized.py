@@ -88,6 +88,12 @@ def lowbit_linear(x, q, scale, bits, group_size, shape):
     return y.view(*lead, shape[0])
 
 
+def pick(stack: torch.Tensor, i) -> torch.Tensor:
+    """stack[i] for a Python int (a view) or a 0-d index tensor (a gather with a static shape: indexing by
+    a tensor scalar would make the compiler read its value on the host)."""
+    return stack[i] if isinstance(i, int) else stack.index_select(0, i.reshape(1))[0]
+
+
 class QuantizedExperts(SwiGLUExperts):
     """SwiGLU experts with packed low-bit weights; ``bits`` gives each expert's width (2, 3, 4 or 8).
 
@@ -185,14 +191,14 @@ class QuantizedExperts(SwiGLUExperts):
 
     def _linear(self, x, proj: str, bits: int, slot):
         q, scale, kernel_bits = self.kernel_stack(proj, bits)
-        return lowbit_linear(x, q[slot], scale[slot], kernel_bits, self.group_size, self.shapes[proj])
+        return lowbit_linear(x, pick(q, slot), pick(scale, slot), kernel_bits, self.group_size, self.shapes[proj])
 
     def _expert_at(self, bits: int, slot, x: torch.Tensor, e) -> torch.Tensor:
         h = self._linear(x, "gate_up", bits, slot)
         if self.gate_up_proj_bias is not None:
-            h = h + self.gate_up_proj_bias[e]
+            h = h + pick(self.gate_up_proj_bias, e)
         y = self._linear(self.glu(h), "down", bits, slot)
-        return y if self.down_proj_bias is None else y + self.down_proj_bias[e]
+        return y if self.down_proj_bias is None else y + pick(self.down_proj_bias, e)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self._expert_at(self.bits[e], self.slot[e], x, e)
@@ -216,8 +222,9 @@ class QuantizedExperts(SwiGLUExperts):
             x = hidden[s // k: s // k + 1]
             e, y = idx[s], 0
             for b in self.widths:
-                y_b = self._expert_at(b, self.slot_of[e], x, e)
-                y = y_b if len(self.widths) == 1 else y + torch.where(self.width_of[e] == b, y_b, 0)
+                slot = pick(self.slot_of, e).clamp(max=self.bits.count(b) - 1)  # in range even when masked out
+                y_b = self._expert_at(b, slot, x, e)
+                y = y_b if len(self.widths) == 1 else y + torch.where(pick(self.width_of, e) == b, y_b, 0)
             outs.append(y * w[s].to(y.dtype))
         return torch.cat(outs).view(hidden.shape[0], k, -1).sum(1).to(hidden.dtype)
 
