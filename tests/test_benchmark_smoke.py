@@ -12,3 +12,15 @@ def test_moe_block_benchmark_smoke():
     table = [line for line in run.stdout.splitlines() if line.strip().startswith(("1 ", "16 "))]
     assert len(table) == 4, run.stdout  # T in {1, 16} x {fp32, bf16}
     assert "zoo target ratio" in run.stdout
+
+
+def test_decode_benchmark_smoke():
+    script = SCRIPT.parent / "decode.py"
+    run = subprocess.run([sys.executable, str(script), "--smoke", "--threads", "1"], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("mixtral-smoke ")]
+    engines = ["transformers eager", "transformers grouped_mm", "zoo bf16 eager", "zoo bf16 compiled",
+               "zoo int8 compiled", "zoo int4 compiled"]
+    assert [e for e in engines if any(e in r for r in rows)] == engines, run.stdout
+    assert all(r.split()[-1] == "yes" for r in rows[:4]), run.stdout  # bf16 engines: same greedy tokens

@@ -155,12 +155,42 @@ def apply(src, steps, out):
     click.echo(f"saved to {out}")
 
 
+@cli.command()
+@click.argument("model")
+@click.option("--adapter", required=True, help="Adapter to train, as NAME[:k=v,...] (e.g. lora-experts:r=8).")
+@click.option("--domain", type=click.Choice(["english", "code"]), required=True, help="Corpus domain to train on.")
+@click.option("--steps", default=100, show_default=True, help="Optimizer steps.")
+@click.option("--lr", default=1e-3, show_default=True, help="Peak learning rate (warm-up, then cosine).")
+@click.option("--batch-size", default=8, show_default=True)
+@click.option("--seq-len", default=256, show_default=True)
+@click.option("--windows", default=24, show_default=True, help="Held-out windows per domain for perplexity.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--threads", type=int, help="torch threads (default: torch's choice).")
+@click.option("--merge", is_flag=True, help="Merge the adapter into the weights before saving (if it can).")
+@click.option("--out", help="Folder to save to (default runs/finetune-<adapter>-<domain>).")
+def finetune(model, adapter, domain, steps, lr, batch_size, seq_len, windows, seed, threads, merge, out):
+    """Fine-tune MODEL with an adapter on one domain; print held-out perplexity before/after; save to --out."""
+    from zoo.finetune import finetune as run
+
+    name, options = parse_step(adapter)
+    out = out or f"runs/finetune-{name}-{domain}"
+    try:
+        result = run(model, name, options, domain=domain, steps=steps, lr=lr, batch_size=batch_size,
+                     seq_len=seq_len, windows=windows, seed=seed, threads=threads, out=out, merge=merge)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise click.ClickException(f"{name}: {exc}") from None
+    click.echo(result.table())
+    click.echo(f"trained {result.trainable_params:,} parameters for {steps} steps in {result.seconds:.0f}s; "
+               f"saved to {out}")
+
+
 def _add_builtin_commands():
     from zoo.demo_cli import demo
+    from zoo.generate_cli import generate
     from zoo.tour import tour
     from zoo.train_cli import train
 
-    for command in (tour, train, demo):
+    for command in (tour, train, demo, generate):
         cli.add_command(command)
 
 

@@ -63,6 +63,18 @@ def dequantize(bits: int, q: torch.Tensor, scale: torch.Tensor, shape, group_siz
     return ((codes.view(n, k // group_size, group_size).float() - 8) * s[..., None] + z[..., None]).view(n, k)
 
 
+@torch.library.custom_op("zoo::int8_weight_mm", mutates_args=())
+def int8_weight_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """torch's int8 weight-pack matmul as an opaque op: inductor's own lowering of it fails on a gathered
+    (unrealised) scale inside the compiled decode step, so the compiler just calls the kernel."""
+    return torch.ops.aten._weight_int8pack_mm(x, q, scale.to(x.dtype))
+
+
+@int8_weight_mm.register_fake
+def _(x, q, scale):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
 class _LowBitLinear(torch.autograd.Function):
     """y = x @ W.T with a packed W; backward gives x its gradient through the dequantized weight."""
 
@@ -71,7 +83,7 @@ class _LowBitLinear(torch.autograd.Function):
         ctx.save_for_backward(q, scale)
         ctx.meta = (bits, group_size, shape)
         if bits == 8:
-            return torch.ops.aten._weight_int8pack_mm(x, q, scale.to(x.dtype))
+            return int8_weight_mm(x, q, scale)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, group_size, scale.to(x.dtype))
 
     @staticmethod

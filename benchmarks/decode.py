@@ -1,0 +1,138 @@
+"""CPU decode and prefill speed, one table, one run: transformers' own Mixtral (eager and grouped_mm
+experts, dynamic cache) against the zoo model eager and with the compiled static-cache decode step, in
+bf16 and with int8 / int4 experts; llama.cpp rows where ``llama_cpp`` and a GGUF of the same weights exist.
+
+    python benchmarks/decode.py                     # the Mixtral-shaped 304M model and zoo-tiny-moe
+    python benchmarks/decode.py --profile           # also: where one compiled decode step spends its time
+    python benchmarks/decode.py --smoke             # tiny sizes, seconds (the test suite runs this)
+
+Decode tok/s = (new tokens - 1) / (time of the full run - time of a 1-token run), greedy, batch 1.
+Prefill tok/s = prompt tokens / time of one eager forward over a 256-token prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+
+import zoo
+from zoo.decode import timed_generate
+
+
+def mixtral_shaped(smoke: bool) -> MixtralForCausalLM:
+    """The random model of issue #6 (hidden 1024, intermediate 2816, 8 experts top-2, 4 layers, 16/4 heads,
+    vocab 8192, 304M parameters), seeded; a miniature of it with --smoke."""
+    size = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=512) if smoke else dict(hidden_size=1024, intermediate_size=2816,
+                                                    num_attention_heads=16, num_key_value_heads=4, vocab_size=8192)
+    cfg = MixtralConfig(**size, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
+                        max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)  # spread the routing over the experts
+    return model.to(torch.bfloat16)
+
+
+def native(model, impl: str):
+    m = copy.deepcopy(model)
+    m.config._experts_implementation = impl  # MixtralExperts dispatches on it at each call
+    for layer in m.model.layers:
+        layer.mlp.experts.config = m.config
+    return m
+
+
+@torch.no_grad()
+def prefill_tok_s(model, tokens: int, vocab: int, repeats: int = 3) -> float:
+    ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        model(input_ids=ids)
+        times.append(time.perf_counter() - t)
+    return tokens / statistics.median(times)
+
+
+def engines(model):
+    """(label, model, compile) for every engine, from one native model: the weights are the same in all."""
+    base = zoo.convert(copy.deepcopy(model)).eval()
+    # every copy is made before anything compiles (a deepcopy would carry transformers' cached compiled call)
+    quantized = {bits: zoo.apply(copy.deepcopy(base), "quantize", bits=bits) for bits in (8, 4)}
+    return [("transformers eager", native(model, "eager"), False),
+            ("transformers grouped_mm", native(model, "grouped_mm"), False),
+            ("zoo bf16 eager", base, False), ("zoo bf16 compiled", base, True),
+            *((f"zoo int{bits} compiled", m, True) for bits, m in quantized.items())]
+
+
+@torch.no_grad()
+def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int) -> list:
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
+    rows, reference = [], None
+    for label, m, compiled in engines(model):
+        torch._dynamo.reset()
+        r = timed_generate(m, ids, new_tokens, compile=compiled)
+        reference = r["tokens"] if reference is None else reference
+        rows.append({"model": name, "engine": label, "decode": r["decode_tok_s"],
+                     "prefill": prefill_tok_s(m, prefill, vocab), "compile_s": r["warmup_s"] if compiled else None,
+                     "first_ms": r["first_token_s"] * 1e3, "same": bool(torch.equal(r["tokens"], reference))})
+        print(f"  {name}: {label} done ({r['decode_tok_s']:.0f} tok/s)", flush=True)
+    return rows
+
+
+def profile_step(model, steps: int = 16) -> str:
+    """Where the compiled decode step spends its time (CPU profiler over a few steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(3, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    timed_generate(model, ids, steps)  # compile first
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        zoo.decode.generate(model, ids, max_new_tokens=steps, min_new_tokens=steps)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--prefill", type=int, default=256)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, for the test suite")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--skip-shipped", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.new_tokens, args.prefill = 8, 32
+    models = [("mixtral-304M" if not args.smoke else "mixtral-smoke", mixtral_shaped(args.smoke))]
+    if not args.skip_shipped and not args.smoke:
+        models.append(("zoo-tiny-moe", zoo.load("zoo-tiny-moe", convert=False).eval()))
+    rows = []
+    for name, model in models:
+        rows += run_model(name, model, args.new_tokens, args.prompt, args.prefill)
+    print(f"\n{args.new_tokens} greedy tokens after a {args.prompt}-token prompt, batch 1; prefill {args.prefill} "
+          f"tokens; torch threads {args.threads}; ratios to transformers eager bf16 of the same model")
+    head = (f"{'model':14} {'engine':24} {'decode tok/s':>12} {'ratio':>6} {'prefill tok/s':>13} {'ratio':>6} "
+            f"{'compile s':>9} {'1st token ms':>12} {'same tokens':>11}")
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        ref = next(x for x in rows if x["model"] == r["model"] and x["engine"] == "transformers eager")
+        compile_s = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
+        print(f"{r['model']:14} {r['engine']:24} {r['decode']:12.1f} {r['decode'] / ref['decode']:6.2f} "
+              f"{r['prefill']:13.0f} {r['prefill'] / ref['prefill']:6.2f} {compile_s:>9} {r['first_ms']:12.1f} "
+              f"{'yes' if r['same'] else 'no':>11}")
+    print("(same tokens: equal to the first engine's greedy tokens; quantized experts may differ by design)")
+    print("llama.cpp: not measured in this run (llama_cpp is not installed here; see the closing note of #6)")
+    if args.profile:
+        model = zoo.convert(copy.deepcopy(models[0][1])).eval()
+        print("\nprofile of the compiled bf16 decode step (16 steps):\n" + profile_step(model))
+
+
+if __name__ == "__main__":
+    main()
