@@ -4,4 +4,10 @@ from zoo import hookimpl
 
 @hookimpl
 def register_adapters(register):
-    pass
+    from zoo_adapters.ewa import Ewa
+    from zoo_adapters.moefy import Moefy
+    from zoo_adapters.upcycle import Upcycle
+
+    register(Upcycle)
+    register(Ewa)
+    register(Moefy)
