@@ -23,6 +23,7 @@ DEFAULT_PLUGINS = (
     "zoo_routers",
     "zoo_compressors",
     "zoo_adapters",
+    "zoo_multimodal",
 )
 
 pm = pluggy.PluginManager("moe_zoo")

@@ -1,0 +1,27 @@
+"""First-party multimodal plugin: modality-group experts (MoHAVE), hierarchical-modality and
+language-conditioned (Parrot) routers, the ``zoo_mm`` architecture, a group-restricted pruner, and the
+``moe-zoo digits-mm`` commands (data, training, evaluation)."""
+from zoo import hookimpl
+
+
+@hookimpl
+def register_architectures(register):
+    from zoo_multimodal.modeling_zoo_mm import ZooMMForCausalLM
+
+    register(ZooMMForCausalLM._zoo_family)
+
+
+@hookimpl
+def register_experts(register):
+    from zoo_multimodal.modality_groups import ModalityGroupExperts
+
+    register(ModalityGroupExperts)
+
+
+@hookimpl
+def register_routers(register):
+    from zoo_multimodal.hierarchical_modality import HierarchicalModality
+    from zoo_multimodal.language_conditioned import LanguageConditioned
+
+    register(HierarchicalModality)
+    register(LanguageConditioned)

@@ -1,0 +1,67 @@
+"""hierarchical-modality: MoHAVE's two-level routing over modality expert groups.
+
+A group gate ``group_weight [G, H]`` scores the groups from the token itself and keeps the ``top_groups``
+best (their softmax weights renormalised); inside each kept group the expert gate ``weight [E, H]`` keeps the
+top ``top_k // top_groups`` experts (softmax within the group, renormalised). A slot's weight is
+group weight x in-group weight. ``logits`` are the log-probabilities of the full two-level distribution,
+``log p(group) + log p(expert | group)``, so the balance loss and statistics see one [T, E] distribution.
+No host syncs: every shape is fixed by the options.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.moe import Router, Routing
+
+
+class HierarchicalModality(Router):
+    name = "hierarchical-modality"
+    summary = "MoHAVE two-level routing: a group gate picks modality groups, then top-k inside each kept group."
+    paper = ("Kim et al., MoHAVE: Mixture of Hierarchical Audio-Visual Experts for Robust Speech Recognition, "
+             "ICML 2025, arXiv:2502.10447")
+    card = "cards/hierarchical-modality.md"
+    space = "multimodal-digits"
+
+    def __init__(self, hidden_size, num_experts, top_k, group_sizes: list[int] | None = None, top_groups: int = 1,
+                 **options):
+        group_sizes = [int(n) for n in (group_sizes or [num_experts])]
+        top_groups = int(top_groups)
+        if sum(group_sizes) != num_experts or min(group_sizes) < 1:
+            raise ValueError(f"group_sizes {group_sizes} must be positive and sum to num_experts={num_experts}")
+        if not 1 <= top_groups <= len(group_sizes) or top_k % top_groups:
+            raise ValueError(f"top_groups={top_groups} must be in [1, {len(group_sizes)}] and divide top_k={top_k}")
+        if top_k // top_groups > min(group_sizes):
+            raise ValueError(f"{top_k // top_groups} experts per group but the smallest group has {min(group_sizes)}")
+        super().__init__(hidden_size, num_experts, top_k, group_sizes=group_sizes, top_groups=top_groups, **options)
+        self.group_sizes, self.top_groups = group_sizes, top_groups
+        self.group_weight = nn.Parameter(torch.empty(len(group_sizes), hidden_size))
+        nn.init.normal_(self.group_weight, std=0.02)
+        self.group_of = [g for g, n in enumerate(group_sizes) for _ in range(n)]  # plain list: no meta buffers
+
+    def membership(self, device) -> torch.Tensor:
+        """[G, E] bool: expert e belongs to group g."""
+        group_of = torch.tensor(self.group_of, device=device)
+        return group_of[None, :] == torch.arange(len(self.group_sizes), device=device)[:, None]
+
+    def group_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.group_weight)
+
+    def forward(self, hidden: torch.Tensor) -> Routing:
+        tokens, member = hidden.shape[0], self.membership(hidden.device)
+        g_logits = self.group_logits(hidden).float()  # [T, G]
+        e_logits = self.gate_logits(hidden).float()  # [T, E]
+        in_group = e_logits[:, None, :].masked_fill(~member, float("-inf")).log_softmax(-1)  # [T, G, E]
+        g_top, g_idx = g_logits.topk(self.top_groups, dim=-1)  # [T, g]
+        g_w = g_top.softmax(-1)
+        kept = in_group.gather(1, g_idx[..., None].expand(-1, -1, self.num_experts))  # [T, g, E]
+        e_top, e_idx = kept.topk(self.top_k // self.top_groups, dim=-1)  # [T, g, k/g]
+        e_w = e_top.softmax(-1)  # in-group weights renormalised over the kept experts
+        weights = (g_w[..., None] * e_w).reshape(tokens, self.top_k)
+        logits = g_logits.log_softmax(-1) @ member.to(g_logits.dtype) + in_group.amax(1)  # amax: own group
+        return Routing(weights=weights.to(hidden.dtype), indices=e_idx.reshape(tokens, self.top_k), logits=logits)
+
+    def group_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, G] the group gate's softmax (what the usage plots show)."""
+        return self.group_logits(hidden).float().softmax(-1)
