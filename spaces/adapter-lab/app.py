@@ -1,0 +1,124 @@
+"""adapter-lab: fine-tune the embedded model live with any adapter, on one domain, for a few steps, and see
+held-out perplexity per domain before/after, the training loss, and expert usage before/after.
+
+Each run attaches the adapter (``zoo.apply``) to a fresh copy of the base model and trains it with
+``zoo.finetune.finetune``, the code behind ``moe-zoo finetune``. Models load lazily, on first use.
+"""
+import copy
+import functools
+import os
+
+import click
+import gradio as gr
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+
+import zoo
+from zoo.apply import find
+from zoo.cli import parse_step
+from zoo.data.corpus import DOMAINS
+from zoo.finetune import finetune
+from zoo.options import accepted_options
+from zoo.registry import get_model
+
+MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
+DENSE = "zoo-tiny-dense"  # for adapters that build an MoE from a dense model (upcycle, moefy)
+WINDOWS = int(os.environ.get("MOE_ZOO_LAB_WINDOWS", "4"))
+BATCH, SEQ_LEN, MAX_STEPS = 4, 128, 60
+DEFAULT_OPTIONS = {"lora-experts": "r=8,alpha=16"}
+
+
+def models() -> list[str]:
+    dense = get_model(DENSE).local_path
+    return [MODEL] + ([DENSE] if dense and os.path.isfile(os.path.join(dense, "config.json")) else [])
+
+
+@functools.cache
+def base(name: str):
+    return zoo.load(name, dtype=torch.float32).eval()
+
+
+def adapter_info(adapter: str):
+    """Default options and the model that suits the adapter (a dense one for dense -> MoE adapters)."""
+    cls = find(adapter).obj
+    dense = getattr(cls, "accepts_dense", False) and DENSE in models()
+    hint = f"`{adapter}` options: {', '.join(accepted_options(cls)) or 'none'}. {cls.summary}"
+    return gr.Textbox(value=DEFAULT_OPTIONS.get(adapter, "")), gr.Dropdown(value=DENSE if dense else MODEL), hint
+
+
+def run(model: str, adapter: str, options: str, domain: str, steps: int, lr: float):
+    try:
+        name, opts = parse_step(f"{adapter}:{options or ''}")
+    except click.BadParameter as exc:
+        raise gr.Error(str(exc)) from None
+    try:
+        result = finetune(copy.deepcopy(base(model)), name, opts, domain=domain, steps=int(steps), lr=float(lr),
+                          batch_size=BATCH, seq_len=SEQ_LEN, windows=WINDOWS, progress=False)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise gr.Error(f"{adapter} {opts}: {exc}") from None
+    rows = [[d, round(result.before["perplexity"][d], 2), round(result.after["perplexity"][d], 2),
+             f"{100 * (result.after['perplexity'][d] / result.before['perplexity'][d] - 1):+.1f}%"] for d in DOMAINS]
+    table = {"headers": ["domain", "ppl before", "ppl after", "change"], "data": rows}
+    return table, plot(result, domain, f"{adapter} on {domain}, {int(steps)} steps")
+
+
+def shares(result: dict, domain: str):
+    """[layers, experts] share of routed tokens on the domain's held-out windows (None without MoE layers)."""
+    layers = result["usage"].get(domain) or []
+    if not layers:
+        return None
+    counts = torch.tensor([layer["counts"] for layer in layers], dtype=torch.float)
+    return counts / counts.sum(1, keepdim=True).clamp(min=1)
+
+
+def plot(result, domain: str, title: str):
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for ax, (label, res) in zip(axes, [("before", result.before), ("after", result.after)]):
+        share = shares(res, domain)
+        if share is None:
+            ax.text(0.5, 0.5, "no MoE layers", ha="center", va="center")
+            ax.set_axis_off()
+            continue
+        im = ax.imshow(share.numpy(), cmap="viridis", aspect="auto", vmin=0)
+        ax.set_title(f"expert usage {label} ({domain}, ppl {res['perplexity'][domain]:.1f})")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("layer")
+        fig.colorbar(im, ax=ax, label="share of routed tokens")
+    steps, losses = zip(*result.history)
+    axes[2].plot(steps, losses)
+    axes[2].set_title("training loss (LM)")
+    axes[2].set_xlabel("step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def build_demo() -> gr.Blocks:
+    adapters = [c["name"] for c in zoo.list_components("adapter")]
+    first = "lora-experts" if "lora-experts" in adapters else adapters[0]
+    with gr.Blocks(title="MoE adapter lab", analytics_enabled=False) as demo:
+        gr.Markdown(f"# MoE adapter lab\nFine-tune `{MODEL}` live with any adapter on one domain and compare "
+                    f"held-out perplexity before and after (batches of {BATCH} x {SEQ_LEN} tokens, "
+                    f"{WINDOWS} held-out windows per domain).")
+        with gr.Row():
+            adapter = gr.Dropdown(adapters, value=first, label="adapter")
+            options = gr.Textbox(DEFAULT_OPTIONS.get(first, ""), label="options (k=v,...)")
+            model = gr.Dropdown(models(), value=MODEL, label="model")
+        hint = gr.Markdown()
+        with gr.Row():
+            domain = gr.Radio(list(DOMAINS), value="code", label="train on")
+            steps = gr.Slider(1, MAX_STEPS, value=10, step=1, label="steps")
+            lr = gr.Number(2e-3, label="learning rate")
+            go = gr.Button("Fine-tune", variant="primary", elem_id="finetune")
+        table = gr.Dataframe(label="held-out perplexity", elem_id="perplexity")
+        usage = gr.Plot(label="expert usage and loss", format="png", elem_id="usage")
+        adapter.change(adapter_info, adapter, [options, model, hint], api_name="adapter_info")
+        go.click(run, [model, adapter, options, domain, steps, lr], [table, usage], api_name="finetune")
+    return demo
+
+
+if __name__ == "__main__":
+    build_demo().launch()

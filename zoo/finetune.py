@@ -1,0 +1,143 @@
+"""Fine-tune a model with any registered adapter on one domain of the shipped corpus (``moe-zoo finetune``).
+
+``zoo.apply`` attaches the adapter; then exactly the parameters that still require a gradient are trained (a LoRA
+adapter freezes the base, a structural one like upcycle may train everything) on random windows of the domain's
+*train* split, with the load-balancing loss when the model has MoE layers. Held-out perplexity per domain (the
+``zoo.eval`` harness) is measured before and after. An adapter class that defines ``train_step(model)`` has it
+called after every optimizer step (on an instance built with the same options), and ``merge(model)`` on request.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from zoo.atomic import atomic_directory
+from zoo.data.corpus import DOMAINS
+from zoo.data.tokenizer import load_tokenizer
+from zoo.data.tokens import token_stream, train_batch
+from zoo.eval import perplexity_and_usage
+from zoo.layout import moe_layers
+
+
+@dataclass
+class FinetuneResult:
+    model: object
+    before: dict  # {"perplexity": {domain: ppl}, "usage": {domain: [per layer]}}
+    after: dict
+    history: list = field(default_factory=list)  # [step, language-model loss]
+    trainable_params: int = 0
+    seconds: float = 0.0
+
+    def table(self) -> str:
+        """Held-out perplexity per domain, before and after."""
+        lines = [f"{'domain':10}{'before':>10}{'after':>10}{'change':>10}"]
+        for d in DOMAINS:
+            b, a = self.before["perplexity"][d], self.after["perplexity"][d]
+            lines.append(f"{d:10}{b:10.2f}{a:10.2f}{100 * (a / b - 1):+9.1f}%")
+        return "\n".join(lines)
+
+
+def base_of(model):
+    """The model the zoo's layer helpers understand (a PEFT wrapper's base still runs the adapter layers)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def held_out(model, tokenizer, seq_len: int, windows: int) -> dict:
+    ppl, usage = perplexity_and_usage(base_of(model), tokenizer, seq_len, windows)
+    return {"perplexity": {d: round(v, 3) for d, v in ppl.items()}, "usage": usage}
+
+
+def lr_at(lr: float, step: int, steps: int) -> float:
+    """Linear warm-up over the first 10% of steps, then cosine decay to 10% of ``lr``."""
+    warmup = max(1, steps // 10)
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def finetune(model, adapter: str, options: dict | None = None, domain: str = "code", steps: int = 100,
+             lr: float = 1e-3, batch_size: int = 8, seq_len: int = 256, windows: int = 24, seed: int = 0,
+             bf16: bool = True, threads: int | None = None, out: str | None = None, merge: bool = False,
+             progress: bool = True) -> FinetuneResult:
+    """Attach ``adapter`` (with ``options``) to ``model`` (a loaded model, or a name / folder for ``zoo.load``),
+    train it for ``steps`` on ``domain``'s training split, and save to ``out`` (atomically) when given."""
+    import zoo
+    from zoo.apply import find
+
+    options = dict(options or {})
+    if domain not in DOMAINS:
+        raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
+    reg = find(adapter)
+    if reg.kind != "adapter":
+        raise ValueError(f"{adapter!r} is a {reg.kind}, not an adapter")
+    if steps < 1 or batch_size < 1 or seq_len < 2:
+        raise ValueError("steps and batch_size must be >= 1 and seq_len >= 2")
+    if threads:
+        torch.set_num_threads(threads)
+    source = model if isinstance(model, (str, os.PathLike)) else None
+    if source is not None:
+        model = zoo.load(source, dtype=torch.float32)  # fp32 master weights; bf16 autocast for the steps
+    tokenizer = load_tokenizer()
+    before = held_out(model, tokenizer, seq_len, windows)
+
+    torch.manual_seed(seed)  # the adapter's own initialisation (e.g. LoRA's A) is reproducible
+    model = zoo.apply(model, adapter, **options)
+    helper = reg.obj(**options) if hasattr(reg.obj, "train_step") else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{adapter} left no parameter to train")
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    aux = bool(moe_layers(base_of(model)))
+    coef = getattr(model.config, "router_aux_loss_coef", 0.0) if aux else 0.0
+    stream = token_stream(domain, "train", tokenizer)
+    streams = {d: stream for d in DOMAINS}  # train_batch alternates domains; here every row is ``domain``
+    history, t0 = [], time.perf_counter()
+    model.train()
+    bar = tqdm(range(steps), desc=f"finetune {adapter} on {domain}", disable=not progress)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(lr, step, steps)
+        ids = train_batch(streams, step, batch_size, seq_len, seed)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            result = model(input_ids=ids, labels=ids, **({"output_router_logits": True} if aux else {}))
+        result.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if helper is not None:
+            helper.train_step(model)
+        aux_loss = result.get("aux_loss")
+        lm = result.loss.item() - (coef * aux_loss.item() if aux_loss is not None else 0.0)
+        history.append([step + 1, round(lm, 4)])
+        bar.set_postfix(loss=f"{lm:.3f}")
+    seconds = time.perf_counter() - t0
+    model.eval()
+    if merge:
+        model = reg.obj(**options).merge(model) if hasattr(reg.obj, "merge") else model
+    after = held_out(model, tokenizer, seq_len, windows)
+    result = FinetuneResult(model, before, after, history, sum(p.numel() for p in params), seconds)
+    if out:
+        save(result, out, tokenizer, {"base": None if source is None else os.fspath(source), "adapter": adapter,
+                                      "options": options, "domain": domain, "steps": steps, "lr": lr,
+                                      "batch_size": batch_size, "seq_len": seq_len, "seed": seed, "bf16": bf16,
+                                      "windows": windows, "merged": merge})
+    return result
+
+
+def save(result: FinetuneResult, out: str, tokenizer, args: dict) -> None:
+    """The model (a PEFT adapter folder, or a whole model), its tokenizer and ``finetune.json``, all or nothing."""
+    with atomic_directory(out) as tmp:
+        result.model.save_pretrained(tmp)  # first: a zoo model's save replaces the folder it is given
+        tokenizer.save_pretrained(tmp)
+        record = {**args, "trainable_params": result.trainable_params, "seconds": round(result.seconds, 1),
+                  "perplexity": {"before": result.before["perplexity"], "after": result.after["perplexity"]},
+                  "history": result.history}
+        with open(os.path.join(tmp, "finetune.json"), "w") as f:
+            json.dump(record, f, indent=1)
