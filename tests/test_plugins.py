@@ -97,3 +97,13 @@ def test_broken_plugins_are_reported_and_the_rest_load(site, tmp_path):
     res = run(["components", "router"], os.pathsep.join([str(tmp_path), str(site)]))
     assert res.returncode == 0
     assert "example-switch-top1" in res.stdout and "topk-softmax" in res.stdout
+
+
+def test_importing_a_first_party_plugin_before_zoo_still_registers_it():
+    """``import zoo_routers.x`` imports zoo, which loads plugins while zoo_routers is mid-import: that plugin
+    must be registered on the next load instead of being recorded without its hooks."""
+    code = ("from zoo_routers.top_p import TopP\nimport zoo\n"
+            "print(sorted(c['name'] for c in zoo.list_components('router')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "'top-p'" in run.stdout and "'topk-softmax'" in run.stdout, run.stdout

@@ -33,6 +33,7 @@ errors: dict[str, str] = {}  # plugin name -> error text
 _meta: dict[str, dict] = {}  # plugin name -> {"distribution", "version"}
 _lock = threading.RLock()
 _loaded = False
+_called: set[str] = set()  # plugins whose register_* hooks have run
 
 
 def _selected_entry_points():
@@ -49,11 +50,24 @@ def _register_module(name: str, module, distribution: str, version: str) -> None
     _meta[name] = {"distribution": distribution, "version": version}
 
 
-def _import_plugins() -> None:
+def _initializing(module) -> bool:
+    """True while the module is still being imported, e.g. ``import zoo_routers`` imported zoo first."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def _import_plugins() -> bool:
+    """Import and register the plugins; False if a first-party one is mid-import and must wait."""
     version = _own_version()
+    complete = True
     for dotted in DEFAULT_PLUGINS:
+        if pm.has_plugin(dotted) or dotted in errors:
+            continue
         try:
-            _register_module(dotted, importlib.import_module(dotted), "moe-zoo", version)
+            module = importlib.import_module(dotted)
+            if _initializing(module):  # its hooks are not defined yet: register it on the next call
+                complete = False
+                continue
+            _register_module(dotted, module, "moe-zoo", version)
         except Exception:
             errors[dotted] = traceback.format_exc(limit=3)
     for ep in _selected_entry_points():
@@ -65,6 +79,7 @@ def _import_plugins() -> None:
         except Exception:
             errors[ep.name] = traceback.format_exc(limit=3)
             _meta[ep.name] = {"distribution": dist, "version": ep.dist.version if ep.dist else "?"}
+    return complete
 
 
 def _call_hooks(plugin_name: str) -> None:
@@ -90,9 +105,11 @@ def load_plugins() -> None:
     with _lock:
         if _loaded:
             return
-        _loaded = True
-        _import_plugins()
+        _loaded = _import_plugins()
         for name, _plugin in list(pm.list_name_plugin()):
+            if name in _called:
+                continue
+            _called.add(name)
             try:
                 _call_hooks(name)
             except Exception as exc:
