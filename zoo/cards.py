@@ -28,7 +28,7 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
     cfg = model.config
     layout, recipe = read_layout(model), list(cfg.zoo_recipe or [])
     used = [("architecture", fam.name)] + [("router", n) for n in sorted({e["router"] for e in layout if e})]
-    used += [(s["kind"], s["name"]) for s in recipe if (s["kind"], s["name"]) not in used]
+    used = list(dict.fromkeys(used + [(s["kind"], s["name"]) for s in recipe]))  # each component once, in order
     comps = [registry.by_kind[k][n] for k, n in used if n in registry.by_kind.get(k, {})]
     try:
         fam.native_config(cfg, layout)
