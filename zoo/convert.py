@@ -37,6 +37,9 @@ def convert(model):
         if isinstance(layer.mlp, fam.block_class):
             layer.mlp = fam.from_native(layer.mlp, config)
     adopt(model, fam)
+    # transformers saves a model under the key names it was loaded from (e.g. Mixtral's per-expert w1/w2/w3
+    # of older checkpoints); a zoo model saves under its own names, which is what loading it expects
+    model._weight_conversions = []
     source = getattr(config, "_name_or_path", "") or ""
     if "/" in source and not os.path.exists(source):  # loaded from the Hub: the card's base_model
         config.zoo_base_model = source
