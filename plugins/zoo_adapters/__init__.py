@@ -5,9 +5,15 @@ from zoo import hookimpl
 @hookimpl
 def register_adapters(register):
     from zoo_adapters.ewa import Ewa
+    from zoo_adapters.lora_experts import LoraExperts
+    from zoo_adapters.mixture_of_loras import MixtureOfLoras
     from zoo_adapters.moefy import Moefy
+    from zoo_adapters.replora import RepLora
     from zoo_adapters.upcycle import Upcycle
 
     register(Upcycle)
     register(Ewa)
     register(Moefy)
+    register(LoraExperts)
+    register(MixtureOfLoras)
+    register(RepLora)
