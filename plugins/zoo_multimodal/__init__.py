@@ -1,7 +1,9 @@
 """First-party multimodal plugin: modality-group experts (MoHAVE), hierarchical-modality and
 language-conditioned (Parrot) routers, the ``zoo_mm`` architecture, a group-restricted pruner, and the
 ``moe-zoo digits-mm`` commands (data, training, evaluation)."""
-from zoo import hookimpl
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("moe_zoo")  # zoo.hookimpl; not imported, so importing this package never loads zoo mid-way
 
 
 @hookimpl
@@ -25,3 +27,17 @@ def register_routers(register):
 
     register(HierarchicalModality)
     register(LanguageConditioned)
+
+
+@hookimpl
+def register_compressors(register):
+    from zoo_multimodal.prune_group import PruneGroup
+
+    register(PruneGroup)
+
+
+@hookimpl
+def register_commands(cli):
+    from zoo_multimodal.commands import digits_mm
+
+    cli.add_command(digits_mm)

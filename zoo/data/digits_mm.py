@@ -140,8 +140,9 @@ def load_speech(root: str | Path | None = None) -> dict[str, np.ndarray]:
     if not (root / "speech.npz").is_file():
         generate(root)
     with np.load(root / "speech.npz") as z:
-        ends = np.cumsum(z["lengths"])
-        return {str(k): z["samples"][e - n:e] for k, n, e in zip(z["keys"], z["lengths"], ends)}
+        keys, lengths, samples = z["keys"], z["lengths"], z["samples"]  # each access decompresses: read once
+    ends = np.cumsum(lengths)
+    return {str(k): samples[e - n:e] for k, n, e in zip(keys, lengths, ends)}
 
 
 def speech_split(keys, split: str) -> list[str]:
