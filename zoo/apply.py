@@ -44,14 +44,17 @@ def apply(model, name: str, calibration=None, **options):
     Options are checked before the model is touched: an unknown or invalid option raises and leaves the
     model as it was. A native model of a supported family is converted (losslessly) first.
     """
-    from zoo.convert import convert
+    from zoo.convert import convert, family_of
 
     reg = find(name)
     cls = reg.obj
     skip = ("hidden_size", "num_experts") if reg.kind == "router" else ()
     check_options(cls, options, skip=skip)
     component = None
-    if reg.kind == "router":
+    if reg.kind == "router" and getattr(cls, "target", None) == "attention":
+        family_of(model)  # an unsupported model is refused before anything changes
+        model = convert(cls.attach(model, **options))  # wraps every layer's self-attention, all checked first
+    elif reg.kind == "router":
         model = convert(model)
         _swap_routers(model, cls, options)
     elif reg.kind == "compressor":
