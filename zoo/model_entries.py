@@ -54,6 +54,10 @@ OWN = [
                "Jiang et al., Mistral 7B, 2023. arXiv:2310.06825",
                "dense control of zoo-tiny-moe: same active parameters, same tokens; " + CORPUS,
                str(SHIPPED / "zoo-tiny-dense")),
+    ModelEntry("zoo_mm.zoo-tiny-mm", None, "zoo_mm", "apache-2.0",
+               "Kim et al., MoHAVE, ICML 2025, arXiv:2502.10447; Sun et al., Parrot, ICML 2025, arXiv:2406.02539",
+               "multimodal digits (image, speech, prompt): modality-group experts, hierarchical routing; trained on "
+               "sklearn digits and espeak-ng speech (`moe-zoo digits-mm`)", str(SHIPPED / "zoo-tiny-mm")),
 ]
 
 
