@@ -15,8 +15,29 @@ def read_layout(model) -> list[dict | None]:
     return [layer.mlp.layout() if isinstance(layer.mlp, SparseMoE) else None for layer in base.layers]
 
 
+def read_modules(model) -> dict:
+    """Modules an adapter put outside the MoE blocks (e.g. on attention projections): ``{path: spec}``. Such a
+    module has ``zoo_spec()``, a JSON-able dict naming its ``adapter``, whose class rebuilds it empty with
+    ``build_module(module_it_replaced, spec)``."""
+    return {name: m.zoo_spec() for name, m in model.named_modules() if callable(getattr(m, "zoo_spec", None))}
+
+
+def read_attention(model) -> list[dict | None]:
+    """Per decoder layer, the ``layout()`` of a wrapped self-attention (a router with ``target = "attention"``,
+    e.g. mixture-of-heads), or None where the family's own attention is unchanged."""
+    base = getattr(model, "model", model)
+    return [layer.self_attn.layout() if callable(getattr(layer.self_attn, "layout", None)) else None
+            for layer in base.layers]
+
+
 def sync_layout(model) -> None:
     model.config.zoo_layout = read_layout(model)
+    modules = read_modules(model)
+    if modules or getattr(model.config, "zoo_modules", None):
+        model.config.zoo_modules = modules
+    attention = read_attention(model)
+    if any(attention) or getattr(model.config, "zoo_attention", None):
+        model.config.zoo_attention = attention
 
 
 def build_block(entry: dict) -> SparseMoE:
@@ -38,3 +59,26 @@ def apply_layout(model, layout) -> None:
     for i, entry in enumerate(layout or []):
         if entry:
             base.layers[i].mlp = build_block(entry)
+
+
+def apply_modules(model, modules) -> None:
+    """Rebuild (empty) the adapter modules ``read_modules`` recorded, in place of the modules they wrapped."""
+    from zoo.plugins import load_plugins, registry
+
+    load_plugins()
+    for path, spec in (modules or {}).items():
+        parent, _, leaf = path.rpartition(".")
+        owner = model.get_submodule(parent)
+        cls = registry.get("adapter", spec["adapter"]).obj
+        setattr(owner, leaf, cls.build_module(getattr(owner, leaf), spec))
+
+
+def apply_attention(model, entries) -> None:
+    """Rebuild (empty) the wrapped self-attention ``read_attention`` recorded: ``attach(model, layers=[i], **options)``
+    of the router class each entry names."""
+    from zoo.plugins import load_plugins, registry
+
+    load_plugins()
+    for i, entry in enumerate(entries or []):
+        if entry:
+            registry.get("router", entry["router"]).obj.attach(model, layers=[i], **entry["options"])

@@ -5,6 +5,8 @@ from zoo import hookimpl
 @hookimpl
 def register_routers(register):
     from zoo_routers.expert_choice import ExpertChoice
+    from zoo_routers.mixture_of_heads import MixtureOfHeads
+    from zoo_routers.remix import Remix
     from zoo_routers.sigmoid_bias import SigmoidBias
     from zoo_routers.steer import Steer
     from zoo_routers.top_p import TopP
@@ -15,3 +17,5 @@ def register_routers(register):
     register(ExpertChoice)
     register(TopP)
     register(Steer)
+    register(MixtureOfHeads)
+    register(Remix)

@@ -10,7 +10,13 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder
 
 from zoo.atomic import atomic_directory
-from zoo.layout import apply_layout, moe_layers, sync_layout
+from zoo.layout import (
+    apply_attention,
+    apply_layout,
+    apply_modules,
+    moe_layers,
+    sync_layout,
+)
 from zoo.moe import Router, model_load_balancing_loss
 
 _CLASSES: dict[str, tuple] = {}
@@ -67,6 +73,8 @@ def _init(self, config):
     self.model.__class__ = self._zoo_inner_class
     _CAN_RECORD_REGISTRY[self.model] = self._zoo_inner_class._can_record_outputs
     apply_layout(self, config.zoo_layout)
+    apply_attention(self, getattr(config, "zoo_attention", None))  # first: module paths may run through it
+    apply_modules(self, getattr(config, "zoo_modules", None))
 
 
 def _forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
