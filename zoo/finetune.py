@@ -89,7 +89,9 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
 
     torch.manual_seed(seed)  # the adapter's own initialisation (e.g. LoRA's A) is reproducible
     model = zoo.apply(model, adapter, **options)
-    helper = reg.obj(**options) if hasattr(reg.obj, "train_step") else None
+    # an adapter may own its training loss (mixture-of-loras with remix: the RLOO policy-gradient loss that
+    # trains its non-differentiable router) and a per-step update (ewa's averaging)
+    helper = reg.obj(**options) if hasattr(reg.obj, "train_step") or hasattr(reg.obj, "loss") else None
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{adapter} left no parameter to train")
@@ -106,15 +108,22 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
             group["lr"] = lr_at(lr, step, steps)
         ids = train_batch(streams, step, batch_size, seq_len, seed)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            result = model(input_ids=ids, labels=ids, **({"output_router_logits": True} if aux else {}))
-        result.loss.backward()
+            if hasattr(helper, "loss"):
+                loss, lm_loss = helper.loss(model, ids)
+            else:
+                result = model(input_ids=ids, labels=ids, **({"output_router_logits": True} if aux else {}))
+                loss, lm_loss = result.loss, None
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if helper is not None:
+        if hasattr(helper, "train_step"):
             helper.train_step(model)
-        aux_loss = result.get("aux_loss")
-        lm = result.loss.item() - (coef * aux_loss.item() if aux_loss is not None else 0.0)
+        if lm_loss is not None:
+            lm = lm_loss.item()
+        else:
+            aux_loss = result.get("aux_loss")
+            lm = result.loss.item() - (coef * aux_loss.item() if aux_loss is not None else 0.0)
         history.append([step + 1, round(lm, 4)])
         bar.set_postfix(loss=f"{lm:.3f}")
     seconds = time.perf_counter() - t0

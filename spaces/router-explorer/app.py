@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import zoo  # noqa: E402
+from zoo.apply import find  # noqa: E402
 from zoo.layout import moe_layers  # noqa: E402
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
@@ -40,8 +41,11 @@ def model_defaults():
 def route(text: str, router: str, k: int):
     """Apply ``router`` with top-``k``; return token labels, per-layer [T, E] routing weights, perplexity."""
     model, tok = base()
+    # attention routers (mixture-of-heads) pick heads, not experts: the slider gives heads per token there
+    target = getattr(find(router).obj, "target", "experts")
+    options = {"heads_per_token": int(k)} if target == "attention" else {"top_k": int(k)}
     try:
-        model = zoo.apply(copy.deepcopy(model), router, top_k=int(k))
+        model = zoo.apply(copy.deepcopy(model), router, **options)
     except (ValueError, TypeError) as exc:
         raise gr.Error(f"{router} with top-k {int(k)}: {exc}") from None
     ids = torch.tensor([[tok.bos_token_id] + tok(text, add_special_tokens=False).input_ids[:MAX_TOKENS]])

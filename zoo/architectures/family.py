@@ -78,6 +78,15 @@ class Family:
         moe = {i: e for i, e in enumerate(layout) if e}
         if not moe:
             raise NotExportable("the model has no MoE layer")
+        attention = [i for i, e in enumerate(getattr(config, "zoo_attention", None) or []) if e]
+        if attention:
+            raise NotExportable(f"layers {attention} have {self.name} attention wrapped by "
+                                f"{config.zoo_attention[attention[0]]['router']!r}, which has no native form")
+        modules = getattr(config, "zoo_modules", None) or {}
+        if modules:
+            adapters = sorted({spec["adapter"] for spec in modules.values()})
+            raise NotExportable(f"{len(modules)} modules carry {adapters} adapter(s); merge them into the base "
+                                f"weights first (native {self.name} has no place for them)")
         first_i, first = next(iter(moe.items()))
         for i, e in moe.items():
             if (e["num_experts"], e["num_experts_per_tok"]) != (first["num_experts"], first["num_experts_per_tok"]):
