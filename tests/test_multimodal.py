@@ -277,3 +277,21 @@ def test_components_are_registered():
     for key in [("experts", "modality-groups"), ("router", "hierarchical-modality"),
                 ("router", "language-conditioned"), ("architecture", "zoo_mm"), ("compressor", "prune-group")]:
         assert key in names and names[key]["space"] == "multimodal-digits" and names[key]["card"]
+
+
+def test_the_space_answers_from_a_drawn_digit_and_speech(subset):
+    """The multimodal-digits Space's answer function on the shipped model: an RGB drawing (white ink on
+    black, larger than 8x8, as a Sketchpad gives) and a spoken digit give ten probabilities, a group-usage
+    plot and one usage row per modality present."""
+    from zoo.spaces import load_app
+
+    app = load_app("multimodal-digits")
+    images, labels = dm.load_images()
+    i = int(np.nonzero(labels == 7)[0][0])
+    drawing = np.kron(images[i] / 16 * 255, np.ones((16, 16)))[..., None].repeat(3, -1).astype(np.uint8)
+    key, samples = next((k, a) for k, a in subset[1].items() if k.endswith("|seven"))
+    probs, figure, table = app.answer(drawing, (dm.SAMPLE_RATE, samples), "which digit ?", None)
+    assert set(probs) == set(app.WORDS) and abs(sum(probs.values()) - 1) < 1e-4
+    assert figure is not None and {row[0] for row in table[:-1]} == {"text", "vision", "audio"}
+    image_only, _, table = app.answer(drawing, None, "which digit ?", None)
+    assert {row[0] for row in table[:-1]} == {"text", "vision"}
