@@ -11,6 +11,10 @@ Prefill tok/s = prompt tokens / time of one eager forward over a 256-token promp
 """
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # compile times are cold, not cached
+
 import argparse
 import copy
 import statistics
@@ -27,7 +31,7 @@ def mixtral_shaped(smoke: bool) -> MixtralForCausalLM:
     """The random model of issue #6 (hidden 1024, intermediate 2816, 8 experts top-2, 4 layers, 16/4 heads,
     vocab 8192, 304M parameters), seeded; a miniature of it with --smoke."""
     size = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=512) if smoke else dict(hidden_size=1024, intermediate_size=2816,
+                vocab_size=8192) if smoke else dict(hidden_size=1024, intermediate_size=2816,
                                                     num_attention_heads=16, num_key_value_heads=4, vocab_size=8192)
     cfg = MixtralConfig(**size, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
                         max_position_embeddings=4096, tie_word_embeddings=False)
@@ -106,6 +110,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, for the test suite")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-shipped", action="store_true")
+    ap.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp folder holding convert_hf_to_gguf.py: add "
+                    "llama.cpp bf16 / q8_0 / Q4_0 rows (needs llama_cpp installed)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.smoke:
@@ -114,8 +120,17 @@ def main(argv=None):
     if not args.skip_shipped and not args.smoke:
         models.append(("zoo-tiny-moe", zoo.load("zoo-tiny-moe", convert=False).eval()))
     rows = []
+    tokenizer = zoo.load_tokenizer("zoo-tiny-moe")
     for name, model in models:
         rows += run_model(name, model, args.new_tokens, args.prompt, args.prefill)
+        if args.llama_cpp:
+            from llama_cpp_rows import rows as llama_rows
+
+            g = torch.Generator().manual_seed(0)
+            vocab = model.config.vocab_size
+            prompt = torch.randint(3, vocab, (args.prompt,), generator=g).tolist()
+            prefill = torch.randint(3, vocab, (args.prefill,), generator=torch.Generator().manual_seed(1)).tolist()
+            rows += llama_rows(name, model, tokenizer, args.llama_cpp, prompt, prefill, args.new_tokens, args.threads)
     print(f"\n{args.new_tokens} greedy tokens after a {args.prompt}-token prompt, batch 1; prefill {args.prefill} "
           f"tokens; torch threads {args.threads}; ratios to transformers eager bf16 of the same model")
     head = (f"{'model':14} {'engine':24} {'decode tok/s':>12} {'ratio':>6} {'prefill tok/s':>13} {'ratio':>6} "
@@ -123,12 +138,23 @@ def main(argv=None):
     print(head + "\n" + "-" * len(head))
     for r in rows:
         ref = next(x for x in rows if x["model"] == r["model"] and x["engine"] == "transformers eager")
+        same = "-" if r["same"] is None else "yes" if r["same"] else "no"
         compile_s = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
         print(f"{r['model']:14} {r['engine']:24} {r['decode']:12.1f} {r['decode'] / ref['decode']:6.2f} "
               f"{r['prefill']:13.0f} {r['prefill'] / ref['prefill']:6.2f} {compile_s:>9} {r['first_ms']:12.1f} "
-              f"{'yes' if r['same'] else 'no':>11}")
+              f"{same:>11}")
     print("(same tokens: equal to the first engine's greedy tokens; quantized experts may differ by design)")
-    print("llama.cpp: not measured in this run (llama_cpp is not installed here; see the closing note of #6)")
+    if not args.llama_cpp:
+        print("llama.cpp: not measured in this run (pass --llama-cpp DIR with llama_cpp installed)")
+    else:
+        print("llama.cpp rows: decode ratios at the same precision: zoo bf16 compiled / llama.cpp bf16, "
+              "zoo int8 / q8_0, zoo int4 / Q4_0:")
+        for name in dict.fromkeys(r["model"] for r in rows):
+            get = {r["engine"]: r for r in rows if r["model"] == name}
+            pairs = [("zoo bf16 compiled", "llama.cpp bf16"), ("zoo int8 compiled", "llama.cpp q8_0"),
+                     ("zoo int4 compiled", "llama.cpp Q4_0")]
+            print(f"  {name}: " + ", ".join(f"{a.split()[1]} {get[a]['decode'] / get[b]['decode']:.2f}"
+                                            for a, b in pairs if a in get and b in get))
     if args.profile:
         model = zoo.convert(copy.deepcopy(models[0][1])).eval()
         print("\nprofile of the compiled bf16 decode step (16 steps):\n" + profile_step(model))
