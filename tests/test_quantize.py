@@ -149,3 +149,15 @@ def test_bad_options_leave_the_model_untouched(options, message):
         zoo.apply(model, "quantize", **options)
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3])
+def test_quantizing_changes_bytes_not_parameter_counts(bits):
+    """Packed codes and scales are bytes: parameter counts (total and active) stay those of the weights."""
+    from zoo.eval import sizes
+
+    model = zoo.convert(tiny_native("mixtral"))
+    before = sizes(model)
+    after = sizes(zoo.apply(model, "quantize", bits=bits, group_size=32))
+    assert (after["params"], after["active_params"]) == (before["params"], before["active_params"])
+    assert after["bytes"] < before["bytes"]

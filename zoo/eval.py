@@ -18,18 +18,20 @@ from zoo.layout import moe_layers
 
 def sizes(model) -> dict:
     """Parameters and bytes, total and active per token (experts counted at their layer's k)."""
-    seen, total, nbytes = set(), 0, 0
+    layers = moe_layers(model)
+    # expert tensors are counted by their kind's num_parameters() (the weights they stand for: packed codes and
+    # scales are bytes, not parameters); everything else by numel
+    in_experts = {t.data_ptr() for _, moe in layers for t in moe.experts.state_dict().values()}
+    seen, other, nbytes = set(), 0, 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.data_ptr() in seen:
             continue  # tied weights count once
         seen.add(t.data_ptr())
-        total += t.numel()
         nbytes += t.numel() * t.element_size()
-    expert_total = expert_active = 0
-    for _, moe in moe_layers(model):
-        expert_total += moe.experts.num_parameters()
-        expert_active += moe.experts.active_parameters(moe.top_k)
-    return {"params": total, "bytes": nbytes, "active_params": total - expert_total + expert_active,
+        other += 0 if t.data_ptr() in in_experts else t.numel()
+    expert_total = sum(moe.experts.num_parameters() for _, moe in layers)
+    expert_active = sum(moe.experts.active_parameters(moe.top_k) for _, moe in layers)
+    return {"params": other + expert_total, "bytes": nbytes, "active_params": other + expert_active,
             "expert_params": expert_total}
 
 
