@@ -21,7 +21,7 @@ def sizes(model) -> dict:
     layers = moe_layers(model)
     # expert tensors are counted by their kind's num_parameters() (the weights they stand for: packed codes and
     # scales are bytes, not parameters); everything else by numel
-    in_experts = {t.data_ptr() for _, moe in layers for t in moe.experts.state_dict().values()}
+    in_experts = {t.data_ptr() for _, moe in layers for t in [*moe.experts.parameters(), *moe.experts.buffers()]}
     seen, other, nbytes = set(), 0, 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.data_ptr() in seen:
