@@ -53,6 +53,8 @@ def test_parse_step():
     assert parse_step("topk-softmax:top_k=1,norm_topk_prob=false") == (
         "topk-softmax", {"top_k": 1, "norm_topk_prob": False})
     assert parse_step("prune:domain=code") == ("prune", {"domain": "code"})
+    assert parse_step('steer:disable={"1":[0,2],"3":[5]},force=[1, 2],note="a,b"') == (
+        "steer", {"disable": {"1": [0, 2], "3": [5]}, "force": [1, 2], "note": "a,b"})
 
 
 def test_cli_listing_commands():

@@ -114,11 +114,29 @@ def eval_command(model, as_json, plot, windows, no_speed):
                        f"(entropy {layer['entropy_bits']:.2f}/{layer['max_entropy_bits']:.0f} bits)")
 
 
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets and quotes, so JSON values such as ``disable={"1":[0,2]}`` stay whole."""
+    parts, depth, quote, start = [], 0, None, 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
 def parse_step(step: str) -> tuple[str, dict]:
     """``name:k=v,k2=v2`` -> (name, options); values are parsed as JSON where they can be."""
     name, _, rest = step.partition(":")
     options = {}
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, _split_top_level(rest)):
         key, sep, value = item.partition("=")
         if not sep:
             raise click.BadParameter(f"option {item!r} in step {step!r} must look like key=value")
