@@ -24,7 +24,7 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import zoo
-from zoo.decode import timed_generate
+from zoo.decode import timed_generate, timed_greedy
 
 
 def mixtral_shaped(smoke: bool) -> MixtralForCausalLM:
@@ -83,7 +83,8 @@ def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int) -> l
         torch._dynamo.reset()
         r = timed_generate(m, ids, new_tokens, compile=compiled)
         reference = r["tokens"] if reference is None else reference
-        rows.append({"model": name, "engine": label, "decode": r["decode_tok_s"],
+        loop = timed_greedy(m, ids, new_tokens, compile=True)["decode_tok_s"] if compiled else None
+        rows.append({"model": name, "engine": label, "decode": r["decode_tok_s"], "loop": loop,
                      "prefill": prefill_tok_s(m, prefill, vocab), "compile_s": r["warmup_s"] if compiled else None,
                      "first_ms": r["first_token_s"] * 1e3, "same": bool(torch.equal(r["tokens"], reference))})
         print(f"  {name}: {label} done ({r['decode_tok_s']:.0f} tok/s)", flush=True)
@@ -133,27 +134,30 @@ def main(argv=None):
             rows += llama_rows(name, model, tokenizer, args.llama_cpp, prompt, prefill, args.new_tokens, args.threads)
     print(f"\n{args.new_tokens} greedy tokens after a {args.prompt}-token prompt, batch 1; prefill {args.prefill} "
           f"tokens; torch threads {args.threads}; ratios to transformers eager bf16 of the same model")
-    head = (f"{'model':14} {'engine':24} {'decode tok/s':>12} {'ratio':>6} {'prefill tok/s':>13} {'ratio':>6} "
-            f"{'compile s':>9} {'1st token ms':>12} {'same tokens':>11}")
+    head = (f"{'model':14} {'engine':24} {'decode tok/s':>12} {'ratio':>6} {'zoo loop':>8} {'ratio':>6} "
+            f"{'prefill tok/s':>13} {'ratio':>6} {'compile s':>9} {'1st token ms':>12} {'same tokens':>11}")
     print(head + "\n" + "-" * len(head))
     for r in rows:
         ref = next(x for x in rows if x["model"] == r["model"] and x["engine"] == "transformers eager")
         same = "-" if r["same"] is None else "yes" if r["same"] else "no"
         compile_s = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
+        loop = ("-", "-") if r["loop"] is None else (f"{r['loop']:.1f}", f"{r['loop'] / ref['decode']:.2f}")
         print(f"{r['model']:14} {r['engine']:24} {r['decode']:12.1f} {r['decode'] / ref['decode']:6.2f} "
-              f"{r['prefill']:13.0f} {r['prefill'] / ref['prefill']:6.2f} {compile_s:>9} {r['first_ms']:12.1f} "
+              f"{loop[0]:>8} {loop[1]:>6} {r['prefill']:13.0f} {r['prefill'] / ref['prefill']:6.2f} {compile_s:>9} {r['first_ms']:12.1f} "
               f"{same:>11}")
-    print("(same tokens: equal to the first engine's greedy tokens; quantized experts may differ by design)")
+    print("(same tokens: equal to the first engine's greedy tokens; quantized experts may differ by design;\n"
+          " zoo loop: the same compiled step driven by zoo.decode.greedy instead of generate)")
     if not args.llama_cpp:
         print("llama.cpp: not measured in this run (pass --llama-cpp DIR with llama_cpp installed)")
     else:
-        print("llama.cpp rows: decode ratios at the same precision: zoo bf16 compiled / llama.cpp bf16, "
-              "zoo int8 / q8_0, zoo int4 / Q4_0:")
+        print("llama.cpp rows: decode ratios at the same precision (generate; zoo loop in brackets): zoo bf16 "
+              "compiled / llama.cpp bf16, zoo int8 / q8_0, zoo int4 / Q4_0:")
         for name in dict.fromkeys(r["model"] for r in rows):
             get = {r["engine"]: r for r in rows if r["model"] == name}
             pairs = [("zoo bf16 compiled", "llama.cpp bf16"), ("zoo int8 compiled", "llama.cpp q8_0"),
                      ("zoo int4 compiled", "llama.cpp Q4_0")]
-            print(f"  {name}: " + ", ".join(f"{a.split()[1]} {get[a]['decode'] / get[b]['decode']:.2f}"
+            print(f"  {name}: " + ", ".join(f"{a.split()[1]} {get[a]['decode'] / get[b]['decode']:.2f} "
+                                            f"({get[a]['loop'] / get[b]['decode']:.2f})"
                                             for a, b in pairs if a in get and b in get))
     if args.profile:
         model = zoo.convert(copy.deepcopy(models[0][1])).eval()

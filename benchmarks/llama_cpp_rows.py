@@ -89,6 +89,6 @@ def rows(name: str, model, tokenizer, converter_dir: str, prompt, prefill, new_t
         for label, path in files.items():
             r = time_gguf(path, prompt, new_tokens, prefill, threads)
             out.append({"model": name, "engine": f"llama.cpp {label}", "decode": r["decode"],
-                        "prefill": r["prefill"], "compile_s": None, "first_ms": r["first_ms"], "same": None})
+                        "prefill": r["prefill"], "compile_s": None, "first_ms": r["first_ms"], "same": None, "loop": None})
             print(f"  {name}: llama.cpp {label} done ({r['decode']:.0f} tok/s)", flush=True)
     return out
