@@ -66,6 +66,9 @@ def test_data_generation_is_deterministic_and_matches_the_shipped_checksums(subs
     assert manifest["images"] == shipped["images"]  # sklearn's digits and the image split
     assert shipped["voices"]["train"] == list(dm.TRAIN_VOICES) and shipped["voices"]["test"] == list(dm.TEST_VOICES)
     assert len(shipped["clips"]) == 1080 and not set(dm.TRAIN_VOICES) & set(dm.TEST_VOICES)
+    # Speech checksums depend on espeak-ng's version (its synthesis changes between releases): with another
+    # version the determinism asserted above still holds, but the shipped clip checksums cannot match, so
+    # that last comparison is skipped with the two versions named. CI's Debian espeak-ng is the shipped one.
     if shipped["espeak_ng"] != manifest["espeak_ng"]:
         pytest.skip(f"espeak-ng {manifest['espeak_ng']} here, the manifest was made with {shipped['espeak_ng']}")
     assert all(shipped["clips"][k] == v for k, v in manifest["clips"].items())

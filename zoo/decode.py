@@ -53,34 +53,28 @@ def greedy(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bo
     return torch.cat([input_ids, *tokens], dim=1)
 
 
+def _timed(decode, batch: int, new_tokens: int) -> dict:
+    """Decode speed, measured honestly: one warm-up run (which compiles; its time is reported apart), then
+    a prefill-only run (1 new token) and a full run; decode tok/s comes from their difference.
+    ``decode(n)`` generates n new tokens."""
+    def clock(n):
+        t0 = time.perf_counter()
+        out = decode(n)
+        return out, time.perf_counter() - t0
+
+    _, warmup = clock(new_tokens)
+    _, first = clock(1)
+    out, total = clock(new_tokens)
+    return {"tokens": out, "warmup_s": warmup, "first_token_s": first,
+            "decode_tok_s": (new_tokens - 1) * batch / max(total - first, 1e-9)}
+
+
 def timed_greedy(model, input_ids: torch.Tensor, new_tokens: int, compile: bool = True) -> dict:
     """``greedy``'s decode speed, measured as ``timed_generate`` measures generate's."""
-    t0 = time.perf_counter()
-    greedy(model, input_ids, new_tokens, compile)
-    warmup = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    greedy(model, input_ids, 1, compile)
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = greedy(model, input_ids, new_tokens, compile)
-    decode_s = max(time.perf_counter() - t0 - first, 1e-9)
-    return {"tokens": out, "warmup_s": warmup, "first_token_s": first,
-            "decode_tok_s": (new_tokens - 1) * input_ids.shape[0] / decode_s}
+    return _timed(lambda n: greedy(model, input_ids, n, compile), input_ids.shape[0], new_tokens)
 
 
 def timed_generate(model, input_ids: torch.Tensor, new_tokens: int, compile: bool = True, **kwargs) -> dict:
-    """Decode speed, measured honestly: one warm-up run (which compiles; its time is reported apart), then
-    a prefill-only run (1 new token) and a full run; decode tok/s comes from their difference."""
-    kw = dict(compile=compile, min_new_tokens=new_tokens, **kwargs)
-    t0 = time.perf_counter()
-    generate(model, input_ids, max_new_tokens=new_tokens, **kw)
-    warmup = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    generate(model, input_ids, max_new_tokens=1, **{**kw, "min_new_tokens": 1})
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = generate(model, input_ids, max_new_tokens=new_tokens, **kw)
-    total = time.perf_counter() - t0
-    decode_s = max(total - first, 1e-9)
-    return {"tokens": out, "warmup_s": warmup, "first_token_s": first,
-            "decode_tok_s": (new_tokens - 1) * input_ids.shape[0] / decode_s}
+    """``generate``'s decode speed (greedy unless ``kwargs`` say otherwise), with exactly n new tokens."""
+    return _timed(lambda n: generate(model, input_ids, max_new_tokens=n, min_new_tokens=n, compile=compile, **kwargs),
+                  input_ids.shape[0], new_tokens)
