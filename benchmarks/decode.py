@@ -24,7 +24,7 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import zoo
-from zoo.decode import timed_generate, timed_greedy
+from zoo.decode import greedy, timed_generate, timed_greedy
 
 
 def mixtral_shaped(smoke: bool) -> MixtralForCausalLM:
@@ -92,13 +92,13 @@ def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int) -> l
 
 
 def profile_step(model, steps: int = 16) -> str:
-    """Where the compiled decode step spends its time (CPU profiler over a few steps)."""
+    """Where the compiled decode step spends its time (CPU profiler over the lean loop's steps)."""
     from torch.profiler import ProfilerActivity, profile
 
     ids = torch.randint(3, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    timed_generate(model, ids, steps)  # compile first
+    greedy(model, ids, steps + 1)  # compile first (same cache length as the profiled run)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        zoo.decode.generate(model, ids, max_new_tokens=steps, min_new_tokens=steps)
+        greedy(model, ids, steps + 1)
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
 
 
@@ -161,7 +161,9 @@ def main(argv=None):
                                             for a, b in pairs if a in get and b in get))
     if args.profile:
         model = zoo.convert(copy.deepcopy(models[0][1])).eval()
-        print("\nprofile of the compiled bf16 decode step (16 steps):\n" + profile_step(model))
+        print("\nprofile of the compiled bf16 decode step (16 steps of the zoo loop):\n" + profile_step(model))
+        quantized = zoo.apply(copy.deepcopy(model), "quantize", bits=4)
+        print("\nprofile of the compiled int4 decode step (16 steps of the zoo loop):\n" + profile_step(quantized))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def generate(model, prompt, max_new_tokens, bits, use_compile, threads):
         zoo.apply(lm, "quantize", bits=int(bits))
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        run = timed_generate(lm, ids, max_new_tokens, compile=use_compile)
+        run = timed_generate(lm, ids, max_new_tokens, compile=use_compile, repeats=1)
     click.echo(tok.decode(run["tokens"][0], skip_special_tokens=True))
     click.echo(f"[decode {run['decode_tok_s']:.0f} tok/s, first token {run['first_token_s'] * 1e3:.0f} ms, "
                f"warm-up{' and compile' if use_compile else ''} {run['warmup_s']:.1f} s]", err=True)

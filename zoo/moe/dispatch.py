@@ -30,6 +30,21 @@ def combine(y: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, tokens: 
     return out.index_add_(0, plan.token, y)
 
 
+def run_sorted(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
+               expert) -> torch.Tensor:
+    """The sorted dispatch: each expert with tokens runs once, ``expert(e, x [n, H]) -> [n, H]``, on its
+    contiguous slice of the (token, slot) pairs; outputs are weighted and added back per token."""
+    plan = sort_by_expert(indices, num_experts)
+    x = hidden.index_select(0, plan.token)
+    outs, start = [], 0
+    for e, n in enumerate(plan.counts):  # host-side counts: eager code, or inside an op opaque to the compiler
+        if n:
+            outs.append(expert(e, x[start:start + n]))
+        start += n
+    y = torch.cat(outs) if outs else x[:0]
+    return combine(y, weights, plan, hidden.shape[0]).to(hidden.dtype)
+
+
 @torch.no_grad()
 def gather_rows(indices: torch.Tensor, num_experts: int):
     """Flattened expert ids safe to index with, and a 0/1 mask of real (non-empty) slots."""

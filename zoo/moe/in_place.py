@@ -1,0 +1,52 @@
+"""Quantized experts that read their packed weights in place inside a compiled step.
+
+A compiled decode step must not sync with the host, so tensor code reaches the selected experts only by
+gathering their weights, which copies each selected expert as many bytes as its matmuls then read. The
+op here is opaque to the compiler (``torch.library.custom_op``): inside, plain eager code reads the expert
+ids on the host (free on CPU) and runs torch's int8/int4 kernels on views of the selected experts, as
+llama.cpp's indexed matmul does. The graph around it stays one graph. It has no autograd, so it serves
+inference (``torch.no_grad``) only. Dense experts keep the gather: there, inductor's batched matmul over
+the gathered weights measured faster than torch's eager one-row matmul on the views.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from zoo.moe.dispatch import run_sorted
+
+
+def _glu(h: torch.Tensor, activation: str, limit: float, alpha: float) -> torch.Tensor:
+    from zoo.moe.experts import ACTIVATIONS
+
+    gate, up = h.chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate, up, limit, alpha)
+
+
+@torch.library.custom_op("zoo::lowbit_experts", mutates_args=())
+def lowbit_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, stacks: list[torch.Tensor],
+                   kernel_bits: list[int], width_index: list[int], slot: list[int], group_size: int,
+                   gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor], activation: str,
+                   limit: float, alpha: float) -> torch.Tensor:
+    """Packed low-bit experts. ``stacks`` holds, per width w, ``(gate_up q, gate_up scale, down q, down
+    scale)`` as torch's int8/int4 kernels read them (``kernel_bits[w]``); expert e sits at
+    ``slot[e]`` of width ``width_index[e]``."""
+    from zoo.moe.quantized import kernel_linear
+
+    def expert(e, x):
+        w, j = width_index[e], slot[e]
+        gq, gs, dq, ds = stacks[4 * w: 4 * w + 4]
+        h = kernel_linear(x, gq[j], gs[j], kernel_bits[w], group_size)
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[e]
+        y = kernel_linear(_glu(h, activation, limit, alpha), dq[j], ds[j], kernel_bits[w], group_size)
+        return y if down_bias is None else y + down_bias[e]
+
+    return run_sorted(hidden, indices, weights, len(slot), expert)
+
+
+@lowbit_experts.register_fake
+def _(hidden, indices, weights, stacks, kernel_bits, width_index, slot, group_size, gate_up_bias, down_bias,
+      activation, limit, alpha):
+    return torch.empty_like(hidden)
