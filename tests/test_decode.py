@@ -132,3 +132,20 @@ def test_lowbit_experts_op_registration():
     args = q.in_place_args(torch.randn(2, 64), Routing(torch.rand(2, 2), torch.tensor([[0, 3], [1, 2]])))
     args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)  # inference-only: no autograd
     torch.library.opcheck(torch.ops.zoo.lowbit_experts.default, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_token_dispatch_gives_the_sorted_dispatch_numbers(dtype):
+    """run_each (the in-place op's decode loop) reproduces run_sorted bit for bit, so a compiled step
+    rounds expert outputs exactly as eager prefill code does."""
+    from zoo.moe.dispatch import run_each, run_sorted
+    from zoo.moe.experts import SwiGLUExperts
+
+    torch.manual_seed(0)
+    experts = SwiGLUExperts(4, 32, 48).to(dtype)
+    x = torch.randn(3, 32, dtype=dtype)
+    indices = torch.tensor([[3, 1], [4, 0], [1, 3]])  # 4: an empty slot
+    weights = torch.rand(3, 2)
+    with torch.no_grad():
+        assert torch.equal(run_each(x, indices, weights, 4, experts.expert),
+                           run_sorted(x, indices, weights, 4, experts.expert))

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from zoo.moe.dispatch import run_sorted
+from zoo.moe.dispatch import run_each, run_sorted
 
 
 def _glu(h: torch.Tensor, activation: str, limit: float, alpha: float) -> torch.Tensor:
@@ -43,7 +43,9 @@ def lowbit_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.T
         y = kernel_linear(_glu(h, activation, limit, alpha), dq[j], ds[j], kernel_bits[w], group_size)
         return y if down_bias is None else y + down_bias[e]
 
-    return run_sorted(hidden, indices, weights, len(slot), expert)
+    if indices.numel() > len(slot):
+        return run_sorted(hidden, indices, weights, len(slot), expert)
+    return run_each(hidden, indices, weights, len(slot), expert)
 
 
 @lowbit_experts.register_fake
