@@ -149,3 +149,14 @@ def test_few_token_dispatch_gives_the_sorted_dispatch_numbers(dtype):
     with torch.no_grad():
         assert torch.equal(run_each(x, indices, weights, 4, experts.expert),
                            run_sorted(x, indices, weights, 4, experts.expert))
+
+
+def test_a_copy_of_a_compiled_model_decodes_with_its_own_modules_after_apply():
+    """transformers caches the compiled call on the model, and a deepcopy carries the original's; zoo.apply
+    drops it, so the changed copy is compiled afresh instead of running the original's modules."""
+    import copy
+
+    model = zoo.convert(tiny_native("mixtral"))
+    greedy(model, compile=True)  # compiles and caches model._compiled_call
+    quantized = zoo.apply(copy.deepcopy(model), "quantize", bits=4, group_size=32)
+    assert torch.equal(greedy(quantized, compile=True), greedy(quantized, compile=False))

@@ -68,6 +68,10 @@ def apply(model, name: str, calibration=None, **options):
         step["results"] = component.results
     model.config.zoo_recipe = list(model.config.zoo_recipe or []) + [step]
     sync_layout(model)
+    # transformers caches torch.compile(model.__call__) on the model; a deepcopy of a compiled model carries
+    # the original's, which would decode with the original's modules. A changed model compiles afresh.
+    for attr in ("_compiled_call", "_last_compile_config"):
+        model.__dict__.pop(attr, None)
     return model
 
 

@@ -3,8 +3,9 @@ step, through the standard ``model.generate``.
 
 transformers compiles the decode step itself when the cache is static and a ``CompileConfig`` is given;
 on CPU it must be told to (``_compile_all_devices``). Prefill runs eagerly (many tokens: the sorted
-dispatch); each decode step (one token per sequence) runs compiled, where the zoo's experts take their
-gather path: no host sync, so the whole step is one graph (``fullgraph=True`` enforces it).
+dispatch); each decode step (one token per sequence) runs compiled as one graph (``fullgraph=True``
+enforces it): dense experts gather the selected experts' weights (no host sync), quantized experts read
+theirs in place through an op the compiler does not trace (``zoo.moe.in_place``).
 """
 from __future__ import annotations
 
