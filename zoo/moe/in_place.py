@@ -15,11 +15,17 @@ from typing import Optional
 import torch
 
 from zoo.moe.dispatch import run_each, run_sorted
+from zoo.moe.experts import ACTIVATIONS
+
+
+def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:
+    """x [n, K] @ W.T on torch's kernel for an int8 or int4-packed W (no autograd)."""
+    if bits == 8:
+        return torch.ops.aten._weight_int8pack_mm(x, q, scale.to(x.dtype))
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, group_size, scale.to(x.dtype))
 
 
 def _glu(h: torch.Tensor, activation: str, limit: float, alpha: float) -> torch.Tensor:
-    from zoo.moe.experts import ACTIVATIONS
-
     gate, up = h.chunk(2, dim=-1)
     return ACTIVATIONS[activation](gate, up, limit, alpha)
 
@@ -32,8 +38,6 @@ def lowbit_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.T
     """Packed low-bit experts. ``stacks`` holds, per width w, ``(gate_up q, gate_up scale, down q, down
     scale)`` as torch's int8/int4 kernels read them (``kernel_bits[w]``); expert e sits at
     ``slot[e]`` of width ``width_index[e]``."""
-    from zoo.moe.quantized import kernel_linear
-
     def expert(e, x):
         w, j = width_index[e], slot[e]
         gq, gs, dq, ds = stacks[4 * w: 4 * w + 4]

@@ -16,7 +16,7 @@ import torch
 
 from zoo.moe.dispatch import gather_rows
 from zoo.moe.experts import SwiGLUExperts
-from zoo.moe.in_place import lowbit_experts
+from zoo.moe.in_place import kernel_linear, lowbit_experts
 from zoo.moe.packing import pack, unpack
 
 BITS = (2, 3, 4, 8)
@@ -74,13 +74,6 @@ def int8_weight_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
 @int8_weight_mm.register_fake
 def _(x, q, scale):
     return x.new_empty(x.shape[0], q.shape[0])
-
-
-def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:
-    """x [n, K] @ W.T on torch's kernel for an int8 or int4-packed W (no autograd)."""
-    if bits == 8:
-        return torch.ops.aten._weight_int8pack_mm(x, q, scale.to(x.dtype))
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, group_size, scale.to(x.dtype))
 
 
 class _LowBitLinear(torch.autograd.Function):
