@@ -32,14 +32,18 @@ def _glu(h: torch.Tensor, activation: str, limit: float, alpha: float) -> torch.
 
 @torch.library.custom_op("zoo::lowbit_experts", mutates_args=())
 def lowbit_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, stacks: list[torch.Tensor],
-                   kernel_bits: list[int], width_index: list[int], slot: list[int], group_size: int,
-                   gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor], activation: str,
-                   limit: float, alpha: float) -> torch.Tensor:
-    """Packed low-bit experts. ``stacks`` holds, per width w, ``(gate_up q, gate_up scale, down q, down
-    scale)`` as torch's int8/int4 kernels read them (``kernel_bits[w]``); expert e sits at
-    ``slot[e]`` of width ``width_index[e]``."""
+                   widths: list[int], kernel_bits: list[int], width_of: torch.Tensor, slot_of: torch.Tensor,
+                   group_size: int, gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
+                   activation: str, limit: float, alpha: float) -> torch.Tensor:
+    """Packed low-bit experts. ``stacks`` holds, per width ``widths[w]``, ``(gate_up q, gate_up scale,
+    down q, down scale)`` as torch's int8/int4 kernels read them (``kernel_bits[w]``); expert e has width
+    ``width_of[e]`` and sits at ``slot_of[e]`` of its width's stack. (Per-expert tables travel as tensors:
+    Python lists would cost the compiled step a guard per element.)"""
+    stack_of = [widths.index(b) for b in width_of.tolist()]
+    slot = slot_of.tolist()
+
     def expert(e, x):
-        w, j = width_index[e], slot[e]
+        w, j = stack_of[e], slot[e]
         gq, gs, dq, ds = stacks[4 * w: 4 * w + 4]
         h = kernel_linear(x, gq[j], gs[j], kernel_bits[w], group_size)
         if gate_up_bias is not None:
@@ -53,6 +57,6 @@ def lowbit_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.T
 
 
 @lowbit_experts.register_fake
-def _(hidden, indices, weights, stacks, kernel_bits, width_index, slot, group_size, gate_up_bias, down_bias,
+def _(hidden, indices, weights, stacks, widths, kernel_bits, width_of, slot_of, group_size, gate_up_bias, down_bias,
       activation, limit, alpha):
     return torch.empty_like(hidden)

@@ -241,8 +241,8 @@ class QuantizedExperts(SwiGLUExperts):
             (gq, gs, kb), (dq, ds, _) = self.kernel_stack("gate_up", b), self.kernel_stack("down", b)
             stacks += [gq, gs, dq, ds]
             kernel_bits.append(kb)
-        return (hidden, routing.indices, routing.weights, stacks, kernel_bits,
-                [self.widths.index(b) for b in self.bits], list(self.slot), self.group_size,
+        return (hidden, routing.indices, routing.weights, stacks, list(self.widths), kernel_bits, self.width_of,
+                self.slot_of, self.group_size,
                 self.gate_up_proj_bias, self.down_proj_bias, self.activation,
                 float(self.swiglu_limit), float(self.swiglu_alpha))
 
