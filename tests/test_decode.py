@@ -160,3 +160,31 @@ def test_a_copy_of_a_compiled_model_decodes_with_its_own_modules_after_apply():
     greedy(model, compile=True)  # compiles and caches model._compiled_call
     quantized = zoo.apply(copy.deepcopy(model), "quantize", bits=4, group_size=32)
     assert torch.equal(greedy(quantized, compile=True), greedy(quantized, compile=False))
+
+
+def test_lean_greedy_stops_at_eos_as_generate_does(shipped):
+    from zoo.decode import greedy as lean
+
+    model, ids = shipped
+    new = lean(model, ids, 16, compile=False)[0, ids.shape[1]:].tolist()
+    eos = new[5]
+    stop = new.index(eos)  # the first time the model emits it
+    out = lean(model, ids, 16, compile=True, backend="eager", eos_token_id=eos)
+    assert out.shape[1] == ids.shape[1] + stop + 1
+    expected = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    assert torch.equal(out, expected)
+
+
+def test_generate_command_prints_the_continuation_and_its_speed():
+    from click.testing import CliRunner
+
+    from zoo.cli import cli
+
+    prompt = "def add(a, b):"
+    res = CliRunner().invoke(cli, ["generate", "zoo-tiny-moe", prompt, "--max-new-tokens", "8", "--no-compile",
+                                   "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith(prompt) and len(res.stdout.strip()) > len(prompt)
+    assert "tok/s" in res.stderr
+    bad = CliRunner().invoke(cli, ["generate", "zoo-tiny-mo", prompt])
+    assert bad.exit_code != 0 and "zoo-tiny-moe" in bad.output  # a close match is suggested

@@ -40,10 +40,12 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: 
 
 @torch.no_grad()
 def greedy(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bool = True,
-           backend: str = "inductor") -> torch.Tensor:
+           backend: str = "inductor", eos_token_id: int | None = None) -> torch.Tensor:
     """The same decode without ``generate``'s per-step bookkeeping (logits processors, stopping criteria,
     input preparation): eager prefill into a ``StaticCache``, then the model's own compiled call
-    (``get_compiled_call``, the one ``generate`` compiles) once per token. Greedy, fixed length.
+    (``get_compiled_call``, the one ``generate`` compiles) once per token. Greedy; with ``eos_token_id``
+    it stops once every sequence has produced it (finished ones are padded with it, as ``generate`` does
+    when no pad token is set).
 
     After the first compiled step the guards are not evaluated again
     (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``): every later step passes inputs of the
@@ -54,19 +56,26 @@ def greedy(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bo
                    use_cache=True, logits_to_keep=1).logits
     step = model.get_compiled_call(compile_config(backend)) if compile else model.__call__
     tokens = [logits[:, -1:].argmax(-1)]
+    done = None if eos_token_id is None else tokens[0] == eos_token_id
     for i in range(max_new_tokens - 1):
+        if done is not None and bool(done.all()):
+            break
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=compile and i > 0):
             logits = step(input_ids=tokens[-1], past_key_values=cache, cache_position=torch.tensor([prompt + i]),
                           use_cache=True, logits_to_keep=1).logits
-        tokens.append(logits[:, -1:].argmax(-1))
+        token = logits[:, -1:].argmax(-1)
+        if done is not None:
+            token = token.masked_fill(done, eos_token_id)
+            done = done | (token == eos_token_id)
+        tokens.append(token)
     return torch.cat([input_ids, *tokens], dim=1)
 
 
-def _timed(decode, batch: int, new_tokens: int, repeats: int = 3) -> dict:
+def _timed(decode, input_ids: torch.Tensor, new_tokens: int, repeats: int = 3) -> dict:
     """Decode speed, measured honestly: one warm-up run (which compiles; its time is reported apart), then
     ``repeats`` pairs of a prefill-only run (1 new token) and a full run; decode tok/s comes from the
     difference within a pair, and the median pair is reported (this machine's speed drifts between runs).
-    ``decode(n)`` generates n new tokens."""
+    ``decode(n)`` generates up to n new tokens (fewer if it stops at EOS: the tokens made are counted)."""
     def clock(n):
         t0 = time.perf_counter()
         out = decode(n)
@@ -78,18 +87,21 @@ def _timed(decode, batch: int, new_tokens: int, repeats: int = 3) -> dict:
         _, first = clock(1)
         out, total = clock(new_tokens)
         firsts.append(first)
-        speeds.append((new_tokens - 1) * batch / max(total - first, 1e-9))
+        made = out.shape[1] - input_ids.shape[1]
+        speeds.append((made - 1) * input_ids.shape[0] / max(total - first, 1e-9))
     return {"tokens": out, "warmup_s": warmup, "first_token_s": statistics.median(firsts),
             "decode_tok_s": statistics.median(speeds)}
 
 
-def timed_greedy(model, input_ids: torch.Tensor, new_tokens: int, compile: bool = True, repeats: int = 3) -> dict:
+def timed_greedy(model, input_ids: torch.Tensor, new_tokens: int, compile: bool = True, repeats: int = 3,
+                 eos_token_id: int | None = None) -> dict:
     """``greedy``'s decode speed, measured as ``timed_generate`` measures generate's."""
-    return _timed(lambda n: greedy(model, input_ids, n, compile), input_ids.shape[0], new_tokens, repeats)
+    return _timed(lambda n: greedy(model, input_ids, n, compile, eos_token_id=eos_token_id), input_ids,
+                  new_tokens, repeats)
 
 
 def timed_generate(model, input_ids: torch.Tensor, new_tokens: int, compile: bool = True, repeats: int = 3,
                    **kwargs) -> dict:
     """``generate``'s decode speed (greedy unless ``kwargs`` say otherwise), with exactly n new tokens."""
     return _timed(lambda n: generate(model, input_ids, max_new_tokens=n, min_new_tokens=n, compile=compile, **kwargs),
-                  input_ids.shape[0], new_tokens, repeats)
+                  input_ids, new_tokens, repeats)

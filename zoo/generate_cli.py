@@ -1,4 +1,5 @@
-"""``moe-zoo generate``: greedy text from a model, decoded with the compiled static-cache step."""
+"""``moe-zoo generate``: greedy text from a model, decoded with the compiled static-cache step (driven by
+``zoo.decode.greedy``, which skips ``generate``'s per-step bookkeeping and stops at EOS)."""
 import click
 
 
@@ -15,7 +16,7 @@ def generate(model, prompt, max_new_tokens, bits, use_compile, threads):
     import torch
 
     import zoo
-    from zoo.decode import timed_generate
+    from zoo.decode import timed_greedy
 
     if threads:
         torch.set_num_threads(threads)
@@ -27,7 +28,7 @@ def generate(model, prompt, max_new_tokens, bits, use_compile, threads):
         zoo.apply(lm, "quantize", bits=int(bits))
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        run = timed_generate(lm, ids, max_new_tokens, compile=use_compile, repeats=1)
+        run = timed_greedy(lm, ids, max_new_tokens, compile=use_compile, repeats=1, eos_token_id=tok.eos_token_id)
     click.echo(tok.decode(run["tokens"][0], skip_special_tokens=True))
     click.echo(f"[decode {run['decode_tok_s']:.0f} tok/s, first token {run['first_token_s'] * 1e3:.0f} ms, "
                f"warm-up{' and compile' if use_compile else ''} {run['warmup_s']:.1f} s]", err=True)

@@ -242,13 +242,13 @@ class QuantizedExperts(SwiGLUExperts):
             stacks += [gq, gs, dq, ds]
             kernel_bits.append(kb)
         return (hidden, routing.indices, routing.weights, stacks, list(self.widths), kernel_bits, self.width_of,
-                self.slot_of, self.group_size,
-                self.gate_up_proj_bias, self.down_proj_bias, self.activation,
+                self.slot_of, self.group_size, self.gate_up_proj_bias, self.down_proj_bias, self.activation,
                 float(self.swiglu_limit), float(self.swiglu_alpha))
 
     def _forward_gather(self, hidden, routing):
-        """Compiled decode: for each (token, slot) pick the selected expert's packed weights by index (a
-        gather, no host sync); with mixed widths every width is computed and masked to its own experts."""
+        """Compiled training on few tokens: for each (token, slot) pick the selected expert's packed weights
+        by index (a gather, no host sync, and differentiable in the input); with mixed widths every width is
+        computed and masked to its own experts."""
         idx, valid = gather_rows(routing.indices, self.num_experts)
         k = routing.indices.shape[1]
         w = torch.where(valid, routing.weights.reshape(-1), 0)
