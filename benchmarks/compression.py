@@ -49,23 +49,37 @@ RUNS = [  # (label, component, options): 25% and 50% fewer expert bytes, or 8 / 
 def per_expert_svd(model, data, keep: float):
     """Baseline for MoE-SVD's claim: every expert gets its *own* scaled truncated SVD (no shared V), at the
     rank that keeps the same number of expert parameters as moe-svd with ``ratio=keep`` decomposing every
-    layer. The low-rank product is written back into the dense weights (quality only, not speed)."""
-    from zoo_compressors.base import _tokenizer_for
-    from zoo_compressors.moe_svd import cholesky_scale, collect_grams
+    layer. The low-rank product is written back into the dense weights (quality only, not speed). Runs on the
+    layer-at-a-time engine, so its calibration inputs come through the already factored layers, as moe-svd's."""
+    from zoo.layerwise import InMemory, calibration_inputs, run
+    from zoo_compressors.moe_svd import layer_grams
 
-    grams = collect_grams(model, calibration.batches(data, _tokenizer_for(model)))
-    for (_, moe), st in zip(moe_layers(model), grams):
-        ex = moe.experts
-        E, H, I = ex.num_experts, ex.hidden_size, ex.intermediate_size
-        rank = max(1, int(keep * E * 3 * H * I // (E * ((2 * I + H) + (H + I)))))
-        s_in = cholesky_scale(st["input"])
-        for e in range(E):
-            for weight, scale in ((ex.gate_up_proj, s_in), (ex.down_proj, cholesky_scale(st["inter"][e]))):
-                u, sv, vh = torch.linalg.svd(weight[e].double() @ scale, full_matrices=False)
-                low = (u[:, :rank] * sv[:rank]) @ torch.linalg.solve_triangular(scale, vh[:rank], upper=False,
-                                                                                  left=False)
-                weight[e] = low.to(weight.dtype)
+    class PerExpertSvd:
+        name, inputs_for = "per-expert-svd", ("compress",)
+
+        def compress_layer(self, index, moe, x):
+            factor_each(moe, layer_grams(moe, x), keep)
+            return moe
+
+    step = PerExpertSvd()
+    run(InMemory(model), [step], calibration_inputs(model, [step], data))
     return model
+
+
+@torch.no_grad()
+def factor_each(moe, st, keep: float):
+    """Each expert's scaled SVD truncated to the rank of the budget, written back in place."""
+    from zoo_compressors.moe_svd import cholesky_scale
+
+    ex = moe.experts
+    E, H, I = ex.num_experts, ex.hidden_size, ex.intermediate_size
+    rank = max(1, int(keep * E * 3 * H * I // (E * ((2 * I + H) + (H + I)))))
+    s_in = cholesky_scale(st["input"])
+    for e in range(E):
+        for weight, scale in ((ex.gate_up_proj, s_in), (ex.down_proj, cholesky_scale(st["inter"][e]))):
+            u, sv, vh = torch.linalg.svd(weight[e].double() @ scale, full_matrices=False)
+            low = (u[:, :rank] * sv[:rank]) @ torch.linalg.solve_triangular(scale, vh[:rank], upper=False, left=False)
+            weight[e] = low.to(weight.dtype)
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ import json
 
 from zoo.components import Registered
 from zoo.layout import moe_layers, sync_layout
+from zoo.moe import SparseMoE
 from zoo.options import accepted_options, check_options
 from zoo.plugins import load_plugins, registry
 
@@ -63,16 +64,47 @@ def apply(model, name: str, calibration=None, **options):
     else:
         component = cls(**options)  # an adapter that builds an MoE from a dense model gets it unconverted
         model = component.attach(model if getattr(cls, "accepts_dense", False) else convert(model))
-    step = {"name": name, "kind": reg.kind, "options": _jsonable(options), "calibration": describe(calibration)}
-    if getattr(component, "results", None):
-        step["results"] = component.results
-    model.config.zoo_recipe = list(model.config.zoo_recipe or []) + [step]
+    record_step(model, name, reg.kind, options, calibration, component)
     sync_layout(model)
     # transformers caches torch.compile(model.__call__) on the model; a deepcopy of a compiled model carries
     # the original's, which would decode with the original's modules. A changed model compiles afresh.
     for attr in ("_compiled_call", "_last_compile_config"):
         model.__dict__.pop(attr, None)
     return model
+
+
+def record_step(model, name: str, kind: str, options: dict, calibration, component=None) -> dict:
+    """Append a step to ``config.zoo_recipe``: name, kind, options, calibration data, the component's results."""
+    step = {"name": name, "kind": kind, "options": _jsonable(options), "calibration": describe(calibration)}
+    if getattr(component, "results", None):
+        step["results"] = component.results
+    model.config.zoo_recipe = list(model.config.zoo_recipe or []) + [step]
+    return step
+
+
+class RouterSwap:
+    """A router replacement as a per-layer step (the streaming path; ``zoo.apply`` swaps every layer at once,
+    with the same ``new_router``)."""
+
+    kind, inputs_for, needs_plan = "router", (), False
+
+    def __init__(self, cls, options):
+        from zoo.options import check_options
+
+        if getattr(cls, "target", None) == "attention":
+            raise ValueError(f"router {cls.name!r} wraps attention: it runs on a model in memory (--no-stream)")
+        check_options(cls, options, skip=("hidden_size", "num_experts"))
+        given = sorted(set(options) & set(LAYER_OPTIONS))
+        if given:
+            raise ValueError(f"{', '.join(given)}: filled in by zoo.apply for each layer, not an option to pass")
+        self.cls, self.name, self.options = cls, cls.name, dict(options)
+
+    def check_layer(self, index, block):
+        pass
+
+    def compress_layer(self, index, block, inputs):
+        router = new_router(index, block, self.cls, self.options)
+        return SparseMoE(router, block.experts, block.shared_experts, block.returns_router_scores)
 
 
 # Options a router class may accept that zoo.apply fills in per layer (recorded in the layout like any other):
@@ -89,24 +121,30 @@ def _swap_routers(model, cls, options):
     from zoo.convert import hook_new_routers
     from zoo.moe.surgery import place_like
 
-    accepted = set(accepted_options(cls, skip=("hidden_size", "num_experts", "top_k")))
     given = sorted(set(options) & set(LAYER_OPTIONS))
     if given:
         raise ValueError(f"{', '.join(given)}: filled in by zoo.apply for each layer, not an option to pass")
-    new = []
-    for i, moe in moe_layers(model):
-        old = moe.router
-        opts = {k: v for k, v in old.options.items() if k in accepted}
-        opts.update({k: v for k, v in options.items() if k != "top_k"})
-        opts.update({k: fill(i, old) for k, fill in LAYER_OPTIONS.items() if k in accepted})
-        router = cls(old.hidden_size, old.num_experts, options.get("top_k", _default_k(cls, old.top_k)), **opts)
-        mine = router.state_dict()
-        carried = {k: v for k, v in old.state_dict().items() if k in mine and mine[k].shape == v.shape}
-        router.load_state_dict(carried, strict=False)
-        new.append((moe, place_like(router, old)))
+    new = [(moe, new_router(i, moe, cls, options)) for i, moe in moe_layers(model)]
     for moe, router in new:
         moe.router = router
     hook_new_routers(model, [r for _, r in new])
+
+
+def new_router(i, moe, cls, options):
+    """Layer i's router of class ``cls``: options the old router had and the new class accepts carry over (so
+    ``top_k=1`` keeps ``norm_topk_prob``), and so do gate weights of matching name and shape."""
+    from zoo.moe.surgery import place_like
+
+    accepted = set(accepted_options(cls, skip=("hidden_size", "num_experts", "top_k")))
+    old = moe.router
+    opts = {k: v for k, v in old.options.items() if k in accepted}
+    opts.update({k: v for k, v in options.items() if k != "top_k"})
+    opts.update({k: fill(i, old) for k, fill in LAYER_OPTIONS.items() if k in accepted})
+    router = cls(old.hidden_size, old.num_experts, options.get("top_k", _default_k(cls, old.top_k)), **opts)
+    mine = router.state_dict()
+    carried = {k: v for k, v in old.state_dict().items() if k in mine and mine[k].shape == v.shape}
+    router.load_state_dict(carried, strict=False)
+    return place_like(router, old)
 
 
 def _default_k(cls, current: int) -> int:

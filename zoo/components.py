@@ -31,12 +31,41 @@ class Component:
 
 
 class Compressor(Component):
-    """``compress(model, calibration=None) -> model``. Validate options in ``__init__``."""
+    """``compress(model, calibration=None) -> model``. Validate options in ``__init__``.
 
+    A compressor that implements the per-layer contract (``compress_layer``; see ``zoo.layerwise`` and
+    docs/plugin-contract.md) gets ``compress`` for free and works on checkpoints streamed from their shards
+    too. One that overrides ``compress`` alone works on models in memory only.
+    """
+
+    kind = "compressor"
     needs_calibration = False
+    inputs_for: tuple[str, ...] = ()  # "observe", "compress": the phases that receive the layer's input tokens
+    needs_plan = False  # observe every layer, then plan(), before compress_layer
 
-    def compress(self, model, calibration=None):  # pragma: no cover - abstract
+    @property
+    def layerwise(self) -> bool:
+        return type(self).compress_layer is not Compressor.compress_layer
+
+    def check_layer(self, index: int, block) -> None:
+        """Raise (before anything changes) if layer ``index``'s block cannot be compressed."""
+
+    def observe(self, index: int, block, inputs) -> None:
+        """Statistics pass: look at layer ``index`` (``inputs [T, H]`` or None)."""
+
+    def plan(self) -> None:
+        """Once, after every layer was observed: decide what the global view decides (a bit budget, a ranking)."""
+
+    def compress_layer(self, index: int, block, inputs):  # pragma: no cover - abstract
+        """Return the compressed block of layer ``index`` (a new ``SparseMoE``, or ``block`` unchanged)."""
         raise NotImplementedError
+
+    def compress(self, model, calibration=None):
+        from zoo.layerwise import compress_in_memory
+
+        if not self.layerwise:
+            raise NotImplementedError(f"{type(self).__name__} implements neither compress nor compress_layer")
+        return compress_in_memory(model, [self], calibration)
 
 
 class Adapter(Component):

@@ -21,18 +21,23 @@ def sizes(model) -> dict:
     layers = moe_layers(model)
     # expert tensors are counted by their kind's num_parameters() (the weights they stand for: packed codes and
     # scales are bytes, not parameters); everything else by numel
-    in_experts = {t.data_ptr() for _, moe in layers for t in [*moe.experts.parameters(), *moe.experts.buffers()]}
+    in_experts = {_storage(t) for _, moe in layers for t in [*moe.experts.parameters(), *moe.experts.buffers()]}
     seen, other, nbytes = set(), 0, 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() in seen:
+        if _storage(t) in seen:
             continue  # tied weights count once
-        seen.add(t.data_ptr())
+        seen.add(_storage(t))
         nbytes += t.numel() * t.element_size()
-        other += 0 if t.data_ptr() in in_experts else t.numel()
+        other += 0 if _storage(t) in in_experts else t.numel()
     expert_total = sum(moe.experts.num_parameters() for _, moe in layers)
     expert_active = sum(moe.experts.active_parameters(moe.top_k) for _, moe in layers)
     return {"params": other + expert_total, "bytes": nbytes, "active_params": other + expert_active,
             "expert_params": expert_total}
+
+
+def _storage(t):
+    """What identifies a tensor's memory; on the meta device (a streamed model's skeleton) the tensor itself."""
+    return id(t) if t.is_meta else t.data_ptr()
 
 
 class UsageRecorder:

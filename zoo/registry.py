@@ -81,6 +81,16 @@ def load_tokenizer(name_or_path: str, **kwargs):
     return AutoTokenizer.from_pretrained(_resolve(os.fspath(name_or_path)), **kwargs)
 
 
+def tokenizer_for(model):
+    """The tokenizer saved with ``model`` (by its ``_name_or_path``), else the zoo's own."""
+    from zoo.data.tokenizer import load_tokenizer as zoo_tokenizer
+
+    try:
+        return load_tokenizer(model.config._name_or_path)
+    except Exception:
+        return zoo_tokenizer()
+
+
 def load(name_or_path: str, convert: bool = True, **kwargs):
     """Load a local folder, a registry name, ``hf-hub:org/name`` or a hub id as a causal LM.
 

@@ -18,6 +18,12 @@ class ExpertStats:
     output_sum: torch.Tensor | None  # [E, H] sum over *all* tokens of the expert's output (HC-SMoE)
     tokens: int = 0
 
+    @classmethod
+    def empty(cls, layer: int, moe, all_outputs: bool = False) -> ExpertStats:
+        n, h = moe.num_experts, moe.router.hidden_size
+        return cls(layer, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.float64),
+                   torch.zeros(n, dtype=torch.float64), torch.zeros(n, h, dtype=torch.float64) if all_outputs else None)
+
     @property
     def frequency(self) -> torch.Tensor:
         return self.counts.double() / max(1, self.tokens)
@@ -31,35 +37,43 @@ class ExpertStats:
     def mean_output(self) -> torch.Tensor:
         return self.output_sum / max(1, self.tokens)
 
+    @torch.no_grad()
+    def add(self, moe, x: torch.Tensor, routing=None) -> ExpertStats:
+        """Accumulate tokens ``x [T, H]`` entering ``moe`` (routed here unless ``routing`` is given)."""
+        routing = moe.router(x) if routing is None else routing
+        self.tokens += x.shape[0]
+        for e in range(moe.num_experts):
+            tok, slot = (routing.indices == e).nonzero(as_tuple=True)
+            if self.output_sum is not None:
+                out = moe.experts.expert(e, x).double()
+                self.output_sum[e] += out.sum(0)
+                routed = out[tok]
+            elif len(tok):
+                routed = moe.experts.expert(e, x[tok]).double()
+            if len(tok):
+                g = routing.weights[tok, slot].double()
+                self.counts[e] += len(tok)
+                self.gate_sum[e] += g.sum()
+                self.reap_sum[e] += (g * routed.norm(dim=-1)).sum()
+        return self
+
+
+def layer_stats(layer: int, moe, x: torch.Tensor, all_outputs: bool = False, chunk: int = 4096) -> ExpertStats:
+    """Statistics of one MoE block on its calibration inputs ``x [T, H]`` (taken in chunks of tokens)."""
+    st = ExpertStats.empty(layer, moe, all_outputs)
+    for part in x.split(chunk):
+        st.add(moe, part)
+    return st
+
 
 @torch.no_grad()
 def collect(model, batches, all_outputs: bool = False, desc: str = "calibrating") -> list[ExpertStats]:
-    """Run ``batches`` through ``model`` and record, per MoE layer, how each expert is used."""
+    """Run ``batches`` through the whole ``model`` and record, per MoE layer, how each expert is used (all layers
+    see the original model's hidden states; compressors use the layer-at-a-time ``zoo.layerwise`` instead)."""
     layers = moe_layers(model)
-    stats = [ExpertStats(i, torch.zeros(m.num_experts, dtype=torch.long), torch.zeros(m.num_experts, dtype=torch.float64),
-                         torch.zeros(m.num_experts, dtype=torch.float64),
-                         torch.zeros(m.num_experts, m.router.hidden_size, dtype=torch.float64) if all_outputs else None)
-             for i, m in layers]
-    handles = []
-    for st, (_, moe) in zip(stats, layers):
-        def hook(router, args, routing, st=st, moe=moe):
-            x = args[0]
-            st.tokens += x.shape[0]
-            n = moe.num_experts
-            for e in range(n):
-                tok, slot = (routing.indices == e).nonzero(as_tuple=True)
-                if all_outputs:
-                    out = moe.experts.expert(e, x).double()
-                    st.output_sum[e] += out.sum(0)
-                    routed = out[tok]
-                elif len(tok):
-                    routed = moe.experts.expert(e, x[tok]).double()
-                if len(tok):
-                    g = routing.weights[tok, slot].double()
-                    st.counts[e] += len(tok)
-                    st.gate_sum[e] += g.sum()
-                    st.reap_sum[e] += (g * routed.norm(dim=-1)).sum()
-        handles.append(moe.router.register_forward_hook(hook))
+    stats = [ExpertStats.empty(i, m, all_outputs) for i, m in layers]
+    handles = [moe.router.register_forward_hook(lambda router, args, routing, st=st, moe=moe: st.add(moe, args[0], routing))
+               for st, (_, moe) in zip(stats, layers)]
     was_training = model.training
     model.eval()
     try:

@@ -1,6 +1,6 @@
 """channel-topk: calibration-free top-k channel selection inside each expert (weight-informed scores)."""
 from zoo import Compressor
-from zoo.layout import moe_layers
+from zoo.moe import SparseMoE
 from zoo.moe.channel_topk import ChannelTopKExperts
 from zoo.moe.experts import SwiGLUExperts
 
@@ -19,12 +19,10 @@ class ChannelTopK(Compressor):
         super().__init__(budget=budget)
         self.budget = float(budget)
 
-    def compress(self, model, calibration=None):
-        layers = moe_layers(model)
-        for i, moe in layers:
-            if type(moe.experts) is not SwiGLUExperts:
-                raise ValueError(f"layer {i} has {moe.experts.name!r} experts; channel-topk needs dense experts")
-        new = {i: ChannelTopKExperts.from_dense(moe.experts, self.budget) for i, moe in layers}
-        for i, moe in layers:
-            moe.experts = new[i]
-        return model
+    def check_layer(self, index, block):
+        if type(block.experts) is not SwiGLUExperts:
+            raise ValueError(f"layer {index} has {block.experts.name!r} experts; channel-topk needs dense experts")
+
+    def compress_layer(self, index, block, inputs):
+        experts = ChannelTopKExperts.from_dense(block.experts, self.budget)
+        return SparseMoE(block.router, experts, block.shared_experts, block.returns_router_scores)

@@ -11,7 +11,6 @@ import torch
 from scipy.cluster.hierarchy import cut_tree, linkage
 
 from zoo.moe.surgery import merge_experts
-from zoo.stats import collect
 
 from zoo_compressors.base import ExpertCountCompressor
 
@@ -34,6 +33,7 @@ class HcSmoe(ExpertCountCompressor):
              "ICML 2025, arXiv:2410.08589")
     card = "cards/hc-smoe.md"
     space = "compression-lab"
+    all_outputs = True
 
     def __init__(self, num_experts: int, linkage: str = "average", router_rows: str = "dominant"):
         if linkage not in LINKAGES:
@@ -42,9 +42,6 @@ class HcSmoe(ExpertCountCompressor):
             raise ValueError(f"router_rows must be 'dominant' or 'average', got {router_rows!r}")
         super().__init__(num_experts=num_experts, linkage=linkage, router_rows=router_rows)
         self.linkage, self.router_rows = linkage, router_rows
-
-    def statistics(self, model, batches):
-        return collect(model, batches, all_outputs=True, desc="hc-smoe: expert outputs")
 
     def rebuild(self, moe, stats):
         groups = cluster_experts(stats.mean_output, self.num_experts, self.linkage)

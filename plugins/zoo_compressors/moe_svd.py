@@ -16,12 +16,9 @@ import math
 import torch
 
 from zoo import Compressor
-from zoo import calibration as calib
-from zoo.layout import moe_layers
+from zoo.moe import SparseMoE
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.factored import FactoredExperts
-
-from zoo_compressors.base import _tokenizer_for
 
 
 def cholesky_scale(gram: torch.Tensor) -> torch.Tensor:
@@ -32,36 +29,24 @@ def cholesky_scale(gram: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def collect_grams(model, batches):
-    """Per MoE layer: input Gram [H, H], per-expert intermediate Grams [E, I, I], routed counts [E]."""
-    from tqdm.auto import tqdm
-
-    stats, handles = [], []
-    for _, moe in moe_layers(model):
-        st = {"input": torch.zeros(moe.router.hidden_size, moe.router.hidden_size, dtype=torch.float64),
-              "inter": torch.zeros(moe.num_experts, moe.experts.intermediate_size, moe.experts.intermediate_size,
-                                   dtype=torch.float64),
-              "counts": torch.zeros(moe.num_experts, dtype=torch.float64)}
-
-        def hook(router, args, routing, st=st, moe=moe):
-            x = args[0].double()
-            st["input"] += x.T @ x
-            for e in range(moe.num_experts):
-                tok = (routing.indices == e).any(-1).nonzero().flatten()
-                if len(tok):
-                    ex = moe.experts
-                    h = ex.glu(torch.nn.functional.linear(args[0][tok], ex.gate_up_proj[e])).double()
-                    st["inter"][e] += h.T @ h
-                    st["counts"][e] += len(tok)
-        handles.append(moe.router.register_forward_hook(hook))
-        stats.append(st)
-    try:
-        for ids in tqdm(batches, desc="moe-svd: scaling matrices", leave=False):
-            model(input_ids=ids)
-    finally:
-        for h in handles:
-            h.remove()
-    return stats
+def layer_grams(moe, x: torch.Tensor, chunk: int = 4096) -> dict:
+    """One MoE layer on its input tokens ``x [T, H]``: input Gram [H, H], per-expert intermediate Grams
+    [E, I, I] over the tokens routed to each expert, routed counts [E]."""
+    ex = moe.experts
+    st = {"input": torch.zeros(moe.router.hidden_size, moe.router.hidden_size, dtype=torch.float64),
+          "inter": torch.zeros(moe.num_experts, ex.intermediate_size, ex.intermediate_size, dtype=torch.float64),
+          "counts": torch.zeros(moe.num_experts, dtype=torch.float64)}
+    for part in x.split(chunk):
+        routing = moe.router(part)
+        xd = part.double()
+        st["input"] += xd.T @ xd
+        for e in range(moe.num_experts):
+            tok = (routing.indices == e).any(-1).nonzero().flatten()
+            if len(tok):
+                h = ex.glu(torch.nn.functional.linear(part[tok], ex.gate_up_proj[e])).double()
+                st["inter"][e] += h.T @ h
+                st["counts"][e] += len(tok)
+    return st
 
 
 def fit_shared(weights, scales, anchor: int, rank: int):
@@ -87,6 +72,9 @@ class MoeSvd(Compressor):
              "ICML 2025")
     card = "cards/moe-svd.md"
     space = "compression-lab"
+    needs_calibration = True
+    inputs_for = ("observe", "compress")
+    needs_plan = True
 
     def __init__(self, ratio: float = 0.75, layer_ratio: float = 0.5, u_keep: float = 1.0):
         for key, value in (("ratio", ratio), ("layer_ratio", layer_ratio), ("u_keep", u_keep)):
@@ -95,8 +83,12 @@ class MoeSvd(Compressor):
         super().__init__(ratio=ratio, layer_ratio=layer_ratio, u_keep=u_keep)
         self.ratio, self.layer_ratio, self.u_keep = float(ratio), float(layer_ratio), float(u_keep)
         self.results: dict = {}
+        self._layers: list[int] = []
+        self._sensitivity: dict[int, float] = {}
+        self._chosen: list[int] = []
+        self._keep = 1.0
 
-    def plan(self, n_layers: int) -> tuple[int, float]:
+    def plan_counts(self, n_layers: int) -> tuple[int, float]:
         """How many layers to decompose, and the fraction of parameters each of them keeps."""
         if self.ratio >= 1:
             return 0, 1.0
@@ -109,26 +101,32 @@ class MoeSvd(Compressor):
         per_rank = num_u * (2 * ex.intermediate_size + ex.hidden_size) + ex.hidden_size + ex.intermediate_size
         return max(1, int(keep * dense // per_rank))
 
+    def check_layer(self, index, block):
+        if type(block.experts) is not SwiGLUExperts:
+            raise ValueError(f"layer {index} has {block.experts.name!r} experts; moe-svd needs dense experts")
+        self._layers.append(index)  # check_layer sees every MoE layer before any pass: the plan needs the count
+
     @torch.no_grad()
-    def compress(self, model, calibration=None):
-        layers = moe_layers(model)
-        for i, moe in layers:
-            if type(moe.experts) is not SwiGLUExperts:
-                raise ValueError(f"layer {i} has {moe.experts.name!r} experts; moe-svd needs dense experts")
-        data = calibration if calibration is not None else calib.corpus("mixed", tokens=8192)
-        grams = collect_grams(model, calib.batches(data, _tokenizer_for(model)))
-        m, keep = self.plan(len(layers))
-        candidates = {}
-        for (i, moe), st in zip(layers, grams):
-            candidates[i] = self.factor_layer(moe.experts, st, keep)
-        order = sorted(candidates, key=lambda i: candidates[i][1])  # least sensitive first
-        chosen = sorted(order[:m])
-        for i, moe in layers:
-            if i in chosen:
-                moe.experts = candidates[i][0]
-        self.results = {"decomposed": chosen, "sensitivity": {str(i): round(candidates[i][1], 5) for i in candidates},
-                        "rank": {str(i): candidates[i][0].rank_gate_up for i in chosen}}
-        return model
+    def observe(self, index, block, inputs):
+        """Sensitivity of layer ``index`` at the rank a decomposed layer would get."""
+        _, keep = self.plan_counts(len(self._layers))
+        self._sensitivity[index] = self.factor_layer(block.experts, layer_grams(block, inputs), keep)[1]
+
+    def plan(self):
+        m, self._keep = self.plan_counts(len(self._layers))
+        order = sorted(self._sensitivity, key=self._sensitivity.get)  # least sensitive first
+        self._chosen = sorted(order[:m])
+        self.results = {"decomposed": self._chosen,
+                        "sensitivity": {str(i): round(v, 5) for i, v in sorted(self._sensitivity.items())},
+                        "rank": {}}
+
+    @torch.no_grad()
+    def compress_layer(self, index, block, inputs):
+        if index not in self._chosen:
+            return block
+        experts = self.factor_layer(block.experts, layer_grams(block, inputs), self._keep)[0]
+        self.results["rank"][str(index)] = experts.rank_gate_up
+        return SparseMoE(block.router, experts, block.shared_experts, block.returns_router_scores)
 
     def factor_layer(self, ex: SwiGLUExperts, st: dict, keep: float):
         """(FactoredExperts, sensitivity) for one layer at the fraction ``keep`` of its expert parameters."""

@@ -4,8 +4,7 @@ import numpy as np
 import torch
 
 from zoo import Compressor
-from zoo import calibration as calib
-from zoo.layout import moe_layers
+from zoo.moe import SparseMoE
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.quantized import (
     BITS,
@@ -14,9 +13,8 @@ from zoo.moe.quantized import (
     quantize_grouped,
     quantize_int8,
 )
-from zoo.stats import collect
+from zoo.stats import layer_stats
 from zoo_compressors.allocation import WIDTHS, allocate, alphaq, esd_alpha, pmq
-from zoo_compressors.base import _tokenizer_for
 
 ALLOCATIONS = ("uniform", "pmq", "alphaq", "random")  # random: the same budget spent blindly (a baseline)
 
@@ -56,53 +54,56 @@ class Quantize(Compressor):
         super().__init__(bits=bits, allocation=allocation, group_size=group_size, widths=list(widths))
         self.bits, self.allocation, self.group_size, self.widths = bits, allocation, group_size, widths
         self.needs_calibration = allocation == "pmq"
+        self.needs_plan = allocation != "uniform"  # a bit budget over all experts of all layers
+        self.inputs_for = ("observe",) if allocation == "pmq" else ()
         self.results: dict = {}
+        self._experts: list[tuple[int, int]] = []  # (layer, expert), in the order observed
+        self._sizes, self._errors, self._importance = [], [], []
+        self._planned: dict[int, list[int]] = {}
 
-    def compress(self, model, calibration=None):
-        layers = moe_layers(model)
-        for i, moe in layers:
-            if type(moe.experts) is not SwiGLUExperts:
-                raise ValueError(f"layer {i} has {moe.experts.name!r} experts; quantize needs dense experts")
-            for size in (moe.experts.hidden_size, moe.experts.intermediate_size):
-                if size % self.group_size:
-                    raise ValueError(f"group_size={self.group_size} does not divide layer {i}'s size {size}")
-        widths = self.allocate(model, layers, calibration)
-        new = {i: QuantizedExperts.from_dense(moe.experts, widths[i], self.group_size) for i, moe in layers}
-        for i, moe in layers:
-            moe.experts = new[i]
-        self.results["bits"] = {str(i): list(map(int, widths[i])) for i, _ in layers}
-        return model
+    def check_layer(self, index, block):
+        if type(block.experts) is not SwiGLUExperts:
+            raise ValueError(f"layer {index} has {block.experts.name!r} experts; quantize needs dense experts")
+        for size in (block.experts.hidden_size, block.experts.intermediate_size):
+            if size % self.group_size:
+                raise ValueError(f"group_size={self.group_size} does not divide layer {index}'s size {size}")
 
-    def allocate(self, model, layers, data) -> dict[int, list[int]]:
-        if self.allocation == "uniform":
-            return {i: [int(self.bits)] * moe.num_experts for i, moe in layers}
-        flat = [(i, e) for i, moe in layers for e in range(moe.num_experts)]
-        sizes = np.array([3 * moe.experts.hidden_size * moe.experts.intermediate_size
-                          for i, moe in layers for _ in range(moe.num_experts)], dtype=float)
-        weights = {(i, e): (moe.experts.gate_up_proj[e].detach(), moe.experts.down_proj[e].detach())
-                   for i, moe in layers for e in range(moe.num_experts)}
+    def observe(self, index, block, inputs):
+        """One layer's share of the global program: sizes, errors at each width and the importance input."""
+        ex = block.experts
+        for e in range(block.num_experts):
+            self._experts.append((index, e))
+            self._sizes.append(3 * ex.hidden_size * ex.intermediate_size)
+        if self.allocation == "random":
+            return
+        weights = [(ex.gate_up_proj[e].detach(), ex.down_proj[e].detach()) for e in range(block.num_experts)]
+        self._errors += [[sum(relative_error(w, b, self.group_size) for w in pair) for b in self.widths]
+                         for pair in weights]
+        if self.allocation == "alphaq":
+            self._importance += [float(np.mean([esd_alpha(w) for w in pair])) for pair in weights]
+        else:  # MC#: significance from how often an expert is activated and how much weight it then gets
+            st = layer_stats(index, block, inputs)
+            self._importance += [float(st.frequency[e] * st.gate_sum[e] / max(1, st.counts[e]))
+                                 for e in range(block.num_experts)]
+
+    def plan(self):
+        sizes = np.array(self._sizes, dtype=float)
         if self.allocation == "random":
             # the same program with blind inputs: random importance, and the textbook error 2^-2b for all
             rng = np.random.default_rng(0)
-            blind = np.tile(2.0 ** (-2 * np.array(self.widths)), (len(flat), 1))
-            bits = allocate(rng.random(len(flat)), blind, sizes, self.widths, self.bits)
+            blind = np.tile(2.0 ** (-2 * np.array(self.widths)), (len(sizes), 1))
+            bits = allocate(rng.random(len(sizes)), blind, sizes, self.widths, self.bits)
+        elif self.allocation == "alphaq":
+            alphas = np.array(self._importance)
+            self.results["alpha"] = [round(float(a), 3) for a in alphas]
+            bits = alphaq(alphas, np.array(self._errors), sizes, self.widths, self.bits)
         else:
-            err = np.array([[sum(relative_error(w, b, self.group_size) for w in weights[key]) for b in self.widths]
-                            for key in flat])
-            if self.allocation == "alphaq":
-                alphas = np.array([np.mean([esd_alpha(w) for w in weights[key]]) for key in flat])
-                self.results["alpha"] = [round(float(a), 3) for a in alphas]
-                bits = alphaq(alphas, err, sizes, self.widths, self.bits)
-            else:
-                if data is None:
-                    data = calib.corpus("mixed", tokens=8192)
-                stats = collect(model, calib.batches(data, _tokenizer_for(model)), desc="pmq: expert significance")
-                by_layer = {st.layer: st for st in stats}
-                # MC#: significance from how often an expert is activated and how much weight it then gets
-                sig = np.array([float(by_layer[i].frequency[e] * by_layer[i].gate_sum[e]
-                                      / max(1, by_layer[i].counts[e])) for i, e in flat])
-                bits = pmq(sig, err, sizes, self.widths, self.bits)
-        out: dict[int, list[int]] = {i: [] for i, _ in layers}
-        for (i, _), b in zip(flat, bits):
-            out[i].append(int(b))
-        return out
+            bits = pmq(np.array(self._importance), np.array(self._errors), sizes, self.widths, self.bits)
+        for (i, _), b in zip(self._experts, bits):
+            self._planned.setdefault(i, []).append(int(b))
+
+    def compress_layer(self, index, block, inputs):
+        widths = [int(self.bits)] * block.num_experts if self.allocation == "uniform" else self._planned[index]
+        experts = QuantizedExperts.from_dense(block.experts, widths, self.group_size)
+        self.results.setdefault("bits", {})[str(index)] = list(map(int, widths))
+        return SparseMoE(block.router, experts, block.shared_experts, block.returns_router_scores)

@@ -12,7 +12,6 @@ from sklearn.cluster import KMeans
 from zoo.moe.block import SparseMoE
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.surgery import _router_like, place_like
-from zoo.stats import collect
 
 from zoo_compressors.base import ExpertCountCompressor
 
@@ -35,15 +34,13 @@ class SubMoe(ExpertCountCompressor):
     paper = "Li et al., Sub-MoE: Efficient Mixture-of-Expert LLMs Compression via Subspace Expert Merging, 2025, arXiv:2506.23266"
     card = "cards/sub-moe.md"
     space = "compression-lab"
+    all_outputs = True
 
     def __init__(self, num_experts: int, rank_ratio: float = 1.0, seed: int = 0):
         if not isinstance(rank_ratio, (int, float)) or not 0 < rank_ratio <= 1:
             raise ValueError(f"rank_ratio must be in (0, 1], got {rank_ratio!r}")
         super().__init__(num_experts=num_experts, rank_ratio=rank_ratio, seed=seed)
         self.rank_ratio, self.seed = float(rank_ratio), int(seed)
-
-    def statistics(self, model, batches):
-        return collect(model, batches, all_outputs=True, desc="sub-moe: expert outputs")
 
     def clusters(self, stats) -> list[list[int]]:
         features = stats.mean_output.float().numpy()

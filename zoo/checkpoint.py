@@ -1,0 +1,162 @@
+"""A safetensors checkpoint read lazily: the model's skeleton on the meta device, and one decoder layer at a
+time materialised from the shards (memory-mapped reads, closed again after each layer).
+
+Key names go through transformers' own conversion mapping, so a native checkpoint in any key naming that
+``from_pretrained`` accepts (e.g. Mixtral's per-expert ``w1/w2/w3``) loads; a native MoE block is converted to
+a ``SparseMoE`` as soon as its layer is read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+
+import torch
+from safetensors import safe_open
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+
+
+class CheckpointError(ValueError):
+    """The folder is not a checkpoint the layer-at-a-time path can read (with the reason)."""
+
+
+def weight_map(path) -> dict[str, str]:
+    """``{tensor name: shard file}`` of a safetensors checkpoint folder."""
+    index = os.path.join(path, INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(path, SINGLE)
+    if os.path.exists(single):
+        with safe_open(single, "pt") as f:
+            return {k: single for k in f.keys()}
+    raise CheckpointError(f"{path} has no {SINGLE} or {INDEX} (only safetensors checkpoints are read)")
+
+
+def checkpoint_bytes(path) -> int:
+    """Bytes on disk of a checkpoint's shards."""
+    return sum(os.path.getsize(f) for f in set(weight_map(path).values()))
+
+
+def read_tensors(keys_by_file: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """The named tensors, each shard opened (memory-mapped) only while its tensors are read."""
+    out = {}
+    for file, keys in keys_by_file.items():
+        with safe_open(file, "pt") as f:
+            for k in keys:
+                out[k] = f.get_tensor(k)
+    return out
+
+
+class Checkpoint:
+    """``Checkpoint(path)``: ``model`` is the skeleton (every layer on the meta device; embeddings, final norm
+    and LM head loaded); ``load_layer(i)`` materialises decoder layer i, ``release(i)`` returns it to meta."""
+
+    def __init__(self, path):
+        from transformers import AutoConfig
+
+        import zoo  # noqa: F401  (registers the zoo_<family> model types)
+
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise CheckpointError(f"{self.path} is not a checkpoint folder")
+        self.files = weight_map(self.path)
+        self.by_layer: dict[int | None, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+        for key, file in self.files.items():
+            m = LAYER_KEY.match(key)
+            self.by_layer[int(m.group(1)) if m else None][file].append(key)
+        self.config = AutoConfig.from_pretrained(self.path)
+        self.config._name_or_path = self.path
+        self.dtype = self.config.dtype if isinstance(self.config.dtype, torch.dtype) else torch.float32
+        self.model = self._skeleton()
+        self.layers = self.model.model.layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(os.path.getsize(f) for f in set(self.files.values()))
+
+    def _skeleton(self):
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.initialization import no_init_weights
+        from transformers.modeling_utils import local_torch_dtype
+
+        from zoo.convert import family_of
+
+        with init_empty_weights(include_buffers=True), no_init_weights(), local_torch_dtype(self.dtype):
+            model = AutoModelForCausalLM.from_config(self.config)
+        model.eval()
+        self.family = family_of(model)  # unsupported families are refused here
+        self.native = getattr(type(model), "_zoo_family", None) is None  # its MoE blocks are the family's own
+        for attr in ("zoo_attention", "zoo_modules"):
+            if getattr(self.config, attr, None):
+                raise CheckpointError(f"{self.path} has {attr.replace('zoo_', '')} adapters outside the MoE blocks; "
+                                      "such a model is worked on in memory (--no-stream)")
+        self.weight_mapping = get_model_conversion_mapping(model)
+        # everything outside the decoder layers: loaded now; non-persistent buffers (rotary tables) rebuilt
+        self._load(model, self.by_layer.get(None, {}), prefix_filter=lambda k: not LAYER_KEY.match(k.removeprefix("model.")))
+        for name, module in model.named_modules():
+            if ".layers." in f".{name}." or not any(b.is_meta for b in module.buffers(recurse=False)):
+                continue
+            module.to_empty(device="cpu", recurse=False)
+            model._init_weights(module)
+        if getattr(self.config, "tie_word_embeddings", False):
+            model.tie_weights()
+        meta = [k for k, t in model.state_dict().items() if t.is_meta and not LAYER_KEY.match(k.removeprefix("model."))]
+        if meta:
+            raise CheckpointError(f"{self.path} lacks tensors {meta[:5]}{' ...' if len(meta) > 5 else ''}")
+        return model
+
+    def _load(self, model, keys_by_file, prefix_filter):
+        """Load tensors through transformers' conversion mapping (renames, fused experts) into ``model``."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+        from transformers.utils import logging
+
+        tensors = read_tensors(keys_by_file)
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity_error()  # its per-call progress bar and key reports are ours to give
+        try:
+            info, _ = convert_and_load_state_dict_in_model(
+                model, tensors, LoadStateDictConfig(dtype=self.dtype, weight_mapping=self.weight_mapping,
+                                                    device_map={"": "cpu"}))
+        finally:
+            logging.set_verbosity(verbosity)
+        wanted = {k for k in info.missing_keys if prefix_filter(k)}
+        if info.mismatched_keys:
+            key, got, want = sorted(info.mismatched_keys)[0]
+            raise CheckpointError(f"{self.path}: tensor {key} has shape {tuple(got)}, the config needs {tuple(want)}")
+        return wanted
+
+    def load_layer(self, i: int):
+        """Decoder layer i with its weights (native MoE blocks converted to ``SparseMoE``)."""
+        from transformers.initialization import no_init_weights
+        from transformers.modeling_utils import local_torch_dtype
+
+        from zoo.layout import build_block
+        from zoo.moe import SparseMoE
+
+        old = self.layers[i]
+        with no_init_weights(), local_torch_dtype(self.dtype):
+            layer = type(old)(self.config, i)  # fresh on CPU: non-persistent buffers are built, weights come next
+            if not self.native and isinstance(getattr(old, "mlp", None), SparseMoE):
+                layer.mlp = build_block(old.mlp.layout())
+        layer.eval()
+        self.layers[i] = layer
+        prefix = f"model.layers.{i}."
+        missing = self._load(self.model, self.by_layer.get(i, {}), lambda k: k.startswith(prefix))
+        if missing:
+            self.layers[i] = old
+            raise CheckpointError(f"{self.path} lacks tensors of layer {i}: {sorted(missing)[:5]}")
+        if isinstance(layer.mlp, self.family.block_class):
+            layer.mlp = self.family.from_native(layer.mlp, self.config)
+        return layer
+
+    def release(self, i: int) -> None:
+        """Return layer i to the meta device (its structure stays, for the layout of what is written)."""
+        self.layers[i] = self.layers[i].to("meta")

@@ -1,0 +1,205 @@
+"""The layer-at-a-time engine behind every component that changes weights.
+
+One decoder layer is worked on at a time, whether the model is in memory (``zoo.apply``) or streamed from its
+shards (``zoo.stream``): the same code runs on both, so they give the same tensors.
+
+Calibration hidden states are carried from layer to layer (as GPTQ and llm-compressor do): a step sees, at
+layer i, the inputs that layers 0..i-1 produce *after* that step (and every step before it) changed them. A
+step that needs a global view (``needs_plan``) first gets a statistics pass (``observe`` per layer, then
+``plan`` once), on the inputs the layers produce before that step changes them.
+
+The per-layer contract (a ``Compressor`` implements it; see docs/plugin-contract.md)::
+
+    inputs_for: tuple          phases that receive layer inputs: "observe", "compress" (or neither)
+    needs_plan: bool           run observe()/plan() in a first pass
+    check_layer(i, block)      raise before anything changes if the block cannot be worked on
+    observe(i, block, x)       x: [T, H] tokens entering the block, or None
+    plan()                     once, after every layer was observed
+    compress_layer(i, block, x) -> block   a new SparseMoE (or the same one, unchanged)
+"""
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from zoo.moe import SparseMoE
+
+
+class _Stop(Exception):
+    """Raised inside a forward once what was wanted has been recorded."""
+
+
+def call_model(model, batch):
+    return model(**batch, use_cache=False) if isinstance(batch, dict) else model(input_ids=batch, use_cache=False)
+
+
+class LayerInputs:
+    """Per calibration batch, the hidden states entering the next layer and, per layer, the keyword arguments
+    the model passes to it (masks, rotary tables: computed once by the model's own forward)."""
+
+    def __init__(self, hidden: list[torch.Tensor], kwargs: list[list[dict]]):
+        self.hidden, self.kwargs = hidden, kwargs
+
+    @classmethod
+    @torch.no_grad()
+    def capture(cls, model, batches) -> LayerInputs:
+        """Run each batch through the embeddings only (the decoder layers are stood in for, the rest skipped)."""
+        base = model.model
+        hidden, kwargs = [], []
+        for batch in batches:
+            seen: list[dict] = []
+
+            def stand_in(h, *args, i, **kw):
+                if i == 0:
+                    hidden.append(h)
+                seen.append(kw)
+                if args:
+                    raise TypeError("decoder layers are expected to take their extra inputs as keywords")
+                return h
+
+            def stop(*args, **kw):
+                raise _Stop
+
+            for i, layer in enumerate(base.layers):
+                layer.forward = lambda h, *a, i=i, **kw: stand_in(h, *a, i=i, **kw)
+            base.norm.forward = stop
+            try:
+                call_model(model, batch)
+            except _Stop:
+                pass
+            finally:
+                for layer in base.layers:
+                    layer.__dict__.pop("forward", None)
+                base.norm.__dict__.pop("forward", None)
+            kwargs.append(seen)
+        return cls(hidden, kwargs)
+
+    def block_inputs(self, i: int, layer) -> torch.Tensor:
+        """The tokens ``[T, H]`` that enter layer i's MLP block (its attention runs; the block does not)."""
+        seen = []
+
+        def record(module, args):
+            seen.append(args[0].reshape(-1, args[0].shape[-1]))
+            raise _Stop
+
+        handle = layer.mlp.register_forward_pre_hook(record)
+        try:
+            with torch.no_grad():
+                for h, kw in zip(self.hidden, self.kwargs):
+                    try:
+                        layer(h, **kw[i])
+                    except _Stop:
+                        pass
+        finally:
+            handle.remove()
+        return torch.cat(seen)
+
+    def advance(self, i: int, layer, block=None) -> LayerInputs:
+        """The inputs of layer i + 1: these run through layer i (with ``block`` as its MLP, if given)."""
+        old = layer.mlp
+        if block is not None:
+            layer.mlp = block
+        try:
+            with torch.no_grad():
+                out = [layer(h, **kw[i]) for h, kw in zip(self.hidden, self.kwargs)]
+        finally:
+            layer.mlp = old
+        return LayerInputs([o[0] if isinstance(o, tuple) else o for o in out], self.kwargs)
+
+
+class InMemory:
+    """The layers of a model in memory; new blocks are swapped in only when every layer has succeeded."""
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = model.model.layers
+        self.new: dict[int, SparseMoE] = {}
+
+    def load_layer(self, i):
+        return self.layers[i]
+
+    def keep(self, i, layer, block):
+        if block is not layer.mlp:
+            self.new[i] = block
+
+    def release(self, i):
+        pass
+
+    def commit(self):
+        for i, block in self.new.items():
+            self.layers[i].mlp = block
+
+
+def check(model, steps) -> None:
+    """Every step's preconditions on every MoE layer, before anything is computed or changed."""
+    for step in steps:
+        for i, layer in enumerate(model.model.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                step.check_layer(i, layer.mlp)
+
+
+def run(source, steps, inputs: LayerInputs | None, keep=None, desc: str = "layers") -> None:
+    """All passes of ``steps`` over ``source``: one statistics pass per step that needs a plan, then the pass
+    that changes the layers; ``keep(i, layer, block)`` receives each layer's final block."""
+    for s, step in enumerate(steps):
+        if getattr(step, "needs_plan", False):
+            one_pass(source, steps[:s], inputs, observer=step, desc=f"{desc}: {step.name} statistics")
+            step.plan()
+    one_pass(source, steps, inputs, keep=keep or source.keep, desc=f"{desc}: {', '.join(s.name for s in steps)}")
+
+
+def one_pass(source, steps, inputs, observer=None, keep=None, desc="layers") -> None:
+    uses = [inputs if "compress" in getattr(s, "inputs_for", ()) else None for s in steps]
+    watch = inputs if observer is not None and "observe" in getattr(observer, "inputs_for", ()) else None
+    for i in tqdm(range(len(source.layers)), desc=desc, leave=False):
+        layer = source.load_layer(i)
+        try:
+            block = layer.mlp
+            if isinstance(block, SparseMoE):
+                for s, step in enumerate(steps):
+                    x = None if uses[s] is None else uses[s].block_inputs(i, layer)
+                    new = step.compress_layer(i, block, x)
+                    if uses[s] is not None and i + 1 < len(source.layers):
+                        uses[s] = uses[s].advance(i, layer, new)
+                    block = new
+                if observer is not None:
+                    observer.observe(i, block, None if watch is None else watch.block_inputs(i, layer))
+                    if watch is not None and i + 1 < len(source.layers):
+                        watch = watch.advance(i, layer, block)
+            else:  # a dense layer: every carried input goes through it unchanged (once per distinct carry)
+                done: dict[int, LayerInputs] = {}
+                for c in [*uses, watch]:
+                    if c is not None and id(c) not in done:
+                        done[id(c)] = c.advance(i, layer)
+                uses = [None if c is None else done[id(c)] for c in uses]
+                watch = None if watch is None else done[id(watch)]
+            if keep is not None:
+                keep(i, layer, block)
+        finally:
+            source.release(i)
+
+
+def calibration_inputs(model, steps, calibration) -> LayerInputs | None:
+    """The layer-0 inputs of the calibration data, if any step looks at layer inputs (the shipped corpus'
+    mixed domains, 8192 tokens, when none is given)."""
+    if not any(getattr(s, "inputs_for", ()) for s in steps):
+        return None
+    from zoo import calibration as calib
+    from zoo.registry import tokenizer_for
+
+    data = calibration if calibration is not None else calib.corpus("mixed", tokens=8192)
+    return LayerInputs.capture(model, calib.batches(data, tokenizer_for(model)))
+
+
+def compress_in_memory(model, steps, calibration=None):
+    """Run layer-wise ``steps`` on a model in memory; the model changes only if every layer succeeds."""
+    check(model, steps)
+    was_training = model.training
+    model.eval()
+    try:
+        source = InMemory(model)
+        run(source, steps, calibration_inputs(model, steps, calibration), desc="compressing")
+        source.commit()
+    finally:
+        model.train(was_training)
+    return model

@@ -1,0 +1,276 @@
+"""zoo.stream: convert, apply, evaluate and export checkpoints larger than memory, one decoder layer at a time
+straight from their safetensors shards.
+
+The layer work is ``zoo.layerwise``'s, the same code ``zoo.apply`` runs on a model in memory, so both paths
+write the same tensors. Peak memory is about one decoder layer (in, and out) plus the embeddings, the LM head
+and the calibration hidden states.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+
+import torch
+from tqdm.auto import tqdm
+
+from zoo.atomic import atomic_directory
+from zoo.checkpoint import LAYER_KEY, Checkpoint, checkpoint_bytes
+from zoo.layerwise import LayerInputs, calibration_inputs, check, run
+from zoo.moe import SparseMoE
+from zoo.shards import DEFAULT_SHARD_BYTES, ShardWriter
+
+IN_MEMORY_FACTOR = 3  # peak RSS of the in-memory path, in checkpoint sizes (measured: 2.0x convert, 3.05x prune)
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "added_tokens.json", "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+# ---- when to stream ------------------------------------------------------------------------------------------
+def parse_bytes(text) -> int:
+    """``"4GB"``, ``"512MiB"``, ``"2.5G"`` or a number of bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?b?)\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"memory size {text!r}: expected e.g. 4GB, 512MiB or a number of bytes")
+    base = 1024 if m.group(3).startswith("i") else 1000
+    return int(float(m.group(1)) * base ** " kmgt".index(m.group(2) or " "))
+
+
+def available_memory() -> int:
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info.get("MemAvailable", info.get("MemTotal", 8 << 30))
+
+
+def memory_budget(max_memory=None) -> int:
+    """``max_memory`` in bytes; by default half of the memory available now."""
+    return parse_bytes(max_memory) if max_memory is not None else available_memory() // 2
+
+
+def should_stream(src, max_memory=None) -> bool:
+    """Whether ``src`` (a local safetensors folder) is too large to work on in memory within the budget."""
+    path = resolve(src)
+    if not os.path.isdir(path):
+        return False
+    try:
+        size = checkpoint_bytes(path)
+    except ValueError:
+        return False
+    return size * IN_MEMORY_FACTOR > memory_budget(max_memory)
+
+
+def resolve(src) -> str:
+    """A registry name of a shipped model, or a folder, as a folder path."""
+    from zoo.registry import _resolve
+
+    return _resolve(os.fspath(src))
+
+
+# ---- reading -----------------------------------------------------------------------------------------------
+def open_checkpoint(src) -> Checkpoint:
+    """The checkpoint at ``src``, its skeleton converted (on the meta device) to zoo blocks."""
+    import zoo
+
+    ckpt = Checkpoint(resolve(src))
+    zoo.convert(ckpt.model)
+    return ckpt
+
+
+class Streamed:
+    """Layers read from a checkpoint; each finished layer goes to ``write(i, layer)`` and back to meta."""
+
+    def __init__(self, ckpt: Checkpoint, write=None):
+        self.ckpt, self.layers, self.write = ckpt, ckpt.layers, write
+
+    def load_layer(self, i):
+        return self.ckpt.load_layer(i)
+
+    def keep(self, i, layer, block):
+        layer.mlp = block
+        if self.write is not None:
+            self.write(i, layer)
+
+    def release(self, i):
+        self.ckpt.release(i)
+
+
+def layer_tensors(i: int, layer) -> dict[str, torch.Tensor]:
+    return {f"model.layers.{i}.{k}": v for k, v in layer.state_dict().items()}
+
+
+def outer_tensors(model) -> dict[str, torch.Tensor]:
+    """Everything outside the decoder layers, tied weights once."""
+    seen, out = set(), {}
+    for k, v in model.state_dict().items():
+        if LAYER_KEY.match(k.removeprefix("model.")) or v.data_ptr() in seen:
+            continue
+        seen.add(v.data_ptr())
+        out[k] = v
+    return out
+
+
+def copy_side_files(src: str, dest: str) -> None:
+    for name in SIDE_FILES:
+        if os.path.exists(os.path.join(src, name)) and not os.path.exists(os.path.join(dest, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dest, name))
+
+
+def shard_bytes(max_memory=None) -> int:
+    """Shards are written as they fill: at most transformers' 5 GB, and a quarter of the memory budget."""
+    return min(DEFAULT_SHARD_BYTES, max(64 << 20, memory_budget(max_memory) // 4))
+
+
+# ---- the commands ------------------------------------------------------------------------------------------
+def bind_steps(steps) -> list:
+    """``[(name, options), ...]`` as per-layer step objects, every option checked first."""
+    from zoo.apply import RouterSwap, find
+    from zoo.options import check_options
+
+    bound = []
+    for name, options in steps:
+        reg = find(name)
+        if reg.kind == "router":
+            bound.append(RouterSwap(reg.obj, options))
+        elif reg.kind == "compressor":
+            component = reg.obj(**options)
+            if not component.layerwise:
+                raise ValueError(f"compressor {name!r} works on whole models in memory only (it has no "
+                                 "compress_layer); run it with --no-stream")
+            bound.append(component)
+        else:
+            check_options(reg.obj, options)
+            raise ValueError(f"adapter {name!r} trains or wraps the whole model: it runs in memory (--no-stream)")
+    return bound
+
+
+def apply(src, steps, out, calibration=None, max_memory=None) -> str:
+    """``zoo.apply`` of each step in order, layer by layer from ``src``'s shards, written to ``out``.
+
+    ``steps``: ``[(name, options), ...]``. Every option and every layer's precondition is checked before
+    anything is computed; ``out`` is written atomically (nothing of it exists until it is complete)."""
+    ckpt = open_checkpoint(src)
+    model = ckpt.model
+    components = bind_steps(steps)
+    check(model, components)
+    inputs = calibration_inputs(model, components, calibration)
+    _write(ckpt, out, components, inputs, max_memory, desc="apply",
+           record=[(name, c.kind, opts, calibration if c.inputs_for else None, c)
+                   for (name, opts), c in zip(steps, components)])
+    return os.fspath(out)
+
+
+def convert(src, out, max_memory=None) -> str:
+    """``zoo.convert`` + ``save_pretrained``, layer by layer: a native checkpoint becomes ``zoo_<family>``."""
+    _write(open_checkpoint(src), out, [], None, max_memory, desc="convert")
+    return os.fspath(out)
+
+
+def _write(ckpt, out, components, inputs, max_memory, desc, record=()):
+    from zoo.apply import record_step
+    from zoo.cards import card
+    from zoo.layout import sync_layout
+
+    model = ckpt.model
+    with atomic_directory(out) as tmp:
+        writer = ShardWriter(tmp, shard_bytes(max_memory))
+        writer.add(outer_tensors(model))
+        run(Streamed(ckpt, lambda i, layer: writer.add(layer_tensors(i, layer))), components, inputs, desc=desc)
+        writer.close()
+        for step in record:
+            record_step(model, *step)
+        sync_layout(model)
+        model.config.save_pretrained(tmp)
+        copy_side_files(ckpt.path, tmp)
+        card(model).save(os.path.join(tmp, "README.md"))
+
+
+def export(src, out, max_memory=None) -> str:
+    """``zoo.export`` layer by layer: the family's native checkpoint (legacy key names as transformers writes
+    them, so vLLM and TGI read it), or ``NotExportable`` with the reason before anything is written."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from zoo.architectures.family import NotExportable
+    from zoo.layout import read_layout
+
+    ckpt = open_checkpoint(src)
+    model, fam = ckpt.model, ckpt.family
+    for i, layer in enumerate(ckpt.layers):
+        if isinstance(layer.mlp, SparseMoE) and type(layer.mlp.experts).__name__ != "SwiGLUExperts":
+            raise NotExportable(f"layer {i} has {layer.mlp.experts.name!r} experts; native {fam.name} needs dense experts")
+    native_cfg = fam.native_config(model.config, read_layout(model))
+    native_cfg.architectures = [fam.model_class.__name__]
+    with torch.device("meta"):
+        native = fam.model_class(native_cfg)
+
+    def write(i, layer):
+        state = {}
+        for k, v in layer.state_dict().items():
+            state[k] = v
+        if isinstance(layer.mlp, SparseMoE):
+            state = {k: v for k, v in state.items() if not k.startswith("mlp.")}
+            state.update({f"mlp.{k}": v for k, v in fam.to_native_state(layer.mlp.state_dict()).items()})
+        writer.add(revert_weight_conversion(native, {f"model.layers.{i}.{k}": v for k, v in state.items()}))
+
+    with atomic_directory(out) as tmp:
+        writer = ShardWriter(tmp, shard_bytes(max_memory))
+        writer.add(revert_weight_conversion(native, outer_tensors(model)))
+        run(Streamed(ckpt, write), [], None, desc="export")
+        writer.close()
+        native_cfg.save_pretrained(tmp)
+        copy_side_files(ckpt.path, tmp)
+    return os.fspath(out)
+
+
+@torch.no_grad()
+def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8) -> dict:
+    """Perplexity per domain and expert usage (``zoo.eval.evaluate``'s numbers, without speed), every window
+    carried through each layer together so each layer's weights are read once."""
+    from zoo.data.corpus import DOMAINS
+    from zoo.data.tokens import eval_windows, token_stream
+    from zoo.eval import entropy_bits, sizes
+    from zoo.registry import tokenizer_for
+
+    ckpt = open_checkpoint(src)
+    model = ckpt.model
+    tok = tokenizer_for(model)
+    batches, domains = [], []
+    for d in DOMAINS:
+        windows = eval_windows(token_stream(d, "val", tok), seq_len, max_windows)
+        for i in range(0, len(windows), batch):
+            batches.append(windows[i:i + batch])
+            domains.append(d)
+    inputs = LayerInputs.capture(model, batches)
+    usage = {d: [] for d in DOMAINS}
+    for i in tqdm(range(len(ckpt.layers)), desc="eval: layers", leave=False):
+        layer = ckpt.load_layer(i)
+        calls = []
+        handle = None
+        if isinstance(layer.mlp, SparseMoE):
+            n = layer.mlp.num_experts
+
+            def count(router, args, routing, n=n):
+                idx = routing.indices.reshape(-1)
+                calls.append(torch.bincount(idx[idx < n], minlength=n))
+            handle = layer.mlp.router.register_forward_hook(count)
+        try:
+            inputs = inputs.advance(i, layer)
+        finally:
+            if handle is not None:
+                handle.remove()
+            ckpt.release(i)
+        if calls:
+            for d in DOMAINS:
+                c = sum(c for c, dom in zip(calls, domains) if dom == d)
+                usage[d].append({"layer": i, "counts": c.tolist(), "entropy_bits": round(entropy_bits(c), 4),
+                                 "max_entropy_bits": round(math.log2(len(c)), 4)})
+    totals = {d: [0.0, 0.0] for d in DOMAINS}
+    for h, ids, d in zip(inputs.hidden, batches, domains):
+        logits = model.lm_head(model.model.norm(h))
+        loss = model.loss_function(logits=logits, labels=ids, vocab_size=model.config.vocab_size).float().item()
+        n = ids.numel() - ids.shape[0]
+        totals[d][0] += loss * n
+        totals[d][1] += n
+    ppl = {d: round(math.exp(t / c), 3) for d, (t, c) in totals.items()}
+    return {"perplexity": ppl, "usage": usage, "size": sizes(model)}
