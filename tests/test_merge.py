@@ -1,11 +1,13 @@
 """hc-smoe against an independent reference: mean outputs, clustering, frequency-weighted merge, router rows."""
+import copy
+
 import pytest
 import torch
 
 import zoo
 from zoo.layout import moe_layers
 from zoo_compressors.hc_smoe import cluster_experts
-from tiny import reload_max_diff, tiny_native
+from tiny import reload_max_diff, sequential, tiny_native
 
 CAL = [torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(i)) for i in range(2)]
 
@@ -45,10 +47,11 @@ def test_cluster_experts_gives_exactly_n_groups():
 @pytest.mark.parametrize("router_rows", ["dominant", "average"])
 def test_hc_smoe_merges_like_the_reference(family, router_rows, tmp_path):
     model = zoo.convert(tiny_native(family))
+    original = copy.deepcopy(model)
     old = {i: {k: v.clone() for k, v in moe.state_dict().items()} for i, moe in moe_layers(model)}
-    ref = reference(model)
     n = moe_layers(model)[0][1].num_experts // 2
     zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=n, router_rows=router_rows)
+    ref = sequential(original, model, reference)  # each layer calibrated behind the merged layers before it
     clusters = model.config.zoo_recipe[-1]["results"]["clusters"]
     for i, moe in moe_layers(model):
         mean, count = ref[i]
@@ -92,9 +95,10 @@ def test_sub_moe_uses_kmeans_clusters_and_roundtrips(family, tmp_path):
     from sklearn.cluster import KMeans
 
     model = zoo.convert(tiny_native(family))
-    ref = reference(model)
+    original = copy.deepcopy(model)
     n = moe_layers(model)[0][1].num_experts // 2
     zoo.apply(model, "sub-moe", calibration=CAL, num_experts=n, rank_ratio=0.75)
+    ref = sequential(original, model, reference)
     clusters = model.config.zoo_recipe[-1]["results"]["clusters"]
     for i, moe in moe_layers(model):
         labels = KMeans(n_clusters=n, n_init=10, random_state=0).fit(ref[i][0].float().numpy()).labels_

@@ -73,3 +73,20 @@ def reload_max_diff(model, ids, path) -> float:
         model.save_pretrained(path)
         again = AutoModelForCausalLM.from_pretrained(path).eval()(input_ids=ids).logits
     return (again - logits).abs().max().item()
+
+
+def sequential(original, compressed, reference):
+    """Layer-at-a-time calibration, as a reference sees it: layer i's value of ``reference(model)`` (a dict
+    keyed by layer) computed on a copy of ``original`` whose MoE blocks before layer i are ``compressed``'s,
+    so layer i sees the tokens the already compressed layers before it produce."""
+    import copy
+
+    from zoo.layout import moe_layers
+
+    out = {}
+    for i, _ in moe_layers(original):
+        hybrid = copy.deepcopy(original)
+        for j in range(i):
+            hybrid.model.layers[j].mlp = compressed.model.layers[j].mlp
+        out[i] = reference(hybrid)[i]
+    return out

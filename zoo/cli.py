@@ -79,16 +79,71 @@ def info(name):
     _json(row)
 
 
+def stream_options(command):
+    """--stream/--no-stream and --max-memory: work layer by layer from the shards when the model is too large."""
+    command = click.option("--max-memory", help="Memory budget, e.g. 4GB (default: half of the available memory); "
+                                                "a checkpoint too large to work on in memory within it is streamed.")(command)
+    return click.option("--stream/--no-stream", default=None,
+                        help="Force layer-at-a-time work from the checkpoint's shards (or in memory).")(command)
+
+
+def _streams(src, stream, max_memory) -> bool:
+    from zoo.stream import memory_budget, should_stream
+
+    try:
+        budget = memory_budget(max_memory)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-memory") from None
+    chosen = should_stream(src, budget) if stream is None else stream
+    if chosen and stream is None:
+        click.echo(f"streaming {src} layer by layer (budget {budget / 1e9:.1f} GB)", err=True)
+    return chosen
+
+
+def _user_errors():
+    """The exceptions a user's mistake raises: printed as one line, not a traceback."""
+    from zoo.architectures.family import NotExportable
+    from zoo.checkpoint import CheckpointError
+
+    return (KeyError, ValueError, TypeError, NotExportable, CheckpointError, FileNotFoundError)
+
+
 @cli.command()
 @click.argument("src")
 @click.argument("out")
-def convert(src, out):
+@stream_options
+def convert(src, out, stream, max_memory):
     """Load SRC (folder, registry name or hub id), convert it to zoo blocks and save to OUT."""
     import zoo
+    from zoo import stream as streaming
 
-    model = zoo.load(src)
-    model.save_pretrained(out)
-    click.echo(f"saved {type(model).__name__} to {out}")
+    try:
+        if _streams(src, stream, max_memory):
+            streaming.convert(src, out, max_memory=max_memory)
+        else:
+            zoo.load(src).save_pretrained(out)
+    except _user_errors() as exc:
+        raise click.ClickException(str(exc).strip("'\"")) from None
+    click.echo(f"saved {src} as a zoo model to {out}")
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("out")
+@stream_options
+def export(src, out, stream, max_memory):
+    """Write SRC in its family's native format (for vLLM, TGI, plain transformers) to OUT."""
+    import zoo
+    from zoo import stream as streaming
+
+    try:
+        if _streams(src, stream, max_memory):
+            streaming.export(src, out, max_memory=max_memory)
+        else:
+            zoo.export(zoo.load(src), out)
+    except _user_errors() as exc:
+        raise click.ClickException(str(exc).strip("'\"")) from None
+    click.echo(f"exported {src} to {out}")
 
 
 @cli.command("eval")
@@ -96,13 +151,21 @@ def convert(src, out):
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write the expert-usage heatmap PNG here.")
 @click.option("--windows", default=24, show_default=True, help="Held-out windows of 256 tokens per domain.")
-@click.option("--no-speed", is_flag=True, help="Skip the prefill/decode timing.")
-def eval_command(model, as_json, plot, windows, no_speed):
+@click.option("--no-speed", is_flag=True, help="Skip the prefill/decode timing (a streamed model is never timed).")
+@stream_options
+def eval_command(model, as_json, plot, windows, no_speed, stream, max_memory):
     """Evaluate MODEL (folder or registry name): perplexity per domain, expert usage, speed, size."""
     import zoo
+    from zoo import stream as streaming
     from zoo.eval import evaluate, format_table, plot_usage
 
-    result = evaluate(zoo.load(model).eval(), max_windows=windows, measure_speed=not no_speed)
+    try:
+        if _streams(model, stream, max_memory):
+            result = streaming.evaluate(model, max_windows=windows)
+        else:
+            result = evaluate(zoo.load(model).eval(), max_windows=windows, measure_speed=not no_speed)
+    except _user_errors() as exc:
+        raise click.ClickException(str(exc).strip("'\"")) from None
     if plot:
         plot_usage(result, plot, title=model)
     if as_json:
@@ -151,21 +214,40 @@ def parse_step(step: str) -> tuple[str, dict]:
 @click.argument("src")
 @click.argument("steps", nargs=-1, required=True)
 @click.option("--out", required=True, help="Folder to save the result to.")
-def apply(src, steps, out):
+@click.option("--calibration", help="Calibration data for the steps that use it: DOMAIN[:TOKENS] of the shipped "
+                                    "corpus (english, code, mixed; default mixed:8192).")
+@stream_options
+def apply(src, steps, out, calibration, stream, max_memory):
     """Apply STEPS (``name:k=v,...``) to SRC in order and save to --out."""
     import zoo
+    from zoo import stream as streaming
     from zoo.apply import find
 
+    if calibration is not None:
+        from zoo.calibration import corpus
+
+        domain, _, tokens = calibration.partition(":")
+        try:
+            calibration = corpus(domain, tokens=int(tokens or 8192))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--calibration") from None
     parsed = [parse_step(s) for s in steps]
     for name, _ in parsed:
         try:
             find(name)
         except KeyError as exc:
             raise click.ClickException(str(exc)) from None
+    if _streams(src, stream, max_memory):
+        try:
+            streaming.apply(src, parsed, out, calibration=calibration, max_memory=max_memory)
+        except _user_errors() as exc:
+            raise click.ClickException(str(exc).strip("'\"")) from None
+        click.echo(f"applied {', '.join(name for name, _ in parsed)} layer by layer; saved to {out}")
+        return
     model = zoo.load(src)
     for name, options in parsed:
         try:
-            model = zoo.apply(model, name, **options)
+            model = zoo.apply(model, name, calibration=calibration, **options)
         except (ValueError, TypeError) as exc:
             raise click.ClickException(f"step {name}: {exc}") from None
         click.echo(f"applied {name} {options}")

@@ -118,8 +118,9 @@ def copy_side_files(src: str, dest: str) -> None:
 
 
 def shard_bytes(max_memory=None) -> int:
-    """Shards are written as they fill: at most transformers' 5 GB, and a quarter of the memory budget."""
-    return min(DEFAULT_SHARD_BYTES, max(64 << 20, memory_budget(max_memory) // 4))
+    """Shards are written as they fill, so a shard's worth of layers is held until then: at most transformers'
+    5 GB, and a sixteenth of the memory budget (on a large model, about a layer a shard)."""
+    return min(DEFAULT_SHARD_BYTES, max(16 << 20, memory_budget(max_memory) // 16))
 
 
 # ---- the commands ------------------------------------------------------------------------------------------
