@@ -119,8 +119,8 @@ def copy_side_files(src: str, dest: str) -> None:
 
 def shard_bytes(max_memory=None) -> int:
     """Shards are written as they fill, so a shard's worth of layers is held until then: at most transformers'
-    5 GB, and a sixteenth of the memory budget (on a large model, about a layer a shard)."""
-    return min(DEFAULT_SHARD_BYTES, max(16 << 20, memory_budget(max_memory) // 16))
+    5 GB, and 1/32 of the memory budget (on a large model, about a layer a shard)."""
+    return min(DEFAULT_SHARD_BYTES, max(1, memory_budget(max_memory) // 32))
 
 
 # ---- the commands ------------------------------------------------------------------------------------------
@@ -135,6 +135,7 @@ def bind_steps(steps) -> list:
         if reg.kind == "router":
             bound.append(RouterSwap(reg.obj, options))
         elif reg.kind == "compressor":
+            check_options(reg.obj, options)
             component = reg.obj(**options)
             if not component.layerwise:
                 raise ValueError(f"compressor {name!r} works on whole models in memory only (it has no "
@@ -177,6 +178,8 @@ def _write(ckpt, out, components, inputs, max_memory, desc, record=()):
     with atomic_directory(out) as tmp:
         writer = ShardWriter(tmp, shard_bytes(max_memory))
         writer.add(outer_tensors(model))
+        writer.flush()  # embeddings and LM head in a shard of their own, not held while layers stream
+        ckpt.release_outer()  # the calibration inputs are captured: nothing runs them again
         run(Streamed(ckpt, lambda i, layer: writer.add(layer_tensors(i, layer))), components, inputs, desc=desc)
         writer.close()
         for step in record:
@@ -217,6 +220,8 @@ def export(src, out, max_memory=None) -> str:
     with atomic_directory(out) as tmp:
         writer = ShardWriter(tmp, shard_bytes(max_memory))
         writer.add(revert_weight_conversion(native, outer_tensors(model)))
+        writer.flush()
+        ckpt.release_outer()
         run(Streamed(ckpt, write), [], None, desc="export")
         writer.close()
         native_cfg.save_pretrained(tmp)
@@ -243,6 +248,7 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8) -> 
             batches.append(windows[i:i + batch])
             domains.append(d)
     inputs = LayerInputs.capture(model, batches)
+    ckpt.release_outer(keep=(model.lm_head, model.model.norm))  # the input embeddings have done their part
     usage = {d: [] for d in DOMAINS}
     for i in tqdm(range(len(ckpt.layers)), desc="eval: layers", leave=False):
         layer = ckpt.load_layer(i)
