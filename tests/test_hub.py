@@ -198,6 +198,13 @@ def test_push_folder_contents_tokenizer_from_name_or_path_and_space_fallback(tmp
     assert zoo.hub.push_to_hub(topk, "org/nospace", space=False)["space_id"] is None
     assert list(FakeApi.last.uploads) == ["org/nospace"]
 
+    # a saved folder goes up as it is, weights byte for byte, with the card rendered for the repo
+    result = zoo.hub.push_to_hub(tmp_path / "saved", "org/folder", space=False)
+    files = FakeApi.last.uploads["org/folder"]
+    assert files["model.safetensors"] == (tmp_path / "saved" / "model.safetensors").read_bytes()
+    assert b'from_pretrained("org/folder")' in files["README.md"] and "tokenizer.json" in files
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".moe-zoo-push")) == []
+
     with pytest.raises(TypeError, match="zoo.convert"):
         zoo.hub.push_to_hub(tiny_native("mixtral"), "org/native")
     with pytest.raises(RuntimeError, match="bad token hf_\\*\\*\\*") as excinfo:

@@ -29,8 +29,8 @@ def space_for(model) -> tuple[str, type | None]:
 def push_to_hub(model, repo_id: str, space: bool = True, tokenizer=None, token: str | None = None,
                 private: bool = False, commit_message: str = "Upload model with moe-zoo",
                 space_dir: str | os.PathLike | None = None, endpoint: str | None = None) -> dict:
-    """Upload ``model`` to the model repo ``repo_id`` and, with ``space=True``, its demo Space to
-    ``<repo_id>-<space>``.
+    """Upload ``model`` (a zoo model, or the folder of a saved one: its shards are uploaded from disk, never
+    loaded) to the model repo ``repo_id`` and, with ``space=True``, its demo Space to ``<repo_id>-<space>``.
 
     The model repo gets ``model.save_pretrained`` (weights, config, the model card as README.md) and the
     tokenizer: ``tokenizer`` when given, else the tokenizer files beside ``config._name_or_path`` when that
@@ -45,20 +45,32 @@ def push_to_hub(model, repo_id: str, space: bool = True, tokenizer=None, token: 
     from zoo.cards import card
     from zoo.resources import resource_path
 
+    saved = None
+    if isinstance(model, (str, os.PathLike)):  # a saved folder: its weights go up as they are, never loaded
+        from zoo.stream import open_checkpoint, resolve
+
+        saved = Path(resolve(model))
+        checkpoint = open_checkpoint(saved)
+        checkpoint.release_outer()
+        model = checkpoint.model  # the structure on the meta device: enough for the card and the Space
     if getattr(type(model), "_zoo_family", None) is None:
         raise TypeError(f"push_to_hub takes a zoo model, not {type(model).__name__}: zoo.convert(model) first")
     api = HfApi(endpoint=endpoint, token=token)
     result = {"repo_id": repo_id, "url": None, "commit_oid": None, "commit_url": None,
               "space_id": None, "space_url": None, "space_commit_oid": None}
-    with _token_hidden(token), tempfile.TemporaryDirectory(prefix="moe-zoo-push-") as tmp:
+    # a saved folder is staged beside itself (hard links on the same file system: no copy of the weights)
+    with _token_hidden(token), tempfile.TemporaryDirectory(prefix=".moe-zoo-push-", dir=saved and saved.parent) as tmp:
         folder = Path(tmp) / "model"
-        model.save_pretrained(folder)
+        if saved is not None:
+            _link_files(saved, folder)
+        else:
+            model.save_pretrained(folder)
         card(model, repo_id=repo_id).save(folder / "README.md")  # "how to load" names the repo, not PATH
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         elif os.path.isdir(saved_from := getattr(model.config, "_name_or_path", "") or ""):
             for name in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(saved_from, name)):
+                if os.path.isfile(os.path.join(saved_from, name)) and not (folder / name).exists():
                     shutil.copy2(os.path.join(saved_from, name), folder / name)
         result["url"] = str(api.create_repo(repo_id, private=private, exist_ok=True))
         info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
@@ -78,6 +90,18 @@ def push_to_hub(model, repo_id: str, space: bool = True, tokenizer=None, token: 
                                  commit_message=f"{commit_message} ({name} Space)")
         result.update(space_id=space_id, space_commit_oid=info.oid)
     return result
+
+
+def _link_files(source: Path, dest: Path) -> None:
+    """The files of ``source`` (README.md aside: the card is rendered anew) in ``dest``, hard-linked where the
+    file system allows, else copied."""
+    dest.mkdir(parents=True)
+    for path in sorted(source.iterdir()):
+        if path.is_file() and path.name != "README.md":
+            try:
+                os.link(path, dest / path.name)
+            except OSError:
+                shutil.copy2(path, dest / path.name)
 
 
 def _stage_space(source: Path, dest: Path, repo_id: str, name: str) -> None:
