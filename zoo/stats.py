@@ -4,9 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from zoo.layout import moe_layers
+from zoo.moe.experts import SwiGLUExperts
 
 
 @dataclass
@@ -45,17 +47,29 @@ class ExpertStats:
         for e in range(moe.num_experts):
             tok, slot = (routing.indices == e).nonzero(as_tuple=True)
             if self.output_sum is not None:
-                out = moe.experts.expert(e, x).double()
+                out = expert_output(moe.experts, e, x)
                 self.output_sum[e] += out.sum(0)
                 routed = out[tok]
             elif len(tok):
-                routed = moe.experts.expert(e, x[tok]).double()
+                routed = expert_output(moe.experts, e, x[tok])
             if len(tok):
                 g = routing.weights[tok, slot].double()
                 self.counts[e] += len(tok)
                 self.gate_sum[e] += g.sum()
                 self.reap_sum[e] += (g * routed.norm(dim=-1)).sum()
         return self
+
+
+def expert_output(experts, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert e's output on ``x`` in float64, for statistics. Half-precision dense experts are computed in fp32
+    from an upcast copy of that one expert's weights: more exact than bf16 arithmetic, and on CPUs without native
+    bf16 matmuls (AVX2) about 8x faster (measured: 7 against 65 GFLOP/s a thread)."""
+    if type(experts) is SwiGLUExperts and experts.gate_up_proj.dtype in (torch.bfloat16, torch.float16):
+        b1 = None if experts.gate_up_proj_bias is None else experts.gate_up_proj_bias[e].float()
+        b2 = None if experts.down_proj_bias is None else experts.down_proj_bias[e].float()
+        h = experts.glu(F.linear(x.float(), experts.gate_up_proj[e].float(), b1))
+        return F.linear(h, experts.down_proj[e].float(), b2).double()
+    return experts.expert(e, x).double()
 
 
 def layer_stats(layer: int, moe, x: torch.Tensor, all_outputs: bool = False, chunk: int = 4096) -> ExpertStats:

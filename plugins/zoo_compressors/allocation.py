@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 WIDTHS = (2, 3, 4, 8)
 
 
 def allocate(importance: np.ndarray, err: np.ndarray, sizes: np.ndarray, widths, avg_bits: float) -> np.ndarray:
     """err [experts, widths]: quantization error of each expert at each width. Returns one width per expert."""
+    from scipy.optimize import Bounds, LinearConstraint, milp  # imported on use: scipy is heavy for `import zoo`
+
     widths = np.asarray(widths, dtype=float)
     n, w = err.shape
     if w != len(widths):

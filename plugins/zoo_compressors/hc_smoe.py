@@ -8,7 +8,6 @@ frequently routed member (``router_rows="dominant"``) or the frequency-weighted 
 """
 import numpy as np
 import torch
-from scipy.cluster.hierarchy import cut_tree, linkage
 
 from zoo.moe.surgery import merge_experts
 
@@ -19,6 +18,8 @@ LINKAGES = ("average", "single", "complete")
 
 def cluster_experts(features: torch.Tensor, n_clusters: int, method: str = "average") -> list[list[int]]:
     """Agglomerative clustering of the rows of ``features`` (Euclidean) into exactly ``n_clusters``."""
+    from scipy.cluster.hierarchy import cut_tree, linkage  # imported on use: scipy is heavy for `import zoo`
+
     if n_clusters >= len(features):
         return [[i] for i in range(len(features))]
     tree = linkage(features.double().numpy(), method=method, metric="euclidean")

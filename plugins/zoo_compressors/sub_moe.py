@@ -7,7 +7,6 @@ right parts ``S V_e^T`` are merged by routing frequency, and the cluster's exper
 at the kept rank (``rank_ratio`` of the full rank: below 1 the shared subspace is truncated).
 """
 import torch
-from sklearn.cluster import KMeans
 
 from zoo.moe.block import SparseMoE
 from zoo.moe.experts import SwiGLUExperts
@@ -43,6 +42,8 @@ class SubMoe(ExpertCountCompressor):
         self.rank_ratio, self.seed = float(rank_ratio), int(seed)
 
     def clusters(self, stats) -> list[list[int]]:
+        from sklearn.cluster import KMeans  # imported on use: scikit-learn is heavy for `import zoo`
+
         features = stats.mean_output.float().numpy()
         labels = KMeans(n_clusters=self.num_experts, n_init=10, random_state=self.seed).fit(features).labels_
         return [sorted(int(i) for i in (labels == c).nonzero()[0]) for c in range(self.num_experts)]
