@@ -93,8 +93,8 @@ def measured(args, label, interval=0.25) -> dict:
             "main()\n")
     env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            text=True)
+    errors = open(hwm + ".err", "w+")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=errors, env=env, text=True)
     trace = []
     while proc.poll() is None:
         try:
@@ -106,13 +106,22 @@ def measured(args, label, interval=0.25) -> dict:
         time.sleep(interval)
     out = proc.stdout.read()
     wall = time.perf_counter() - start
+    errors.seek(0)
+    log = errors.read()
+    errors.close()
+    os.remove(hwm + ".err")
     if proc.returncode != 0:
-        raise RuntimeError(f"moe-zoo {' '.join(args)} failed:\n{out[-3000:]}")
+        raise RuntimeError(f"moe-zoo {' '.join(args)} failed:\n{(out + log)[-3000:]}")
     with open(hwm) as f:
         peak = int(f.read()) * 1024
     os.remove(hwm)
     return {"label": label, "args": list(args), "wall_s": round(wall, 1), "peak_rss": peak, "trace": trace,
-            "output": out[-2000:]}
+            "output": out}
+
+
+def eval_json(output: str) -> dict:
+    """The JSON object ``moe-zoo eval --json`` printed (its standard output holds nothing else)."""
+    return json.loads(output)
 
 
 def same_tensors(a, b) -> bool:
@@ -129,8 +138,8 @@ def same_tensors(a, b) -> bool:
     return True
 
 
-def compare(src, work, windows, calibration_tokens) -> list[dict]:
-    """Each operation both ways on ``src``; returns rows with both measurements."""
+def compare(src, work, windows, calibration_tokens, only=None) -> list[dict]:
+    """Each operation (or those whose name starts with one of ``only``) both ways on ``src``."""
     size = folder_bytes(src)
     cal = ["--calibration", f"mixed:{calibration_tokens}"]
     ops = [("convert", ["convert", src, "{out}"]),
@@ -139,6 +148,8 @@ def compare(src, work, windows, calibration_tokens) -> list[dict]:
            ("eval", ["eval", src, "--windows", str(windows), "--no-speed", "--json"])]
     rows = []
     for name, template in ops:
+        if only and not any(name.startswith(o) for o in only):
+            continue
         row = {"operation": name, "checkpoint_bytes": size}
         outs = {}
         for mode in ("--no-stream", "--stream"):
@@ -151,7 +162,7 @@ def compare(src, work, windows, calibration_tokens) -> list[dict]:
             print(f"  {name:34} {mode:12} peak {m['peak_rss'] / 1e9:6.2f} GB ({m['peak_rss'] / size:.2f}x)  "
                   f"wall {m['wall_s']:7.1f} s", flush=True)
         if name == "eval":
-            a, b = (json.loads(row[k]["output"][row[k]["output"].index("{"):])["perplexity"] for k in ("memory", "stream"))
+            a, b = (eval_json(row[k]["output"])["perplexity"] for k in ("memory", "stream"))
             row["same"] = all(abs(a[d] - b[d]) <= 1e-4 * abs(a[d]) for d in a)
             row["perplexity"] = {"memory": a, "stream": b}
         else:
@@ -171,7 +182,7 @@ def big_run(src, work, windows, calibration_tokens) -> dict:
     ev = measured(["eval", out, "--windows", str(windows), "--no-speed", "--json", "--stream"], "big_eval")
     result = {"checkpoint_bytes": folder_bytes(src), "layers": layers, "apply": apply, "eval": ev,
               "output_bytes": folder_bytes(out),
-              "perplexity": json.loads(ev["output"][ev["output"].index("{"):])["perplexity"]}
+              "perplexity": eval_json(ev["output"])["perplexity"]}
     shutil.rmtree(out, ignore_errors=True)
     return result
 
@@ -183,17 +194,18 @@ def plot(rows, big, path):
     import matplotlib.pyplot as plt
 
     panels = [("3.7 GB checkpoint: in memory", [(r["operation"], r["memory"]) for r in rows]),
-              ("3.7 GB checkpoint: streamed", [(r["operation"], r["stream"]) for r in rows])]
+              ("3.7 GB checkpoint: streamed", [(r["operation"], r["stream"]) for r in rows])] if rows else []
     if big:
         panels.append((f"{big['checkpoint_bytes'] / 1e9:.0f} GB checkpoint: streamed",
                        [("apply prune-reap + quantize int4", big["apply"]), ("eval", big["eval"])]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
-    size = rows[0]["checkpoint_bytes"]
+    size = rows[0]["checkpoint_bytes"] if rows else None
     for ax, (title, runs) in zip(axes[0], panels):
         for name, m in runs:
             t = [p[0] for p in m["trace"]]
             ax.plot(t, [p[1] / 1e9 for p in m["trace"]], label=name)
-        ax.axhline(size / 1e9, color="grey", ls="--", lw=0.8, label="3.7 GB checkpoint size")
+        if size:
+            ax.axhline(size / 1e9, color="grey", ls="--", lw=0.8, label="3.7 GB checkpoint size")
         ax.set_title(title)
         ax.set_xlabel("seconds")
         ax.set_ylabel("RSS (GB)")
@@ -226,6 +238,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--big-layers", type=int, default=48)
     ap.add_argument("--skip-big", action="store_true")
+    ap.add_argument("--ops", nargs="*", help="Only these operations (convert, apply prune, apply quantize, eval); "
+                                              "the others' rows are kept from --json.")
     ap.add_argument("--only-big", action="store_true", help="Run the big checkpoint only; the 3.7 GB rows are read "
                                                              "back from --json.")
     ap.add_argument("--windows", type=int, default=8, help="Held-out windows per domain for eval.")
@@ -241,11 +255,14 @@ def main(argv=None):
     os.makedirs(args.work, exist_ok=True)
     print(f"torch threads: {torch.get_num_threads()}")
     if args.only_big:
-        rows = json.load(open(args.json))["rows"]
+        rows = json.load(open(args.json))["rows"] if os.path.exists(args.json) else []
     else:
         base = make_checkpoint(os.path.join(args.work, f"mixtral-{args.layers}L"), args.layers, **shape)
         print(f"checkpoint {base}: {folder_bytes(base) / 1e9:.2f} GB")
-        rows = compare(base, args.work, args.windows, args.calibration_tokens)
+        rows = compare(base, args.work, args.windows, args.calibration_tokens, args.ops)
+        if args.ops and os.path.exists(args.json):  # the other operations' rows are kept from the last run
+            new = {r["operation"]: r for r in rows}
+            rows = [new.pop(r["operation"], r) for r in json.load(open(args.json))["rows"]] + list(new.values())
     big = None
     if not args.skip_big:
         src = make_checkpoint(os.path.join(args.work, f"mixtral-{args.big_layers}L"), args.big_layers, **shape)
@@ -257,6 +274,8 @@ def main(argv=None):
         print(f"big model perplexity after prune + int4 (random weights): {big['perplexity']}; "
               f"output {big['output_bytes'] / 1e9:.2f} GB")
     if not args.smoke:
+        if big is None and os.path.exists(args.json):
+            big = json.load(open(args.json)).get("big")
         for path in (args.json, args.plot):
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(args.json, "w") as f:

@@ -108,6 +108,15 @@ def _user_errors():
     return (KeyError, ValueError, TypeError, NotExportable, CheckpointError, FileNotFoundError)
 
 
+def _either(src, stream, max_memory, streamed, in_memory):
+    """``streamed()`` or ``in_memory()``, as the budget (or --stream/--no-stream) decides; a user's mistake
+    becomes one line."""
+    try:
+        return streamed() if _streams(src, stream, max_memory) else in_memory()
+    except _user_errors() as exc:
+        raise click.ClickException(str(exc).strip("'\"")) from None
+
+
 @cli.command()
 @click.argument("src")
 @click.argument("out")
@@ -117,13 +126,8 @@ def convert(src, out, stream, max_memory):
     import zoo
     from zoo import stream as streaming
 
-    try:
-        if _streams(src, stream, max_memory):
-            streaming.convert(src, out, max_memory=max_memory)
-        else:
-            zoo.load(src).save_pretrained(out)
-    except _user_errors() as exc:
-        raise click.ClickException(str(exc).strip("'\"")) from None
+    _either(src, stream, max_memory, lambda: streaming.convert(src, out, max_memory=max_memory),
+            lambda: zoo.load(src).save_pretrained(out))
     click.echo(f"saved {src} as a zoo model to {out}")
 
 
@@ -136,13 +140,8 @@ def export(src, out, stream, max_memory):
     import zoo
     from zoo import stream as streaming
 
-    try:
-        if _streams(src, stream, max_memory):
-            streaming.export(src, out, max_memory=max_memory)
-        else:
-            zoo.export(zoo.load(src), out)
-    except _user_errors() as exc:
-        raise click.ClickException(str(exc).strip("'\"")) from None
+    _either(src, stream, max_memory, lambda: streaming.export(src, out, max_memory=max_memory),
+            lambda: zoo.export(zoo.load(src), out))
     click.echo(f"exported {src} to {out}")
 
 
@@ -159,13 +158,8 @@ def eval_command(model, as_json, plot, windows, no_speed, stream, max_memory):
     from zoo import stream as streaming
     from zoo.eval import evaluate, format_table, plot_usage
 
-    try:
-        if _streams(model, stream, max_memory):
-            result = streaming.evaluate(model, max_windows=windows)
-        else:
-            result = evaluate(zoo.load(model).eval(), max_windows=windows, measure_speed=not no_speed)
-    except _user_errors() as exc:
-        raise click.ClickException(str(exc).strip("'\"")) from None
+    result = _either(model, stream, max_memory, lambda: streaming.evaluate(model, max_windows=windows),
+                     lambda: evaluate(zoo.load(model).eval(), max_windows=windows, measure_speed=not no_speed))
     if plot:
         plot_usage(result, plot, title=model)
     if as_json:

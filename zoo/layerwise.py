@@ -118,6 +118,9 @@ class InMemory:
     def load_layer(self, i):
         return self.layers[i]
 
+    def replaced(self, i, layer, block):
+        pass  # the old block stays in place until commit()
+
     def keep(self, i, layer, block):
         if block is not layer.mlp:
             self.new[i] = block
@@ -158,10 +161,11 @@ def one_pass(source, steps, inputs, observer=None, keep=None, desc="layers") -> 
             if isinstance(block, SparseMoE):
                 for s, step in enumerate(steps):
                     x = None if uses[s] is None else uses[s].block_inputs(i, layer)
-                    new = step.compress_layer(i, block, x)
+                    block = step.compress_layer(i, block, x)
+                    del x
+                    source.replaced(i, layer, block)  # streaming: the old block is freed here
                     if uses[s] is not None and i + 1 < len(source.layers):
-                        uses[s] = uses[s].advance(i, layer, new)
-                    block = new
+                        uses[s] = uses[s].advance(i, layer, block)
                 if observer is not None:
                     observer.observe(i, block, None if watch is None else watch.block_inputs(i, layer))
                     if watch is not None and i + 1 < len(source.layers):

@@ -72,7 +72,7 @@ def expert_output(experts, e: int, x: torch.Tensor) -> torch.Tensor:
     return experts.expert(e, x).double()
 
 
-def layer_stats(layer: int, moe, x: torch.Tensor, all_outputs: bool = False, chunk: int = 4096) -> ExpertStats:
+def layer_stats(layer: int, moe, x: torch.Tensor, all_outputs: bool = False, chunk: int = 1024) -> ExpertStats:
     """Statistics of one MoE block on its calibration inputs ``x [T, H]`` (taken in chunks of tokens)."""
     st = ExpertStats.empty(layer, moe, all_outputs)
     for part in x.split(chunk):

@@ -87,6 +87,9 @@ class Streamed:
     def load_layer(self, i):
         return self.ckpt.load_layer(i)
 
+    def replaced(self, i, layer, block):
+        layer.mlp = block  # the old block is not needed again: free it before the next step runs
+
     def keep(self, i, layer, block):
         layer.mlp = block
         if self.write is not None:

@@ -24,7 +24,7 @@ BITS = (2, 3, 4, 8)
 
 def quantize_int8(w: torch.Tensor):
     scale = (w.abs().amax(1).float() / 127).clamp(min=1e-12)
-    q = torch.round(w.float() / scale[:, None]).clamp(-128, 127).to(torch.int8)
+    q = w.to(torch.float32, copy=True).div_(scale[:, None]).round_().clamp_(-128, 127).to(torch.int8)
     return q, scale
 
 
@@ -32,11 +32,13 @@ def quantize_grouped(w: torch.Tensor, group_size: int, bits: int = 4):
     """Asymmetric per-group codes in [0, 2**bits); returns the stored weight (torch's int4 pack for 4 bits,
     dense 2/3-bit packing otherwise), the [K/g, N, 2] bf16 scale/zero and the codes."""
     n, k = w.shape
-    g = w.float().view(n, k // group_size, group_size)
+    g = w.to(torch.float32, copy=True).view(n, k // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)
     top = 2 ** bits - 1
     scale = ((hi - lo) / top).clamp(min=1e-12)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, top).to(torch.int32).view(n, k)
+    # in place on the fp32 copy: one temporary the size of W instead of four (the same arithmetic, in order)
+    q = g.sub_(lo[..., None]).div_(scale[..., None]).round_().clamp_(0, top).to(torch.int32).view(n, k)
+    del g
     stored = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1) if bits == 4 else pack(q, bits)
     # the int4 kernel computes (q - 8) * scale + zero, so zero = lo + 8 * scale (for every width)
     scale_zero = torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous()

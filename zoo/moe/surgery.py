@@ -32,16 +32,17 @@ def _router_like(old, num_experts: int, top_k: int | None = None):
 def _slice_experts(experts: SwiGLUExperts, rows: torch.Tensor, weights: torch.Tensor | None = None):
     """New experts; each is a (weighted) combination of old ones: ``rows`` [N] or ``weights`` [N, E]."""
     opts = experts.options()
-    n = len(rows) if weights is None else weights.shape[0]
-    opts["num_experts"] = n
-    new = SwiGLUExperts(**opts).to(experts.gate_up_proj.device, experts.gate_up_proj.dtype)
+    opts["num_experts"] = len(rows) if weights is None else weights.shape[0]
+    with torch.device("meta"):  # no storage to initialise and then overwrite: the new tensors are assigned
+        new = SwiGLUExperts(**opts)
+    state = {}
     with torch.no_grad():
         for name, param in experts.named_parameters():
             if weights is None:
-                value = param.index_select(0, rows)
+                state[name] = param.index_select(0, rows)
             else:
-                value = torch.einsum("ne,e...->n...", weights.to(torch.float32), param.float()).to(param.dtype)
-            getattr(new, name).copy_(value)
+                state[name] = torch.einsum("ne,e...->n...", weights.to(torch.float32), param.float()).to(param.dtype)
+    new.load_state_dict(state, assign=True)
     return new
 
 
