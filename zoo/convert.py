@@ -58,18 +58,25 @@ def hook_new_routers(model, routers=None):
         install_output_capuring_hook(router, "router_logits", 2)
 
 
-def export(model, path) -> str:
-    """Write the family's native checkpoint (loadable by plain transformers, vLLM, TGI) or raise
-    ``NotExportable`` naming why the layout has no native form."""
+def native_config(model):
+    """The family's native config for ``model``'s layout, or ``NotExportable`` with the reason (a model in memory,
+    or a streamed checkpoint's skeleton on the meta device)."""
     from zoo.architectures.family import NotExportable
 
     fam = family_of(model)
-    layout = read_layout(model)
     for i, moe in moe_layers(model):
         if type(moe.experts).__name__ != "SwiGLUExperts":
             raise NotExportable(f"layer {i} has {moe.experts.name!r} experts; native {fam.name} needs dense experts")
-    native_cfg = fam.native_config(model.config, layout)
+    native_cfg = fam.native_config(model.config, read_layout(model))
     native_cfg.architectures = [fam.model_class.__name__]
+    return native_cfg
+
+
+def export(model, path) -> str:
+    """Write the family's native checkpoint (loadable by plain transformers, vLLM, TGI) or raise
+    ``NotExportable`` naming why the layout has no native form."""
+    fam = family_of(model)
+    native_cfg = native_config(model)
     state = dict(model.state_dict())
     for i, moe in moe_layers(model):
         prefix = f"model.layers.{i}.mlp."

@@ -198,25 +198,18 @@ def export(src, out, max_memory=None) -> str:
     them, so vLLM and TGI read it), or ``NotExportable`` with the reason before anything is written."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    from zoo.architectures.family import NotExportable
-    from zoo.layout import read_layout
+    from zoo.convert import native_config
 
     ckpt = open_checkpoint(src)
     model, fam = ckpt.model, ckpt.family
-    for i, layer in enumerate(ckpt.layers):
-        if isinstance(layer.mlp, SparseMoE) and type(layer.mlp.experts).__name__ != "SwiGLUExperts":
-            raise NotExportable(f"layer {i} has {layer.mlp.experts.name!r} experts; native {fam.name} needs dense experts")
-    native_cfg = fam.native_config(model.config, read_layout(model))
-    native_cfg.architectures = [fam.model_class.__name__]
+    native_cfg = native_config(model)
     with torch.device("meta"):
-        native = fam.model_class(native_cfg)
+        native = fam.model_class(native_cfg)  # what transformers' key-name reversal is read off
 
     def write(i, layer):
-        state = {}
-        for k, v in layer.state_dict().items():
-            state[k] = v
-        if isinstance(layer.mlp, SparseMoE):
-            state = {k: v for k, v in state.items() if not k.startswith("mlp.")}
+        moe = isinstance(layer.mlp, SparseMoE)
+        state = {k: v for k, v in layer.state_dict().items() if not (moe and k.startswith("mlp."))}
+        if moe:
             state.update({f"mlp.{k}": v for k, v in fam.to_native_state(layer.mlp.state_dict()).items()})
         writer.add(revert_weight_conversion(native, {f"model.layers.{i}.{k}": v for k, v in state.items()}))
 
