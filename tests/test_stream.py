@@ -105,9 +105,9 @@ def test_a_zoo_checkpoint_streams_too_and_shards_are_written_with_an_index(nativ
     assert (tmp_path / "pruned" / "model.safetensors.index.json").exists()
     memory = zoo.apply(zoo.load(tmp_path / "pruned"), "quantize", bits=8, group_size=32)
     memory.save_pretrained(tmp_path / "memory")
-    stream.apply(tmp_path / "pruned", [("quantize", {"bits": 8, "group_size": 32})], tmp_path / "stream", max_memory="1MB")
+    stream.apply(tmp_path / "pruned", [("quantize", {"bits": 8, "group_size": 32})], tmp_path / "stream")
     index = json.loads((tmp_path / "stream" / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) > 1  # a small budget writes several shards
+    assert len(set(index["weight_map"].values())) == 3  # a shard a layer, and one for the embeddings and head
     assert_same_tensors(tmp_path / "memory", tmp_path / "stream")
 
 

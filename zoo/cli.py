@@ -126,7 +126,7 @@ def convert(src, out, stream, max_memory):
     import zoo
     from zoo import stream as streaming
 
-    _either(src, stream, max_memory, lambda: streaming.convert(src, out, max_memory=max_memory),
+    _either(src, stream, max_memory, lambda: streaming.convert(src, out),
             lambda: zoo.load(src).save_pretrained(out))
     click.echo(f"saved {src} as a zoo model to {out}")
 
@@ -140,7 +140,7 @@ def export(src, out, stream, max_memory):
     import zoo
     from zoo import stream as streaming
 
-    _either(src, stream, max_memory, lambda: streaming.export(src, out, max_memory=max_memory),
+    _either(src, stream, max_memory, lambda: streaming.export(src, out),
             lambda: zoo.export(zoo.load(src), out))
     click.echo(f"exported {src} to {out}")
 
@@ -233,7 +233,7 @@ def apply(src, steps, out, calibration, stream, max_memory):
             raise click.ClickException(str(exc)) from None
     if _streams(src, stream, max_memory):
         try:
-            streaming.apply(src, parsed, out, calibration=calibration, max_memory=max_memory)
+            streaming.apply(src, parsed, out, calibration=calibration)
         except _user_errors() as exc:
             raise click.ClickException(str(exc).strip("'\"")) from None
         click.echo(f"applied {', '.join(name for name, _ in parsed)} layer by layer; saved to {out}")

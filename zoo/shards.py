@@ -1,5 +1,6 @@
 """Writing a checkpoint as its tensors arrive: numbered safetensors shards and their index, as transformers
-names them, so a model far larger than memory is written one layer at a time."""
+names them, so a model far larger than memory is written one layer at a time (a shard a layer: a layer is
+never held once it is done)."""
 from __future__ import annotations
 
 import json
@@ -30,6 +31,12 @@ class ShardWriter:
             self.buffered += t.numel() * t.element_size()
         if self.buffered >= self.max_bytes:
             self.flush()
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> None:
+        """``tensors`` in a shard of their own, written now (a streamed layer: nothing of it is held after)."""
+        self.flush()
+        self.add(tensors)
+        self.flush()
 
     def flush(self) -> None:
         if not self.buffer:

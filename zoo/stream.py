@@ -19,9 +19,9 @@ from zoo.atomic import atomic_directory
 from zoo.checkpoint import LAYER_KEY, Checkpoint, checkpoint_bytes
 from zoo.layerwise import LayerInputs, calibration_inputs, check, run
 from zoo.moe import SparseMoE
-from zoo.shards import DEFAULT_SHARD_BYTES, ShardWriter
+from zoo.shards import ShardWriter
 
-IN_MEMORY_FACTOR = 3  # peak RSS of the in-memory path, in checkpoint sizes (measured: 2.0x convert, 3.05x prune)
+IN_MEMORY_FACTOR = 3  # peak RSS of the in-memory path, in checkpoint sizes (benchmarks/scale.py: 2.0-2.8x)
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "added_tokens.json", "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
 
@@ -120,12 +120,6 @@ def copy_side_files(src: str, dest: str) -> None:
             shutil.copy2(os.path.join(src, name), os.path.join(dest, name))
 
 
-def shard_bytes(max_memory=None) -> int:
-    """Shards are written as they fill, so a shard's worth of layers is held until then: at most transformers'
-    5 GB, and 1/32 of the memory budget (on a large model, about a layer a shard)."""
-    return min(DEFAULT_SHARD_BYTES, max(1, memory_budget(max_memory) // 32))
-
-
 # ---- the commands ------------------------------------------------------------------------------------------
 def bind_steps(steps) -> list:
     """``[(name, options), ...]`` as per-layer step objects, every option checked first."""
@@ -150,7 +144,7 @@ def bind_steps(steps) -> list:
     return bound
 
 
-def apply(src, steps, out, calibration=None, max_memory=None) -> str:
+def apply(src, steps, out, calibration=None) -> str:
     """``zoo.apply`` of each step in order, layer by layer from ``src``'s shards, written to ``out``.
 
     ``steps``: ``[(name, options), ...]``. Every option and every layer's precondition is checked before
@@ -160,30 +154,29 @@ def apply(src, steps, out, calibration=None, max_memory=None) -> str:
     components = bind_steps(steps)
     check(model, components)
     inputs = calibration_inputs(model, components, calibration)
-    _write(ckpt, out, components, inputs, max_memory, desc="apply",
+    _write(ckpt, out, components, inputs, desc="apply",
            record=[(name, c.kind, opts, calibration if c.inputs_for else None, c)
                    for (name, opts), c in zip(steps, components)])
     return os.fspath(out)
 
 
-def convert(src, out, max_memory=None) -> str:
+def convert(src, out) -> str:
     """``zoo.convert`` + ``save_pretrained``, layer by layer: a native checkpoint becomes ``zoo_<family>``."""
-    _write(open_checkpoint(src), out, [], None, max_memory, desc="convert")
+    _write(open_checkpoint(src), out, [], None, desc="convert")
     return os.fspath(out)
 
 
-def _write(ckpt, out, components, inputs, max_memory, desc, record=()):
+def _write(ckpt, out, components, inputs, desc, record=()):
     from zoo.apply import record_step
     from zoo.cards import card
     from zoo.layout import sync_layout
 
     model = ckpt.model
     with atomic_directory(out) as tmp:
-        writer = ShardWriter(tmp, shard_bytes(max_memory))
-        writer.add(outer_tensors(model))
-        writer.flush()  # embeddings and LM head in a shard of their own, not held while layers stream
+        writer = ShardWriter(tmp)
+        writer.write(outer_tensors(model))  # embeddings and LM head in a shard of their own
         ckpt.release_outer()  # the calibration inputs are captured: nothing runs them again
-        run(Streamed(ckpt, lambda i, layer: writer.add(layer_tensors(i, layer))), components, inputs, desc=desc)
+        run(Streamed(ckpt, lambda i, layer: writer.write(layer_tensors(i, layer))), components, inputs, desc=desc)
         writer.close()
         for step in record:
             record_step(model, *step)
@@ -193,7 +186,7 @@ def _write(ckpt, out, components, inputs, max_memory, desc, record=()):
         card(model).save(os.path.join(tmp, "README.md"))
 
 
-def export(src, out, max_memory=None) -> str:
+def export(src, out) -> str:
     """``zoo.export`` layer by layer: the family's native checkpoint (legacy key names as transformers writes
     them, so vLLM and TGI read it), or ``NotExportable`` with the reason before anything is written."""
     from transformers.core_model_loading import revert_weight_conversion
@@ -211,12 +204,11 @@ def export(src, out, max_memory=None) -> str:
         state = {k: v for k, v in layer.state_dict().items() if not (moe and k.startswith("mlp."))}
         if moe:
             state.update({f"mlp.{k}": v for k, v in fam.to_native_state(layer.mlp.state_dict()).items()})
-        writer.add(revert_weight_conversion(native, {f"model.layers.{i}.{k}": v for k, v in state.items()}))
+        writer.write(revert_weight_conversion(native, {f"model.layers.{i}.{k}": v for k, v in state.items()}))
 
     with atomic_directory(out) as tmp:
-        writer = ShardWriter(tmp, shard_bytes(max_memory))
-        writer.add(revert_weight_conversion(native, outer_tensors(model)))
-        writer.flush()
+        writer = ShardWriter(tmp)
+        writer.write(revert_weight_conversion(native, outer_tensors(model)))
         ckpt.release_outer()
         run(Streamed(ckpt, write), [], None, desc="export")
         writer.close()
