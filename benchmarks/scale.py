@@ -138,7 +138,7 @@ def same_tensors(a, b) -> bool:
     return True
 
 
-def compare(src, work, windows, calibration_tokens, only=None) -> list[dict]:
+def compare(src, work, windows, calibration_tokens, only=None, modes=("--no-stream", "--stream"), keep=None) -> list[dict]:
     """Each operation (or those whose name starts with one of ``only``) both ways on ``src``."""
     size = folder_bytes(src)
     cal = ["--calibration", f"mixed:{calibration_tokens}"]
@@ -150,9 +150,9 @@ def compare(src, work, windows, calibration_tokens, only=None) -> list[dict]:
     for name, template in ops:
         if only and not any(name.startswith(o) for o in only):
             continue
-        row = {"operation": name, "checkpoint_bytes": size}
+        row = dict((keep or {}).get(name, {}), operation=name, checkpoint_bytes=size)
         outs = {}
-        for mode in ("--no-stream", "--stream"):
+        for mode in modes:
             out = os.path.join(work, f"{name.split()[0]}-{name.split(':')[0].split()[-1]}{mode}")
             shutil.rmtree(out, ignore_errors=True)
             args = [a.replace("{out}", out) for a in template] + [mode]
@@ -161,7 +161,9 @@ def compare(src, work, windows, calibration_tokens, only=None) -> list[dict]:
             outs[mode] = out
             print(f"  {name:34} {mode:12} peak {m['peak_rss'] / 1e9:6.2f} GB ({m['peak_rss'] / size:.2f}x)  "
                   f"wall {m['wall_s']:7.1f} s", flush=True)
-        if name == "eval":
+        if len(modes) < 2:  # the other mode's measurement is kept from an earlier run
+            row["same"] = None
+        elif name == "eval":
             a, b = (eval_json(row[k]["output"])["perplexity"] for k in ("memory", "stream"))
             row["same"] = all(abs(a[d] - b[d]) <= 1e-4 * abs(a[d]) for d in a)
             row["perplexity"] = {"memory": a, "stream": b}
@@ -193,8 +195,8 @@ def plot(rows, big, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("3.7 GB checkpoint: in memory", [(r["operation"], r["memory"]) for r in rows]),
-              ("3.7 GB checkpoint: streamed", [(r["operation"], r["stream"]) for r in rows])] if rows else []
+    panels = [("3.7 GB checkpoint: in memory", [(r["operation"], r["memory"]) for r in rows if "memory" in r]),
+              ("3.7 GB checkpoint: streamed", [(r["operation"], r["stream"]) for r in rows if "stream" in r])] if rows else []
     if big:
         panels.append((f"{big['checkpoint_bytes'] / 1e9:.0f} GB checkpoint: streamed",
                        [("apply prune-reap + quantize int4", big["apply"]), ("eval", big["eval"])]))
@@ -218,11 +220,15 @@ def plot(rows, big, path):
 def table(rows, big) -> str:
     lines = ["| operation | in memory: peak RSS (x ckpt) | streamed: peak RSS (x ckpt) | in memory: wall s | "
              "streamed: wall s | streamed / in memory (wall) | same result |", "|---|---|---|---|---|---|---|"]
+    def rss(m, size):
+        return f"{m['peak_rss'] / 1e9:.2f} GB ({m['peak_rss'] / size:.2f}x)" if m else "-"
+
     for r in rows:
-        m, s, size = r["memory"], r["stream"], r["checkpoint_bytes"]
-        lines.append(f"| {r['operation']} | {m['peak_rss'] / 1e9:.2f} GB ({m['peak_rss'] / size:.2f}x) | "
-                     f"{s['peak_rss'] / 1e9:.2f} GB ({s['peak_rss'] / size:.2f}x) | {m['wall_s']:.0f} | {s['wall_s']:.0f} | "
-                     f"{s['wall_s'] / m['wall_s']:.2f} | {'yes' if r['same'] else 'NO'} |")
+        m, s, size = r.get("memory"), r.get("stream"), r["checkpoint_bytes"]
+        ratio = f"{s['wall_s'] / m['wall_s']:.2f}" if m and s else "-"
+        same = {True: "yes", False: "NO", None: "-"}[r.get("same")]
+        lines.append(f"| {r['operation']} | {rss(m, size)} | {rss(s, size)} | {m['wall_s'] if m else '-'} | "
+                     f"{s['wall_s'] if s else '-'} | {ratio} | {same} |")
     if big:
         for key, name in (("apply", "apply prune-reap:num_experts=6 quantize:bits=4"), ("eval", "eval")):
             m = big[key]
@@ -238,6 +244,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--big-layers", type=int, default=48)
     ap.add_argument("--skip-big", action="store_true")
+    ap.add_argument("--modes", nargs="+", default=["no-stream", "stream"], choices=["no-stream", "stream"],
+                    help="Which paths to measure (a row keeps the other path's measurement from --json).")
     ap.add_argument("--ops", nargs="*", help="Only these operations (convert, apply prune, apply quantize, eval); "
                                               "the others' rows are kept from --json.")
     ap.add_argument("--only-big", action="store_true", help="Run the big checkpoint only; the 3.7 GB rows are read "
@@ -259,7 +267,9 @@ def main(argv=None):
     else:
         base = make_checkpoint(os.path.join(args.work, f"mixtral-{args.layers}L"), args.layers, **shape)
         print(f"checkpoint {base}: {folder_bytes(base) / 1e9:.2f} GB")
-        rows = compare(base, args.work, args.windows, args.calibration_tokens, args.ops)
+        earlier = {r["operation"]: r for r in json.load(open(args.json))["rows"]} if os.path.exists(args.json) else {}
+        rows = compare(base, args.work, args.windows, args.calibration_tokens, args.ops,
+                       tuple(f"--{m}" for m in args.modes), earlier)
         if args.ops and os.path.exists(args.json):  # the other operations' rows are kept from the last run
             new = {r["operation"]: r for r in rows}
             rows = [new.pop(r["operation"], r) for r in json.load(open(args.json))["rows"]] + list(new.values())
