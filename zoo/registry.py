@@ -54,7 +54,7 @@ class HubUnavailable(OSError):
     pass
 
 
-def _resolve(target: str) -> str:
+def resolve_path(target: str) -> str:
     """A folder stays a folder; ``hf-hub:org/name`` becomes ``org/name``; a registry name becomes its
     shipped folder or hub id; anything else without a slash must be a registry name (close matches)."""
     if os.path.isdir(target):
@@ -78,7 +78,7 @@ def load_tokenizer(name_or_path: str, **kwargs):
     """The tokenizer stored with a model (folder, registry name, ``hf-hub:`` id or hub id)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(_resolve(os.fspath(name_or_path)), **kwargs)
+    return AutoTokenizer.from_pretrained(resolve_path(os.fspath(name_or_path)), **kwargs)
 
 
 def tokenizer_for(model):
@@ -102,7 +102,7 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
     import zoo
 
     target = os.fspath(name_or_path)
-    target = _resolve(target)
+    target = resolve_path(target)
     try:
         model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
     except OSError as exc:

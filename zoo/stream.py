@@ -63,9 +63,9 @@ def should_stream(src, max_memory=None) -> bool:
 
 def resolve(src) -> str:
     """A registry name of a shipped model, or a folder, as a folder path."""
-    from zoo.registry import _resolve
+    from zoo.registry import resolve_path
 
-    return _resolve(os.fspath(src))
+    return resolve_path(os.fspath(src))
 
 
 # ---- reading -----------------------------------------------------------------------------------------------

@@ -20,9 +20,9 @@ def load_model(name_or_path):
     from transformers import AutoProcessor
 
     import zoo
-    from zoo.registry import _resolve
+    from zoo.registry import resolve_path
 
-    path = _resolve(os.fspath(name_or_path))
+    path = resolve_path(os.fspath(name_or_path))
     return zoo.load(path).eval(), AutoProcessor.from_pretrained(path)
 
 
