@@ -89,8 +89,6 @@ class RouterSwap:
     kind, inputs_for, needs_plan = "router", (), False
 
     def __init__(self, cls, options):
-        from zoo.options import check_options
-
         if getattr(cls, "target", None) == "attention":
             raise ValueError(f"router {cls.name!r} wraps attention: it runs on a model in memory (--no-stream)")
         check_options(cls, options, skip=("hidden_size", "num_experts"))
@@ -119,7 +117,6 @@ def _swap_routers(model, cls, options):
     ``norm_topk_prob``), and so do gate weights of matching name and shape.
     """
     from zoo.convert import hook_new_routers
-    from zoo.moe.surgery import place_like
 
     given = sorted(set(options) & set(LAYER_OPTIONS))
     if given:
