@@ -10,7 +10,7 @@ import torch
 
 from zoo.moe.block import SparseMoE
 from zoo.moe.experts import SwiGLUExperts
-from zoo.moe.surgery import _router_like, place_like
+from zoo.moe.surgery import router_like, place_like
 
 from zoo_compressors.base import ExpertCountCompressor
 
@@ -65,7 +65,7 @@ class SubMoe(ExpertCountCompressor):
                     f = (freq[members] / freq[members].sum()).to(torch.float32)
                     getattr(experts, name)[g] = (getattr(old, name)[members].float() * f[:, None]).sum(0)
         experts.to(old.gate_up_proj.dtype)
-        router = _router_like(moe.router, len(groups))
+        router = router_like(moe.router, len(groups))
         dominant = [max(g, key=lambda m: float(freq[m])) for g in groups]
         router.load_state_dict({k: (v[dominant] if v.dim() and v.shape[0] == moe.num_experts else v)
                                 for k, v in moe.router.state_dict().items()})

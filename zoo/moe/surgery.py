@@ -19,7 +19,7 @@ def place_like(router, old):
     return router
 
 
-def _router_like(old, num_experts: int, top_k: int | None = None):
+def router_like(old, num_experts: int, top_k: int | None = None):
     """A router of the old one's class and options for ``num_experts`` experts. Group-limited selection
     (DeepSeek-V3) is turned off when the expert set changes: its groups were the original experts'."""
     opts = dict(old.options)
@@ -52,7 +52,7 @@ def keep_experts(moe: SparseMoE, keep) -> SparseMoE:
     keep = torch.as_tensor(sorted(int(i) for i in keep), dtype=torch.long)
     if len(keep) < 1 or len(set(keep.tolist())) != len(keep):
         raise ValueError("keep must name at least one expert, without repeats")
-    router = _router_like(moe.router, len(keep))
+    router = router_like(moe.router, len(keep))
     state = {k: (v.index_select(0, keep) if v.dim() and v.shape[0] == moe.num_experts else v)
              for k, v in moe.router.state_dict().items()}
     router.load_state_dict(state)
@@ -69,7 +69,7 @@ def merge_experts(moe: SparseMoE, groups: list[list[int]], weights: list[list[fl
         total = float(sum(w))
         for m, x in zip(members, w):
             mix[g, m] = x / total
-    router = _router_like(moe.router, len(groups))
+    router = router_like(moe.router, len(groups))
     router.load_state_dict(router_rows(moe.router.state_dict(), mix))
     place_like(router, moe.router)
     return SparseMoE(router, _slice_experts(moe.experts, None, mix), moe.shared_experts, moe.returns_router_scores)
