@@ -79,6 +79,8 @@ def test_env_var_selects_plugins(site):
     assert "example" in plugins_json(site, {"MOE_ZOO_LOAD_PLUGINS": "moe-zoo-example-plugin"})
     assert "example" in plugins_json(site, {"MOE_ZOO_LOAD_PLUGINS": "other, example"})
     assert "example" not in plugins_json(site, {"MOE_ZOO_LOAD_PLUGINS": "other"})
+    res = run(["plugins"], site, {"MOE_ZOO_LOAD_PLUGINS": "other, example"})
+    assert "no installed plugin is named 'other'" in res.stderr and "example" in res.stderr.split("entry points:")[1]
 
 
 def test_broken_plugins_are_reported_and_the_rest_load(site, tmp_path):
@@ -89,8 +91,9 @@ def test_broken_plugins_are_reported_and_the_rest_load(site, tmp_path):
               "import zoo\nclass R(zoo.Router):\n    name = 'topk-softmax'\n"
               "@zoo.hookimpl\ndef register_routers(register):\n    register(R)\n")
     found = plugins_json(os.pathsep.join([str(tmp_path), str(site)]))
-    assert "boom at import" in found["bad_import"]["error"]
-    assert "boom in hook" in found["bad_register"]["error"]
+    assert found["bad_import"]["error"] == "import: RuntimeError: boom at import"  # one line for users
+    assert "bad_import.py" in found["bad_import"]["traceback"]  # the details, for debugging
+    assert found["bad_register"]["error"] == "register_routers: RuntimeError: boom in hook"
     clash = found["clashing"]["error"]
     assert "topk-softmax" in clash and "moe-zoo" in clash and "clashing-plugin" in clash
     assert found["example"]["components"] == ["router:example-switch-top1"]  # the good one still loads

@@ -99,13 +99,16 @@ class Registry:
     by_kind: dict[str, dict[str, Registered]] = field(default_factory=lambda: {k: {} for k in KINDS.values()})
 
     def add_all(self, entries: list[Registered]) -> None:
-        """Add a plugin's entries all at once, or none (a clash names both distributions)."""
+        """Add a plugin's entries all at once, or none: a name is never replaced, neither one already in the
+        registry nor one earlier in ``entries`` (a clash names both distributions)."""
+        seen: dict[tuple[str, str], Registered] = {}
         for e in entries:
-            have = self.by_kind[e.kind].get(e.name)
+            have = self.by_kind[e.kind].get(e.name) or seen.get((e.kind, e.name))
             if have is not None:
                 raise ValueError(
                     f"{e.kind} {e.name!r} is registered twice: by {have.distribution} ({have.plugin}) "
                     f"and by {e.distribution} ({e.plugin})")
+            seen[e.kind, e.name] = e
         for e in entries:
             self.by_kind[e.kind][e.name] = e
 

@@ -1,4 +1,9 @@
-"""Hook specifications of the ``moe_zoo`` pluggy project. Each hook receives a ``register`` callback."""
+"""Hook specifications of the ``moe_zoo`` pluggy project. Each hook receives a ``register`` callback.
+
+Names are first come, first served, the zoo's own plugins first: a component, model or command whose name is
+taken is refused (a component or model clash refuses all of that plugin's components) and reported by
+``moe-zoo plugins``.
+"""
 import pluggy
 
 hookspec = pluggy.HookspecMarker("moe_zoo")
@@ -37,4 +42,5 @@ def register_models(register):
 
 @hookspec
 def register_commands(cli):
-    """Add click commands to the ``moe-zoo`` command group."""
+    """Add click commands to ``cli`` (a click group); they join ``moe-zoo`` unless the name is taken by a
+    built-in command or an earlier plugin's (such a command is refused and reported as this plugin's error)."""

@@ -1,16 +1,24 @@
 """Plugin loading (llm style): first-party plugins by dotted path, third-party ones by entry point.
 
-A plugin that fails to import or to register is recorded in ``errors`` and the others still load.
+Plugins cannot take the zoo down: every import, hook call and registration of a plugin is isolated. A failure
+(``SystemExit`` included) is recorded in ``errors`` as one line, reported by ``plugin_report`` / ``moe-zoo
+plugins``, and the other plugins still load. Names are first come, first served, and the zoo's own plugins
+always come first: a later plugin's clashing component, model or command is refused and reported as its error.
+
 ``MOE_ZOO_LOAD_PLUGINS``: unset = all entry points; a comma list = only those (by entry-point or
-distribution name); empty string = no third-party plugins.
+distribution name; unknown names are warned about); empty string = no third-party plugins.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata as md
 import os
+import re
+import sys
 import threading
 import traceback
+import warnings
 
 import pluggy
 
@@ -25,29 +33,61 @@ DEFAULT_PLUGINS = (
     "zoo_adapters",
     "zoo_multimodal",
 )
+OWN = "moe-zoo"  # the zoo's own distribution
 
 pm = pluggy.PluginManager("moe_zoo")
 pm.add_hookspecs(hookspecs)
 registry = Registry()
-errors: dict[str, str] = {}  # plugin name -> error text
+errors: dict[str, str] = {}  # plugin name -> one-line error summary ("; "-joined when several)
+_tracebacks: dict[str, str] = {}  # plugin name -> short traceback of its last failure, for debugging
 _meta: dict[str, dict] = {}  # plugin name -> {"distribution", "version"}
 _lock = threading.RLock()
 _loaded = False
 _called: set[str] = set()  # plugins whose register_* hooks have run
+_auto_done: set[str] = set()  # architectures whose Auto classes are registered
+_FAILED = object()
+
+
+def _record(plugin: str, line: str, tb: str = "") -> None:
+    if line in errors.get(plugin, ""):
+        return  # e.g. the same command clash on a second ``commands_hook`` call
+    errors[plugin] = f"{errors[plugin]}; {line}" if plugin in errors else line
+    if tb:
+        _tracebacks[plugin] = tb
+
+
+def _guarded(plugin: str, where: str, fn, *args, **kwargs):
+    """``fn(...)``'s result, or ``_FAILED`` after recording what it raised as ``plugin``'s error."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # keep stdout clean: `moe-zoo plugins` prints JSON there
+            return fn(*args, **kwargs)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit too: a plugin must never end the zoo (or `moe-zoo plugins`)
+        msg = " ".join(str(exc).split())  # one line for users; the traceback keeps the details
+        msg = msg if len(msg) <= 300 else msg[:297] + "..."
+        _record(plugin, f"{where}: {type(exc).__name__}" + (f": {msg}" if msg else ""),
+                traceback.format_exc(limit=-3))
+        return _FAILED
+
+
+def _canonical(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
 
 
 def _selected_entry_points():
     wanted = os.environ.get("MOE_ZOO_LOAD_PLUGINS")
-    eps = md.entry_points(group="moe_zoo")
+    eps = list(md.entry_points(group="moe_zoo"))
     if wanted is None:
-        return list(eps)
+        return eps
     names = {w.strip() for w in wanted.split(",") if w.strip()}
-    return [ep for ep in eps if ep.name in names or (ep.dist and ep.dist.name in names)]
-
-
-def _register_module(name: str, module, distribution: str, version: str) -> None:
-    pm.register(module, name=name)
-    _meta[name] = {"distribution": distribution, "version": version}
+    dists = {_canonical(n) for n in names}
+    known = {ep.name for ep in eps} | {_canonical(ep.dist.name) for ep in eps if ep.dist}
+    unknown = sorted(n for n in names if n not in known and _canonical(n) not in known)
+    if unknown:
+        warnings.warn(f"MOE_ZOO_LOAD_PLUGINS: no installed plugin is named {', '.join(map(repr, unknown))}; "
+                      f"installed entry points: {', '.join(sorted(ep.name for ep in eps)) or 'none'}", stacklevel=2)
+    return [ep for ep in eps if ep.name in names or (ep.dist and _canonical(ep.dist.name) in dists)]
 
 
 def _initializing(module) -> bool:
@@ -55,49 +95,64 @@ def _initializing(module) -> bool:
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
+def _own_pending() -> bool:
+    """A first-party plugin is neither registered nor failed yet (it is mid-import)."""
+    return any(not pm.has_plugin(d) and d not in errors for d in DEFAULT_PLUGINS)
+
+
+def _register(name: str, load) -> bool:
+    """Import one plugin and register it; False if it is mid-import and must wait for the next call."""
+    module = _guarded(name, "import", load)
+    if module is _FAILED:
+        return True
+    if _initializing(module):  # its hooks are not defined yet: register it on the next call
+        return False
+    _guarded(name, "import", pm.register, module, name=name)
+    return True
+
+
 def _import_plugins() -> bool:
-    """Import and register the plugins; False if a first-party one is mid-import and must wait."""
-    version = _own_version()
+    """Import and register the plugins; False if one is mid-import and must wait."""
     complete = True
+    version = _own_version()
     for dotted in DEFAULT_PLUGINS:
-        if pm.has_plugin(dotted) or dotted in errors:
-            continue
-        try:
-            module = importlib.import_module(dotted)
-            if _initializing(module):  # its hooks are not defined yet: register it on the next call
-                complete = False
-                continue
-            _register_module(dotted, module, "moe-zoo", version)
-        except Exception:
-            errors[dotted] = traceback.format_exc(limit=3)
+        if not (pm.has_plugin(dotted) or dotted in errors):
+            _meta[dotted] = {"distribution": OWN, "version": version}
+            complete &= _register(dotted, lambda d=dotted: importlib.import_module(d))
     for ep in _selected_entry_points():
-        if pm.has_plugin(ep.name) or ep.name in errors:
+        dist, version = (ep.dist.name, ep.dist.version) if ep.dist else ("?", "?")
+        name, owner = ep.name, _meta.get(ep.name, {}).get("distribution")
+        if owner is not None and owner != dist:  # the name is another distribution's (or a first-party plugin's)
+            name = f"{dist}:{ep.name}"
+            if name not in errors:
+                _meta[name] = {"distribution": dist, "version": version}
+                _record(name, f"entry point {ep.name!r} is already the name of a plugin of {owner}; not loaded")
             continue
-        dist = ep.dist.name if ep.dist else "?"
-        try:
-            _register_module(ep.name, ep.load(), dist, ep.dist.version if ep.dist else "?")
-        except Exception:
-            errors[ep.name] = traceback.format_exc(limit=3)
-            _meta[ep.name] = {"distribution": dist, "version": ep.dist.version if ep.dist else "?"}
+        if not (pm.has_plugin(name) or name in errors):
+            _meta[name] = {"distribution": dist, "version": version}
+            complete &= _register(name, ep.load)
     return complete
 
 
 def _call_hooks(plugin_name: str) -> None:
     """Run one plugin's register_* hooks; add its components all at once, or report and add none."""
     entries: list[Registered] = []
-    dist = _meta[plugin_name]["distribution"]
-    for hook, kind in KINDS.items():
+    dist = _meta.get(plugin_name, {}).get("distribution", "?")
 
-        def register(obj, _kind=kind):
+    def register_as(kind):
+        def register(obj):
             name = getattr(obj, "name", "")
-            if not name or name != name.lower() or " " in name:
-                raise ValueError(f"{_kind} {obj!r} needs a lowercase, dash-separated `name`")
-            entries.append(Registered(_kind, name, obj, plugin_name, dist))
+            if not isinstance(name, str) or not name or name != name.lower() or " " in name:
+                raise ValueError(f"{kind} {obj!r} needs a lowercase, dash-separated `name`")
+            entries.append(Registered(kind, name, obj, plugin_name, dist))
+        return register
 
+    for hook, kind in KINDS.items():
         for impl in getattr(pm.hook, hook).get_hookimpls():
-            if impl.plugin_name == plugin_name:
-                impl.function(register=register)
-    registry.add_all(entries)
+            if impl.plugin_name == plugin_name and _guarded(plugin_name, hook, impl.function,
+                                                            register=register_as(kind)) is _FAILED:
+                return
+    _guarded(plugin_name, "registration", registry.add_all, entries)
 
 
 def load_plugins() -> None:
@@ -106,34 +161,62 @@ def load_plugins() -> None:
         if _loaded:
             return
         _loaded = _import_plugins()
-        for name, _plugin in list(pm.list_name_plugin()):
-            if name in _called:
+        own_pending = _own_pending()
+        names = [n for n, _ in pm.list_name_plugin() if n not in _called]
+        # The zoo's own plugins register first (and third-party ones only once all of those are in), so a
+        # third-party name can never take one of theirs.
+        names.sort(key=lambda n: _meta.get(n, {}).get("distribution") != OWN)
+        for name in names:
+            if own_pending and _meta.get(name, {}).get("distribution") != OWN:
                 continue
             _called.add(name)
-            try:
-                _call_hooks(name)
-            except Exception as exc:
-                errors[name] = f"{type(exc).__name__}: {exc}"
+            _call_hooks(name)
         for reg in registry.all("architecture"):
-            reg.obj.register_auto_classes()
+            if reg.name not in _auto_done:
+                _auto_done.add(reg.name)
+                if _guarded(reg.plugin, f"architecture {reg.name!r}", reg.obj.register_auto_classes) is _FAILED:
+                    del registry.by_kind["architecture"][reg.name]  # half-registered: unusable
 
 
 def commands_hook(cli) -> None:
+    """Add the plugins' commands to the click group ``cli``. A plugin may not replace a built-in command or
+    another plugin's (the first registered wins): such a command is refused and reported as its error."""
+    import click
+
     load_plugins()
-    for impl in pm.hook.register_commands.get_hookimpls():
-        try:
-            impl.function(cli=cli)
-        except Exception as exc:
-            errors[impl.plugin_name] = f"register_commands: {type(exc).__name__}: {exc}"
+    # plugin -> its added commands, kept on the group so a second call adds nothing twice
+    added: dict[str, list[str]] = cli.__dict__.setdefault("_zoo_plugin_commands", {})
+    order = {n: i for i, (n, _) in enumerate(pm.list_name_plugin())}
+    impls = sorted(pm.hook.register_commands.get_hookimpls(), key=lambda i: order.get(i.plugin_name, len(order)))
+    for impl in impls:
+        plugin = impl.plugin_name
+        if plugin in added:
+            continue
+        added[plugin] = []
+        staging = click.Group(cli.name)  # the plugin adds to this; its commands are then vetted one by one
+        if _guarded(plugin, "register_commands", impl.function, cli=staging) is _FAILED:
+            continue
+        for name, command in staging.commands.items():
+            owner = next((p for p, names in added.items() if name in names), None)
+            if owner is not None:
+                _record(plugin, f"register_commands: command {name!r} is already added by plugin {owner!r}; "
+                                "not added")
+            elif name in cli.commands:
+                _record(plugin, f"register_commands: command {name!r} would replace the built-in "
+                                f"`moe-zoo {name}`; not added")
+            else:
+                cli.add_command(command, name)
+                added[plugin].append(name)
 
 
 def plugin_report(include_defaults: bool = False) -> list[dict]:
-    """What ``moe-zoo plugins`` prints: name, version, hooks, components, and any error."""
+    """What ``moe-zoo plugins`` prints: name, version, hooks, components, and any error (one line; the
+    ``traceback`` field has the details of an exception)."""
     load_plugins()
     out = []
     for name in sorted(set(_meta) | set(errors)):
-        meta = _meta.get(name, {"distribution": "moe-zoo" if name in DEFAULT_PLUGINS else "?", "version": "?"})
-        if meta["distribution"] == "moe-zoo" and not include_defaults and name not in errors:
+        meta = _meta.get(name, {"distribution": OWN if name in DEFAULT_PLUGINS else "?", "version": "?"})
+        if meta["distribution"] == OWN and not include_defaults and name not in errors:
             continue
         plugin = pm.get_plugin(name)
         hooks = sorted(c.name for c in pm.get_hookcallers(plugin)) if plugin is not None else []
@@ -142,12 +225,14 @@ def plugin_report(include_defaults: bool = False) -> list[dict]:
                "hooks": hooks, "components": comps}
         if name in errors:
             row["error"] = errors[name]
+            if name in _tracebacks:
+                row["traceback"] = _tracebacks[name]
         out.append(row)
     return out
 
 
 def _own_version() -> str:
     try:
-        return md.version("moe-zoo")
+        return md.version(OWN)
     except md.PackageNotFoundError:
         return "0+unknown"

@@ -31,15 +31,20 @@ def list_models(pattern: str = "*") -> list[ModelEntry]:
 
 
 def get_model(name: str) -> ModelEntry:
-    """An entry by its full ``arch.tag`` name, or by its tag alone when that is unambiguous."""
+    """An entry by its full ``arch.tag`` name, or by its tag alone. The zoo's own entries come first, so a
+    third-party plugin never shadows one of them; a name that fits several third-party entries is an error."""
     load_plugins()
     models = registry.by_kind["model"]
-    if name in models:
-        return models[name].obj
-    by_tag = [r.obj for n, r in models.items() if n.split(".", 1)[-1] == name]
-    if len(by_tag) == 1:
-        return by_tag[0]
-    raise KeyError(f"no model named {name!r}{suggest(name, list(models) + [n.split('.', 1)[-1] for n in models])}")
+    hits = [r for n, r in models.items() if name in (n, n.split(".", 1)[-1])]
+    for group in ([r for r in hits if r.distribution == "moe-zoo"], hits):
+        exact = [r for r in group if r.name == name]  # full names are unique
+        if exact or len(group) == 1:
+            return (exact or group)[0].obj
+        if group:
+            raise KeyError(f"model name {name!r} is ambiguous: it fits "
+                           f"{', '.join(f'{r.name} ({r.distribution})' for r in group)}; use the full name")
+    tags = {n.split(".", 1)[-1] for n in models}
+    raise KeyError(f"no model named {name!r}{suggest(name, sorted(set(models) | tags))}")
 
 
 def _is_registry_name(name: str) -> bool:
