@@ -26,8 +26,8 @@ def test_unknown_name_suggests_close_matches():
 
 @pytest.mark.parametrize("options, message", [
     ({"norm_topk_prb": True}, "did you mean 'norm_topk_prob'"),
-    ({"top_k": 9}, "top_k must be in"),
-    ({"top_k": 0}, "top_k must be in"),
+    ({"top_k": 9}, "top_k must be an integer in"),
+    ({"top_k": 0}, "top_k must be an integer in"),
 ])
 def test_rejected_options_leave_the_model_bit_identical(options, message):
     model = zoo.convert(tiny_native("mixtral"))

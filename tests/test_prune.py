@@ -100,7 +100,7 @@ def test_domain_calibration_changes_what_reap_keeps():
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"num_experts": 0}, "positive integer"), ({"num_experts": "two"}, "positive integer"),
+    ({"num_experts": 0}, "positive integer"), ({"num_experts": "two"}, "must be int"),
     ({"num_experts": 9}, "has only 4 experts"), ({"num_expert": 2}, "did you mean 'num_experts'"),
 ])
 def test_bad_options_leave_the_model_untouched(options, message):

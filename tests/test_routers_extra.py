@@ -279,7 +279,7 @@ def snapshot(model):
 
 @pytest.mark.parametrize("name,options,message", [
     ("expert-choice", {"capacity_factor": 0}, "capacity_factor must be"),
-    ("expert-choice", {"capacity_factor": "2"}, "capacity_factor must be"),
+    ("expert-choice", {"capacity_factor": "2"}, "capacity_factor.* must be float"),
     ("expert-choice", {"capacity_factr": 2}, "did you mean 'capacity_factor'"),
     ("top-p", {"p": 0}, "p must be"),
     ("top-p", {"p": 1.5}, "p must be"),

@@ -39,31 +39,40 @@ def find(name: str) -> Registered:
     raise UnknownComponent(f"{name!r} is not a router, compressor or adapter and cannot be applied")
 
 
-def apply(model, name: str, calibration=None, **options):
+class NoChange(ValueError):
+    """A step that would leave the model exactly as it is."""
+
+
+def apply(model, name: str, calibration=None, check_finite: bool = True, **options):
     """Run component ``name`` on ``model`` and append the step to ``config.zoo_recipe``.
 
-    Options are checked before the model is touched: an unknown or invalid option raises and leaves the
-    model as it was. A native model of a supported family is converted (losslessly) first.
+    All or nothing: options (names and types), calibration data and the model are checked first, and any
+    failure, later ones included, leaves the model bit-identical and of its class. A router or compressor
+    step that would change nothing is an error. A native model of a supported family is converted
+    (losslessly) first. Weights must be finite before and after (``check_finite=False`` skips the scans).
     """
-    from zoo.convert import convert, family_of
+    from zoo import calibration as calib
+    from zoo.convert import family_of
+    from zoo.finite import check_finite as finite
+    from zoo.snapshot import Snapshot
 
     reg = find(name)
     cls = reg.obj
     skip = ("hidden_size", "num_experts") if reg.kind == "router" else ()
     check_options(cls, options, skip=skip)
-    component = None
-    if reg.kind == "router" and getattr(cls, "target", None) == "attention":
+    if not (reg.kind == "adapter" and getattr(cls, "accepts_dense", False)):
         family_of(model)  # an unsupported model is refused before anything changes
-        model = convert(cls.attach(model, **options))  # wraps every layer's self-attention, all checked first
-    elif reg.kind == "router":
-        model = convert(model)
-        _swap_routers(model, cls, options)
-    elif reg.kind == "compressor":
-        component = cls(**options)
-        model = component.compress(convert(model), calibration=calibration)
-    else:
-        component = cls(**options)  # an adapter that builds an MoE from a dense model gets it unconverted
-        model = component.attach(model if getattr(cls, "accepts_dense", False) else convert(model))
+    calib.check(calibration, getattr(model.config, "vocab_size", None))
+    if check_finite:
+        finite(model, where=f"the model given to {name}")
+    snapshot = Snapshot(model)
+    try:
+        model, component = _run(model, reg, cls, options, calibration)
+        if check_finite:
+            finite(model, where=f"the weights {name} produced")
+    except BaseException:
+        snapshot.restore()
+        raise
     record_step(model, name, reg.kind, options, calibration, component)
     sync_layout(model)
     # transformers caches torch.compile(model.__call__) on the model; a deepcopy of a compiled model carries
@@ -71,6 +80,31 @@ def apply(model, name: str, calibration=None, **options):
     for attr in ("_compiled_call", "_last_compile_config"):
         model.__dict__.pop(attr, None)
     return model
+
+
+def _run(model, reg, cls, options, calibration):
+    """The step itself; returns (model, component). Router and compressor steps must change something."""
+    from zoo.convert import convert
+    from zoo.snapshot import Fingerprint
+
+    component = None
+    if reg.kind == "adapter":
+        component = cls(**options)  # an adapter that builds an MoE from a dense model gets it unconverted
+        return component.attach(model if getattr(cls, "accepts_dense", False) else convert(model)), component
+    if getattr(cls, "target", None) == "attention":
+        return convert(cls.attach(model, **options)), None  # wraps every layer's self-attention, all checked first
+    model = convert(model)
+    if not moe_layers(model):
+        raise ValueError(f"{cls.name} changes MoE layers and this model has none")
+    before = Fingerprint(model)
+    if reg.kind == "router":
+        _swap_routers(model, cls, options)
+    else:
+        component = cls(**options)
+        model = component.compress(model, calibration=calibration)
+    if before.same_as(model):
+        raise NoChange(f"{cls.name} with options {options or '{}'} changes nothing in this model")
+    return model, component
 
 
 def record_step(model, name: str, kind: str, options: dict, calibration, component=None) -> dict:
@@ -121,6 +155,8 @@ def _swap_routers(model, cls, options):
     given = sorted(set(options) & set(LAYER_OPTIONS))
     if given:
         raise ValueError(f"{', '.join(given)}: filled in by zoo.apply for each layer, not an option to pass")
+    if hasattr(cls, "check_layers"):  # options that name layers must name this model's MoE layers
+        cls.check_layers([i for i, _ in moe_layers(model)], options)
     new = [(moe, new_router(i, moe, cls, options)) for i, moe in moe_layers(model)]
     for moe, router in new:
         moe.router = router

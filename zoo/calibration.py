@@ -13,6 +13,53 @@ def corpus(domain: str = "mixed", tokens: int = 16384, seq_len: int = 256, seed:
     return {"domain": domain, "tokens": int(tokens), "seq_len": int(seq_len), "seed": int(seed)}
 
 
+SPEC_KEYS = ("domain", "tokens", "seq_len", "seed")
+
+
+def check(calibration, vocab_size: int | None = None) -> None:
+    """Refuse calibration data that would calibrate on nothing or on garbage, before any work: an empty list,
+    blank texts, unknown spec keys, non-integer or empty token batches, ids outside the vocabulary."""
+    if calibration is None:
+        return
+    if isinstance(calibration, dict):
+        unknown = sorted(set(calibration) - set(SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"unknown calibration spec keys {unknown} (accepted: {', '.join(SPEC_KEYS)})")
+        spec = corpus(**calibration)
+        if spec["tokens"] < 1 or spec["seq_len"] < 2:
+            raise ValueError(f"calibration needs tokens >= 1 and seq_len >= 2, got {spec['tokens']}, {spec['seq_len']}")
+        return
+    if isinstance(calibration, (list, tuple)) and not calibration:
+        raise ValueError("calibration data is empty: pass texts, token batches or zoo.calibration.corpus(...)")
+    if isinstance(calibration, str) or (isinstance(calibration, (list, tuple)) and all(isinstance(t, str)
+                                                                                     for t in calibration)):
+        texts = [calibration] if isinstance(calibration, str) else calibration
+        if not any(t.strip() for t in texts):
+            raise ValueError("calibration texts are all empty")
+        return
+    tensors = [calibration] if torch.is_tensor(calibration) else calibration
+    if not isinstance(tensors, (list, tuple)) or not all(torch.is_tensor(t) for t in tensors):
+        raise TypeError(f"unsupported calibration data {type(calibration).__name__}: pass "
+                        "zoo.calibration.corpus(domain, tokens), texts, or token batches")
+    for i, t in enumerate(tensors):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"calibration batch {i} holds {t.dtype}; token ids must be an integer tensor")
+        if t.dim() not in (1, 2) or t.numel() == 0:
+            raise ValueError(f"calibration batch {i} has shape {tuple(t.shape)}; expected [batch, seq] token ids")
+    check_ids(tensors, vocab_size)
+
+
+def check_ids(batches, vocab_size: int | None) -> None:
+    """Token ids must index the model's embedding table."""
+    if vocab_size is None:
+        return
+    for i, t in enumerate(batches):
+        low, high = int(t.min()), int(t.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"calibration batch {i} has token ids in [{low}, {high}] but the model's vocabulary "
+                             f"has {vocab_size} entries (is the tokenizer the model's own?)")
+
+
 def batches(calibration, tokenizer=None, batch_size: int = 8) -> list[torch.Tensor]:
     """Turn any accepted calibration value into a list of LongTensor batches ``[B, S]``.
 
@@ -21,6 +68,7 @@ def batches(calibration, tokenizer=None, batch_size: int = 8) -> list[torch.Tens
     """
     if calibration is None:
         raise ValueError("this component needs calibration data: pass calibration=zoo.calibration.corpus(...)")
+    check(calibration)
     if isinstance(calibration, dict):
         rows = _corpus_rows(calibration, tokenizer)
     elif torch.is_tensor(calibration):

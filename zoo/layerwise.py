@@ -192,7 +192,9 @@ def calibration_inputs(model, steps, calibration) -> LayerInputs | None:
     from zoo.registry import tokenizer_for
 
     data = calibration if calibration is not None else calib.corpus("mixed", tokens=8192)
-    return LayerInputs.capture(model, calib.batches(data, tokenizer_for(model)))
+    batches = calib.batches(data, tokenizer_for(model))
+    calib.check_ids(batches, getattr(model.config, "vocab_size", None))
+    return LayerInputs.capture(model, batches)
 
 
 def compress_in_memory(model, steps, calibration=None):

@@ -54,8 +54,89 @@ def build_block(entry: dict) -> SparseMoE:
     return SparseMoE(router, experts, shared, returns_router_scores=entry.get("returns_router_scores", False))
 
 
+class LayoutError(ValueError):
+    """A saved ``zoo_layout`` that cannot be built; the message names ``zoo_layout[i]`` and the field."""
+
+
+FIELDS = {"router": str, "experts": str, "num_experts": int, "num_experts_per_tok": int,
+          "router_options": dict, "experts_options": dict}
+
+
+def check_layout(layout, num_layers: int, hidden_size: int) -> None:
+    """Every problem of a layout at once, before any module is built (each entry is built on the meta
+    device, so a component's own checks run too)."""
+    if layout is None:
+        return
+    if not isinstance(layout, list):
+        raise LayoutError(f"zoo_layout must be a list (one entry per decoder layer), got {type(layout).__name__}")
+    if len(layout) != num_layers:
+        raise LayoutError(f"zoo_layout has {len(layout)} entries for {num_layers} decoder layers")
+    problems = [f"zoo_layout[{i}]{p}" for i, entry in enumerate(layout) for p in _entry_problems(entry, hidden_size)]
+    if problems:
+        raise LayoutError("invalid zoo_layout: " + "; ".join(problems))
+
+
+def _entry_problems(entry, hidden_size: int) -> list[str]:
+    import torch
+
+    from zoo.options import suggest
+    from zoo.plugins import load_plugins, registry
+
+    if entry is None:
+        return []
+    if not isinstance(entry, dict):
+        return [f": must be an object or null, got {type(entry).__name__}"]
+    problems = []
+    for field, kind in FIELDS.items():
+        value = entry.get(field)
+        if value is None:
+            problems.append(f".{field}: missing")
+        elif not isinstance(value, kind) or isinstance(value, bool):
+            problems.append(f".{field}: must be {kind.__name__}, got {value!r}")
+    load_plugins()
+    for kind in ("router", "experts"):
+        name = entry.get(kind)
+        if isinstance(name, str) and name not in registry.by_kind[kind]:
+            problems.append(f".{kind}: no {kind} component named {name!r}{suggest(name, registry.by_kind[kind])}"
+                            " (is the plugin that provides it installed?)")
+    if not problems and not 1 <= entry["num_experts_per_tok"] <= entry["num_experts"]:
+        problems.append(f".num_experts_per_tok: must be in [1, num_experts={entry['num_experts']}], "
+                        f"got {entry['num_experts_per_tok']}")
+    if problems:
+        return problems
+    with torch.device("meta"):
+        try:
+            block = build_block(entry)
+        except Exception as exc:  # name the part that refused, with its own reason
+            return [f".{_failing_part(entry)}: {exc}"]
+    if block.experts.hidden_size != hidden_size:
+        problems.append(f".experts_options.hidden_size: {block.experts.hidden_size}, but the model's hidden_size "
+                        f"is {hidden_size}")
+    if entry["num_experts"] != block.experts.num_experts:
+        problems.append(f".num_experts: {entry['num_experts']}, but experts_options build {block.experts.num_experts}")
+    return problems
+
+
+def _failing_part(entry) -> str:
+    """Which field of a layout entry a failed build comes from (built again part by part, on meta)."""
+    from zoo.plugins import registry
+
+    experts_cls = registry.get("experts", entry["experts"]).obj
+    try:
+        experts = experts_cls(**entry["experts_options"])
+    except Exception:
+        return "experts_options"
+    try:
+        registry.get("router", entry["router"]).obj(experts.hidden_size, entry["num_experts"],
+                                                    entry["num_experts_per_tok"], **entry["router_options"])
+    except Exception:
+        return "router_options"
+    return "shared_experts" if entry.get("shared_experts") else "num_experts"
+
+
 def apply_layout(model, layout) -> None:
     base = getattr(model, "model", model)
+    check_layout(layout, len(base.layers), model.config.hidden_size)
     for i, entry in enumerate(layout or []):
         if entry:
             base.layers[i].mlp = build_block(entry)

@@ -25,10 +25,52 @@ def suggest(name: str, choices) -> str:
 
 
 def check_options(cls, options: dict, skip=()) -> None:
+    """Unknown names are refused (with close matches), and so are values of the wrong type for a parameter
+    annotated ``int``, ``float``, ``bool`` or ``str`` (optionally ``| None``): 2.7 is never truncated to 2."""
     accepted = accepted_options(cls, skip)
-    for key in options:
+    label = getattr(cls, "name", "") or cls.__name__
+    types = annotated_types(cls)
+    for key, value in options.items():
         if key not in accepted:
-            label = getattr(cls, "name", "") or cls.__name__
             raise ValueError(
                 f"unknown option {key!r} for {label}{suggest(key, accepted)} (accepted: {', '.join(accepted) or 'none'})"
             )
+        expected = types.get(key)
+        if expected is not None and not _is(value, *expected):
+            kind = expected[0].__name__ + (" or None" if expected[1] else "")
+            raise ValueError(f"option {key!r} of {label} must be {kind}, got {value!r}")
+
+
+_SIMPLE = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def annotated_types(cls) -> dict[str, tuple[type, bool]]:
+    """``{parameter: (type, None allowed)}`` for ``__init__`` parameters with a simple annotation."""
+    out: dict[str, tuple[type, bool]] = {}
+    for klass in reversed(cls.__mro__):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            ann = p.annotation
+            ann = ann if isinstance(ann, str) else ann.__name__ if isinstance(ann, type) else str(ann)
+            parts = [a.strip() for a in ann.split("|")]
+            optional = "None" in parts
+            parts = [a for a in parts if a != "None"]
+            if len(parts) == 1 and parts[0] in _SIMPLE:
+                out[p.name] = (_SIMPLE[parts[0]], optional)
+            else:
+                out.pop(p.name, None)
+    return out
+
+
+def _is(value, kind: type, optional: bool) -> bool:
+    if value is None:
+        return optional
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)

@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 
 from zoo import Adapter
 from zoo_adapters.linear_targets import ATTENTION, find_linears, parse_target, swap
@@ -51,6 +52,13 @@ class MixtureOfLorasLinear(nn.Linear):
         opts = {"num_samples": num_samples} if router == "remix" else {"norm_topk_prob": True}
         self.router = router_class(router)(self.in_features, num_loras, top_k, **opts).to(**like)
         self.last_routing = None  # the last forward's Routing (detached), for usage statistics
+
+    def init_weights(self, std: float) -> None:
+        """As at construction: A uniform(+-1/sqrt(in)), B zero (a missing LoRA starts as no update)."""
+        if not getattr(self.lora_A, "_is_hf_initialized", False):
+            for a in self.lora_A:
+                nn.init.kaiming_uniform_(a, a=5 ** 0.5)
+        init.zeros_(self.lora_B)
 
     def zoo_spec(self) -> dict:
         spec = {"adapter": MixtureOfLoras.name, "num_loras": self.num_loras, "r": self.r, "alpha": self.alpha,

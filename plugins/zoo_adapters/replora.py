@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 
 from zoo import Adapter
 from zoo.layout import sync_layout
@@ -43,6 +44,14 @@ class RepLoraLinear(nn.Linear):
                                    nn.Linear(hidden, self.out_features, **like))
         nn.init.zeros_(self.mlp_B[2].weight)
         nn.init.zeros_(self.mlp_B[2].bias)
+
+    def init_weights(self, std: float) -> None:
+        """As at construction (runs after the MLPs' own initialisation, so the B generator's last layer is
+        zero again: a missing RepLoRA starts as no update)."""
+        init.kaiming_uniform_(self.input_A, a=5 ** 0.5)
+        init.normal_(self.input_B, std=1.0)
+        init.zeros_(self.mlp_B[2].weight)
+        init.zeros_(self.mlp_B[2].bias)
 
     def zoo_spec(self) -> dict:
         return {"adapter": RepLora.name, "r": self.r, "alpha": self.alpha, "hidden": self.hidden}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from zoo import Compressor
+from zoo.moe import SwiGLUExperts
 from zoo.stats import layer_stats
 
 
@@ -21,6 +22,9 @@ class ExpertCountCompressor(Compressor):
         self.results: dict = {}  # recorded in the recipe step
 
     def check_layer(self, index, block) -> None:
+        if type(block.experts) is not SwiGLUExperts:
+            raise ValueError(f"layer {index} has {block.experts.name!r} experts; {self.name} needs dense experts "
+                             f"(run it before steps that quantize, factor or specialise the experts)")
         if self.num_experts > block.num_experts:
             raise ValueError(f"num_experts={self.num_experts} but layer {index} has only {block.num_experts} experts")
 

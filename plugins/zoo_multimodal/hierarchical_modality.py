@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 
 from zoo.moe import Router, Routing
 
@@ -39,6 +40,10 @@ class HierarchicalModality(Router):
         self.group_weight = nn.Parameter(torch.empty(len(group_sizes), hidden_size))
         nn.init.normal_(self.group_weight, std=0.02)
         self.group_of = [g for g, n in enumerate(group_sizes) for _ in range(n)]  # plain list: no meta buffers
+
+    def init_weights(self, std: float) -> None:
+        super().init_weights(std)
+        init.normal_(self.group_weight, mean=0.0, std=std)
 
     def membership(self, device) -> torch.Tensor:
         """[G, E] bool: expert e belongs to group g."""

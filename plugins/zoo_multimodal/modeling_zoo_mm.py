@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers import initialization as init
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from zoo.layout import apply_layout, build_block, moe_layers, sync_layout
-from zoo.moe import Router, SparseMoE, SwiGLUExperts, model_load_balancing_loss
+from zoo.moe import SparseMoE, SwiGLUExperts, model_load_balancing_loss
+from zoo.moe.init import init_zoo_module, initialize_missing_keys
 from zoo_multimodal.configuration_zoo_mm import ZooMMConfig
 from zoo_multimodal.hierarchical_modality import HierarchicalModality
 from zoo_multimodal.language_conditioned import LanguageConditioned
@@ -89,14 +89,10 @@ class ZooMMPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        std = self.config.initializer_range
-        if isinstance(module, SwiGLUExperts):
-            init.normal_(module.gate_up_proj, mean=0.0, std=std)
-            init.normal_(module.down_proj, mean=0.0, std=std)
-        elif isinstance(module, Router):
-            init.normal_(module.weight, mean=0.0, std=std)
-            if isinstance(module, HierarchicalModality):
-                init.normal_(module.group_weight, mean=0.0, std=std)
+        init_zoo_module(module, self.config.initializer_range)
+
+    def _initialize_missing_keys(self, is_quantized: bool) -> None:
+        initialize_missing_keys(self, PreTrainedModel._initialize_missing_keys, is_quantized)
 
 
 class ZooMMModel(ZooMMPreTrainedModel):

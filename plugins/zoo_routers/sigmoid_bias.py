@@ -3,6 +3,7 @@ group-limited top-k; kept affinities renormalised and scaled by ``routed_scaling
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 
 from zoo.moe import Router, Routing
 
@@ -30,6 +31,10 @@ class SigmoidBias(Router):
         self.norm_topk_prob, self.routed_scaling_factor = bool(norm_topk_prob), float(routed_scaling_factor)
         # Updated outside backprop (aux-loss-free balancing), so a buffer, kept in fp32.
         self.e_score_correction_bias = nn.Buffer(torch.zeros(num_experts, dtype=torch.float32))
+
+    def init_weights(self, std: float) -> None:
+        super().init_weights(std)
+        init.zeros_(self.e_score_correction_bias)  # as DeepSeek-V3's own router
 
     def forward(self, hidden: torch.Tensor) -> Routing:
         bias = None if self.bias is None else self.bias.float()

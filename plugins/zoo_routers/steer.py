@@ -66,6 +66,14 @@ class Steer(Router):
         if sigmoid:
             self.e_score_correction_bias = nn.Buffer(torch.zeros(num_experts, dtype=torch.float32))
 
+    @classmethod
+    def check_layers(cls, layers: list[int], options: dict) -> None:
+        """``disable``/``force`` may name only MoE layers of the model (zoo.apply calls this first)."""
+        for label in ("disable", "force"):
+            unknown = sorted(int(k) for k in per_layer(options.get(label), label) if int(k) not in layers)
+            if unknown:
+                raise ValueError(f"{label} names layers {unknown}, but this model's MoE layers are {layers}")
+
     @staticmethod
     def _validate(num_experts, top_k, layer, disable, force):
         if layer is None and (disable or force):

@@ -18,6 +18,7 @@ from zoo.layout import (
     sync_layout,
 )
 from zoo.moe import Router, model_load_balancing_loss
+from zoo.moe.init import init_zoo_module, initialize_missing_keys
 
 _CLASSES: dict[str, tuple] = {}
 
@@ -38,11 +39,13 @@ def zoo_classes(family):
     recorders = {**inner_native._can_record_outputs, "router_logits": OutputRecorder(Router, index=2)}
     inner_cls = type(f"Zoo{inner_native.__name__}", (inner_native,), {
         "__module__": __name__, "config_class": cfg_cls, "_can_record_outputs": recorders,
+        "_zoo_family": family, "_init_weights": _init_weights,
     })
     lm_cls = type(f"Zoo{lm.__name__}", (lm,), {
         "__module__": __name__, "config_class": cfg_cls, "_can_record_outputs": recorders,
         "_zoo_family": family, "_zoo_inner_class": inner_cls,
         "__init__": _init, "forward": _forward, "save_pretrained": _save_pretrained,
+        "_init_weights": _init_weights, "_initialize_missing_keys": _initialize_missing_keys,
         **({"_keep_in_fp32_modules_strict": family.keep_in_fp32} if family.keep_in_fp32 is not None else {}),
     })
     for cls in (cfg_cls, inner_cls, lm_cls):
@@ -75,6 +78,16 @@ def _init(self, config):
     apply_layout(self, config.zoo_layout)
     apply_attention(self, getattr(config, "zoo_attention", None))  # first: module paths may run through it
     apply_modules(self, getattr(config, "zoo_modules", None))
+
+
+def _init_weights(self, module):
+    """The family's initialisation for its own modules, the zoo modules' ``init_weights`` for theirs."""
+    self._zoo_family.model_class._init_weights(self, module)
+    init_zoo_module(module, getattr(self.config, "initializer_range", None) or 0.02)
+
+
+def _initialize_missing_keys(self, is_quantized: bool) -> None:
+    initialize_missing_keys(self, self._zoo_family.model_class._initialize_missing_keys, is_quantized)
 
 
 def _forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 import torch.nn.functional as F
+from transformers import initialization as init
 
 from zoo.moe.dispatch import gather_rows, run_sorted
 from zoo.options import check_options
@@ -76,6 +77,14 @@ class SwiGLUExperts(Experts):
         self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
+
+    def init_weights(self, std: float) -> None:
+        """Initialise what a load left missing, as transformers initialises native fused experts."""
+        init.normal_(self.gate_up_proj, mean=0.0, std=std)
+        init.normal_(self.down_proj, mean=0.0, std=std)
+        for bias in (self.gate_up_proj_bias, self.down_proj_bias):
+            if bias is not None:
+                init.zeros_(bias)
 
     def options(self) -> dict:
         opts = {"num_experts": self.num_experts, "hidden_size": self.hidden_size,

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.moe.experts import ACTIVATIONS, SwiGLUExperts
+from zoo.moe.init import refuse_missing
 
 
 class FactoredExperts(SwiGLUExperts):
@@ -35,6 +36,10 @@ class FactoredExperts(SwiGLUExperts):
         self.register_buffer("u_index", torch.arange(num_experts) % num_u)  # expert -> its U
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size)) if bias else None
         self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
+
+    def init_weights(self, std: float) -> None:
+        """Low-rank factors are a compression of trained experts: a missing one has no meaningful value."""
+        refuse_missing(self)
 
     def options(self) -> dict:
         opts = super().options()

@@ -13,9 +13,11 @@ Experts in one layer may use different bit widths (mixed-precision allocation). 
 from __future__ import annotations
 
 import torch
+from transformers import initialization as init
 
 from zoo.moe.dispatch import gather_rows
 from zoo.moe.experts import SwiGLUExperts
+from zoo.moe.init import refuse_missing
 from zoo.moe.in_place import kernel_linear, lowbit_experts
 from zoo.moe.packing import pack, unpack
 
@@ -173,6 +175,16 @@ class QuantizedExperts(SwiGLUExperts):
             if getattr(experts, name) is not None:
                 getattr(new, name).copy_(getattr(experts, name))
         return new
+
+    def init_weights(self, std: float) -> None:
+        """Rebuild the index tables (never saved); packed weights and their scales cannot be initialised
+        meaningfully, so a load that lacks one fails with its name. Missing biases start at zero."""
+        self.width_of.copy_(torch.tensor(self.bits))
+        self.slot_of.copy_(torch.tensor(self.slot))
+        refuse_missing(self, [n for n, _ in self.named_buffers(recurse=False)])
+        for bias in (self.gate_up_proj_bias, self.down_proj_bias):
+            if bias is not None:
+                init.zeros_(bias)
 
     def options(self) -> dict:
         opts = super().options()

@@ -6,6 +6,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 import torch.nn.functional as F
+from transformers import initialization as init
 
 from zoo.options import check_options
 
@@ -37,13 +38,19 @@ class Router(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, bias: bool = False, **options):
         super().__init__()
         check_options(type(self), {"bias": bias, **options}, skip=("hidden_size", "num_experts", "top_k"))
-        if not 1 <= int(top_k) <= int(num_experts):
-            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= int(num_experts):
+            raise ValueError(f"top_k must be an integer in [1, {num_experts}], got {top_k!r}")
         self.hidden_size, self.num_experts, self.top_k = int(hidden_size), int(num_experts), int(top_k)
         self.options = {"bias": bool(bias), **options}
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
+
+    def init_weights(self, std: float) -> None:
+        """Initialise what a load left missing (as transformers initialises a native router's gate)."""
+        init.normal_(self.weight, mean=0.0, std=std)
+        if self.bias is not None:
+            init.zeros_(self.bias)
 
     def gate_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, E] raw router logits."""

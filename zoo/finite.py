@@ -1,0 +1,29 @@
+"""Weights must be finite: a NaN or inf in a checkpoint (or produced by a step) is reported with its name
+instead of turning every output into NaN later."""
+from __future__ import annotations
+
+import torch
+
+
+class NonFiniteWeightsError(ValueError):
+    pass
+
+
+def non_finite(tensors) -> list[str]:
+    """Names of the floating-point tensors in ``(name, tensor)`` pairs holding a NaN or an inf (one float64
+    sum per tensor: no temporary as large as the tensor; fp64 cannot overflow on finite bf16/fp32 values)."""
+    bad = []
+    for name, t in tensors:
+        if t is None or not t.is_floating_point() or t.device.type == "meta" or t.numel() == 0:
+            continue
+        if not torch.isfinite(t.detach().sum(dtype=torch.float64)):
+            bad.append(name)
+    return bad
+
+
+def check_finite(model, where: str = "the loaded weights") -> None:
+    """``NonFiniteWeightsError`` naming the tensors of ``model`` that hold NaN or inf."""
+    bad = non_finite(model.state_dict(keep_vars=True).items())
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise NonFiniteWeightsError(f"NaN or inf in {where}: {', '.join(bad[:5])}{more}")
