@@ -206,3 +206,17 @@ def test_layout_problems_are_reported_together(tmp_path):
         lay[2].update(num_experts_per_tok=0)
     message = layout_error(tmp_path, two)
     assert "zoo_layout[0].router" in message and "zoo_layout[2].num_experts_per_tok" in message
+
+
+def test_streamed_layer_with_nan_is_refused_and_nothing_written(tmp_path):
+    from zoo.checkpoint import CheckpointError
+    import zoo.stream
+
+    tiny_native("mixtral").save_pretrained(tmp_path / "native")
+    tensors = load_file(tmp_path / "native" / "model.safetensors")
+    key = next(k for k in tensors if k.startswith("model.layers.1.") and "experts" in k)  # native key names
+    tensors[key].view(-1)[0] = float("nan")
+    save_file(tensors, tmp_path / "native" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"NaN or inf in model\.layers\.1\.mlp"):
+        zoo.stream.convert(tmp_path / "native", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

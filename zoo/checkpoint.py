@@ -17,6 +17,8 @@ from functools import lru_cache
 import torch
 from safetensors import safe_open
 
+from zoo import finite
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
@@ -221,6 +223,10 @@ class Checkpoint:
         if missing:
             self.layers[i] = old
             raise CheckpointError(f"{self.path} lacks tensors of layer {i}: {sorted(missing)[:5]}")
+        bad = finite.non_finite((f"{prefix}{k}", t) for k, t in layer.state_dict().items()) if finite.enabled() else []
+        if bad:
+            self.layers[i] = old
+            raise CheckpointError(f"{self.path}: NaN or inf in {', '.join(bad[:5])}")
         if isinstance(layer.mlp, self.family.block_class):
             layer.mlp = self.family.from_native(layer.mlp, self.config)
         return layer

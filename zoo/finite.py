@@ -2,7 +2,15 @@
 instead of turning every output into NaN later."""
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def enabled() -> bool:
+    """False when ``MOE_ZOO_CHECK_FINITE=0``: loads skip the scan (it reads every weight once). Read at each
+    load, so it can be set at any time."""
+    return os.environ.get("MOE_ZOO_CHECK_FINITE", "1") != "0"
 
 
 class NonFiniteWeightsError(ValueError):

@@ -9,7 +9,6 @@ A module of a plugin that has no ``init_weights`` is refused the same way when o
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -54,12 +53,12 @@ def refuse_missing(module: nn.Module, names=None) -> None:
 def initialize_missing_keys(model, native, is_quantized: bool) -> None:
     """A zoo model's ``_initialize_missing_keys``: transformers' own (``native``), with zoo modules free to
     refuse; then every floating-point weight is checked to be finite (``MOE_ZOO_CHECK_FINITE=0`` skips it)."""
-    from zoo.finite import check_finite
+    from zoo import finite
 
     with loading():
         native(model, is_quantized)
-    if os.environ.get("MOE_ZOO_CHECK_FINITE", "1") != "0":
-        check_finite(model)
+    if finite.enabled():
+        finite.check_finite(model)
 
 
 def init_zoo_module(module: nn.Module, std: float) -> None:
