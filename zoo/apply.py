@@ -8,7 +8,7 @@ import json
 from zoo.components import Registered
 from zoo.layout import moe_layers, sync_layout
 from zoo.moe import SparseMoE
-from zoo.options import accepted_options, check_options
+from zoo.options import accepted_options, check_options, required_options
 from zoo.plugins import load_plugins, registry
 
 APPLICABLE = ("router", "compressor", "adapter")
@@ -60,6 +60,12 @@ def apply(model, name: str, calibration=None, check_finite: bool = True, **optio
     cls = reg.obj
     skip = ("hidden_size", "num_experts") if reg.kind == "router" else ()
     check_options(cls, options, skip=skip)
+    absent = [o for o in required_options(cls, skip=(*skip, "top_k")) if o not in options]
+    if absent:
+        raise ValueError(f"{name} needs option{'s' * (len(absent) > 1)} {', '.join(absent)}")
+    top_k = options.get("top_k", 1)
+    if reg.kind == "router" and (isinstance(top_k, bool) or not isinstance(top_k, int)):
+        raise ValueError(f"top_k must be an integer, got {top_k!r}")
     if not (reg.kind == "adapter" and getattr(cls, "accepts_dense", False)):
         family_of(model)  # an unsupported model is refused before anything changes
     calib.check(calibration, getattr(model.config, "vocab_size", None))
@@ -70,8 +76,11 @@ def apply(model, name: str, calibration=None, check_finite: bool = True, **optio
         model, component = _run(model, reg, cls, options, calibration)
         if check_finite:
             finite(model, where=f"the weights {name} produced")
-    except BaseException:
+    except BaseException as exc:
         snapshot.restore()
+        if isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc):
+            raise MemoryError(f"{name}: not enough memory for these options ({options}); the model is unchanged") \
+                from None
         raise
     record_step(model, name, reg.kind, options, calibration, component)
     sync_layout(model)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import inspect
 
 
@@ -38,7 +39,16 @@ def check_options(cls, options: dict, skip=()) -> None:
         expected = types.get(key)
         if expected is not None and not _is(value, *expected):
             kind = expected[0].__name__ + (" or None" if expected[1] else "")
+            kind += " (finite)" if expected[0] is float else ""
             raise ValueError(f"option {key!r} of {label} must be {kind}, got {value!r}")
+
+
+def required_options(cls, skip=()) -> list[str]:
+    """``__init__`` parameters without a default (e.g. a pruner's ``num_experts``)."""
+    init = cls.__init__
+    return [p.name for p in inspect.signature(init).parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+            and p.name != "self" and p.name not in skip]
 
 
 _SIMPLE = {"int": int, "float": float, "bool": bool, "str": str}
@@ -72,5 +82,5 @@ def _is(value, kind: type, optional: bool) -> bool:
     if isinstance(value, bool):
         return False
     if kind is float:
-        return isinstance(value, (int, float))
+        return isinstance(value, (int, float)) and math.isfinite(value)
     return isinstance(value, kind)
