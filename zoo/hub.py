@@ -2,6 +2,7 @@
 Gradio Space that demonstrates its components in a Space repo that points back at it."""
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -37,13 +38,13 @@ def push_to_hub(model, repo_id: str, space: bool = True, tokenizer=None, token: 
     is a folder. The Space is the folder ``spaces/<space>/`` (or ``space_dir``) of the first recipe component
     that names one; its README front matter lists ``repo_id`` under ``models``, and its ``MOE_ZOO_MODEL``
     variable is set to ``hf-hub:<repo_id>`` when the Space is created. ``endpoint`` defaults to
-    ``HF_ENDPOINT``. The token is sent only as the Authorization header: it is not in the result, nor in
-    any error raised here.
+    ``HF_ENDPOINT``. The token is sent only as the Authorization header: it is not in the result, and an
+    error that would show it (or any token of this process, see ``masked_errors``) is raised masked.
     """
     from huggingface_hub import HfApi
 
     from zoo.cards import card
-    from zoo.resources import resource_path
+    from zoo.spaces import space_dir as shipped_space
 
     saved = None
     if isinstance(model, (str, os.PathLike)):  # a saved folder: its weights go up as they are, never loaded
@@ -59,7 +60,7 @@ def push_to_hub(model, repo_id: str, space: bool = True, tokenizer=None, token: 
     result = {"repo_id": repo_id, "url": None, "commit_oid": None, "commit_url": None,
               "space_id": None, "space_url": None, "space_commit_oid": None}
     # a saved folder is staged beside itself (hard links on the same file system: no copy of the weights)
-    with _token_hidden(token), tempfile.TemporaryDirectory(prefix=".moe-zoo-push-", dir=saved and saved.parent) as tmp:
+    with masked_errors(token), tempfile.TemporaryDirectory(prefix=".moe-zoo-push-", dir=saved and saved.parent) as tmp:
         folder = Path(tmp) / "model"
         if saved is not None:
             _link_files(saved, folder)
@@ -79,7 +80,7 @@ def push_to_hub(model, repo_id: str, space: bool = True, tokenizer=None, token: 
             return result
 
         name, owner = space_for(model)
-        source = Path(space_dir) if space_dir is not None else resource_path(f"spaces/{name}", owner=owner)
+        source = Path(space_dir) if space_dir is not None else shipped_space(name, owner)
         space_id = f"{repo_id}-{name}"
         staged = Path(tmp) / "space"
         _stage_space(source, staged, repo_id, name)
@@ -118,12 +119,57 @@ def _stage_space(source: Path, dest: Path, repo_id: str, name: str) -> None:
     space_card.save(readme)
 
 
+MASK = "hf_***"
+MIN_LEAK = 8  # this many characters of a token in a row count as a leak: messages may cut a token short
+
+
+class HubError(OSError, RuntimeError):
+    """A Hub error re-raised with every token masked; its cause is dropped (it may hold the request headers)."""
+
+
+def known_tokens(token: str | None = None) -> list[str]:
+    """Every token this process could send: ``token``, ``HF_TOKEN`` (and the older ``HUGGING_FACE_HUB_TOKEN``),
+    the stored login (``huggingface_hub.get_token()``, the token file) and the named stored tokens."""
+    from huggingface_hub import constants, get_token
+    from huggingface_hub.utils import get_stored_tokens
+
+    tokens = [token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")]
+    for source in (get_token, lambda: Path(constants.HF_TOKEN_PATH).read_text(),
+                   lambda: list(get_stored_tokens().values())):
+        try:  # an unreadable or broken source must not hide the error being masked
+            found = source()
+        except Exception:
+            continue
+        tokens += found if isinstance(found, list) else [found]
+    return [t for t in dict.fromkeys(t.strip() for t in tokens if t) if t]
+
+
+def mask_tokens(text: str, tokens: list[str]) -> str:
+    """``text`` with every run of characters that belongs to a token (the whole token, or any
+    ``MIN_LEAK``-or-more-character piece of it: a prefix cut short, a suffix) replaced by ``MASK``."""
+    hit = [False] * len(text)
+    for t in tokens:
+        width = min(len(t), MIN_LEAK)
+        for i in range(len(t) - width + 1):
+            start = text.find(t[i:i + width])
+            while start != -1:
+                hit[start:start + width] = [True] * width
+                start = text.find(t[i:i + width], start + 1)
+    return "".join(MASK if masked else "".join(c for c, _ in run)
+                   for masked, run in itertools.groupby(zip(text, hit), key=lambda pair: pair[1]))
+
+
 @contextmanager
-def _token_hidden(token: str | None):
-    """Re-raise any error whose text contains the token with the token masked (and its cause dropped)."""
+def masked_errors(token: str | None = None):
+    """Re-raise an error whose traceback would show a token (``known_tokens(token)``) as a ``HubError``
+    with the token masked; other errors pass through unchanged."""
     try:
         yield
     except Exception as exc:
-        if token and token in str(exc):
-            raise RuntimeError(str(exc).replace(token, "hf_***")) from None
-        raise
+        import traceback
+
+        tokens, shown = known_tokens(token), "".join(traceback.format_exception(exc))
+        if mask_tokens(shown, tokens) == shown:
+            raise
+        notes = "".join(f"\n{note}" for note in getattr(exc, "__notes__", []))
+        raise HubError(mask_tokens(str(exc) + notes, tokens)) from None

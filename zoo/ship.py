@@ -19,9 +19,11 @@ def ship(src: str, dest: str, name: str, windows: int = 24) -> dict:
     import zoo
     from zoo.atomic import atomic_directory
     from zoo.eval import evaluate, plot_usage
+    from zoo.hub import masked_errors
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
-    tokenizer = AutoTokenizer.from_pretrained(src)
+    with masked_errors():  # src may be a hub id: its errors must not show a token
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+        tokenizer = AutoTokenizer.from_pretrained(src)
     with atomic_directory(dest) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -3,10 +3,15 @@
 Each Space folder holds ``app.py`` (a ``build_demo()`` returning a ``gr.Blocks``), ``requirements.txt`` and
 a ``README.md`` with Hugging Face Spaces front matter. A component names the Space that demonstrates it
 in its ``space`` attribute; a third-party plugin may ship its own ``spaces/<name>/`` beside its module.
+
+The Spaces are meant to be public, so every input is bounded before any work starts (limits below,
+documented in ``spaces/README.md``): text is cut or refused by length, numbers by range, uploads by size.
 """
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import math
 import os
 import sys
 from pathlib import Path
@@ -14,6 +19,13 @@ from types import ModuleType
 
 from zoo.options import suggest
 from zoo.resources import resource_path
+
+MAX_FILE_SIZE = "5mb"  # any upload (a drawn or photographed digit, a spoken digit)
+MAX_PROMPT_CHARS = 2000  # free text: cut to this many characters before tokenising
+MAX_OPTIONS_CHARS = 200  # an adapter's "k=v,..." options
+MAX_OPTION_VALUE = 256  # any number in those options (r, alpha, num_experts, top_k, ...), in absolute value
+MAX_AUDIO_SECONDS = 10
+MAX_IMAGE_PIXELS = 4096 * 4096
 
 
 class UnknownSpace(KeyError, ValueError):
@@ -23,19 +35,28 @@ class UnknownSpace(KeyError, ValueError):
 
 def list_spaces() -> list[str]:
     """Names of the Spaces shipped with the zoo (folders with an ``app.py``)."""
-    root = resource_path("spaces")
-    return sorted(p.name for p in root.iterdir() if (p / "app.py").is_file())
+    return _spaces_in(resource_path("spaces"))
+
+
+def _spaces_in(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if (p / "app.py").is_file()) if root.is_dir() else []
 
 
 def space_dir(name: str, owner: object | None = None) -> Path:
-    """The folder of Space ``name`` (beside ``owner``'s module first, then the checkout or the package)."""
-    try:
-        path = resource_path(f"spaces/{name}", owner=owner)
-    except FileNotFoundError:
-        path = None
-    if not name or path is None or not (path / "app.py").is_file():
-        known = list_spaces()
-        raise UnknownSpace(f"no Space named {name!r}{suggest(name, known)} (Spaces: {', '.join(known)})")
+    """The folder of Space ``name`` (beside ``owner``'s module first, then the checkout or the package).
+
+    ``name`` must be one of the folder names found there (``list_spaces()``, plus the owner's own): a
+    path (``../x``, ``/x``, ``a/b``) is refused, never resolved."""
+    known = list_spaces()
+    if owner is not None:
+        cls = owner if isinstance(owner, type) else type(owner)
+        try:
+            known = sorted(set(known) | set(_spaces_in(Path(inspect.getfile(cls)).resolve().parent / "spaces")))
+        except (TypeError, OSError):
+            pass
+    path = resource_path(f"spaces/{name}", owner=owner) if isinstance(name, str) and name in known else None
+    if path is None or not (path / "app.py").is_file():
+        raise UnknownSpace(f"no Space named {name!r}{suggest(str(name), known)} (Spaces: {', '.join(known)})")
     return path
 
 
@@ -55,10 +76,70 @@ def load_app(name: str, owner: object | None = None) -> ModuleType:
 
 
 def launch(name: str, port: int | None = None, **launch_kwargs):
-    """Build Space ``name`` and serve it on 127.0.0.1 (never shared, no analytics); blocks until stopped
-    unless ``prevent_thread_lock=True`` is passed, in which case the running ``gr.Blocks`` is returned."""
+    """Build Space ``name`` and serve it on 127.0.0.1 (never shared, no analytics, uploads up to
+    ``MAX_FILE_SIZE``); blocks until stopped unless ``prevent_thread_lock=True`` is passed, in which case
+    the running ``gr.Blocks`` is returned."""
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
     demo = load_app(name).build_demo()
     demo.analytics_enabled = False
+    launch_kwargs.setdefault("max_file_size", MAX_FILE_SIZE)
     demo.launch(server_name="127.0.0.1", server_port=port, share=False, **launch_kwargs)
     return demo
+
+
+# ---- input limits, for the Spaces' handlers --------------------------------------------------------------
+
+def _error(message: str) -> Exception:
+    import gradio as gr
+
+    return gr.Error(message)
+
+
+def cut_text(text: str | None, limit: int = MAX_PROMPT_CHARS) -> str:
+    """The first ``limit`` characters of ``text`` (for inputs of which only a prefix is used anyway)."""
+    return (text or "")[:limit]
+
+
+def check_text(text: str | None, label: str, limit: int) -> str:
+    """``text``, or a ``gr.Error`` if it is longer than ``limit`` characters."""
+    text = text or ""
+    if len(text) > limit:
+        raise _error(f"{label} is too long: {len(text):,} characters, at most {limit:,}.")
+    return text
+
+
+def check_number(value, label: str, low: float, high: float) -> float:
+    """``value`` as a float, or a ``gr.Error`` unless it is a finite number in [low, high]."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if not (math.isfinite(number) and low <= number <= high):
+        shown = repr(value) if len(repr(value)) <= 24 else repr(value)[:20] + "..."
+        raise _error(f"{label} must be a number from {low:g} to {high:g}; got {shown}.")
+    return number
+
+
+def check_options(options: dict, label: str = "options", limit: float = MAX_OPTION_VALUE) -> dict:
+    """``options``, or a ``gr.Error`` if any number in them (lists included) is beyond ``limit`` in absolute value."""
+    def numbers(value):
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                yield from numbers(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                yield from numbers(item)
+        elif isinstance(value, (int, float)):
+            yield value
+
+    for key, value in options.items():
+        for number in numbers(value):
+            check_number(number, f"{label}: {key}", -limit, limit)
+    return options
+
+
+def check_audio(rate: int, samples, label: str = "audio", limit: float = MAX_AUDIO_SECONDS) -> None:
+    """A ``gr.Error`` if the clip is longer than ``limit`` seconds."""
+    seconds = len(samples) / rate if rate and rate > 0 else math.inf
+    if seconds > limit:
+        raise _error(f"{label} is too long: {seconds:.1f} s, at most {limit:g} s.")

@@ -23,11 +23,13 @@ from zoo.data.corpus import DOMAINS
 from zoo.finetune import finetune
 from zoo.options import accepted_options
 from zoo.registry import get_model
+from zoo.spaces import MAX_FILE_SIZE, MAX_OPTION_VALUE, MAX_OPTIONS_CHARS, check_number, check_options, check_text
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
 DENSE = "zoo-tiny-dense"  # for adapters that build an MoE from a dense model (upcycle, moefy)
 WINDOWS = int(os.environ.get("MOE_ZOO_LAB_WINDOWS", "4"))
 BATCH, SEQ_LEN, MAX_STEPS = 4, 128, 60
+MAX_LR = 1.0
 DEFAULT_OPTIONS = {"lora-experts": "r=8,alpha=16"}
 
 
@@ -50,19 +52,23 @@ def adapter_info(adapter: str):
 
 
 def run(model: str, adapter: str, options: str, domain: str, steps: int, lr: float):
+    options = check_text(options, "options", MAX_OPTIONS_CHARS)
+    steps = int(check_number(steps, "steps", 1, MAX_STEPS))
+    lr = check_number(lr, "learning rate", 0, MAX_LR)
     try:
-        name, opts = parse_step(f"{adapter}:{options or ''}")
+        name, opts = parse_step(f"{adapter}:{options}")
     except click.BadParameter as exc:
         raise gr.Error(str(exc)) from None
+    check_options(opts, adapter)
     try:
-        result = finetune(copy.deepcopy(base(model)), name, opts, domain=domain, steps=int(steps), lr=float(lr),
+        result = finetune(copy.deepcopy(base(model)), name, opts, domain=domain, steps=steps, lr=lr,
                           batch_size=BATCH, seq_len=SEQ_LEN, windows=WINDOWS, progress=False)
     except (ValueError, TypeError, KeyError) as exc:
         raise gr.Error(f"{adapter} {opts}: {exc}") from None
     rows = [[d, round(result.before["perplexity"][d], 2), round(result.after["perplexity"][d], 2),
              f"{100 * (result.after['perplexity'][d] / result.before['perplexity'][d] - 1):+.1f}%"] for d in DOMAINS]
     table = {"headers": ["domain", "ppl before", "ppl after", "change"], "data": rows}
-    return table, plot(result, domain, f"{adapter} on {domain}, {int(steps)} steps")
+    return table, plot(result, domain, f"{adapter} on {domain}, {steps} steps")
 
 
 def shares(result: dict, domain: str):
@@ -102,16 +108,19 @@ def build_demo() -> gr.Blocks:
     with gr.Blocks(title="MoE adapter lab", analytics_enabled=False) as demo:
         gr.Markdown(f"# MoE adapter lab\nFine-tune `{MODEL}` live with any adapter on one domain and compare "
                     f"held-out perplexity before and after (batches of {BATCH} x {SEQ_LEN} tokens, "
-                    f"{WINDOWS} held-out windows per domain).")
+                    f"{WINDOWS} held-out windows per domain). Limits: options up to {MAX_OPTIONS_CHARS} "
+                    f"characters with numbers up to {MAX_OPTION_VALUE}, {MAX_STEPS} steps, learning rate "
+                    f"up to {MAX_LR:g}.")
         with gr.Row():
             adapter = gr.Dropdown(adapters, value=first, label="adapter")
-            options = gr.Textbox(DEFAULT_OPTIONS.get(first, ""), label="options (k=v,...)")
+            options = gr.Textbox(DEFAULT_OPTIONS.get(first, ""), label="options (k=v,...)",
+                                 max_length=MAX_OPTIONS_CHARS)
             model = gr.Dropdown(models(), value=MODEL, label="model")
         hint = gr.Markdown()
         with gr.Row():
             domain = gr.Radio(list(DOMAINS), value="code", label="train on")
             steps = gr.Slider(1, MAX_STEPS, value=10, step=1, label="steps")
-            lr = gr.Number(2e-3, label="learning rate")
+            lr = gr.Number(2e-3, label="learning rate", minimum=0, maximum=MAX_LR)
             go = gr.Button("Fine-tune", variant="primary", elem_id="finetune")
         table = gr.Dataframe(label="held-out perplexity", elem_id="perplexity")
         usage = gr.Plot(label="expert usage and loss", format="png", elem_id="usage")
@@ -121,4 +130,4 @@ def build_demo() -> gr.Blocks:
 
 
 if __name__ == "__main__":
-    build_demo().launch()
+    build_demo().launch(max_file_size=MAX_FILE_SIZE)

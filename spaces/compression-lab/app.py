@@ -20,6 +20,7 @@ from zoo import calibration  # noqa: E402
 from zoo.eval import evaluate  # noqa: E402
 from zoo.layout import moe_layers  # noqa: E402
 from zoo.stats import collect  # noqa: E402
+from zoo.spaces import MAX_FILE_SIZE  # noqa: E402
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
 WINDOWS = int(os.environ.get("MOE_ZOO_LAB_WINDOWS", "4"))
@@ -124,4 +125,4 @@ def build_demo() -> gr.Blocks:
 
 
 if __name__ == "__main__":
-    build_demo().launch()
+    build_demo().launch(max_file_size=MAX_FILE_SIZE)  # no file inputs; the limit still caps /upload

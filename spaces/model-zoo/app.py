@@ -11,6 +11,7 @@ import gradio as gr
 import zoo
 from zoo.cards import render_component_card
 from zoo.plugins import registry
+from zoo.spaces import MAX_FILE_SIZE
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
 
@@ -71,4 +72,4 @@ def build_demo() -> gr.Blocks:
 
 
 if __name__ == "__main__":
-    build_demo().launch()
+    build_demo().launch(max_file_size=MAX_FILE_SIZE)  # no file inputs; the limit still caps /upload

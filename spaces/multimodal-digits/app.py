@@ -11,11 +11,13 @@ import numpy as np
 import torch
 
 import zoo  # noqa: F401  (loads the plugins: zoo_mm, its processor and components)
+from zoo.spaces import MAX_AUDIO_SECONDS, MAX_FILE_SIZE, MAX_IMAGE_PIXELS, check_audio, check_number, check_text
 
 MODEL = os.environ.get("MOE_ZOO_MM_MODEL", "zoo-tiny-mm")
 COMPONENTS = ["zoo_mm", "modality-groups", "hierarchical-modality", "language-conditioned", "prune-group"]
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 MODALITIES = ("text", "vision", "audio")
+MAX_PROMPT_CHARS = 200  # the model was trained on short questions ("which digit ?")
 
 
 @functools.cache
@@ -40,6 +42,9 @@ def crop_digit(image):
         image = image.get("composite")
     if image is None:
         return None
+    if np.shape(image)[0] * np.shape(image)[1] > MAX_IMAGE_PIXELS:
+        raise gr.Error(f"the image is too large: {np.shape(image)[1]} x {np.shape(image)[0]} pixels, "
+                       f"at most {MAX_IMAGE_PIXELS:,} pixels.")
     x = np.asarray(image, dtype=np.float32)
     if x.ndim == 3:
         alpha = x[..., 3:4] / 255.0 if x.shape[-1] == 4 else 1.0
@@ -60,11 +65,13 @@ def crop_digit(image):
 
 @torch.no_grad()
 def answer(image, audio, prompt, snr):
-    model, processor = base()
+    prompt = check_text(prompt, "prompt", MAX_PROMPT_CHARS)
+    snr = None if snr is None else check_number(snr, "SNR", -10, 40)
     image = crop_digit(image)
     samples, rate = None, 22050
     if audio is not None:
         rate, samples = audio
+        check_audio(rate, samples, "the spoken digit")
         samples = np.asarray(samples, dtype=np.float32)
         if samples.ndim == 2:
             samples = samples.mean(-1)
@@ -74,6 +81,7 @@ def answer(image, audio, prompt, snr):
             samples = add_noise(samples, float(snr))
     if image is None and samples is None:
         raise gr.Error("Draw or upload a digit, or record or upload a spoken digit.")
+    model, processor = base()
     inputs = processor(text=[prompt or "which digit ?"], images=[image], audio=[samples], sampling_rate=rate)
     seen, hooks = [], []
     for layer in model.model.layers:
@@ -117,12 +125,14 @@ def build_demo() -> gr.Blocks:
     with gr.Blocks(title="MoE multimodal digits") as demo:
         gr.Markdown("# Multimodal digits\nDraw or upload a digit and/or record or upload a spoken digit word; "
                     "`zoo-tiny-mm` answers, and the plot shows which modality expert groups its "
-                    "hierarchical-modality router used for each kind of token.")
+                    "hierarchical-modality router used for each kind of token. Limits: speech up to "
+                    f"{MAX_AUDIO_SECONDS} s, uploads up to {MAX_FILE_SIZE.upper()}, prompt up to "
+                    f"{MAX_PROMPT_CHARS} characters.")
         with gr.Row():
             image = gr.Sketchpad(label="digit (draw, or upload in the editor)", type="numpy", elem_id="digit")
             with gr.Column():
                 audio = gr.Audio(sources=["upload", "microphone"], type="numpy", label="spoken digit", elem_id="speech")
-                prompt = gr.Textbox("which digit ?", label="prompt")
+                prompt = gr.Textbox("which digit ?", label="prompt", max_length=MAX_PROMPT_CHARS)
                 snr = gr.Slider(-10, 40, value=40, step=5, label="add white noise to the speech: SNR in dB (40 = none)")
                 go = gr.Button("Answer", variant="primary", elem_id="answer")
         with gr.Row():
@@ -138,4 +148,4 @@ def build_demo() -> gr.Blocks:
 
 
 if __name__ == "__main__":
-    build_demo().launch()
+    build_demo().launch(max_file_size=MAX_FILE_SIZE)

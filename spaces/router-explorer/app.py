@@ -16,11 +16,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import zoo  # noqa: E402
-from zoo.apply import find  # noqa: E402
+from zoo.apply import NoChange, find  # noqa: E402
 from zoo.layout import moe_layers  # noqa: E402
+from zoo.spaces import MAX_FILE_SIZE, MAX_PROMPT_CHARS, check_number, cut_text  # noqa: E402
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
 MAX_TOKENS = 48
+MAX_TOP_K = 64  # the router refuses k beyond the model's expert (or head) count anyway
 EXAMPLE = "To be, or not to be, that is the question.\ndef question(x):\n    return not x"
 
 
@@ -40,12 +42,17 @@ def model_defaults():
 @torch.no_grad()
 def route(text: str, router: str, k: int):
     """Apply ``router`` with top-``k``; return token labels, per-layer [T, E] routing weights, perplexity."""
+    text = cut_text(text, MAX_PROMPT_CHARS)  # only the first MAX_TOKENS tokens are used: never tokenise more
+    k = int(check_number(k, "top-k", 1, MAX_TOP_K))
     model, tok = base()
     # attention routers (mixture-of-heads) pick heads, not experts: the slider gives heads per token there
     target = getattr(find(router).obj, "target", "experts")
     options = {"heads_per_token": int(k)} if target == "attention" else {"top_k": int(k)}
+    fresh = copy.deepcopy(model)
     try:
-        model = zoo.apply(copy.deepcopy(model), router, **options)
+        model = zoo.apply(fresh, router, **options)
+    except NoChange:  # the model's own router and k: analyse it as it is (apply left the copy untouched)
+        model = fresh
     except (ValueError, TypeError) as exc:
         raise gr.Error(f"{router} with top-k {int(k)}: {exc}") from None
     ids = torch.tensor([[tok.bos_token_id] + tok(text, add_special_tokens=False).input_ids[:MAX_TOKENS]])
@@ -99,9 +106,9 @@ def build_demo() -> gr.Blocks:
     with gr.Blocks(title="MoE router explorer", analytics_enabled=False) as demo:
         gr.Markdown(f"# MoE router explorer\nWhich experts does each token go to? Model: `{MODEL}`. "
                     f"Change the router or top-k and watch the assignment and the perplexity change "
-                    f"(first {MAX_TOKENS} tokens).")
+                    f"(first {MAX_TOKENS} tokens of at most {MAX_PROMPT_CHARS:,} characters).")
         with gr.Row():
-            text = gr.Textbox(EXAMPLE, label="text", lines=4, scale=3, elem_id="text")
+            text = gr.Textbox(EXAMPLE, label="text", lines=4, scale=3, elem_id="text", max_length=MAX_PROMPT_CHARS)
             with gr.Column(scale=1):
                 router = gr.Dropdown(routers, value="topk-softmax" if "topk-softmax" in routers else routers[0],
                                      label="router")
@@ -119,4 +126,4 @@ def build_demo() -> gr.Blocks:
 
 
 if __name__ == "__main__":
-    build_demo().launch()
+    build_demo().launch(max_file_size=MAX_FILE_SIZE)

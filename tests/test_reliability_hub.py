@@ -1,0 +1,117 @@
+"""Hub errors never show a token: push_to_hub against a local server that echoes the Authorization header
+back in its error (as a misbehaving proxy or server might), with the token from ``token=``, ``HF_TOKEN``
+or the stored login; and a server that echoes only the token's first characters."""
+import http.server
+import json
+import threading
+import traceback
+
+import pytest
+
+import zoo
+import zoo.hub
+import zoo.ship
+from tiny import tiny_native
+
+TOKEN = "hf_Xq7Zk29vLmN3pQwErTy5uIoP8aSdFgHjKl"  # random-looking, as real tokens are
+
+
+class EchoHandler(http.server.BaseHTTPRequestHandler):
+    """Answers every request 401, its error message quoting the Authorization header (whole, or cut)."""
+
+    def _answer(self):
+        auth = self.headers.get("authorization", "")
+        self.server.seen.append(auth)
+        shown = self.server.echo(auth.removeprefix("Bearer "))
+        body = json.dumps({"error": f"Invalid credentials: {shown}"}).encode()
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("X-Error-Message", f"token {shown} rejected")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_HEAD = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def echo_hub(monkeypatch, tmp_path):
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # conftest sets it; this server is local
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))  # no login of this machine
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "stored_tokens"))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(name, raising=False)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), EchoHandler)
+    server.seen, server.echo = [], lambda token: token
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return zoo.convert(tiny_native("mixtral"))
+
+
+def push_error(hub, model, token=None) -> zoo.hub.HubError:
+    with pytest.raises(zoo.hub.HubError) as excinfo:
+        zoo.hub.push_to_hub(model, "org/name", space=False, token=token, endpoint=hub.url)
+    assert hub.seen and hub.seen[0] == f"Bearer {TOKEN}"  # the token went out, and the server echoed it
+    return excinfo.value
+
+
+def assert_masked(error: Exception) -> None:
+    shown = "".join(traceback.format_exception(error))  # what an uncaught error prints
+    assert TOKEN[:8] not in shown and TOKEN[-8:] not in shown, shown
+    assert "401" in str(error) and zoo.hub.MASK in str(error)  # still says what went wrong
+    assert error.__cause__ is None and error.__suppress_context__  # the response (headers) is not chained
+    assert isinstance(error, OSError) and isinstance(error, RuntimeError)
+
+
+def test_token_argument_is_masked(echo_hub, model):
+    assert_masked(push_error(echo_hub, model, token=TOKEN))
+
+
+def test_hf_token_env_is_masked(echo_hub, model, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert_masked(push_error(echo_hub, model))
+
+
+def test_stored_login_is_masked(echo_hub, model, tmp_path):
+    (tmp_path / "token").write_text(TOKEN)  # what `hf auth login` writes
+    assert_masked(push_error(echo_hub, model))
+
+
+def test_token_prefix_is_masked(echo_hub, model):
+    echo_hub.echo = lambda token: token[:10] + "..."  # a server that shows only the start of the token
+    error = push_error(echo_hub, model, token=TOKEN)
+    assert_masked(error)
+    assert f"Invalid credentials: {zoo.hub.MASK}..." in str(error)
+
+
+def test_ship_masks_hub_errors(monkeypatch, tmp_path):
+    """zoo.ship loads SRC with transformers, which may be a hub id: a token in its error is masked too."""
+    import transformers
+
+    def from_pretrained(src, **kwargs):
+        raise OSError(f"{src} is gated; token {TOKEN[:12]} has no access")
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(zoo.hub.HubError, match="org/gated is gated; token hf_\\*\\*\\* has no access") as excinfo:
+        zoo.ship.ship("org/gated", str(tmp_path / "out"), "gated")
+    assert TOKEN[:8] not in "".join(traceback.format_exception(excinfo.value))
+
+
+def test_errors_without_a_token_pass_unchanged(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        with zoo.hub.masked_errors():
+            raise FileNotFoundError("no such folder")
