@@ -66,6 +66,7 @@ def apply(model, name: str, calibration=None, check_finite: bool = True, **optio
     top_k = options.get("top_k", 1)
     if reg.kind == "router" and (isinstance(top_k, bool) or not isinstance(top_k, int)):
         raise ValueError(f"top_k must be an integer, got {top_k!r}")
+    component = cls(**options) if reg.kind in ("compressor", "adapter") else None  # checks its option values
     if not (reg.kind == "adapter" and getattr(cls, "accepts_dense", False)):
         family_of(model)  # an unsupported model is refused before anything changes
     calib.check(calibration, getattr(model.config, "vocab_size", None))
@@ -73,7 +74,7 @@ def apply(model, name: str, calibration=None, check_finite: bool = True, **optio
         finite(model, where=f"the model given to {name}")
     snapshot = Snapshot(model)
     try:
-        model, component = _run(model, reg, cls, options, calibration)
+        model = _run(model, reg.kind, cls, component, options, calibration)
         if check_finite:
             finite(model, where=f"the weights {name} produced")
     except BaseException as exc:
@@ -91,29 +92,26 @@ def apply(model, name: str, calibration=None, check_finite: bool = True, **optio
     return model
 
 
-def _run(model, reg, cls, options, calibration):
-    """The step itself; returns (model, component). Router and compressor steps must change something."""
+def _run(model, kind, cls, component, options, calibration):
+    """The step itself; returns the model. Router and compressor steps must change something."""
     from zoo.convert import convert
     from zoo.snapshot import Fingerprint
 
-    component = None
-    if reg.kind == "adapter":
-        component = cls(**options)  # an adapter that builds an MoE from a dense model gets it unconverted
-        return component.attach(model if getattr(cls, "accepts_dense", False) else convert(model)), component
+    if kind == "adapter":  # an adapter that builds an MoE from a dense model gets it unconverted
+        return component.attach(model if getattr(cls, "accepts_dense", False) else convert(model))
     if getattr(cls, "target", None) == "attention":
-        return convert(cls.attach(model, **options)), None  # wraps every layer's self-attention, all checked first
+        return convert(cls.attach(model, **options))  # wraps every layer's self-attention, all checked first
     model = convert(model)
     if not moe_layers(model):
         raise ValueError(f"{cls.name} changes MoE layers and this model has none")
     before = Fingerprint(model)
-    if reg.kind == "router":
+    if kind == "router":
         _swap_routers(model, cls, options)
     else:
-        component = cls(**options)
         model = component.compress(model, calibration=calibration)
     if before.same_as(model):
         raise NoChange(f"{cls.name} with options {options or '{}'} changes nothing in this model")
-    return model, component
+    return model
 
 
 def record_step(model, name: str, kind: str, options: dict, calibration, component=None) -> dict:
