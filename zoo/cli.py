@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from contextlib import contextmanager
 
 import click
+
+THREADS = click.IntRange(1, os.cpu_count())  # torch threads: at least one, at most the machine's CPUs
+SEED = click.IntRange(0, 2**32 - 1)
+COUNT = click.IntRange(min=1)
 
 
 def _json(obj) -> None:
@@ -79,10 +85,49 @@ def info(name):
     _json(row)
 
 
+def _memory_size(ctx, param, value):
+    """--max-memory must be a positive size (checked before any work)."""
+    from zoo.stream import parse_bytes
+
+    if value is None:
+        return None
+    try:
+        size = parse_bytes(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a memory size: use e.g. 4GB, 512MiB or a number of bytes",
+                                 ctx, param) from None
+    if size < 1:
+        raise click.BadParameter(f"{value!r}: the memory budget must be more than 0 bytes", ctx, param)
+    return value
+
+
+def save_folder(ctx, param, value):
+    """A click callback: ``value`` must be a folder a save can write into (zoo.atomic's rules), checked before
+    any work (not a file, not '.', not '/')."""
+    from zoo.atomic import check_target
+
+    if value is not None:
+        try:
+            check_target(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx, param) from None
+    return value
+
+
+def new_file(ctx, param, value):
+    """A click callback for an output file: its folder must exist (checked before any work)."""
+    if value is not None:
+        folder = os.path.dirname(os.path.abspath(os.path.expanduser(value)))
+        if not os.path.isdir(folder):
+            raise click.BadParameter(f"cannot write {value!r}: there is no folder {folder!r}", ctx, param)
+    return value
+
+
 def stream_options(command):
     """--stream/--no-stream and --max-memory: work layer by layer from the shards when the model is too large."""
-    command = click.option("--max-memory", help="Memory budget, e.g. 4GB (default: half of the available memory); "
-                                                "a checkpoint too large to work on in memory within it is streamed.")(command)
+    command = click.option("--max-memory", callback=_memory_size,
+                           help="Memory budget, e.g. 4GB (default: half of the available memory); "
+                                "a checkpoint too large to work on in memory within it is streamed.")(command)
     return click.option("--stream/--no-stream", default=None,
                         help="Force layer-at-a-time work from the checkpoint's shards (or in memory).")(command)
 
@@ -101,25 +146,41 @@ def _streams(src, stream, max_memory) -> bool:
 
 
 def _user_errors():
-    """The exceptions a user's mistake raises: printed as one line, not a traceback."""
+    """The exceptions a user's mistake raises: printed as one line, not a traceback. OSError covers a missing
+    file or folder, a file where a folder belongs, a Hub that cannot be reached (HubUnavailable)."""
     from zoo.architectures.family import NotExportable
     from zoo.checkpoint import CheckpointError
 
-    return (KeyError, ValueError, TypeError, NotExportable, CheckpointError, FileNotFoundError)
+    return (KeyError, ValueError, TypeError, NotExportable, CheckpointError, OSError)
+
+
+def _message(exc: BaseException) -> str:
+    """The text of an exception; a KeyError's own message, not its repr in quotes."""
+    if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        return exc.args[0]
+    return str(exc) or type(exc).__name__
+
+
+@contextmanager
+def one_line(prefix: str = ""):
+    """``with one_line(): library call``: a user's mistake (see ``_user_errors``) becomes click's one-line
+    ``Error: ...`` (exit code 1) instead of a traceback."""
+    try:
+        yield
+    except _user_errors() as exc:
+        raise click.ClickException(prefix + _message(exc)) from None
 
 
 def _either(src, stream, max_memory, streamed, in_memory):
     """``streamed()`` or ``in_memory()``, as the budget (or --stream/--no-stream) decides; a user's mistake
     becomes one line."""
-    try:
+    with one_line():
         return streamed() if _streams(src, stream, max_memory) else in_memory()
-    except _user_errors() as exc:
-        raise click.ClickException(str(exc).strip("'\"")) from None
 
 
 @cli.command()
 @click.argument("src")
-@click.argument("out")
+@click.argument("out", callback=save_folder)
 @stream_options
 def convert(src, out, stream, max_memory):
     """Load SRC (folder, registry name or hub id), convert it to zoo blocks and save to OUT."""
@@ -133,7 +194,7 @@ def convert(src, out, stream, max_memory):
 
 @cli.command()
 @click.argument("src")
-@click.argument("out")
+@click.argument("out", callback=save_folder)
 @stream_options
 def export(src, out, stream, max_memory):
     """Write SRC in its family's native format (for vLLM, TGI, plain transformers) to OUT."""
@@ -148,8 +209,9 @@ def export(src, out, stream, max_memory):
 @cli.command("eval")
 @click.argument("model")
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
-@click.option("--plot", type=click.Path(dir_okay=False), help="Write the expert-usage heatmap PNG here.")
-@click.option("--windows", default=24, show_default=True, help="Held-out windows of 256 tokens per domain.")
+@click.option("--plot", type=click.Path(dir_okay=False), callback=new_file,
+              help="Write the expert-usage heatmap PNG here.")
+@click.option("--windows", type=COUNT, default=24, show_default=True, help="Held-out windows of 256 tokens per domain.")
 @click.option("--no-speed", is_flag=True, help="Skip the prefill/decode timing (a streamed model is never timed).")
 @stream_options
 def eval_command(model, as_json, plot, windows, no_speed, stream, max_memory):
@@ -161,7 +223,8 @@ def eval_command(model, as_json, plot, windows, no_speed, stream, max_memory):
     result = _either(model, stream, max_memory, lambda: streaming.evaluate(model, max_windows=windows),
                      lambda: evaluate(zoo.load(model).eval(), max_windows=windows, measure_speed=not no_speed))
     if plot:
-        plot_usage(result, plot, title=model)
+        with one_line():
+            plot_usage(result, plot, title=model)
     if as_json:
         return _json(result)
     click.echo(format_table({model: result}))
@@ -189,14 +252,15 @@ def _split_top_level(text: str) -> list[str]:
     return parts + [text[start:]]
 
 
-def parse_step(step: str) -> tuple[str, dict]:
+def parse_step(step: str, param_hint: str | None = None) -> tuple[str, dict]:
     """``name:k=v,k2=v2`` -> (name, options); values are parsed as JSON where they can be."""
     name, _, rest = step.partition(":")
     options = {}
     for item in filter(None, _split_top_level(rest)):
         key, sep, value = item.partition("=")
         if not sep:
-            raise click.BadParameter(f"option {item!r} in step {step!r} must look like key=value")
+            raise click.BadParameter(f"option {item!r} in step {step!r} must look like key=value",
+                                     param_hint=param_hint)
         try:
             options[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
@@ -204,12 +268,32 @@ def parse_step(step: str) -> tuple[str, dict]:
     return name.strip(), options
 
 
+def _calibration(ctx, param, value):
+    """--calibration DOMAIN[:TOKENS] as a ``zoo.calibration.corpus`` spec."""
+    from zoo.calibration import corpus
+
+    if value is None:
+        return None
+    domain, _, tokens = value.partition(":")
+    try:
+        count = int(tokens or 8192)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise click.BadParameter(f"{value!r}: TOKENS must be a whole number >= 1 (e.g. mixed:8192)", ctx, param)
+    try:
+        return corpus(domain, tokens=count)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
 @cli.command()
 @click.argument("src")
 @click.argument("steps", nargs=-1, required=True)
-@click.option("--out", required=True, help="Folder to save the result to.")
-@click.option("--calibration", help="Calibration data for the steps that use it: DOMAIN[:TOKENS] of the shipped "
-                                    "corpus (english, code, mixed; default mixed:8192).")
+@click.option("--out", required=True, callback=save_folder, help="Folder to save the result to.")
+@click.option("--calibration", callback=_calibration,
+              help="Calibration data for the steps that use it: DOMAIN[:TOKENS] of the shipped "
+                   "corpus (english, code, mixed; default mixed:8192).")
 @stream_options
 def apply(src, steps, out, calibration, stream, max_memory):
     """Apply STEPS (``name:k=v,...``) to SRC in order and save to --out."""
@@ -217,62 +301,51 @@ def apply(src, steps, out, calibration, stream, max_memory):
     from zoo import stream as streaming
     from zoo.apply import find
 
-    if calibration is not None:
-        from zoo.calibration import corpus
-
-        domain, _, tokens = calibration.partition(":")
-        try:
-            calibration = corpus(domain, tokens=int(tokens or 8192))
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--calibration") from None
-    parsed = [parse_step(s) for s in steps]
+    parsed = [parse_step(s, "STEPS") for s in steps]
     for name, _ in parsed:
-        try:
+        with one_line():
             find(name)
-        except KeyError as exc:
-            raise click.ClickException(str(exc)) from None
-    if _streams(src, stream, max_memory):
-        try:
-            streaming.apply(src, parsed, out, calibration=calibration)
-        except _user_errors() as exc:
-            raise click.ClickException(str(exc).strip("'\"")) from None
-        click.echo(f"applied {', '.join(name for name, _ in parsed)} layer by layer; saved to {out}")
-        return
-    model = zoo.load(src)
-    for name, options in parsed:
-        try:
-            model = zoo.apply(model, name, calibration=calibration, **options)
-        except (ValueError, TypeError) as exc:
-            raise click.ClickException(f"step {name}: {exc}") from None
-        click.echo(f"applied {name} {options}")
-    model.save_pretrained(out)
-    click.echo(f"saved to {out}")
+
+    def streamed():
+        streaming.apply(src, parsed, out, calibration=calibration)
+        return f"applied {', '.join(name for name, _ in parsed)} layer by layer; saved to {out}"
+
+    def in_memory():
+        model = zoo.load(src)
+        for name, options in parsed:
+            with one_line(f"step {name}: "):
+                model = zoo.apply(model, name, calibration=calibration, **options)
+            click.echo(f"applied {name} {options}")
+        model.save_pretrained(out)
+        return f"saved to {out}"
+
+    click.echo(_either(src, stream, max_memory, streamed, in_memory))
 
 
 @cli.command()
 @click.argument("model")
 @click.option("--adapter", required=True, help="Adapter to train, as NAME[:k=v,...] (e.g. lora-experts:r=8).")
 @click.option("--domain", type=click.Choice(["english", "code"]), required=True, help="Corpus domain to train on.")
-@click.option("--steps", default=100, show_default=True, help="Optimizer steps.")
-@click.option("--lr", default=1e-3, show_default=True, help="Peak learning rate (warm-up, then cosine).")
-@click.option("--batch-size", default=8, show_default=True)
-@click.option("--seq-len", default=256, show_default=True)
-@click.option("--windows", default=24, show_default=True, help="Held-out windows per domain for perplexity.")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--threads", type=int, help="torch threads (default: torch's choice).")
+@click.option("--steps", type=COUNT, default=100, show_default=True, help="Optimizer steps.")
+@click.option("--lr", type=click.FloatRange(0, min_open=True), default=1e-3, show_default=True,
+              help="Peak learning rate (warm-up, then cosine).")
+@click.option("--batch-size", type=COUNT, default=8, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True,
+              help="Tokens per training window (at most the model's max_position_embeddings).")
+@click.option("--windows", type=COUNT, default=24, show_default=True, help="Held-out windows per domain for perplexity.")
+@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--threads", type=THREADS, help="torch threads (default: torch's choice).")
 @click.option("--merge", is_flag=True, help="Merge the adapter into the weights before saving (if it can).")
-@click.option("--out", help="Folder to save to (default runs/finetune-<adapter>-<domain>).")
+@click.option("--out", callback=save_folder, help="Folder to save to (default runs/finetune-<adapter>-<domain>).")
 def finetune(model, adapter, domain, steps, lr, batch_size, seq_len, windows, seed, threads, merge, out):
     """Fine-tune MODEL with an adapter on one domain; print held-out perplexity before/after; save to --out."""
     from zoo.finetune import finetune as run
 
-    name, options = parse_step(adapter)
-    out = out or f"runs/finetune-{name}-{domain}"
-    try:
+    name, options = parse_step(adapter, "'--adapter'")
+    out = out or save_folder(None, None, f"runs/finetune-{name}-{domain}")
+    with one_line():
         result = run(model, name, options, domain=domain, steps=steps, lr=lr, batch_size=batch_size,
                      seq_len=seq_len, windows=windows, seed=seed, threads=threads, out=out, merge=merge)
-    except (KeyError, ValueError, TypeError) as exc:
-        raise click.ClickException(f"{name}: {exc}") from None
     click.echo(result.table())
     click.echo(f"trained {result.trainable_params:,} parameters for {steps} steps in {result.seconds:.0f}s; "
                f"saved to {out}")

@@ -9,6 +9,7 @@ theirs in place through an op the compiler does not trace (``zoo.moe.in_place``)
 """
 from __future__ import annotations
 
+import numbers
 import statistics
 import time
 
@@ -27,11 +28,27 @@ def compile_config(backend: str = "inductor", fullgraph: bool = True) -> Compile
     return config
 
 
+def check_decode(model, input_ids, max_new_tokens) -> None:
+    """A prompt of at least one token, at least one new token, and room for both in the model's positions
+    (a static cache of a huge length would try to allocate it all): ValueError before any work."""
+    if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        shape = tuple(input_ids.shape) if torch.is_tensor(input_ids) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a [batch, tokens] tensor with at least one token, got {shape}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and input_ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"the prompt ({input_ids.shape[1]} tokens) and max_new_tokens ({max_new_tokens}) need "
+                         f"{input_ids.shape[1] + max_new_tokens} positions but the model has only {limit} "
+                         "(config.max_position_embeddings)")
+
+
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bool = True,
              backend: str = "inductor", **kwargs) -> torch.Tensor:
     """Greedy (unless ``kwargs`` say otherwise) generation with a static cache and, if ``compile``, the
     compiled decode step. Equivalent to ``model.generate(..., cache_implementation="static",
     compile_config=zoo.decode.compile_config())``."""
+    check_decode(model, input_ids, max_new_tokens)
     kwargs.setdefault("do_sample", False)
     if compile:
         kwargs.update(cache_implementation="static", compile_config=compile_config(backend))
@@ -50,6 +67,7 @@ def greedy(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bo
     After the first compiled step the guards are not evaluated again
     (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``): every later step passes inputs of the
     same kinds and shapes, so the guards could only pass, and checking them costs about 0.5 ms a step."""
+    check_decode(model, input_ids, max_new_tokens)
     prompt = input_ids.shape[1]
     cache = StaticCache(config=model.config, max_cache_len=prompt + max_new_tokens)
     logits = model(input_ids=input_ids, past_key_values=cache, cache_position=torch.arange(prompt),
@@ -76,6 +94,9 @@ def _timed(decode, input_ids: torch.Tensor, new_tokens: int, repeats: int = 3) -
     ``repeats`` pairs of a prefill-only run (1 new token) and a full run; decode tok/s comes from the
     difference within a pair, and the median pair is reported (this machine's speed drifts between runs).
     ``decode(n)`` generates up to n new tokens (fewer if it stops at EOS: the tokens made are counted)."""
+    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
+        raise ValueError(f"repeats must be a whole number >= 1, got {repeats!r}")
+
     def clock(n):
         t0 = time.perf_counter()
         out = decode(n)

@@ -21,7 +21,7 @@ from zoo.atomic import atomic_directory
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokenizer import load_tokenizer
 from zoo.data.tokens import token_stream, train_batch
-from zoo.eval import perplexity_and_usage
+from zoo.eval import check_count, check_positions, perplexity_and_usage
 from zoo.layout import moe_layers
 
 
@@ -77,13 +77,20 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
     reg = find(adapter)
     if reg.kind != "adapter":
         raise ValueError(f"{adapter!r} is a {reg.kind}, not an adapter")
-    if steps < 1 or batch_size < 1 or seq_len < 2:
-        raise ValueError("steps and batch_size must be >= 1 and seq_len >= 2")
+    for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1), ("seq_len", seq_len, 2),
+                             ("windows", windows, 1)):
+        check_count(name, value, low)
+    if threads is not None:
+        check_count("threads", threads)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+    check_count("seed", seed, 0, 2**32 - 1)
     if threads:
         torch.set_num_threads(threads)
     source = model if isinstance(model, (str, os.PathLike)) else None
     if source is not None:
         model = zoo.load(source, dtype=torch.float32)  # fp32 master weights; bf16 autocast for the steps
+    check_positions(base_of(model), seq_len, f"seq_len {seq_len}")  # before any perplexity or training
     tokenizer = load_tokenizer()
     before = held_out(model, tokenizer, seq_len, windows)
 

@@ -59,13 +59,30 @@ class HubUnavailable(OSError):
     pass
 
 
+def _looks_like_path(target: str) -> bool:
+    """Written as a path: ``./x``, ``../x``, ``/x``, ``~/x``, a Windows separator, or more than one ``/`` (a hub
+    id has exactly one)."""
+    return (target.split("/", 1)[0] in ("", ".", "..") or target.startswith("~") or target.count("/") > 1
+            or (os.sep != "/" and os.sep in target))
+
+
 def resolve_path(target: str) -> str:
     """A folder stays a folder; ``hf-hub:org/name`` becomes ``org/name``; a registry name becomes its
-    shipped folder or hub id; anything else without a slash must be a registry name (close matches)."""
+    shipped folder or hub id; anything else without a slash must be a registry name (close matches).
+    A target written as a path must be an existing folder (``FileNotFoundError`` / ``NotADirectoryError``)."""
+    if not target.strip():
+        raise ValueError("no model given: name a folder, a registry name or a hub id")
     if os.path.isdir(target):
         return target
     if target.startswith("hf-hub:"):
         return target[len("hf-hub:"):]
+    if _looks_like_path(target):
+        path = os.path.expanduser(target)
+        if os.path.isdir(path):
+            return path
+        if os.path.exists(path):
+            raise NotADirectoryError(f"{target!r} is a file, not a model folder")
+        raise FileNotFoundError(f"no such folder: {target!r}")
     if _is_registry_name(target):
         entry = get_model(target)
         if entry.local_path and os.path.isdir(entry.local_path):
@@ -74,6 +91,8 @@ def resolve_path(target: str) -> str:
             raise FileNotFoundError(f"{entry.name} ships with moe-zoo but its checkpoint is missing at "
                                     f"{entry.local_path}; reinstall moe-zoo")
         return entry.hub_id
+    if os.path.exists(target):
+        raise NotADirectoryError(f"{target!r} is a file, not a model folder")
     if "/" not in target:
         get_model(target)  # raises with close matches
     return target
@@ -102,12 +121,21 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
     Native checkpoints of a supported family are converted to the zoo block (losslessly) unless
     ``convert=False``. Offline, a hub id that is not cached fails with an error that says so.
     """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
     from transformers import AutoModelForCausalLM
 
     import zoo
 
-    target = os.fspath(name_or_path)
-    target = resolve_path(target)
+    given = os.fspath(name_or_path)
+    target = resolve_path(given)
+    if os.path.isdir(target):
+        if not os.path.isfile(os.path.join(target, kwargs.get("subfolder", ""), "config.json")):
+            raise FileNotFoundError(f"no config.json in {target!r}: not a saved model folder")
+    else:
+        try:
+            validate_repo_id(target)
+        except HFValidationError:
+            raise ValueError(f"{target!r} is not a folder, a registry name or a hub id (org/name)") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
     except OSError as exc:
@@ -115,7 +143,9 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
             raise
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
         why = "the Hub is offline here (HF_HUB_OFFLINE=1)" if offline else "the Hub could not be reached"
-        raise HubUnavailable(f"cannot load {target!r}: {why} and it is not in the local cache ({exc})") from exc
+        no_folder = "there is no local folder of that name, " if target == given else ""
+        raise HubUnavailable(f"cannot load {target!r}: {no_folder}{why} and it is not in the local cache "
+                             f"({exc})") from exc
     if convert:
         try:
             model = zoo.convert(model)

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
+
+from zoo.cli import new_file, one_line, save_folder
 
 RECIPE = {"hidden_size": 64, "num_hidden_layers": 3, "moe_intermediate_size": 128, "group_sizes": [2, 4, 4], "top_groups": 1,
               "num_experts_per_tok": 2, "vision_experts": 4, "vision_experts_per_tok": 1}
@@ -22,16 +25,19 @@ def generate(out, check):
     """Regenerate the set deterministically into OUT (default: the cache) with checksums."""
     from zoo.data.digits_mm import main
 
-    main(([out] if out else []) + (["--check"] if check else []))
+    if out is not None and os.path.exists(out) and not os.path.isdir(out):
+        raise click.BadParameter(f"{out!r} is a file, not a folder", param_hint="OUT")
+    with one_line():
+        main((["--check"] if check else []) + (["--", out] if out else []))
 
 
 @digits_mm.command()
-@click.option("--out", required=True, help="Folder to save the model and its processor to.")
-@click.option("--steps", default=2000, show_default=True)
-@click.option("--batch-size", default=48, show_default=True)
-@click.option("--lr", default=3e-3, show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--threads", default=1, show_default=True)
+@click.option("--out", required=True, callback=save_folder, help="Folder to save the model and its processor to.")
+@click.option("--steps", type=click.IntRange(min=1), default=2000, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=48, show_default=True)
+@click.option("--lr", type=click.FloatRange(0, min_open=True), default=3e-3, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True)
+@click.option("--threads", type=click.IntRange(1, os.cpu_count()), default=1, show_default=True)
 def train(out, steps, batch_size, lr, seed, threads):
     """Train a zoo_mm model with the zoo-tiny-mm recipe and save it (model, processor, training.json)."""
     import torch
@@ -52,15 +58,23 @@ def train(out, steps, batch_size, lr, seed, threads):
 
 @digits_mm.command("eval")
 @click.argument("model")
-@click.option("--plot", type=click.Path(dir_okay=False), help="Write the group-usage figure here.")
-@click.option("--json", "as_json", type=click.Path(dir_okay=False), help="Write the results here.")
+@click.option("--plot", type=click.Path(dir_okay=False), callback=new_file, help="Write the group-usage figure here.")
+@click.option("--json", "as_json", type=click.Path(dir_okay=False), callback=new_file, help="Write the results here.")
 def eval_command(model, plot, as_json):
     """Accuracy per modality and per SNR, and expert-group usage per modality."""
+    from transformers import AutoConfig
+
+    from zoo.registry import resolve_path
     from zoo_multimodal.evaluate_mm import evaluate, format_results, plot_usage
 
-    results = evaluate(model)
+    with one_line():
+        kind = AutoConfig.from_pretrained(resolve_path(model)).model_type
+        if kind != "zoo_mm":
+            raise ValueError(f"{model!r} is a {kind} model; digits-mm eval needs a zoo_mm model (e.g. zoo-tiny-mm)")
+        results = evaluate(model)
     click.echo(format_results(results))
-    if plot:
-        plot_usage(results, plot)
-    if as_json:
-        Path(as_json).write_text(json.dumps(results, indent=1) + "\n")
+    with one_line():
+        if plot:
+            plot_usage(results, plot)
+        if as_json:
+            Path(as_json).write_text(json.dumps(results, indent=1) + "\n")
