@@ -42,7 +42,7 @@ def model(request):
     ("prune-reap", {"num_experts": 2, "calibration": ["", "  "]}, "texts are all empty"),
     ("prune-reap", {"num_experts": 2, "calibration": {"domain": "code", "tokns": 64}}, "unknown calibration spec"),
     ("prune-reap", {"num_experts": 2, "calibration": {"domain": "klingon"}}, "domain must be"),
-    ("prune-reap", {"num_experts": 2, "calibration": 42}, "unsupported calibration"),
+    ("prune-reap", {"num_experts": 2, "calibration": 42}, "unsupported calibration"),  # refused when read
     ("prune-reap", {"num_experts": 2.0, "calibration": CAL}, "must be int, got 2.0"),
     ("prune-reap", {"num_experts": 9, "calibration": CAL}, "only 4 experts"),
     ("prune-reap", {"num_experts": True, "calibration": CAL}, "must be int|positive integer"),

@@ -39,8 +39,7 @@ def check(calibration, vocab_size: int | None = None) -> None:
         return
     tensors = [calibration] if torch.is_tensor(calibration) else calibration
     if not isinstance(tensors, (list, tuple)) or not all(torch.is_tensor(t) for t in tensors):
-        raise TypeError(f"unsupported calibration data {type(calibration).__name__}: pass "
-                        "zoo.calibration.corpus(domain, tokens), texts, or token batches")
+        return  # a component's own format (e.g. multimodal batches): the component checks it
     for i, t in enumerate(tensors):
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise ValueError(f"calibration batch {i} holds {t.dtype}; token ids must be an integer tensor")

@@ -150,7 +150,7 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
 def save(result: FinetuneResult, out: str, tokenizer, args: dict) -> None:
     """The model (a PEFT adapter folder, or a whole model), its tokenizer and ``finetune.json``, all or nothing."""
     with atomic_directory(out) as tmp:
-        result.model.save_pretrained(tmp)  # first: a zoo model's save replaces the folder it is given
+        result.model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         record = {**args, "trainable_params": result.trainable_params, "seconds": round(result.seconds, 1),
                   "perplexity": {"before": result.before["perplexity"], "after": result.after["perplexity"]},

@@ -18,8 +18,8 @@ class SigmoidBias(Router):
     def __init__(self, hidden_size, num_experts, top_k, n_group: int | None = 1, topk_group: int | None = 1,
                  norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, **options):
         for label, value in (("n_group", n_group), ("topk_group", topk_group)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{label} must be a positive integer or None, got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{label} must be a positive integer (0 or None: not set), got {value!r}")
         if isinstance(routed_scaling_factor, bool) or not routed_scaling_factor > 0:
             raise ValueError(f"routed_scaling_factor must be positive, got {routed_scaling_factor!r}")
         n_group, topk_group = n_group or 1, topk_group or 1
