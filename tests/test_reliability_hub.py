@@ -115,3 +115,18 @@ def test_errors_without_a_token_pass_unchanged(monkeypatch):
     with pytest.raises(FileNotFoundError, match="no such folder"):
         with zoo.hub.masked_errors():
             raise FileNotFoundError("no such folder")
+
+
+def test_zoo_load_masks_hub_errors(monkeypatch):
+    """zoo.load of a hub id: its 'cannot load' error quotes transformers' error, token masked."""
+    import transformers
+
+    def from_pretrained(src, **kwargs):
+        raise OSError(f"401 for {src}: token {TOKEN} rejected")
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(zoo.registry.HubUnavailable) as excinfo:
+        zoo.load("org/private-model")
+    shown = "".join(traceback.format_exception(excinfo.value))
+    assert TOKEN[:8] not in shown and zoo.hub.MASK in str(excinfo.value)

@@ -220,3 +220,12 @@ def test_streamed_layer_with_nan_is_refused_and_nothing_written(tmp_path):
     with pytest.raises(CheckpointError, match=r"NaN or inf in model\.layers\.1\.mlp"):
         zoo.stream.convert(tmp_path / "native", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_zoo_load_of_a_native_checkpoint_with_inf_is_refused(tmp_path):
+    tiny_native("mixtral").save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.norm.weight"][0] = float("inf")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NonFiniteWeightsError, match=r"model\.norm\.weight"):
+        zoo.load(tmp_path)

@@ -125,6 +125,8 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
     from transformers import AutoModelForCausalLM
 
     import zoo
+    from zoo import finite
+    from zoo.hub import masked_errors
 
     given = os.fspath(name_or_path)
     target = resolve_path(given)
@@ -137,7 +139,8 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
         except HFValidationError:
             raise ValueError(f"{target!r} is not a folder, a registry name or a hub id (org/name)") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
+        with masked_errors(kwargs.get("token")):
+            model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
     except OSError as exc:
         if os.path.isdir(target):
             raise
@@ -145,7 +148,9 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
         why = "the Hub is offline here (HF_HUB_OFFLINE=1)" if offline else "the Hub could not be reached"
         no_folder = "there is no local folder of that name, " if target == given else ""
         raise HubUnavailable(f"cannot load {target!r}: {no_folder}{why} and it is not in the local cache "
-                             f"({exc})") from exc
+                             f"({exc})") from None  # the cause may hold request headers; exc is masked
+    if finite.enabled() and getattr(type(model), "_zoo_family", None) is None:  # zoo classes check while loading
+        finite.check_finite(model)
     if convert:
         try:
             model = zoo.convert(model)
