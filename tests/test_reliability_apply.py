@@ -159,3 +159,12 @@ def test_recipe_grows_only_on_success():
     assert model.config.zoo_recipe == []
     zoo.apply(model, "prune-reap", calibration=CAL, num_experts=2)
     assert [s["name"] for s in model.config.zoo_recipe] == ["prune-reap"]
+
+
+def test_streamed_steer_checks_its_layers_before_writing(tmp_path):
+    import zoo.stream
+
+    tiny_native("mixtral").save_pretrained(tmp_path / "native")
+    with pytest.raises(ValueError, match=r"layers \[99\]"):
+        zoo.stream.apply(tmp_path / "native", [("steer", {"disable": {99: [0]}})], tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -138,6 +138,10 @@ class RouterSwap:
             raise ValueError(f"{', '.join(given)}: filled in by zoo.apply for each layer, not an option to pass")
         self.cls, self.name, self.options = cls, cls.name, dict(options)
 
+    def check_layers(self, layers):
+        if hasattr(self.cls, "check_layers"):  # options that name layers must name MoE layers of the checkpoint
+            self.cls.check_layers(layers, self.options)
+
     def check_layer(self, index, block):
         pass
 

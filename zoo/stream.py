@@ -153,6 +153,10 @@ def apply(src, steps, out, calibration=None) -> str:
     model = ckpt.model
     components = bind_steps(steps)
     check(model, components)
+    moe = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, (SparseMoE, ckpt.family.block_class))]
+    for component in components:
+        if hasattr(component, "check_layers"):
+            component.check_layers(moe)
     inputs = calibration_inputs(model, components, calibration)
     _write(ckpt, out, components, inputs, desc="apply",
            record=[(name, c.kind, opts, calibration if c.inputs_for else None, c)
