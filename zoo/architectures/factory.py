@@ -4,9 +4,14 @@ from __future__ import annotations
 import os
 import sys
 
-from transformers import AutoConfig, AutoModelForCausalLM
+from types import SimpleNamespace
+
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForQuestionAnswering,
+                          AutoModelForSequenceClassification, AutoModelForTokenClassification)
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
+from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder
 
 from zoo.atomic import atomic_directory
@@ -17,7 +22,8 @@ from zoo.layout import (
     moe_layers,
     sync_layout,
 )
-from zoo.moe import Router, model_load_balancing_loss
+from zoo.moe import Router
+from zoo.moe.losses import family_aux_loss
 from zoo.moe.init import init_zoo_module, initialize_missing_keys
 
 _CLASSES: dict[str, tuple] = {}
@@ -37,27 +43,54 @@ def zoo_classes(family):
     })
     inner_native = _inner_class(lm)
     recorders = {**inner_native._can_record_outputs, "router_logits": OutputRecorder(Router, index=2)}
+    common = {
+        "__module__": __name__, "config_class": cfg_cls, "_can_record_outputs": recorders, "_zoo_family": family,
+        "_init_weights": _init_weights, "_initialize_missing_keys": _initialize_missing_keys,
+        "_check_and_adjust_experts_implementation": _experts_implementation,
+        **({"_keep_in_fp32_modules_strict": family.keep_in_fp32} if family.keep_in_fp32 is not None else {}),
+    }
     inner_cls = type(f"Zoo{inner_native.__name__}", (inner_native,), {
-        "__module__": __name__, "config_class": cfg_cls, "_can_record_outputs": recorders,
-        "_zoo_family": family, "_init_weights": _init_weights,
+        **common, "__init__": _init_base, "_zoo_native_init": inner_native.__init__,
     })
     lm_cls = type(f"Zoo{lm.__name__}", (lm,), {
-        "__module__": __name__, "config_class": cfg_cls, "_can_record_outputs": recorders,
-        "_zoo_family": family, "_zoo_inner_class": inner_cls,
+        **common, "_zoo_inner_class": inner_cls,
         "__init__": _init, "forward": _forward, "save_pretrained": _save_pretrained,
-        "_init_weights": _init_weights, "_initialize_missing_keys": _initialize_missing_keys,
-        **({"_keep_in_fp32_modules_strict": family.keep_in_fp32} if family.keep_in_fp32 is not None else {}),
     })
-    for cls in (cfg_cls, inner_cls, lm_cls):
+    heads = [type(f"Zoo{native.__name__}", (native,), {**common, "__init__": _init_head, "_zoo_native_init": native.__init__})
+             for native in _native_heads(lm)]
+    for cls in (cfg_cls, inner_cls, lm_cls, *heads):
         setattr(module, cls.__name__, cls)
     AutoConfig.register(cfg_cls.model_type, cfg_cls, exist_ok=True)
+    AutoModel.register(cfg_cls, inner_cls, exist_ok=True)
     AutoModelForCausalLM.register(cfg_cls, lm_cls, exist_ok=True)
+    for head in heads:
+        HEAD_AUTO_CLASSES[head.__name__.rsplit("For", 1)[1]].register(cfg_cls, head, exist_ok=True)
     _CLASSES[family.name] = (cfg_cls, inner_cls, lm_cls)
     return _CLASSES[family.name]
 
 
 def _inner_class(lm):
     return lm.__init__.__globals__[lm.__name__.replace("ForCausalLM", "Model")]
+
+
+HEAD_AUTO_CLASSES = {"SequenceClassification": AutoModelForSequenceClassification,
+                     "TokenClassification": AutoModelForTokenClassification,
+                     "QuestionAnswering": AutoModelForQuestionAnswering}
+
+
+def _native_heads(lm) -> list[type]:
+    """The task heads the family's modeling module defines (each gets a zoo twin on the zoo backbone)."""
+    names = [lm.__name__.replace("ForCausalLM", f"For{task}") for task in HEAD_AUTO_CLASSES]
+    return [lm.__init__.__globals__[n] for n in names if n in lm.__init__.__globals__]
+
+
+def _init_head(self, config):
+    """A task head on the zoo backbone: transformers' generic heads build it with ``AutoModel``, which is the
+    zoo base-model class for a zoo config."""
+    self._zoo_native_init(config)
+    base = getattr(self, self.base_model_prefix)
+    if getattr(type(base), "_zoo_family", None) is None:
+        raise TypeError(f"{type(self).__name__}: the family's head built a native backbone")
 
 
 def adopt(model, family) -> None:
@@ -72,12 +105,42 @@ def adopt(model, family) -> None:
 
 
 def _init(self, config):
-    self._zoo_family.model_class.__init__(self, config)
+    self._zoo_family.model_class.__init__(self, config)  # builds the family's own base model: made zoo below
     self.model.__class__ = self._zoo_inner_class
     _CAN_RECORD_REGISTRY[self.model] = self._zoo_inner_class._can_record_outputs
-    apply_layout(self, config.zoo_layout)
+    _build_zoo_blocks(self.model, config)
     apply_attention(self, getattr(config, "zoo_attention", None))  # first: module paths may run through it
     apply_modules(self, getattr(config, "zoo_modules", None))
+
+
+def _init_base(self, config):
+    """``Zoo<Family>Model`` on its own (``AutoModel``): the same blocks as the causal LM's backbone."""
+    self._zoo_native_init(config)
+    _build_zoo_blocks(self, config)
+    apply_attention(SimpleNamespace(model=self, config=config), getattr(config, "zoo_attention", None))
+    modules = getattr(config, "zoo_modules", None) or {}  # recorded from the causal LM: paths under "model."
+    apply_modules(self, {k[len("model."):]: v for k, v in modules.items() if k.startswith("model.")})
+
+
+def _build_zoo_blocks(base, config) -> None:
+    """The MoE blocks of ``config.zoo_layout``; a config without one (a fresh config) gets the family's
+    native blocks converted, so every zoo model holds ``SparseMoE`` blocks."""
+    family = type(base)._zoo_family
+    if config.zoo_layout is None:
+        for layer in base.layers:
+            if isinstance(layer.mlp, family.block_class):
+                layer.mlp = family.from_native(layer.mlp, config)
+    else:
+        apply_layout(base, config.zoo_layout)
+
+
+def _experts_implementation(self, requested):
+    """The zoo's experts run its own dispatch (``zoo.moe.dispatch``): that is "eager" here; transformers'
+    kernels (grouped_mm, batched_mm, ...) read native experts' signature and cannot be honoured."""
+    if requested not in (None, "eager"):
+        raise ValueError(f"experts_implementation={requested!r} cannot be honoured by {type(self).__name__}: zoo "
+                         "experts run the zoo's own dispatch; pass None or 'eager'")
+    return "eager"
 
 
 def _init_weights(self, module):
@@ -90,24 +153,26 @@ def _initialize_missing_keys(self, is_quantized: bool) -> None:
     initialize_missing_keys(self, self._zoo_family.model_class._initialize_missing_keys, is_quantized)
 
 
+@can_return_tuple
+@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
 def _forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
-             labels=None, use_cache=None, output_router_logits=None, logits_to_keep=0, **kwargs):
-    """The family's causal-LM forward, with a balance loss that accepts a different layout per layer."""
-    if cache is None and "past_key_values" in kwargs:
-        cache = kwargs.pop("past_key_values")
+             labels=None, use_cache=None, output_router_logits=None, logits_to_keep=0,
+             **kwargs) -> MoeCausalLMOutputWithPast:
+    """The family's causal-LM forward; its balance loss is the family's own when every MoE layer has the same
+    expert count and k, and the mean of per-layer losses (same convention) where layers differ."""
     if output_router_logits is None:
         output_router_logits = getattr(self.config, "output_router_logits", False)
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         output_router_logits=output_router_logits, **kwargs)
+                         output_router_logits=output_router_logits, return_dict=True, **kwargs)
     hidden = outputs.last_hidden_state
     logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
     loss = self.loss_function(logits, labels, self.vocab_size, **kwargs) if labels is not None else None
     aux_loss = None
     router_logits = getattr(outputs, "router_logits", None)
     if output_router_logits and router_logits and self._zoo_family.aux_loss:
-        top_ks = [moe.top_k for _, moe in moe_layers(self)]
-        aux_loss = model_load_balancing_loss(router_logits, top_ks, attention_mask)
+        aux_loss = family_aux_loss(self._zoo_family, router_logits, [moe for _, moe in moe_layers(self)],
+                                   attention_mask)
         if loss is not None:
             loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
     return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache,

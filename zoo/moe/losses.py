@@ -44,3 +44,22 @@ def model_load_balancing_loss(router_logits, top_ks, attention_mask=None) -> tor
     """Mean of the per-layer balance losses (layers may differ in expert count and k)."""
     losses = [load_balancing_loss(lg, k, attention_mask) for lg, k in zip(router_logits, top_ks)]
     return torch.stack(losses).mean()
+
+
+def family_aux_loss(family, router_logits, blocks, attention_mask=None) -> torch.Tensor:
+    """A zoo model's balance loss, in its family's own definition.
+
+    When every MoE layer has the same expert count and k (a converted model, or one pruned uniformly) this is
+    the family's native ``load_balancing_loss_func``: top-k counts and router probabilities pooled over all
+    layers' tokens, ``E * sum_e f_e P_e`` with ``f_e`` the share of tokens (not slots) choosing e, so uniform
+    routing gives k. Where layers differ, pooling is undefined; the loss is then the mean over layers of the
+    same per-layer quantity (k times ``load_balancing_loss``)."""
+    import sys
+
+    shapes = {(moe.num_experts, moe.top_k) for moe in blocks}
+    native = getattr(sys.modules[family.model_class.__module__], "load_balancing_loss_func", None)
+    if len(shapes) == 1 and native is not None:
+        (num_experts, top_k), = shapes
+        return native(tuple(router_logits), num_experts, top_k, attention_mask)
+    losses = [moe.top_k * load_balancing_loss(lg, moe.top_k, attention_mask) for lg, moe in zip(router_logits, blocks)]
+    return torch.stack(losses).mean()
