@@ -47,7 +47,8 @@ class SparseMoE(nn.Module):
 
     @property
     def num_experts(self) -> int:
-        return self.experts.num_experts
+        # the router's count: expert parallelism leaves ``experts.num_experts`` at the experts this rank holds
+        return self.router.num_experts
 
     @property
     def top_k(self) -> int:
@@ -57,21 +58,37 @@ class SparseMoE(nn.Module):
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         routing = self.router(x)
-        out = self.experts(x, routing)
+        if getattr(self.experts, "_is_hooked", False):
+            out = self._parallel_experts(x, routing)
+        else:
+            out = self.experts(x, routing)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         out = out.view(shape)
         return (out, routing.weights) if self.returns_router_scores else out
 
+    def _parallel_experts(self, x: torch.Tensor, routing) -> torch.Tensor:
+        """The experts under transformers' tensor/expert-parallel hooks (``zoo.architectures.parallel``): called
+        with its experts protocol ``(hidden_states, top_k_index, top_k_weights)``, which the hooks transform
+        (all-reduce-backward of the weights, token dispatch to the ranks holding the experts). Its EP dispatch
+        indexes by expert id, so empty slots (id E) become expert 0 with weight 0 here."""
+        empty = routing.indices >= self.num_experts
+        indices = routing.indices.masked_fill(empty, 0)
+        weights = routing.weights.masked_fill(empty, 0)
+        return self.experts(x, indices, weights)
+
     def layout(self) -> dict:
         """A JSON-able description that ``zoo.moe.build_block`` turns back into an empty block."""
+        experts_options = self.experts.options()
+        if "num_experts" in experts_options:  # the global count, also where expert parallelism narrowed the module's
+            experts_options["num_experts"] = self.num_experts
         return {
             "num_experts": self.num_experts,
             "num_experts_per_tok": self.top_k,
             "router": self.router.name,
             "router_options": dict(self.router.options),
             "experts": self.experts.name,
-            "experts_options": self.experts.options(),
+            "experts_options": experts_options,
             "shared_experts": None if self.shared_experts is None else self.shared_experts.options(),
             "returns_router_scores": self.returns_router_scores,
         }

@@ -1,13 +1,31 @@
 """Experts: the compute half of an MoE block. Indices come from a Router; here they are only consumed."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 import torch.nn.functional as F
 from transformers import initialization as init
 
 from zoo.moe.dispatch import gather_rows, run_sorted
+from zoo.moe.routing import Routing
 from zoo.options import check_options
+
+
+def _accepts_native_call(forward):
+    """``forward(hidden, routing)`` that also takes transformers' experts protocol ``(hidden_states,
+    top_k_index, top_k_weights)``: the call its tensor/expert-parallel hooks make (``moe_tp_experts``,
+    ``ep_dispatch_experts`` and the EP implementations behind it, with rank-local expert ids)."""
+
+    @functools.wraps(forward)
+    def wrapper(self, hidden, routing, top_k_weights=None, *args, **kwargs):
+        if top_k_weights is not None:
+            routing = Routing(top_k_weights, routing)
+        return forward(self, hidden, routing, *args, **kwargs)
+
+    wrapper._zoo_native_call = True
+    return wrapper
 
 
 class Experts(nn.Module):
@@ -24,6 +42,26 @@ class Experts(nn.Module):
     card: str = ""
     space: str = ""
     num_experts: int
+
+    def __init_subclass__(cls, **kwargs):
+        # Every kind, plugins' included, takes both calls: ``(hidden, routing)`` from the zoo block, and
+        # ``(hidden, top_k_index, top_k_weights)`` from transformers' parallel hooks (see zoo.architectures.parallel).
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        if forward is not None and not getattr(forward, "_zoo_native_call", False):
+            cls.forward = _accepts_native_call(forward)
+
+    def supports_tensor_parallel(self) -> bool:
+        """Whether transformers' tensor-parallel experts plan (gate_up_proj split by output, down_proj by input,
+        partial outputs summed across ranks) computes this module exactly. Kinds that store other tensors, or
+        compute differently from a slice of the intermediate channels, stay whole on every rank."""
+        return False
+
+    def supports_expert_parallel(self) -> bool:
+        """Whether splitting every tensor of this module along its first (expert) dimension gives each rank whole
+        experts that compute as before with rank-local expert ids (transformers' ``grouped_gemm`` +
+        ``ep_dispatch_experts``)."""
+        return False
 
     def options(self) -> dict:
         """Constructor arguments that rebuild this module (stored in ``config.zoo_layout``)."""
@@ -51,6 +89,7 @@ def _clamped_glu(gate, up, limit=7.0, alpha=1.702):
 
 
 ACTIVATIONS = {"silu": _silu_glu, "clamped-swiglu": _clamped_glu}
+_TP_METHODS = ("forward", "expert", "glu", "_forward_sorted", "_forward_gather")
 
 
 class SwiGLUExperts(Experts):
@@ -93,6 +132,19 @@ class SwiGLUExperts(Experts):
         if self.activation == "clamped-swiglu":
             opts.update(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         return opts
+
+    def supports_tensor_parallel(self) -> bool:
+        # Exact when each rank's slice of the intermediate channels is independent: SwiGLU's own compute, and no
+        # biases (a down-projection bias would be added once per rank). Subclasses that change the compute
+        # (e.g. a per-token channel selection) or the storage inherit False unless they keep all of it.
+        cls = type(self)
+        own = all(getattr(cls, m) is getattr(SwiGLUExperts, m) for m in _TP_METHODS)
+        return own and self.gate_up_proj_bias is None and self.down_proj_bias is None
+
+    def supports_expert_parallel(self) -> bool:
+        # Whole experts per rank: any per-expert compute fits, as long as all that is stored is per expert.
+        stored = {n for n, _ in self.named_parameters(recurse=False)} | {n for n, _ in self.named_buffers(recurse=False)}
+        return stored <= {"gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"}
 
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

@@ -1,0 +1,191 @@
+"""Tensor- and expert-parallel plans of the zoo's MoE block, for transformers' own distributed loading.
+
+``from_pretrained(path, tp_plan="auto")`` or ``from_pretrained(path, distributed_config=DistributedConfig(...))``
+shard a model by the plans its classes carry: ``base_model_tp_plan`` / ``base_model_ep_plan`` on the config class
+(module paths under the base model, ``*`` for the layer number) and ``_tp_plan`` on the causal-LM class
+(``lm_head``). A zoo config class inherits its family's plans, but the zoo block is not the native block:
+
+* the router is ``mlp.router`` (native ``mlp.gate``), shared experts are ``mlp.shared_experts`` (Qwen2-MoE's
+  ``mlp.shared_expert`` + ``mlp.shared_expert_gate``): ``tp_plan``/``ep_plan`` rename the native rules with the
+  family's own weight renames, so a rule never names a module the zoo model lacks;
+* the experts take ``(hidden, routing)``; transformers' hooks call ``(hidden_states, top_k_index,
+  top_k_weights)``. Every ``zoo.Experts`` kind accepts both, and ``SparseMoE`` calls the second form when the
+  hooks are installed (``_is_hooked``), so the hooks' all-reduces and token dispatch apply unchanged;
+* experts are a choice per layer (quantized, factored, channel-top-k, ...), and a native style applied to a kind
+  it does not fit gives wrong numbers silently (e.g. ``moe_tp_experts`` sums whole outputs of unsharded
+  experts across ranks). The zoo styles below shard only kinds that say they fit
+  (``Experts.supports_tensor_parallel`` / ``supports_expert_parallel``); the others stay whole on every rank
+  (exact, not smaller), with a warning on rank 0.
+
+The factory puts ``parallel_attributes(family)`` on each zoo config class. Routers stay replicated (no native
+MoE plan of these families shards its router either; the ``ep_router`` style was removed in transformers 5.21).
+"""
+from __future__ import annotations
+
+import logging
+
+from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+from transformers.utils.import_utils import is_torch_distributed_available
+
+from zoo.moe.experts import Experts
+
+logger = logging.getLogger(__name__)
+
+MLP = "layers.*.mlp."  # where a family's MoE block sits, below the base model
+EXPERTS = MLP + "experts"
+
+# native experts styles -> the zoo's (same sharding, for the kinds that fit it)
+ZOO_STYLES = {
+    "packed_colwise": "zoo_experts_packed_colwise",
+    "rowwise": "zoo_experts_rowwise",
+    "moe_tp_experts": "zoo_experts_tp",
+    "grouped_gemm": "zoo_experts_grouped_gemm",
+}
+SHARED_TP = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+
+
+# ------------------------------------------------------------------------------------------------- plans
+
+def tp_plan(family) -> dict[str, str]:
+    """The zoo's ``base_model_tp_plan`` for ``family`` (a Family, its name, or its native or zoo config class)."""
+    family = _family(family)
+    plan = _zoo_plan(family, family.config_class.base_model_tp_plan)
+    if plan and _has_shared_experts(family):
+        # SharedMLP is a SwiGLU MLP: split like the dense MLPs (DeepSeek-V3's native plan does the same); its
+        # sigmoid gate (Qwen2-MoE, [1, H]) stays whole.
+        for proj, style in SHARED_TP.items():
+            plan.setdefault(f"{MLP}shared_experts.{proj}", style)
+    return plan
+
+
+def ep_plan(family) -> dict[str, str]:
+    """The zoo's ``base_model_ep_plan`` for ``family``: whole experts per rank, tokens dispatched by
+    transformers' ``ep_dispatch_experts`` (its EP implementations: all_reduce, all_to_all)."""
+    family = _family(family)
+    return _zoo_plan(family, family.config_class.base_model_ep_plan)
+
+
+def parallel_attributes(family) -> dict:
+    """Class attributes of the zoo config class of ``family``."""
+    return {"base_model_tp_plan": tp_plan(family), "base_model_ep_plan": ep_plan(family)}
+
+
+def _zoo_plan(family, native: dict | None) -> dict[str, str]:
+    plan = {}
+    for key, style in (native or {}).items():
+        key = _zoo_key(key, family.renames)
+        if key == EXPERTS or key.startswith(EXPERTS + "."):
+            style = ZOO_STYLES.get(style, style)
+        plan[key] = style
+    return plan
+
+
+def _zoo_key(key: str, renames: dict[str, str]) -> str:
+    """A native rule's path in the zoo block: the family's renames inside ``mlp.`` (``gate`` -> ``router``)."""
+    if not key.startswith(MLP):
+        return key
+    rest = key[len(MLP):] + "."
+    for old, new in renames.items():
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+            break
+    return MLP + rest[:-1]
+
+
+def _has_shared_experts(family) -> bool:
+    from zoo.architectures.family import Family
+
+    return type(family).shared_options is not Family.shared_options
+
+
+def _family(family):
+    if hasattr(family, "renames") and hasattr(family, "config_class"):
+        return family
+    from zoo.plugins import load_plugins, registry
+
+    load_plugins()
+    families = [r.obj for r in registry.all("architecture")]
+    if isinstance(family, str):
+        for fam in families:
+            if family in (fam.name, f"zoo_{fam.name}"):
+                return fam
+    elif isinstance(family, type):
+        zoo_family = getattr(family, "_zoo_family", None)
+        if zoo_family is not None:
+            return zoo_family
+        for fam in families:  # most derived first: a zoo config class subclasses its native one
+            if issubclass(family, fam.config_class) or getattr(family, "model_type", None) == f"zoo_{fam.name}":
+                return fam
+    raise KeyError(f"no registered MoE family for {family!r}")
+
+
+# ------------------------------------------------------------------------------------------------ styles
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _fits(module, kind: str) -> bool:
+    """Whether the ``kind`` ("tensor" or "expert") parallel style may shard ``module``; warns once per kind if not."""
+    ok = isinstance(module, Experts) and (
+        module.supports_tensor_parallel() if kind == "tensor" else module.supports_expert_parallel())
+    if not ok:
+        name = getattr(module, "name", "") or type(module).__name__
+        if (kind, name) not in _warned:
+            _warned.add((kind, name))
+            import torch.distributed as dist
+
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                logger.warning("%s experts (%s) have no %s-parallel form: they stay whole on every rank.",
+                               name, type(module).__name__, kind)
+    return ok
+
+
+if is_torch_distributed_available():
+    from torch.distributed.tensor import Shard
+    from transformers.distributed.expert_parallel import MoEParamShard
+    from transformers.distributed.tensor_parallel import (
+        MoeExpertsParallel,
+        PackedColwiseParallel,
+        RowwiseParallel,
+    )
+
+    class ExpertsPackedColwise(PackedColwiseParallel):
+        """``gate_up_proj [E, 2I, H]``: each rank holds its slice of the gate rows and the same slice of the up
+        rows (transformers' ``packed_colwise``), for the kinds that fit."""
+
+        def shard_param(self, module, param, mesh):
+            if _fits(module, "tensor"):
+                super().shard_param(module, param, mesh)
+
+    class ExpertsRowwise(RowwiseParallel):
+        """``down_proj [E, H, I]``: each rank holds its slice of the intermediate channels (``rowwise``)."""
+
+        def shard_param(self, module, param, mesh):
+            if _fits(module, "tensor"):
+                super().shard_param(module, param, mesh)
+
+    class ExpertsTensorParallel(MoeExpertsParallel):
+        """``moe_tp_experts`` (local weights, partial outputs summed across ranks, routing-weight gradients
+        summed in backward) for the kinds that fit; the others keep their own forward, whole on every rank."""
+
+        def install_forward(self, module, mesh):
+            if not _fits(module, "tensor"):
+                return module
+            return super().install_forward(module, mesh)
+
+    class ExpertsGroupedGemm(MoEParamShard):
+        """``grouped_gemm``: whole experts per rank (dim 0 split, ``num_experts`` narrowed to this rank's), for the
+        kinds whose every tensor is per expert. The others keep all experts on every rank: the EP dispatch then
+        sends every token to rank 0's experts (all of them), which is exact."""
+
+        def __init__(self):
+            super().__init__(Shard(0), shards_expert_dim=True)
+
+        def shard_param(self, module, param, mesh):
+            if _fits(module, "expert"):
+                super().shard_param(module, param, mesh)
+
+    ALL_PARALLEL_STYLES.register("zoo_experts_packed_colwise", ExpertsPackedColwise())
+    ALL_PARALLEL_STYLES.register("zoo_experts_rowwise", ExpertsRowwise())
+    ALL_PARALLEL_STYLES.register("zoo_experts_tp", ExpertsTensorParallel())
+    ALL_PARALLEL_STYLES.register("zoo_experts_grouped_gemm", ExpertsGroupedGemm())
