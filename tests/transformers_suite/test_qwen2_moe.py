@@ -1,0 +1,4 @@
+"""transformers' model tests for qwen2_moe: native classes and zoo classes (see README.md)."""
+from .zoo_variants import classes_for
+
+globals().update(classes_for("qwen2_moe", __name__))
