@@ -5,7 +5,9 @@ distributed machinery and compare their logits with the same folder loaded whole
 
 MODE is one of ``MODES``; the default is all of them. Rank 0 writes ``OUT.json``: one record per (model, mode)
 with ``max_diff`` (max |logit difference| over the batch), the sharded parameters' placements of one MoE layer,
-and ``error`` where the load or forward raised. It never asserts: tests/test_parallel.py does.
+and ``error`` where the load or forward raised; ``*_backward`` modes also compare the gradients of every parameter
+(``grad_rel_diff``: max over parameters of max |g - g_ref| / max |g_ref|, routers alone in ``router_grad_rel_diff``).
+It never asserts: tests/test_parallel.py does.
 """
 from __future__ import annotations
 
@@ -38,7 +40,11 @@ MODES = {
     "tp+ep_all_to_all": dict(distributed_config=dict(tp_size=2, ep_size=2, ep_implementation="all_to_all")),
     # expert parallel with FSDP for the rest: each rank holds its own batch (rank r: row r), tokens all-to-all
     "fsdp+ep": dict(distributed_config=dict(fsdp_size=2, ep_size=2)),
+    # training: gradients through the sharded experts (routing weights' gradients summed across ranks)
+    "tp_backward": dict(tp_plan="auto"),
+    "tp+ep_backward": dict(distributed_config=dict(tp_size=2, ep_size=2)),  # auto picks all_to_all with grads
 }
+DEFAULT_MODES = list(MODES)
 
 
 def patch_factory_plans():
@@ -65,29 +71,59 @@ def load(path, mode):
 
 
 def placements(model):
-    """Sharded parameters of the first MoE layer: name -> (placements, local shape)."""
+    """Sharded parameters of the MLP of the last layer: name -> (placements, local shape)."""
     from torch.distributed.tensor import DTensor
 
-    out = {}
-    for name, p in model.named_parameters():
-        if isinstance(p, DTensor) and ".mlp." in name:
-            layer = name.split(".layers.")[1].split(".")[0]
-            if not out or any(f".layers.{layer}." in n for n in out):
-                out[name] = [str(tuple(p.placements)), list(p.to_local().shape)]
-    return out
+    last = f".layers.{model.config.num_hidden_layers - 1}.mlp."
+    return {name: [str(tuple(p.placements)), list(p.to_local().shape)]
+            for name, p in model.named_parameters() if isinstance(p, DTensor) and last in name}
+
+
+def gradients(model, ids):
+    """Full gradients of every parameter for a fixed probe of the logits."""
+    from torch.distributed.tensor import DTensor
+
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids).logits
+    probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))
+    (logits.float() * probe).sum().backward()
+    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+            for n, p in model.named_parameters() if p.grad is not None}
 
 
 def run_case(path, mode, ref):
-    rank = dist.get_rank() if dist.is_initialized() else 0
     model = load(path, mode)
     rank = dist.get_rank()
     ids = IDS[rank:rank + 1] if mode.startswith("fsdp") else IDS
-    want = ref[rank:rank + 1] if mode.startswith("fsdp") else ref
+    want = ref["logits"][rank:rank + 1] if mode.startswith("fsdp") else ref["logits"]
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     diff = (logits.float() - want.float()).abs().max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)  # the worst rank
-    return {"max_diff": diff.item(), "placements": placements(model)}
+    rec = {"max_diff": diff.item(), "placements": placements(model)}
+    if mode.endswith("_backward"):
+        got, grads = gradients(model, ids), ref["grads"]()
+        rel = {n: ((got[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item() if n in got else float("inf")
+               for n, g in grads.items()}
+        rec["grad_rel_diff"] = max(rel.values())
+        rec["worst_grad"] = max(rel, key=rel.get)
+        rec["router_grad_rel_diff"] = max(v for n, v in rel.items() if ".mlp.router." in n or ".mlp.gate." in n)
+    return rec
+
+
+def reference(path):
+    """The folder loaded whole: its logits, and its gradients (computed on first use)."""
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = model(input_ids=IDS).logits
+    cache = {}
+
+    def grads():
+        if "g" not in cache:
+            cache["g"] = gradients(model, IDS)
+        return cache["g"]
+
+    return {"logits": logits, "grads": grads}
 
 
 def main():
@@ -101,22 +137,21 @@ def main():
     for spec in specs:
         name, _, rest = spec.partition("=")
         path, *modes = rest.split(",")
-        with torch.no_grad():
-            ref = AutoModelForCausalLM.from_pretrained(path).eval()(input_ids=IDS).logits
-        for mode in modes or list(MODES):
+        ref = reference(path)
+        for mode in modes or DEFAULT_MODES:
             start = time.perf_counter()
             try:
                 rec = run_case(path, mode, ref)
             except Exception as e:  # reported, not raised: the other cases still run
                 rec = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-            rec.update(model=name, mode=mode, seconds=round(time.perf_counter() - start, 2), patched=patched)
+            rec.update(model=name, mode=mode, seconds=round(time.perf_counter() - start, 2))
             records.append(rec)
             if rank == 0:
                 print(json.dumps({k: v for k, v in rec.items() if k not in ("traceback", "placements")}),
                       flush=True)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump(records, f, indent=1)
+            json.dump({"patched": patched, "records": records}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 
