@@ -34,8 +34,10 @@ class SigmoidBias(Router):
                          **options)
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = bool(norm_topk_prob), float(routed_scaling_factor)
-        # Updated outside backprop (aux-loss-free balancing), so a buffer, kept in fp32.
+        # Updated outside backprop (aux-loss-free balancing), so a buffer, kept in fp32; the gate is fp32 too, as
+        # DeepSeek-V3 keeps it (created so even under a bf16/fp16 default dtype).
         self.e_score_correction_bias = nn.Buffer(torch.zeros(num_experts, dtype=torch.float32))
+        self.weight = nn.Parameter(self.weight.detach().to(torch.float32))
 
     def init_weights(self, std: float) -> None:
         super().init_weights(std)

@@ -102,6 +102,7 @@ def adopt(model, family) -> None:
         module.__class__ = cls
         _CAN_RECORD_REGISTRY[module] = cls._can_record_outputs
     model.model.config = model.config
+    _gather_class_properties(model.model, model)
 
 
 def _init(self, config):
@@ -111,6 +112,7 @@ def _init(self, config):
     _build_zoo_blocks(self.model, config)
     apply_attention(self, getattr(config, "zoo_attention", None))  # first: module paths may run through it
     apply_modules(self, getattr(config, "zoo_modules", None))
+    _gather_class_properties(self.model, self)
 
 
 def _init_base(self, config):
@@ -120,6 +122,16 @@ def _init_base(self, config):
     apply_attention(SimpleNamespace(model=self, config=config), getattr(config, "zoo_attention", None))
     modules = getattr(config, "zoo_modules", None) or {}  # recorded from the causal LM: paths under "model."
     apply_modules(self, {k[len("model."):]: v for k, v in modules.items() if k.startswith("model.")})
+    _gather_class_properties(self)
+
+
+def _gather_class_properties(*models) -> None:
+    """``post_init`` copies class properties (fp32 module names) onto instances, and the outer model gathers
+    its children's; it ran while the modules were the family's own, so read them again off the zoo classes."""
+    gathered: set[str] = set()
+    for model in models:  # innermost first
+        model._keep_in_fp32_modules_strict = set(type(model)._keep_in_fp32_modules_strict or []) | gathered
+        gathered = model._keep_in_fp32_modules_strict
 
 
 def _build_zoo_blocks(base, config) -> None:
