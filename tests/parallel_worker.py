@@ -43,6 +43,9 @@ MODES = {
     # training: gradients through the sharded experts (routing weights' gradients summed across ranks)
     "tp_backward": dict(tp_plan="auto"),
     "tp+ep_backward": dict(distributed_config=dict(tp_size=2, ep_size=2)),  # auto picks all_to_all with grads
+    # save_pretrained from the sharded model (weights gathered, zoo_layout with the global expert counts),
+    # then the saved folder loaded whole
+    "tp+ep_save": dict(distributed_config=dict(tp_size=2, ep_size=2)),
 }
 DEFAULT_MODES = list(MODES)
 
@@ -91,7 +94,7 @@ def gradients(model, ids):
             for n, p in model.named_parameters() if p.grad is not None}
 
 
-def run_case(path, mode, ref):
+def run_case(path, mode, ref, scratch):
     model = load(path, mode)
     rank = dist.get_rank()
     ids = IDS[rank:rank + 1] if mode.startswith("fsdp") else IDS
@@ -108,6 +111,15 @@ def run_case(path, mode, ref):
         rec["grad_rel_diff"] = max(rel.values())
         rec["worst_grad"] = max(rel, key=rel.get)
         rec["router_grad_rel_diff"] = max(v for n, v in rel.items() if ".mlp.router." in n or ".mlp.gate." in n)
+    if mode.endswith("_save"):
+        model.save_pretrained(scratch)
+        dist.barrier()
+        with torch.no_grad():
+            again = AutoModelForCausalLM.from_pretrained(scratch).eval()(input_ids=IDS).logits
+        saved = (again - ref["logits"]).abs().max()
+        dist.all_reduce(saved, op=dist.ReduceOp.MAX)
+        rec["saved_max_diff"] = saved.item()
+        dist.barrier()
     return rec
 
 
@@ -141,7 +153,8 @@ def main():
         for mode in modes or DEFAULT_MODES:
             start = time.perf_counter()
             try:
-                rec = run_case(path, mode, ref)
+                scratch = os.path.join(os.path.dirname(os.path.abspath(out_path)), f"saved-{name}-{mode}")
+                rec = run_case(path, mode, ref, scratch)
             except Exception as e:  # reported, not raised: the other cases still run
                 rec = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
             rec.update(model=name, mode=mode, seconds=round(time.perf_counter() - start, 2))

@@ -199,7 +199,7 @@ def test_layout_keeps_the_global_expert_count():
 
 DIST_FAMILIES = ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"]
 MODELS = [f"{f}_{k}" for f in DIST_FAMILIES for k in ("native", "zoo")] + ["mixed_zoo"]
-MODES = ["tp", "tp+ep", "tp+ep_all_to_all", "fsdp+ep", "tp_backward", "tp+ep_backward"]
+MODES = ["tp", "tp+ep", "tp+ep_all_to_all", "fsdp+ep", "tp_backward", "tp+ep_backward", "tp+ep_save"]
 
 
 def _distributed_unavailable() -> str | None:
@@ -257,6 +257,8 @@ def test_sharded_logits_match_whole_model(runs, model, mode):
     if mode.endswith("_backward"):
         assert rec["grad_rel_diff"] <= 1e-4, rec  # every parameter, routers included
         assert rec["router_grad_rel_diff"] <= 1e-4, rec
+    if mode.endswith("_save"):
+        assert rec["saved_max_diff"] <= 1e-6, rec  # the gathered weights, whole again
 
 
 @pytest.mark.parametrize("model", ["mixtral_zoo", "qwen2_moe_zoo", "deepseek_v3_zoo"])

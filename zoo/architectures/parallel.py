@@ -15,10 +15,15 @@ shard a model by the plans its classes carry: ``base_model_tp_plan`` / ``base_mo
   it does not fit gives wrong numbers silently (e.g. ``moe_tp_experts`` sums whole outputs of unsharded
   experts across ranks). The zoo styles below shard only kinds that say they fit
   (``Experts.supports_tensor_parallel`` / ``supports_expert_parallel``); the others stay whole on every rank
-  (exact, not smaller), with a warning on rank 0.
+  (exact, not smaller), with a warning on rank 0. (A kind holding none of the EP plan's weights, e.g.
+  quantized or factored, is still hooked by ``ep_dispatch_experts``, whose name transformers hard-codes; with
+  all its experts on every rank the dispatch sends every token to rank 0's copy, which is exact too.)
 
-The factory puts ``parallel_attributes(family)`` on each zoo config class. Routers stay replicated (no native
-MoE plan of these families shards its router either; the ``ep_router`` style was removed in transformers 5.21).
+The factory puts ``parallel_attributes(family)`` on each zoo config class. A model converted in memory
+(``zoo.convert``) copied its native plans at init: ``init_parallel_plans()`` on the base model, then on the LM,
+after the class swap, gives it the zoo's. Routers stay replicated (no native MoE plan of these families shards
+its router; the ``ep_router`` style was removed in transformers 5.21). Shared experts are split like a dense
+MLP, for Qwen2-MoE too (whose native plan leaves ``mlp.shared_expert`` whole).
 """
 from __future__ import annotations
 

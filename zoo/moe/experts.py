@@ -133,18 +133,20 @@ class SwiGLUExperts(Experts):
             opts.update(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         return opts
 
+    def _stored(self) -> set[str]:
+        return {n for n, _ in self.named_parameters(recurse=False)} | {n for n, _ in self.named_buffers(recurse=False)}
+
     def supports_tensor_parallel(self) -> bool:
-        # Exact when each rank's slice of the intermediate channels is independent: SwiGLU's own compute, and no
-        # biases (a down-projection bias would be added once per rank). Subclasses that change the compute
-        # (e.g. a per-token channel selection) or the storage inherit False unless they keep all of it.
+        # Exact when each rank's slice of the intermediate channels is independent: SwiGLU's own compute on its
+        # own two weights, no biases (a down-projection bias would be added once per rank). Subclasses that
+        # change the compute (e.g. a per-token channel selection) or what is stored get False.
         cls = type(self)
         own = all(getattr(cls, m) is getattr(SwiGLUExperts, m) for m in _TP_METHODS)
-        return own and self.gate_up_proj_bias is None and self.down_proj_bias is None
+        return own and self._stored() == {"gate_up_proj", "down_proj"}
 
     def supports_expert_parallel(self) -> bool:
         # Whole experts per rank: any per-expert compute fits, as long as all that is stored is per expert.
-        stored = {n for n, _ in self.named_parameters(recurse=False)} | {n for n, _ in self.named_buffers(recurse=False)}
-        return stored <= {"gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"}
+        return self._stored() <= {"gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"}
 
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
