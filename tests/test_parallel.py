@@ -128,9 +128,7 @@ def test_factory_sets_the_plans():
     missing = [cfg.__name__ for cfg, _, lm in _CLASSES.values()
                if cfg.__dict__.get("base_model_tp_plan") != parallel.tp_plan(lm._zoo_family)
                or cfg.__dict__.get("base_model_ep_plan") != parallel.ep_plan(lm._zoo_family)]
-    if missing:
-        pytest.skip(f"the factory does not set parallel.parallel_attributes(family) on {missing} yet "
-                    "(the tests here patch them in)")
+    assert not missing, f"the factory does not set parallel.parallel_attributes(family) on {missing}"
 
 
 # --------------------------------------------------------------------------------------------- adapters

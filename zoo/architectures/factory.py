@@ -14,6 +14,7 @@ from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder
 
+from zoo.architectures import parallel
 from zoo.atomic import atomic_directory
 from zoo.layout import (
     apply_attention,
@@ -40,6 +41,7 @@ def zoo_classes(family):
         "__annotations__": {"zoo_layout": list | None, "zoo_recipe": list | None},
         "zoo_layout": None, "zoo_recipe": None,
         "model_type": f"zoo_{family.name}",
+        **parallel.parallel_attributes(family),  # transformers' TP/EP plans, in the zoo block's module paths
     })
     inner_native = _inner_class(lm)
     recorders = {**inner_native._can_record_outputs, "router_logits": OutputRecorder(Router, index=2)}
@@ -103,6 +105,8 @@ def adopt(model, family) -> None:
         _CAN_RECORD_REGISTRY[module] = cls._can_record_outputs
     model.model.config = model.config
     _gather_class_properties(model.model, model)
+    model.model.init_parallel_plans()  # post_init copied the native plans onto the instances: the zoo's now
+    model.init_parallel_plans()
 
 
 def _init(self, config):
