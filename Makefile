@@ -20,6 +20,11 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# transformers' own model tests, every family, native and zoo classes, all of them (`make test` runs a subset)
+.PHONY: test-transformers
+test-transformers: $(VENV)/.installed
+	MOE_ZOO_FULL_TRANSFORMERS=1 $(PY) -m pytest -q tests/transformers_suite
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/moe_block.py
 

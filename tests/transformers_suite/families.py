@@ -23,14 +23,19 @@ from .upstream.test_training_mixin import TrainingTesterMixin
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
 
 # Family -> (class-name prefix in transformers, extra config kwargs). Small on purpose: 2 layers, 4-8 experts.
+# qwen2_moe, qwen3_moe and deepseek_v3 get a dense first layer (as their real checkpoints may have): a mixed model,
+# and the layout `test_tp_plan_matches_params` sets on the config after building it (`mlp_only_layers=[0]`,
+# `first_k_dense_replace=1`) -- a zoo config's `zoo_layout`, recorded when the config is built, decides which layers
+# are MoE, so that test's later edit would not reach a zoo model.
 FAMILY_CONFIGS = {
     "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8)),
     "qwen2_moe": ("Qwen2Moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                                   shared_expert_intermediate_size=32, norm_topk_prob=False)),
+                                   shared_expert_intermediate_size=32, norm_topk_prob=False,
+                                   mlp_only_layers=[0])),
     "qwen3_moe": ("Qwen3Moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                                   norm_topk_prob=True)),
+                                   norm_topk_prob=True, mlp_only_layers=[0])),
     "olmoe": ("Olmoe", dict(num_experts=8, num_experts_per_tok=2)),
-    "deepseek_v3": ("DeepseekV3", dict(n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+    "deepseek_v3": ("DeepseekV3", dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
                                        topk_group=1, first_k_dense_replace=1, moe_intermediate_size=16,
                                        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                        v_head_dim=16, routed_scaling_factor=2.5, rope_interleave=True)),
