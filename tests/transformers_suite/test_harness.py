@@ -36,3 +36,20 @@ def test_zoo_variant_has_the_heads_the_zoo_makes(family):
 
 def test_every_skip_has_a_reason():
     assert all(isinstance(r, str) and len(r) > 10 for r in SKIPS.values())
+
+
+def test_skip_patterns_match_variant_family_and_test(monkeypatch):
+    from transformers_suite import skips
+
+    monkeypatch.setattr(skips, "SKIPS", {"zoo/*/test_foo_*": "because"})
+    assert skips.reason_for("zoo", "mixtral", "test_foo_0_fp16") == "because"
+    assert skips.reason_for("native", "mixtral", "test_foo_0_fp16") is None
+    assert skips.reason_for("zoo", "mixtral", "test_bar") is None
+
+
+def test_full_only_keeps_one_of_each_parameterized_group():
+    from transformers_suite.conftest import DEFAULT_KEEPS, full_only
+
+    assert full_only("test_training_overfit") and full_only("test_eager_matches_sdpa_inference_00_fp16_pad_left")
+    assert not any(full_only(name) for name in DEFAULT_KEEPS)
+    assert not full_only("test_save_load")
