@@ -5,9 +5,13 @@ as pytest shows it, parameterized suffix included).
 """
 
 SKIPS: dict[str, str] = {
-    # Empty: every vendored test applies to the zoo classes as it does to the native ones. A test that skips itself
-    # (no GPU, no flash-attention, "model is not composite", ...) is not listed; RESULTS.md lists the tests whose
-    # outcome differs between native and zoo.
+    # A test that skips itself (no GPU, no flash-attention, "model is not composite", ...) is not listed;
+    # RESULTS.md lists the tests whose outcome differs between native and zoo.
+    "zoo/*/test_eager_matches_batched_and_grouped_inference*": (
+        "compares transformers' experts kernels (batched_mm, grouped_mm) with eager on the native experts "
+        "signature; zoo experts run one dispatch of their own (checked against a naive reference in "
+        "tests/test_moe_block.py), and an experts_implementation other than 'eager' is refused, not ignored "
+        "(tests/test_transformers_citizen.py)"),
 }
 
 

@@ -1,16 +1,14 @@
 """One factory makes the zoo config/model classes of every family from the family's own classes."""
-from __future__ import annotations
-
 import os
 import sys
-
 from types import SimpleNamespace
 
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForQuestionAnswering,
                           AutoModelForSequenceClassification, AutoModelForTokenClassification)
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
-from transformers.utils import can_return_tuple
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder
 
@@ -117,6 +115,7 @@ def _init(self, config):
     apply_attention(self, getattr(config, "zoo_attention", None))  # first: module paths may run through it
     apply_modules(self, getattr(config, "zoo_modules", None))
     _gather_class_properties(self.model, self)
+    self.init_weights()  # the new modules through _init_weights, as post_init did for the family's own
 
 
 def _init_base(self, config):
@@ -127,6 +126,7 @@ def _init_base(self, config):
     modules = getattr(config, "zoo_modules", None) or {}  # recorded from the causal LM: paths under "model."
     apply_modules(self, {k[len("model."):]: v for k, v in modules.items() if k.startswith("model.")})
     _gather_class_properties(self)
+    self.init_weights()
 
 
 def _gather_class_properties(*models) -> None:
@@ -173,7 +173,7 @@ def _initialize_missing_keys(self, is_quantized: bool) -> None:
 @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
 def _forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
              labels=None, use_cache=None, output_router_logits=None, logits_to_keep=0,
-             **kwargs) -> MoeCausalLMOutputWithPast:
+             **kwargs: Unpack[TransformersKwargs]) -> MoeCausalLMOutputWithPast:
     """The family's causal-LM forward; its balance loss is the family's own when every MoE layer has the same
     expert count and k, and the mean of per-layer losses (same convention) where layers differ."""
     if output_router_logits is None:
