@@ -145,7 +145,10 @@ def _build_zoo_blocks(base, config) -> None:
     if config.zoo_layout is None:
         for layer in base.layers:
             if isinstance(layer.mlp, family.block_class):
+                initialised = getattr(layer.mlp, "_is_hf_initialized", False)
                 layer.mlp = family.from_native(layer.mlp, config)
+                for module in layer.mlp.modules():  # the family's initialisation already ran on these tensors
+                    module._is_hf_initialized = initialised
     else:
         apply_layout(base, config.zoo_layout)
 
