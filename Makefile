@@ -17,8 +17,18 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 run: $(VENV)/.installed
 	$(VENV)/bin/moe-zoo tour
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed system-deps
 	$(PY) -m pytest -q
+
+# System packages some tests need: Debian's chromium and its driver (the browser test), espeak-ng (the spoken
+# digits of the multimodal data). Installed when missing and apt-get can (as root); otherwise a one-line hint.
+.PHONY: system-deps
+system-deps:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null || ! command -v espeak-ng >/dev/null; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver espeak-ng >/dev/null; \
+	  else echo "missing system packages: install chromium, chromium-driver and espeak-ng (Debian names)"; exit 1; fi; \
+	fi
 
 # transformers' own model tests, every family, native and zoo classes, all of them (`make test` runs a subset)
 .PHONY: test-transformers
