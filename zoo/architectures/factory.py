@@ -56,7 +56,8 @@ def zoo_classes(family):
         **common, "_zoo_inner_class": inner_cls,
         "__init__": _init, "forward": _forward, "save_pretrained": _save_pretrained,
     })
-    heads = [type(f"Zoo{native.__name__}", (native,), {**common, "__init__": _init_head, "_zoo_native_init": native.__init__})
+    heads = [type(f"Zoo{native.__name__}", (native,),
+                  {**common, "__init__": _init_head, "_zoo_native_init": native.__init__})
              for native in _native_heads(lm)]
     for cls in (cfg_cls, inner_cls, lm_cls, *heads):
         setattr(module, cls.__name__, cls)
