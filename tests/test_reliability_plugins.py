@@ -344,3 +344,17 @@ def test_a_plugin_imported_before_zoo_still_registers(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "'late-router'" in res.stdout and "'topk-softmax'" in res.stdout, res.stdout
     assert res.stdout.rstrip().endswith("['exit_hook', 'exit_import']"), res.stdout  # not 'late'
+
+
+def test_a_misspelt_hook_is_reported_with_the_right_name(plugins):
+    plugins.add("typo_hook", """
+        import zoo
+        @zoo.hookimpl
+        def register_compresors(register):
+            pass
+        """)
+    plugins.add("good_one", ROUTER.format(name="good-router"))
+    found = plugins.load()
+    assert one_line(found["typo_hook"]["error"]).startswith(
+        "unknown hook 'register_compresors' is never called; did you mean 'register_compressors'")
+    assert found["good_one"]["components"] == ["router:good-router"] and "error" not in found["good_one"]

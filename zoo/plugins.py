@@ -107,8 +107,21 @@ def _register(name: str, load) -> bool:
         return True
     if _initializing(module):  # its hooks are not defined yet: register it on the next call
         return False
-    _guarded(name, "import", pm.register, module, name=name)
+    if _guarded(name, "import", pm.register, module, name=name) is not _FAILED:
+        _check_hook_names(name, module)
     return True
+
+
+def _check_hook_names(plugin: str, module) -> None:
+    """A hook implementation whose name is no hook (``register_compresors``) would never be called: report it."""
+    from zoo.options import suggest
+
+    specs = [n for n in dir(hookspecs) if getattr(getattr(hookspecs, n), "moe_zoo_spec", None) is not None]
+    for attr in dir(module):
+        opts = getattr(getattr(module, attr, None), "moe_zoo_impl", None)
+        name = (opts or {}).get("specname") or attr
+        if opts is not None and name not in specs:
+            _record(plugin, f"unknown hook {name!r} is never called{suggest(name, specs)}")
 
 
 def _import_plugins() -> bool:
