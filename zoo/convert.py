@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from zoo.atomic import atomic_directory
-from zoo.layout import moe_layers, read_layout, sync_layout
+from zoo.layout import block_attr, block_prefix, decoder_layers, moe_layers, read_layout, sync_layout
 from zoo.plugins import load_plugins, registry
 
 
@@ -16,7 +16,7 @@ def family_of(model):
         return zoo_family
     families = [r.obj for r in registry.all("architecture")]
     for fam in families:
-        if isinstance(model, fam.model_class):
+        if fam.matches(model):
             return fam
     known = ", ".join(f.name for f in families)
     raise TypeError(f"{type(model).__name__} is not a supported MoE family (supported: {known})")
@@ -33,9 +33,12 @@ def convert(model):
     if getattr(type(model), "_zoo_family", None) is not None:
         return model  # already converted
     config = model.config
-    for layer in model.model.layers:
-        if isinstance(layer.mlp, fam.block_class):
-            layer.mlp = fam.from_native(layer.mlp, config)
+    fam.discover(model.model)
+    attr = block_attr(model, fam)
+    blocks = [(layer, fam.from_native(getattr(layer, attr), config)) for layer in decoder_layers(model, fam)
+              if isinstance(getattr(layer, attr, None), fam.block_class)]  # all built before any is swapped
+    for layer, block in blocks:
+        setattr(layer, attr, block)
     adopt(model, fam)
     # transformers saves a model under the key names it was loaded from (e.g. Mixtral's per-expert w1/w2/w3
     # of older checkpoints); a zoo model saves under its own names, which is what loading it expects
@@ -79,7 +82,7 @@ def export(model, path) -> str:
     native_cfg = native_config(model)
     state = dict(model.state_dict())
     for i, moe in moe_layers(model):
-        prefix = f"model.layers.{i}.mlp."
+        prefix = block_prefix(model, i)
         for key in [k for k in state if k.startswith(prefix)]:
             del state[key]
         for key, value in fam.to_native_state(moe.state_dict()).items():
@@ -89,7 +92,7 @@ def export(model, path) -> str:
     with torch.device("meta"):
         native = fam.model_class(native_cfg)
     native.load_state_dict(state, strict=True, assign=True)
-    if model.config.tie_word_embeddings:
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         native.tie_weights()
     native.generation_config = model.generation_config
     with atomic_directory(path) as tmp:

@@ -1,18 +1,57 @@
 """Per-layer structure of a zoo model (``config.zoo_layout``): read it off a model, rebuild blocks from it."""
 from __future__ import annotations
 
+from torch import nn
+
 from zoo.moe import SharedMLP, SparseMoE
+
+
+def family_and_base(model, family=None):
+    """(family spec or None, base model) of a zoo or native model, or of its base model."""
+    base = getattr(model, "model", model)
+    if not isinstance(base, nn.Module):
+        base = model
+    fam = family or getattr(type(model), "_zoo_family", None) or getattr(type(base), "_zoo_family", None)
+    return fam, base
+
+
+def decoder_layers(model, family=None):
+    """The decoder layers (``model.layers`` for text families; the language model's for vision-language ones)."""
+    fam, base = family_and_base(model, family)
+    return base.get_submodule(getattr(fam, "layers_path", None) or "layers")
+
+
+def block_attr(model, family=None) -> str:
+    """The decoder-layer attribute that holds the MoE block (``mlp``, ``feed_forward``, ``block_sparse_moe``...)."""
+    fam, _ = family_and_base(model, family)
+    return getattr(fam, "block_attr", None) or "mlp"
+
+
+def block_of(model, i: int, family=None):
+    return getattr(decoder_layers(model, family)[i], block_attr(model, family), None)
+
+
+def set_block(model, i: int, block, family=None) -> None:
+    setattr(decoder_layers(model, family)[i], block_attr(model, family), block)
+
+
+def block_prefix(model, i: int, family=None) -> str:
+    """State-dict prefix of layer i's MoE block in the causal-LM (or conditional-generation) model."""
+    fam, _ = family_and_base(model, family)
+    return f"model.{getattr(fam, 'layers_path', None) or 'layers'}.{i}.{block_attr(model, family)}."
 
 
 def moe_layers(model):
     """(layer index, SparseMoE) for every converted MoE layer of a model."""
-    base = getattr(model, "model", model)
-    return [(i, layer.mlp) for i, layer in enumerate(base.layers) if isinstance(layer.mlp, SparseMoE)]
+    attr = block_attr(model)
+    return [(i, getattr(layer, attr)) for i, layer in enumerate(decoder_layers(model))
+            if isinstance(getattr(layer, attr, None), SparseMoE)]
 
 
 def read_layout(model) -> list[dict | None]:
-    base = getattr(model, "model", model)
-    return [layer.mlp.layout() if isinstance(layer.mlp, SparseMoE) else None for layer in base.layers]
+    attr = block_attr(model)
+    return [getattr(layer, attr).layout() if isinstance(getattr(layer, attr, None), SparseMoE) else None
+            for layer in decoder_layers(model)]
 
 
 def read_modules(model) -> dict:
@@ -25,9 +64,8 @@ def read_modules(model) -> dict:
 def read_attention(model) -> list[dict | None]:
     """Per decoder layer, the ``layout()`` of a wrapped self-attention (a router with ``target = "attention"``,
     e.g. mixture-of-heads), or None where the family's own attention is unchanged."""
-    base = getattr(model, "model", model)
-    return [layer.self_attn.layout() if callable(getattr(layer.self_attn, "layout", None)) else None
-            for layer in base.layers]
+    return [layer.self_attn.layout() if callable(getattr(getattr(layer, "self_attn", None), "layout", None)) else None
+            for layer in decoder_layers(model)]
 
 
 def sync_layout(model) -> None:
@@ -135,11 +173,11 @@ def _failing_part(entry) -> str:
 
 
 def apply_layout(model, layout) -> None:
-    base = getattr(model, "model", model)
-    check_layout(layout, len(base.layers), model.config.hidden_size)
+    layers, attr = decoder_layers(model), block_attr(model)
+    check_layout(layout, len(layers), model.config.get_text_config().hidden_size)
     for i, entry in enumerate(layout or []):
         if entry:
-            base.layers[i].mlp = build_block(entry)
+            setattr(layers[i], attr, build_block(entry))
 
 
 def apply_modules(model, modules) -> None:

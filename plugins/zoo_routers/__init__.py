@@ -7,6 +7,7 @@ def register_routers(register):
     from zoo_routers.expert_choice import ExpertChoice
     from zoo_routers.mixture_of_heads import MixtureOfHeads
     from zoo_routers.remix import Remix
+    from zoo_routers.scored_topk import ScoredTopK
     from zoo_routers.sigmoid_bias import SigmoidBias
     from zoo_routers.steer import Steer
     from zoo_routers.top_p import TopP
@@ -19,3 +20,4 @@ def register_routers(register):
     register(Steer)
     register(MixtureOfHeads)
     register(Remix)
+    register(ScoredTopK)

@@ -1,10 +1,15 @@
-"""First-party architectures: the six native MoE families, registered through ``register_architectures``."""
+"""First-party architectures: six families with specs of their own, and every other MoE family transformers ships
+through the generic adapter (``zoo.architectures.families``), registered through ``register_architectures``."""
 from zoo.hookspecs import hookimpl
 
 
 @hookimpl
 def register_architectures(register):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
     from zoo.architectures.deepseek_v3 import DeepseekV3
+    from zoo.architectures.families import GENERIC
+    from zoo.architectures.generic import GenericFamily
     from zoo.architectures.gpt_oss import GptOss
     from zoo.architectures.mixtral import Mixtral
     from zoo.architectures.olmoe import Olmoe
@@ -13,6 +18,9 @@ def register_architectures(register):
 
     for family in (Mixtral(), Qwen2Moe(), Qwen3Moe(), Olmoe(), DeepseekV3(), GptOss()):
         register(family)
+    for model_type, auto in GENERIC.items():
+        if model_type in CONFIG_MAPPING_NAMES:  # an older transformers may lack some
+            register(GenericFamily(model_type, auto))
 
 
 @hookimpl

@@ -3,7 +3,8 @@ import os
 import sys
 from types import SimpleNamespace
 
-from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForQuestionAnswering,
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          AutoModelForQuestionAnswering,
                           AutoModelForSequenceClassification, AutoModelForTokenClassification)
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
@@ -18,6 +19,8 @@ from zoo.layout import (
     apply_attention,
     apply_layout,
     apply_modules,
+    block_attr,
+    decoder_layers,
     moe_layers,
     sync_layout,
 )
@@ -28,19 +31,45 @@ from zoo.moe.init import init_zoo_module, initialize_missing_keys
 _CLASSES: dict[str, tuple] = {}
 
 
-def zoo_classes(family):
-    """(config class, base-model class, causal-LM class) of ``zoo_<family>``; registered with the Auto classes."""
-    if family.name in _CLASSES:
-        return _CLASSES[family.name]
-    module = sys.modules[__name__]
-    base_cfg, lm = family.config_class, family.model_class
-    cfg_cls = type(f"Zoo{base_cfg.__name__}", (base_cfg,), {
+_CONFIGS: dict[str, type] = {}
+
+
+def zoo_config_class(family):
+    """The ``zoo_<family>`` config class, registered with ``AutoConfig``. Cheap: families converted by the generic
+    adapter build their model classes when a config of theirs is first made (``__post_init__``), so importing
+    the zoo does not import every family's modeling code."""
+    if family.name in _CONFIGS:
+        return _CONFIGS[family.name]
+    base_cfg = family.config_class
+    attrs = {
         "__module__": __name__,
         "__annotations__": {"zoo_layout": list | None, "zoo_recipe": list | None},
         "zoo_layout": None, "zoo_recipe": None,
         "model_type": f"zoo_{family.name}",
         **parallel.parallel_attributes(family),  # transformers' TP/EP plans, in the zoo block's module paths
-    })
+    }
+    if getattr(family, "generic", False):
+        def __post_init__(self, **kwargs):
+            base_cfg.__post_init__(self, **kwargs)
+            zoo_classes(family)
+
+        attrs["__post_init__"] = __post_init__
+    cfg_cls = type(f"Zoo{base_cfg.__name__}", (base_cfg,), attrs)
+    setattr(sys.modules[__name__], cfg_cls.__name__, cfg_cls)
+    AutoConfig.register(cfg_cls.model_type, cfg_cls, exist_ok=True)
+    _CONFIGS[family.name] = cfg_cls
+    return cfg_cls
+
+
+AUTO_CLASSES = {"causal-lm": AutoModelForCausalLM, "image-text-to-text": AutoModelForImageTextToText}
+
+
+def zoo_classes(family):
+    """(config class, base-model class, top model class) of ``zoo_<family>``; registered with the Auto classes."""
+    if family.name in _CLASSES:
+        return _CLASSES[family.name]
+    module = sys.modules[__name__]
+    cfg_cls, lm = zoo_config_class(family), family.model_class
     inner_native = _inner_class(lm)
     recorders = {**inner_native._can_record_outputs, "router_logits": OutputRecorder(Router, index=2)}
     common = {
@@ -53,17 +82,16 @@ def zoo_classes(family):
         **common, "__init__": _init_base, "_zoo_native_init": inner_native.__init__,
     })
     lm_cls = type(f"Zoo{lm.__name__}", (lm,), {
-        **common, "_zoo_inner_class": inner_cls,
-        "__init__": _init, "forward": _forward, "save_pretrained": _save_pretrained,
+        **common, "_zoo_inner_class": inner_cls, "__init__": _init, "save_pretrained": _save_pretrained,
+        **({"forward": _forward} if family.zoo_forward else {}),
     })
     heads = [type(f"Zoo{native.__name__}", (native,),
                   {**common, "__init__": _init_head, "_zoo_native_init": native.__init__})
              for native in _native_heads(lm)]
-    for cls in (cfg_cls, inner_cls, lm_cls, *heads):
+    for cls in (inner_cls, lm_cls, *heads):
         setattr(module, cls.__name__, cls)
-    AutoConfig.register(cfg_cls.model_type, cfg_cls, exist_ok=True)
     AutoModel.register(cfg_cls, inner_cls, exist_ok=True)
-    AutoModelForCausalLM.register(cfg_cls, lm_cls, exist_ok=True)
+    AUTO_CLASSES[family.auto].register(cfg_cls, lm_cls, exist_ok=True)
     for head in heads:
         HEAD_AUTO_CLASSES[head.__name__.rsplit("For", 1)[1]].register(cfg_cls, head, exist_ok=True)
     _CLASSES[family.name] = (cfg_cls, inner_cls, lm_cls)
@@ -71,7 +99,13 @@ def zoo_classes(family):
 
 
 def _inner_class(lm):
-    return lm.__init__.__globals__[lm.__name__.replace("ForCausalLM", "Model")]
+    """The family's base-model class (``XModel`` beside ``XForCausalLM`` / ``XForConditionalGeneration``)."""
+    names = lm.__init__.__globals__
+    stem = lm.__name__.replace("ForCausalLM", "").replace("ForConditionalGeneration", "")
+    for name in (f"{stem}Model", f"{stem}TextModel"):
+        if isinstance(names.get(name), type):
+            return names[name]
+    raise TypeError(f"no base-model class beside {lm.__name__}")
 
 
 HEAD_AUTO_CLASSES = {"SequenceClassification": AutoModelForSequenceClassification,
@@ -143,13 +177,17 @@ def _build_zoo_blocks(base, config) -> None:
     """The MoE blocks of ``config.zoo_layout``; a config without one (a fresh config) gets the family's
     native blocks converted, so every zoo model holds ``SparseMoE`` blocks."""
     family = type(base)._zoo_family
+    family.discover(base)
     if config.zoo_layout is None:
-        for layer in base.layers:
-            if isinstance(layer.mlp, family.block_class):
-                initialised = getattr(layer.mlp, "_is_hf_initialized", False)
-                layer.mlp = family.from_native(layer.mlp, config)
-                for module in layer.mlp.modules():  # the family's initialisation already ran on these tensors
+        attr = block_attr(base)
+        for layer in decoder_layers(base):
+            native = getattr(layer, attr, None)
+            if isinstance(native, family.block_class):
+                initialised = getattr(native, "_is_hf_initialized", False)
+                block = family.from_native(native, config)
+                for module in block.modules():  # the family's initialisation already ran on these tensors
                     module._is_hf_initialized = initialised
+                setattr(layer, attr, block)
     else:
         apply_layout(base, config.zoo_layout)
 
@@ -166,7 +204,8 @@ def _experts_implementation(self, requested):
 def _init_weights(self, module):
     """The family's initialisation for its own modules, the zoo modules' ``init_weights`` for theirs."""
     self._zoo_family.model_class._init_weights(self, module)
-    init_zoo_module(module, getattr(self.config, "initializer_range", None) or 0.02)
+    std = getattr(self.config, "initializer_range", None) or getattr(self.config.get_text_config(), "initializer_range", None)
+    init_zoo_module(module, std or 0.02)
 
 
 def _initialize_missing_keys(self, is_quantized: bool) -> None:

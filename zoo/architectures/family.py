@@ -10,6 +10,10 @@ class NotExportable(ValueError):
     """The layout cannot be written in the family's native format."""
 
 
+class NotConvertible(TypeError):
+    """A native model (or block) the zoo cannot hold without changing what it computes; the message says why."""
+
+
 class Family:
     name: str = ""  # e.g. "mixtral"; the zoo model type is "zoo_<name>"
     summary: str = ""
@@ -27,6 +31,21 @@ class Family:
     renames: dict[str, str] = {"gate.": "router."}  # native -> zoo key prefixes inside the MLP
     aux_loss = True
     keep_in_fp32: list[str] | None = None
+    auto = "causal-lm"  # the Auto class users load the family with ("causal-lm" or "image-text-to-text")
+    zoo_forward = True  # the zoo's causal-LM forward (balance loss over layers that may differ) replaces the family's
+    layers_path = "layers"  # the decoder layers, below the base model
+    block_attr = "mlp"  # a decoder layer's attribute holding the MoE block
+
+    def matches(self, model) -> bool:
+        """Whether ``model`` is a native model of this family."""
+        return isinstance(model, self.model_class)
+
+    def text_config(self, config):
+        """The config that holds the decoder's MoE keys (a vision-language config's text part)."""
+        return config
+
+    def discover(self, base) -> None:
+        """Read where the blocks are off a base model (first-party specs know it already)."""
 
     # ---- structure -------------------------------------------------------------------------------
     def moe_layer_ids(self, config) -> list[int]:
@@ -78,15 +97,7 @@ class Family:
         moe = {i: e for i, e in enumerate(layout) if e}
         if not moe:
             raise NotExportable("the model has no MoE layer")
-        attention = [i for i, e in enumerate(getattr(config, "zoo_attention", None) or []) if e]
-        if attention:
-            raise NotExportable(f"layers {attention} have {self.name} attention wrapped by "
-                                f"{config.zoo_attention[attention[0]]['router']!r}, which has no native form")
-        modules = getattr(config, "zoo_modules", None) or {}
-        if modules:
-            adapters = sorted({spec["adapter"] for spec in modules.values()})
-            raise NotExportable(f"{len(modules)} modules carry {adapters} adapter(s); merge them into the base "
-                                f"weights first (native {self.name} has no place for them)")
+        self._check_exportable_parts(config)
         first_i, first = next(iter(moe.items()))
         for i, e in moe.items():
             if (e["num_experts"], e["num_experts_per_tok"]) != (first["num_experts"], first["num_experts_per_tok"]):
@@ -110,10 +121,22 @@ class Family:
                                         f"needs {expected[key]!r}")
         return native
 
-    def register_auto_classes(self) -> None:
-        from zoo.architectures.factory import zoo_classes
+    def _check_exportable_parts(self, config) -> None:
+        """Wrapped attention and adapter modules have no native form."""
+        attention = [i for i, e in enumerate(getattr(config, "zoo_attention", None) or []) if e]
+        if attention:
+            raise NotExportable(f"layers {attention} have {self.name} attention wrapped by "
+                                f"{config.zoo_attention[attention[0]]['router']!r}, which has no native form")
+        modules = getattr(config, "zoo_modules", None) or {}
+        if modules:
+            adapters = sorted({spec["adapter"] for spec in modules.values()})
+            raise NotExportable(f"{len(modules)} modules carry {adapters} adapter(s); merge them into the base "
+                                f"weights first (native {self.name} has no place for them)")
 
-        zoo_classes(self)
+    def register_auto_classes(self) -> None:
+        from zoo.architectures.factory import zoo_classes, zoo_config_class
+
+        zoo_config_class(self) if getattr(self, "generic", False) else zoo_classes(self)
 
 
 def _rename(key: str, table: dict[str, str]) -> str:

@@ -71,7 +71,10 @@ def ep_plan(family) -> dict[str, str]:
 
 
 def parallel_attributes(family) -> dict:
-    """Class attributes of the zoo config class of ``family``."""
+    """Class attributes of the zoo config class of ``family``. Families converted by the generic adapter get no
+    plans: their native plans name native module paths, and the zoo's renames are known only per block."""
+    if getattr(family, "generic", False):
+        return {"base_model_tp_plan": {}, "base_model_ep_plan": {}}
     return {"base_model_tp_plan": tp_plan(family), "base_model_ep_plan": ep_plan(family)}
 
 

@@ -3,29 +3,33 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
 from zoo.moe.experts import Experts
 from zoo.moe.routing import Router
 
 
 class SharedMLP(nn.Module):
-    """Always-on shared expert(s): a SwiGLU MLP, optionally scaled by a sigmoid gate (Qwen2-MoE)."""
+    """Always-on shared expert(s): a gated MLP (SiLU by default), optionally scaled by a sigmoid gate (Qwen2-MoE)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, gated: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, gated: bool = False, activation: str = "silu"):
         super().__init__()
-        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        if activation not in ACT2FN:
+            raise ValueError(f"unknown activation {activation!r} for the shared experts")
+        self.hidden_size, self.intermediate_size, self.activation = hidden_size, intermediate_size, activation
+        self.act_fn = ACT2FN[activation]
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.gate = nn.Linear(hidden_size, 1, bias=False) if gated else None
 
     def options(self) -> dict:
-        return {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+        opts = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
                 "gated": self.gate is not None}
+        return opts if self.activation == "silu" else {**opts, "activation": self.activation}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         return out if self.gate is None else torch.sigmoid(self.gate(x)) * out
 
 

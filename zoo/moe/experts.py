@@ -7,6 +7,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 from transformers import initialization as init
+from transformers.activations import ACT2FN
 
 from zoo.moe.dispatch import gather_rows, run_sorted
 from zoo.moe.routing import Routing
@@ -81,6 +82,12 @@ def _silu_glu(gate, up, limit=None, alpha=None):
     return F.silu(gate) * up
 
 
+def _glu_with(act):
+    def glu(gate, up, limit=None, alpha=None):
+        return act(gate) * up
+    return glu
+
+
 def _clamped_glu(gate, up, limit=7.0, alpha=1.702):
     # GPT-OSS: clamp, a sharper sigmoid gate, and a +1 on the linear half.
     gate = gate.clamp(max=limit)
@@ -88,7 +95,10 @@ def _clamped_glu(gate, up, limit=7.0, alpha=1.702):
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-ACTIVATIONS = {"silu": _silu_glu, "clamped-swiglu": _clamped_glu}
+# act(gate) * up for the activations transformers' MoE families use (``config.hidden_act`` names), plus GPT-OSS's
+ACTIVATIONS = {"silu": _silu_glu, "clamped-swiglu": _clamped_glu,
+               **{name: _glu_with(ACT2FN[name]) for name in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast",
+                                                             "quick_gelu", "relu", "relu2", "swish", "tanh")}}
 _TP_METHODS = ("forward", "expert", "glu", "_forward_sorted", "_forward_gather")
 
 

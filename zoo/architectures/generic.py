@@ -1,0 +1,484 @@
+"""The generic family adapter: a transformers MoE family whose blocks hold transformers' fused experts (the
+``@use_experts_implementation`` classes) and a top-k router converts without code of its own.
+
+Everything is read off the family's own modules: where the blocks sit (``model.<layers>.<i>.<attr>``), the
+experts' layout flags (transposed, biases, activation), the shared experts, and the routing rule. The rule is
+found by running the family's block with its experts replaced by a recorder: the (indices, weights) it hands
+its experts are compared with the zoo's routers under the options the config allows, and the first exact
+match is kept (``topk-softmax`` or ``sigmoid-bias`` where they fit, else ``scored-topk``). A block with a part
+the zoo cannot hold is refused with ``NotConvertible`` naming it.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import re
+
+import torch
+from torch import nn
+
+from zoo.architectures.family import Family, NotConvertible, NotExportable
+from zoo.layout import build_block
+
+E_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k")
+SCALE_KEYS = ("routed_scaling_factor", "route_scale", "moe_routed_scaling_factor", "router_scaling_factor")
+SOFTCAP_KEYS = ("router_logit_softcapping",)
+ACT_KEYS = ("hidden_act", "moe_hidden_act", "hidden_activation")
+PROBE_TOKENS = 64
+AUTO_NAMES = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+              "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"}
+
+
+class _Captured(Exception):
+    def __init__(self, indices, weights):
+        super().__init__("routing captured")
+        self.indices, self.weights = indices, weights
+
+
+class _Capture(nn.Module):
+    """Stands in for the experts during the probe: records what the block routes, then stops the block."""
+
+    def forward(self, hidden, top_k_index=None, top_k_weights=None, *args, **kwargs):
+        if top_k_index is None or top_k_weights is None:
+            raise NotConvertible("the block calls its experts without (indices, weights)")
+        raise _Captured(top_k_index, top_k_weights)
+
+
+class _Zero(nn.Module):
+    def forward(self, x, *args, **kwargs):
+        return torch.zeros_like(x)
+
+
+def _act_name(act, config) -> str:
+    from transformers.activations import ACT2FN
+
+    from zoo.moe.experts import ACTIVATIONS
+
+    for key in ACT_KEYS:
+        name = getattr(config, key, None)
+        if isinstance(name, str) and name in ACTIVATIONS and type(ACT2FN[name]) is type(act):
+            return name
+    for name in ACTIVATIONS:
+        if name != "clamped-swiglu" and type(ACT2FN[name]) is type(act):
+            return name
+    raise NotConvertible(f"activation {type(act).__name__} has no zoo counterpart")
+
+
+def _linear(m, bias=False) -> bool:
+    return isinstance(m, nn.Linear) and (m.bias is not None) == bias
+
+
+class GenericFamily(Family):
+    """One transformers MoE family, by model type. ``auto`` names the Auto class users load it with."""
+
+    zoo_forward = False  # the family's own forward (logit scaling, soft-capping, ...) stays
+    generic = True
+
+    def __init__(self, model_type: str, auto: str = "causal-lm", summary: str = "", paper: str = ""):
+        self.name = model_type
+        self.auto = auto
+        self.summary = summary or f"{model_type} decoder, converted by the generic family adapter."
+        self.paper = paper
+        self.layers_path, self.block_attr, self.block_class = None, None, None
+        self._specs: dict[str, dict] = {}
+        self._renames: dict[str, str] = {}
+
+    # ---- the family's own classes, imported on first use --------------------------------------------------
+    @property
+    def config_class(self):
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        return CONFIG_MAPPING[self.name]
+
+    @property
+    def model_class(self):
+        import transformers
+        from transformers.models.auto import modeling_auto
+
+        return getattr(transformers, getattr(modeling_auto, AUTO_NAMES[self.auto])[self.name])
+
+    def matches(self, model) -> bool:
+        config = getattr(model, "config", None)
+        return getattr(config, "model_type", None) == self.name and type(model).__name__ == self.model_class.__name__
+
+    def text_config(self, config):
+        return config.get_text_config()
+
+    # ---- where the blocks are -------------------------------------------------------------------------------
+    def discover(self, base) -> None:
+        """Find the MoE blocks below ``base`` (the family's base model): their class, layer list and attribute."""
+        if self.block_class is not None:
+            return
+        found = {}
+        for path, module in base.named_modules():
+            experts = getattr(module, "experts", None)
+            if isinstance(experts, nn.Module) and hasattr(experts, "has_gate") and not path.endswith("experts"):
+                match = re.fullmatch(r"(.+)\.(\d+)\.(\w+)", path)
+                if match:
+                    found.setdefault((match[1], match[3], type(module)), path)
+        if not found:
+            raise NotConvertible(f"{self.name}: no block holds transformers' fused experts "
+                                 "(`@use_experts_implementation`)")
+        if len(found) > 1:
+            raise NotConvertible(f"{self.name}: MoE blocks in several places ({sorted(found.values())})")
+        (self.layers_path, self.block_attr, self.block_class), = found
+
+    # ---- one block ------------------------------------------------------------------------------------------
+    def spec(self, block, config) -> dict:
+        """The layout entry and key names of a native block (same for every block of one config)."""
+        text = self.text_config(config)
+        key = json.dumps(text.to_dict(), sort_keys=True, default=str)
+        if key not in self._specs:
+            self._specs[key] = _block_spec(block, text)
+            self._renames.update(self._specs[key]["renames"])
+        return self._specs[key]
+
+    def block_layout(self, config) -> dict:
+        block = self._meta_block(config)
+        return self.spec(block, config)["entry"]
+
+    def _meta_block(self, config):
+        with torch.device("meta"):
+            model = self.model_class(config)
+        base = model.model
+        self.discover(base)
+        for layer in base.get_submodule(self.layers_path):
+            block = getattr(layer, self.block_attr, None)
+            if isinstance(block, self.block_class):
+                return block
+        raise NotConvertible(f"{self.name}: this config has no MoE layer")
+
+    def moe_layer_ids(self, config) -> list[int]:
+        with torch.device("meta"):
+            model = self.model_class(config)
+        self.discover(model.model)
+        return [i for i, layer in enumerate(model.model.get_submodule(self.layers_path))
+                if isinstance(getattr(layer, self.block_attr, None), self.block_class)]
+
+    def from_native(self, block, config):
+        spec = self.spec(block, config)
+        with torch.device("meta"):
+            moe = build_block(spec["entry"])
+        moe.load_state_dict(_to_zoo(block.state_dict(), spec), strict=True, assign=True)
+        if not spec.get("verified") and _real_fp32(block):
+            _verify(block, moe)
+            spec["verified"] = True
+        return moe
+
+    def to_zoo_state(self, sd: dict) -> dict:
+        return {self._renames.get(k, k): v for k, v in sd.items()}
+
+    def to_native_state(self, sd: dict) -> dict:
+        spec = next(iter(self._specs.values()), None)
+        if spec is None:
+            raise NotExportable(f"{self.name}: the native key names are not known yet (export calls native_config "
+                                "first)")
+        return _to_native(sd, spec)
+
+    # ---- export -----------------------------------------------------------------------------------------------
+    def native_config(self, config, layout):
+        moe = {i: e for i, e in enumerate(layout) if e}
+        if not moe:
+            raise NotExportable("the model has no MoE layer")
+        Family._check_exportable_parts(self, config)
+        first_i, first = next(iter(moe.items()))
+        for i, e in moe.items():
+            if e != first:
+                raise NotExportable(f"layer {i} differs from layer {first_i} ({_first_difference(e, first)}): a "
+                                    f"native {self.name} config holds one block shape for all layers")
+        values = {k: v for k, v in config.to_dict().items() if not k.startswith("zoo_") and k != "model_type"}
+        text_values = values.get("text_config", values) if self.text_config(config) is not config else values
+        text = self.text_config(config)
+        for keys, new in ((E_KEYS, first["num_experts"]), (K_KEYS, first["num_experts_per_tok"])):
+            for k in keys:
+                if getattr(text, k, None) is not None and not isinstance(getattr(text, k), bool):
+                    text_values[k] = new
+        native = self.config_class(**values)
+        expected = self.block_layout(native)
+        if expected["experts_options"].get("intermediate_size") != first["experts_options"].get("intermediate_size"):
+            raise NotExportable(f"the experts' intermediate size differs from the native config's")
+        want = set(self.moe_layer_ids(native))
+        if want != set(moe):
+            raise NotExportable(f"MoE layers {sorted(moe)} differ from the native pattern {sorted(want)}")
+        if first != expected:
+            raise NotExportable(f"layer {first_i}: {_first_difference(first, expected)}")
+        return native
+
+
+def _first_difference(a: dict, b: dict) -> str:
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            return f"{key} is {a.get(key)!r}, the native block needs {b.get(key)!r}"
+    return "same"
+
+
+def _real_fp32(block) -> bool:
+    tensors = list(block.parameters())
+    return bool(tensors) and all(t.device.type != "meta" and t.dtype == torch.float32 for t in tensors)
+
+
+def _verify(native, moe) -> None:
+    """The converted block computes what the native one does (on random tokens, in fp32)."""
+    h = native.experts.gate_up_proj.shape[1 if native.experts.is_transposed else 2]
+    x = torch.randn(1, 16, h, generator=torch.Generator().manual_seed(0), device=native.experts.gate_up_proj.device)
+    with torch.no_grad():
+        want, got = native(x), moe(x)
+    want = want[0] if isinstance(want, tuple) else want
+    err = ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+    if not err <= 1e-4:
+        raise NotConvertible(f"the converted block differs from {type(native).__name__} (relative error {err:.2e}): "
+                             "the family's block does something the zoo's block does not")
+
+
+# ---- reading a native block --------------------------------------------------------------------------------------
+def _block_spec(block, config) -> dict:
+    children = dict(block.named_children())
+    experts = children.get("experts")
+    entry_experts, expert_keys, transposed = _experts_spec(experts, config)
+    E, H = entry_experts["num_experts"], entry_experts["hidden_size"]
+    router_name = _router_child(block, E, H)
+    shared, shared_keys = _shared_spec(children, router_name, H, config)
+    gate_name, tensors = _router_tensors(block, router_name, E, H, shared_keys)
+    router, router_options, k, roles = _probe(block, router_name, config, E, H, gate_name, tensors)
+    renames = {**expert_keys, **shared_keys}
+    shapes = {}
+    for name, role in roles.items():
+        renames[name] = {"weight": "router.weight", "logit": "router.bias", "selection": "router.e_score_correction_bias"}[role]
+        if role != "weight":
+            shapes[name] = list(tensors[name].shape)
+    leftover = set(block.state_dict()) - set(renames)
+    if leftover:
+        raise NotConvertible(f"block tensors with no zoo counterpart: {sorted(leftover)}")
+    entry = {"num_experts": E, "num_experts_per_tok": k, "router": router, "router_options": router_options,
+             "experts": "swiglu", "experts_options": entry_experts, "shared_experts": shared,
+             "returns_router_scores": False}
+    return {"entry": entry, "renames": renames, "shapes": shapes, "transposed": transposed}
+
+
+def _experts_spec(experts, config):
+    from transformers.integrations.moe import _default_apply_gate
+
+    if experts is None or not hasattr(experts, "has_gate"):
+        raise NotConvertible("the block's experts are not transformers' fused experts")
+    if not experts.has_gate:
+        raise NotConvertible(f"{type(experts).__name__} has no gate projection (up/down only); the zoo's experts "
+                             "are gated")
+    if not experts.is_concatenated:
+        raise NotConvertible(f"{type(experts).__name__} interleaves gate and up rows")
+    if getattr(experts, "has_post_expert_norm", False):
+        raise NotConvertible(f"{type(experts).__name__} normalises each expert's output")
+    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        raise NotConvertible(f"{type(experts).__name__} gates with its own function")
+    names = {n for n, _ in experts.named_parameters()} | {n for n, _ in experts.named_buffers()}
+    allowed = {"gate_up_proj", "down_proj"} | ({"gate_up_proj_bias", "down_proj_bias"} if experts.has_bias else set())
+    if names != allowed:
+        raise NotConvertible(f"{type(experts).__name__} holds {sorted(names - allowed) or sorted(allowed - names)}")
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    transposed = bool(experts.is_transposed)
+    E = gate_up.shape[0]
+    H, two_i = (gate_up.shape[1], gate_up.shape[2]) if transposed else (gate_up.shape[2], gate_up.shape[1])
+    options = {"num_experts": E, "hidden_size": H, "intermediate_size": two_i // 2,
+               "activation": _act_name(experts.act_fn, config), "bias": bool(experts.has_bias)}
+    keys = {f"experts.{n}": f"experts.{n}" for n in allowed}
+    return options, keys, transposed
+
+
+def _router_child(block, E, H) -> str:
+    for name, child in block.named_children():
+        if name != "experts" and any(t.shape == (E, H) for t in child.parameters()):
+            return name
+    raise NotConvertible(f"no router with a [{E}, {H}] gate in {type(block).__name__}")
+
+
+def _shared_spec(children, router_name, H, config):
+    """The always-on shared MLP (and its sigmoid gate), or None; parts the zoo cannot hold are refused."""
+    rest = {n: c for n, c in children.items() if n not in ("experts", router_name) and not isinstance(c, nn.Identity)}
+    mlp = {n: c for n, c in rest.items()
+           if all(_linear(getattr(c, p, None)) for p in ("gate_proj", "up_proj", "down_proj"))
+           and set(dict(c.named_children())) <= {"gate_proj", "up_proj", "down_proj", "act_fn"}}
+    gate = {n: c for n, c in rest.items() if _linear(c) and c.weight.shape == (1, H)}
+    other = set(rest) - set(mlp) - set(gate)
+    if other or len(mlp) > 1 or len(gate) > len(mlp):
+        parts = sorted(f"{n} ({type(rest[n]).__name__})" for n in (other or rest))
+        raise NotConvertible(f"block parts with no zoo counterpart: {', '.join(parts)}")
+    if not mlp:
+        return None, {}
+    (name, m), = mlp.items()
+    act = getattr(m, "act_fn", None)
+    options = {"hidden_size": H, "intermediate_size": m.gate_proj.out_features, "gated": bool(gate)}
+    act_name = "silu" if act is None else _act_name(act, config)
+    if act_name != "silu":
+        options["activation"] = act_name
+    keys = {f"{name}.{p}.weight": f"shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    if gate:
+        keys[f"{next(iter(gate))}.weight"] = "shared_experts.gate.weight"
+    return options, keys
+
+
+def _router_tensors(block, router_name, E, H, shared_keys):
+    """The router's tensors, by state-dict name: its [E, H] gate and per-expert vectors (on the router or the
+    block itself); anything else is refused."""
+    tensors = {}
+    for name, t in itertools.chain(block.named_parameters(), block.named_buffers()):
+        if name.startswith("experts.") or name in shared_keys:
+            continue
+        if name.startswith(f"{router_name}.") or "." not in name:
+            tensors[name] = t
+    gates = [n for n, t in tensors.items() if t.shape == (E, H)]
+    vectors = [n for n, t in tensors.items() if t.numel() == E and n not in gates]
+    other = sorted(set(tensors) - set(gates) - set(vectors))
+    if len(gates) != 1 or len(vectors) > 2 or other:
+        raise NotConvertible(f"router tensors the zoo's routers do not hold: {other or sorted(tensors)}")
+    return gates[0], tensors
+
+
+def _candidates(config, E, vectors):
+    """Option sets the config allows, simplest first."""
+    scales = [1.0] + [float(getattr(config, k)) for k in SCALE_KEYS
+                      if isinstance(getattr(config, k, None), (int, float)) and getattr(config, k) not in (1, 1.0)]
+    groups = [(1, 1, "top2")]
+    n_group = getattr(config, "n_group", None) or getattr(config, "num_expert_group", None)
+    topk_group = getattr(config, "topk_group", None)
+    if isinstance(n_group, int) and n_group > 1 and isinstance(topk_group, int) and E % n_group == 0:
+        groups += [(n_group, topk_group, "top2"), (n_group, topk_group, "max")]
+    caps = [0.0] + [float(getattr(config, k)) for k in SOFTCAP_KEYS if (getattr(config, k, None) or 0) > 0]
+    role_sets = [dict(zip(vectors, roles)) for roles in itertools.product(("logit", "selection"), repeat=len(vectors))
+                 if len(set(roles)) == len(roles)]
+    for roles, score, norm, scale, (n, tk, gs), cap in itertools.product(
+            role_sets, ("softmax", "sigmoid"), (True, False), scales, groups, caps):
+        yield roles, {"score": score, "norm_topk_prob": norm, "routed_scaling_factor": scale,
+                      "selection_bias": "selection" in roles.values(), "n_group": n, "topk_group": tk,
+                      "group_score": gs, "logit_softcap": cap, "bias": "logit" in roles.values()}
+
+
+def _probe(block, router_name, config, E, H, gate_name, tensors):
+    """Run the block's own routing on random tokens (experts and shared parts stubbed out) and find the zoo
+    router that reproduces it."""
+    from zoo.plugins import load_plugins, registry
+
+    load_plugins()
+    twin = _routing_twin(block, router_name)
+    gen = torch.Generator().manual_seed(0)
+    values = {}
+    with torch.no_grad():
+        for name, t in itertools.chain(twin.named_parameters(), twin.named_buffers()):
+            if name == gate_name:
+                new = torch.randn(t.shape, generator=gen) / H ** 0.5
+            elif name in tensors:
+                new = torch.randn(t.shape, generator=gen) * 0.5
+            else:
+                continue
+            t.data = new.to(torch.float32)
+            values[name] = t.data
+        x = torch.randn(1, PROBE_TOKENS, H, generator=gen)
+        try:
+            twin(x)
+        except _Captured as cap:
+            indices, weights = cap.indices.long().reshape(PROBE_TOKENS, -1), cap.weights.float()
+        except NotConvertible:
+            raise
+        except Exception as exc:
+            raise NotConvertible(f"{type(block).__name__} could not be probed: {type(exc).__name__}: {exc}") from None
+        else:
+            raise NotConvertible(f"{type(block).__name__} never called its experts")
+    k = indices.shape[1]
+    weights = weights.reshape(PROBE_TOKENS, -1)
+    if weights.shape[1] == E and k != E:  # dense [T, E] scores
+        weights = weights.gather(1, indices)
+    vectors = [n for n in tensors if n != gate_name]
+    scored = registry.get("router", "scored-topk").obj
+    for roles, options in _candidates(config, E, vectors):
+        try:
+            router = scored(H, E, k, **options)
+        except ValueError:
+            continue
+        _load_router(router, values, gate_name, roles)
+        with torch.no_grad():
+            routing = router(x[0])
+        if _same_routing(indices, weights, routing):
+            name, opts = _simplest(options)
+            simple = registry.get("router", name).obj(H, E, k, **opts)
+            _load_router(simple, values, gate_name, roles)
+            with torch.no_grad():
+                if not _same_routing(indices, weights, simple(x[0])):
+                    name, opts = "scored-topk", options
+            return name, opts, k, {gate_name: "weight", **roles}
+    raise NotConvertible(f"{type(block).__name__}'s routing matches none of the zoo's top-k rules "
+                         "(softmax/sigmoid, selection bias, groups, renormalisation, scaling)")
+
+
+def _routing_twin(block, router_name):
+    """A float32 copy of the block with only its router real: experts record, other parts return zeros."""
+    children = dict(block.named_children())
+    try:
+        for name in children:
+            if name != router_name:
+                setattr(block, name, _Capture() if name == "experts" else _Zero())
+        twin = copy.deepcopy(block)
+    finally:
+        for name, child in children.items():
+            setattr(block, name, child)
+    if any(t.is_meta for t in itertools.chain(twin.parameters(), twin.buffers())):
+        twin = twin.to_empty(device="cpu")
+    return twin.float().eval()
+
+
+def _load_router(router, values, gate_name, roles):
+    with torch.no_grad():
+        router.weight.copy_(values[gate_name])
+        for name, role in roles.items():
+            target = router.bias if role == "logit" else router.e_score_correction_bias
+            target.copy_(values[name].reshape(-1))
+
+
+def _same_routing(indices, weights, routing) -> bool:
+    if routing.indices.shape != indices.shape:
+        return False
+    a, b = indices.sort(-1), routing.indices.sort(-1)
+    if not torch.equal(a.values, b.values):
+        return False
+    return torch.allclose(weights.gather(1, a.indices), routing.weights.float().gather(1, b.indices),
+                          rtol=1e-4, atol=1e-6)
+
+
+def _simplest(options: dict):
+    """The zoo router with the fewest options that states this rule."""
+    plain = options["n_group"] == 1 and options["logit_softcap"] == 0
+    if plain and options["score"] == "softmax" and not options["selection_bias"] and options["routed_scaling_factor"] == 1:
+        return "topk-softmax", {"bias": options["bias"], "norm_topk_prob": options["norm_topk_prob"]}
+    if (options["score"] == "sigmoid" and options["selection_bias"] and options["logit_softcap"] == 0
+            and options["group_score"] == "top2"):
+        return "sigmoid-bias", {"bias": options["bias"], "n_group": options["n_group"],
+                                "topk_group": options["topk_group"], "norm_topk_prob": options["norm_topk_prob"],
+                                "routed_scaling_factor": options["routed_scaling_factor"]}
+    return "scored-topk", options
+
+
+# ---- weights ---------------------------------------------------------------------------------------------------
+def _to_zoo(sd: dict, spec: dict) -> dict:
+    out = {}
+    for key, value in sd.items():
+        new = spec["renames"][key]
+        if key in spec["shapes"]:
+            value = value.reshape(-1)
+        if spec["transposed"] and new in ("experts.gate_up_proj", "experts.down_proj"):
+            value = value.transpose(1, 2).contiguous()
+        out[new] = value
+    return out
+
+
+def _to_native(sd: dict, spec: dict) -> dict:
+    back = {v: k for k, v in spec["renames"].items()}
+    out = {}
+    for key, value in sd.items():
+        native = back.get(key)
+        if native is None:
+            raise NotExportable(f"{key} has no place in the native block")
+        if native in spec["shapes"]:
+            value = value.reshape(spec["shapes"][native])
+        if spec["transposed"] and key in ("experts.gate_up_proj", "experts.down_proj"):
+            value = value.transpose(1, 2).contiguous()
+        out[native] = value
+    return out
