@@ -190,7 +190,7 @@ def layout_error(tmp_path, edit):
     (lambda lay: lay[0].update(num_experts="6"), r"zoo_layout\[0\]\.num_experts: must be int"),
     (lambda lay: lay[0]["experts_options"].update(hidden_size=32),
      r"zoo_layout\[0\]\.experts_options\.hidden_size: 32, but the model's hidden_size is 64"),
-    (lambda lay: lay[2]["experts_options"].update(activation="gelu"), r"zoo_layout\[2\]\.experts_options: unknown "
+    (lambda lay: lay[2]["experts_options"].update(activation="not-an-activation"), r"zoo_layout\[2\]\.experts_options: unknown "
                                                                       r"activation"),
     (lambda lay: lay[0]["router_options"].update(temperature=2), r"zoo_layout\[0\]\.router_options: unknown option"),
     (lambda lay: lay.__setitem__(1, "dense"), r"zoo_layout\[1\]: must be an object or null"),

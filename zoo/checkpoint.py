@@ -154,6 +154,11 @@ class Checkpoint:
             model = AutoModelForCausalLM.from_config(self.config)
         model.eval()
         self.family = family_of(model)  # unsupported families are refused here
+        self.family.discover(model.model)
+        if self.family.layers_path != "layers":
+            raise CheckpointError(f"{self.path}: streaming works on text decoders (model.layers); this "
+                                  f"{self.family.name} model keeps them at model.{self.family.layers_path}: "
+                                  "work on it in memory (--no-stream)")
         self.native = getattr(type(model), "_zoo_family", None) is None  # its MoE blocks are the family's own
         for attr in ("zoo_attention", "zoo_modules"):
             if getattr(self.config, attr, None):
@@ -214,8 +219,9 @@ class Checkpoint:
         old = self.layers[i]
         with no_init_weights(), local_torch_dtype(self.dtype):
             layer = type(old)(self.config, i)  # fresh on CPU: non-persistent buffers are built, weights come next
-            if not self.native and isinstance(getattr(old, "mlp", None), SparseMoE):
-                layer.mlp = build_block(old.mlp.layout())
+            attr = self.family.block_attr
+            if not self.native and isinstance(getattr(old, attr, None), SparseMoE):
+                setattr(layer, attr, build_block(getattr(old, attr).layout()))
         layer.eval()
         self.layers[i] = layer
         prefix = f"model.layers.{i}."
@@ -227,8 +233,8 @@ class Checkpoint:
         if bad:
             self.layers[i] = old
             raise CheckpointError(f"{self.path}: NaN or inf in {', '.join(bad[:5])}")
-        if isinstance(layer.mlp, self.family.block_class):
-            layer.mlp = self.family.from_native(layer.mlp, self.config)
+        if isinstance(getattr(layer, attr, None), self.family.block_class):
+            setattr(layer, attr, self.family.from_native(getattr(layer, attr), self.config))
         return layer
 
     def release_outer(self, keep=()) -> None:

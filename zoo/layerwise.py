@@ -22,7 +22,17 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
+from zoo.layout import decoder_layers, get_block, moe_layers, put_block
 from zoo.moe import SparseMoE
+
+
+def _norm_path(model) -> str:
+    """The final norm after the decoder layers (``model.norm``; a vision-language model's language model's)."""
+    from zoo.layout import family_and_base
+
+    fam, _ = family_and_base(model)
+    layers_path = getattr(fam, "layers_path", None) or "layers"
+    return "model." + (layers_path.rpartition(".")[0] + "." if "." in layers_path else "") + "norm"
 
 
 class _Stop(Exception):
@@ -44,7 +54,8 @@ class LayerInputs:
     @torch.no_grad()
     def capture(cls, model, batches) -> LayerInputs:
         """Run each batch through the embeddings only (the decoder layers are stood in for, the rest skipped)."""
-        base = model.model
+        layers = decoder_layers(model)
+        norm = model.get_submodule(_norm_path(model))
         hidden, kwargs = [], []
         for batch in batches:
             seen: list[dict] = []
@@ -60,17 +71,17 @@ class LayerInputs:
             def stop(*args, **kw):
                 raise _Stop
 
-            for i, layer in enumerate(base.layers):
+            for i, layer in enumerate(layers):
                 layer.forward = lambda h, *a, i=i, **kw: stand_in(h, *a, i=i, **kw)
-            base.norm.forward = stop
+            norm.forward = stop
             try:
                 call_model(model, batch)
             except _Stop:
                 pass
             finally:
-                for layer in base.layers:
+                for layer in layers:
                     layer.__dict__.pop("forward", None)
-                base.norm.__dict__.pop("forward", None)
+                norm.__dict__.pop("forward", None)
             kwargs.append(seen)
         return cls(hidden, kwargs)
 
@@ -82,7 +93,7 @@ class LayerInputs:
             seen.append(args[0].reshape(-1, args[0].shape[-1]))
             raise _Stop
 
-        handle = layer.mlp.register_forward_pre_hook(record)
+        handle = get_block(layer).register_forward_pre_hook(record)
         try:
             with torch.no_grad():
                 for h, kw in zip(self.hidden, self.kwargs):
@@ -96,14 +107,14 @@ class LayerInputs:
 
     def advance(self, i: int, layer, block=None) -> LayerInputs:
         """The inputs of layer i + 1: these run through layer i (with ``block`` as its MLP, if given)."""
-        old = layer.mlp
+        old = get_block(layer)
         if block is not None:
-            layer.mlp = block
+            put_block(layer, block)
         try:
             with torch.no_grad():
                 out = [layer(h, **kw[i]) for h, kw in zip(self.hidden, self.kwargs)]
         finally:
-            layer.mlp = old
+            put_block(layer, old)
         return LayerInputs([o[0] if isinstance(o, tuple) else o for o in out], self.kwargs)
 
 
@@ -112,7 +123,7 @@ class InMemory:
 
     def __init__(self, model):
         self.model = model
-        self.layers = model.model.layers
+        self.layers = decoder_layers(model)
         self.new: dict[int, SparseMoE] = {}
 
     def load_layer(self, i):
@@ -122,7 +133,7 @@ class InMemory:
         pass  # the old block stays in place until commit()
 
     def keep(self, i, layer, block):
-        if block is not layer.mlp:
+        if block is not get_block(layer):
             self.new[i] = block
 
     def release(self, i):
@@ -130,15 +141,14 @@ class InMemory:
 
     def commit(self):
         for i, block in self.new.items():
-            self.layers[i].mlp = block
+            put_block(self.layers[i], block)
 
 
 def check(model, steps) -> None:
     """Every step's preconditions on every MoE layer, before anything is computed or changed."""
     for step in steps:
-        for i, layer in enumerate(model.model.layers):
-            if isinstance(layer.mlp, SparseMoE):
-                step.check_layer(i, layer.mlp)
+        for i, block in moe_layers(model):
+            step.check_layer(i, block)
 
 
 def run(source, steps, inputs: LayerInputs | None, keep=None, desc: str = "layers") -> None:
@@ -157,7 +167,7 @@ def one_pass(source, steps, inputs, observer=None, keep=None, desc="layers") -> 
     for i in tqdm(range(len(source.layers)), desc=desc, leave=False):
         layer = source.load_layer(i)
         try:
-            block = layer.mlp
+            block = get_block(layer)
             if isinstance(block, SparseMoE):
                 for s, step in enumerate(steps):
                     x = None if uses[s] is None else uses[s].block_inputs(i, layer)

@@ -41,6 +41,25 @@ def block_prefix(model, i: int, family=None) -> str:
     return f"model.{getattr(fam, 'layers_path', None) or 'layers'}.{i}.{block_attr(model, family)}."
 
 
+BLOCK_ATTRS = ("mlp", "feed_forward", "block_sparse_moe", "mixer", "moe")
+
+
+def layer_block_attr(layer) -> str:
+    """The attribute of a decoder layer that holds its MoE block (or, in a dense layer, its MLP)."""
+    for attr in BLOCK_ATTRS:
+        if isinstance(getattr(layer, attr, None), SparseMoE):
+            return attr
+    return next((a for a in BLOCK_ATTRS if hasattr(layer, a)), "mlp")
+
+
+def get_block(layer):
+    return getattr(layer, layer_block_attr(layer), None)
+
+
+def put_block(layer, block) -> None:
+    setattr(layer, layer_block_attr(layer), block)
+
+
 def moe_layers(model):
     """(layer index, SparseMoE) for every converted MoE layer of a model."""
     attr = block_attr(model)

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from zoo.atomic import atomic_directory
 from zoo.checkpoint import LAYER_KEY, Checkpoint, checkpoint_bytes
 from zoo.layerwise import LayerInputs, calibration_inputs, check, run
+from zoo.layout import get_block, layer_block_attr, put_block
 from zoo.moe import SparseMoE
 from zoo.shards import ShardWriter
 
@@ -88,10 +89,10 @@ class Streamed:
         return self.ckpt.load_layer(i)
 
     def replaced(self, i, layer, block):
-        layer.mlp = block  # the old block is not needed again: free it before the next step runs
+        put_block(layer, block)  # the old block is not needed again: free it before the next step runs
 
     def keep(self, i, layer, block):
-        layer.mlp = block
+        put_block(layer, block)
         if self.write is not None:
             self.write(i, layer)
 
@@ -153,7 +154,7 @@ def apply(src, steps, out, calibration=None) -> str:
     model = ckpt.model
     components = bind_steps(steps)
     check(model, components)
-    moe = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, (SparseMoE, ckpt.family.block_class))]
+    moe = [i for i, layer in enumerate(ckpt.layers) if isinstance(get_block(layer), (SparseMoE, ckpt.family.block_class))]
     for component in components:
         if hasattr(component, "check_layers"):
             component.check_layers(moe)
@@ -204,10 +205,11 @@ def export(src, out) -> str:
         native = fam.model_class(native_cfg)  # what transformers' key-name reversal is read off
 
     def write(i, layer):
-        moe = isinstance(layer.mlp, SparseMoE)
-        state = {k: v for k, v in layer.state_dict().items() if not (moe and k.startswith("mlp."))}
+        block, attr = get_block(layer), layer_block_attr(layer)
+        moe = isinstance(block, SparseMoE)
+        state = {k: v for k, v in layer.state_dict().items() if not (moe and k.startswith(f"{attr}."))}
         if moe:
-            state.update({f"mlp.{k}": v for k, v in fam.to_native_state(layer.mlp.state_dict()).items()})
+            state.update({f"{attr}.{k}": v for k, v in fam.to_native_state(block.state_dict()).items()})
         writer.write(revert_weight_conversion(native, {f"model.layers.{i}.{k}": v for k, v in state.items()}))
 
     with atomic_directory(out) as tmp:
@@ -246,13 +248,14 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8) -> 
         layer = ckpt.load_layer(i)
         calls = []
         handle = None
-        if isinstance(layer.mlp, SparseMoE):
-            n = layer.mlp.num_experts
+        block = get_block(layer)
+        if isinstance(block, SparseMoE):
+            n = block.num_experts
 
             def count(router, args, routing, n=n):
                 idx = routing.indices.reshape(-1)
                 calls.append(torch.bincount(idx[idx < n], minlength=n))
-            handle = layer.mlp.router.register_forward_hook(count)
+            handle = block.router.register_forward_hook(count)
         try:
             inputs = inputs.advance(i, layer)
         finally:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from zoo import Adapter
-from zoo.layout import moe_layers
+from zoo.layout import moe_layers, set_block
 from zoo.moe.surgery import merge_experts
 from zoo_adapters.upcycle import check_float
 
@@ -47,7 +47,7 @@ class Ewa(Adapter):
             merged = [(i, merge_experts(moe, [list(range(moe.num_experts))], [[1.0] * moe.num_experts],
                                         _averaged_rows)) for i, moe in layers]
             for i, block in merged:  # swap only once every layer is built
-                model.model.layers[i].mlp = block
+                set_block(model, i, block)
         return model
 
     def check_model(self, model):

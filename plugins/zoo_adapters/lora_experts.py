@@ -10,7 +10,7 @@ from __future__ import annotations
 from peft import LoraConfig, PeftModel, PeftModelForCausalLM
 
 from zoo import Adapter
-from zoo.layout import moe_layers
+from zoo.layout import block_prefix, moe_layers
 from zoo.moe import SwiGLUExperts
 from zoo_adapters.lora_grouped import TARGETS, ParamWrapper
 
@@ -70,7 +70,7 @@ class LoraExperts(Adapter):
         odd = sorted({type(moe.experts).__name__ for _, moe in layers} - {"SwiGLUExperts"})
         if odd:
             raise ValueError(f"lora-experts adapts dense fused SwiGLU experts only, not {', '.join(odd)}")
-        names = [f"model.layers.{i}.mlp.experts.{t}" for i, _ in layers for t in self.targets]
+        names = [f"{block_prefix(model, i)}experts.{t}" for i, _ in layers for t in self.targets]
         config = lora_config(self.r, self.alpha, names)
         config.base_model_name_or_path = model.__dict__.get("name_or_path") or None  # as get_peft_model does
         return ZooPeftModel(model, config)

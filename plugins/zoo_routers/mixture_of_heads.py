@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from zoo.layout import decoder_layers
+
 
 class HeadRouting(NamedTuple):
     gates: torch.Tensor  # [..., heads] shared heads first; 0 for routed heads not kept
@@ -104,7 +106,7 @@ class MixtureOfHeads(nn.Module):
     def attach(cls, model, layers=None, **options):
         """Wrap the self-attention of every decoder layer (or of ``layers``). Every layer is checked and its router
         built before any layer changes, so a bad option leaves the model as it was."""
-        config, decoder = model.config, model.model.layers
+        config, decoder = model.config.get_text_config(), decoder_layers(model)
         heads = getattr(config, "num_attention_heads", None)
         routers = {}
         for i in range(len(decoder)) if layers is None else layers:
