@@ -28,9 +28,12 @@ class ScoredTopK(Router):
 
     def __init__(self, hidden_size, num_experts, top_k, score: str = "softmax", norm_topk_prob: bool = True,
                  routed_scaling_factor: float = 1.0, selection_bias: bool = False, n_group: int = 1,
-                 topk_group: int = 1, group_score: str = "top2", logit_softcap: float = 0.0, **options):
+                 topk_group: int = 1, group_score: str = "top2", logit_softcap: float = 0.0,
+                 bias_on: str = "scores", **options):
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+        if bias_on not in ("scores", "logits"):
+            raise ValueError(f"bias_on must be 'scores' or 'logits', got {bias_on!r}")
         if group_score not in GROUP_SCORES:
             raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {group_score!r}")
         for label, value in (("n_group", n_group), ("topk_group", topk_group)):
@@ -48,10 +51,10 @@ class ScoredTopK(Router):
         super().__init__(hidden_size, num_experts, top_k, score=score, norm_topk_prob=bool(norm_topk_prob),
                          routed_scaling_factor=float(routed_scaling_factor), selection_bias=bool(selection_bias),
                          n_group=n_group, topk_group=topk_group, group_score=group_score,
-                         logit_softcap=float(logit_softcap), **options)
+                         logit_softcap=float(logit_softcap), bias_on=bias_on, **options)
         self.score, self.norm_topk_prob, self.routed_scaling_factor = score, bool(norm_topk_prob), float(routed_scaling_factor)
         self.n_group, self.topk_group, self.group_score = n_group, topk_group, group_score
-        self.logit_softcap = float(logit_softcap)
+        self.logit_softcap, self.bias_on = float(logit_softcap), bias_on
         # a selection bias is updated outside backprop (aux-loss-free balancing): an fp32 buffer
         self.e_score_correction_bias = nn.Buffer(torch.zeros(num_experts, dtype=torch.float32)) if selection_bias else None
 
@@ -66,7 +69,9 @@ class ScoredTopK(Router):
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        choice = scores if self.bias_on == "scores" else logits
+        if self.e_score_correction_bias is not None:
+            choice = choice + self.e_score_correction_bias
         if self.n_group > 1:
             grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
             if self.group_score == "top2":

@@ -269,8 +269,6 @@ def _experts_spec(experts, config):
         raise NotConvertible(f"{type(experts).__name__} interleaves gate and up rows")
     if getattr(experts, "has_post_expert_norm", False):
         raise NotConvertible(f"{type(experts).__name__} normalises each expert's output")
-    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        raise NotConvertible(f"{type(experts).__name__} gates with its own function")
     names = {n for n, _ in experts.named_parameters()} | {n for n, _ in experts.named_buffers()}
     allowed = {"gate_up_proj", "down_proj"} | ({"gate_up_proj_bias", "down_proj_bias"} if experts.has_bias else set())
     if names != allowed:
@@ -279,10 +277,35 @@ def _experts_spec(experts, config):
     transposed = bool(experts.is_transposed)
     E = gate_up.shape[0]
     H, two_i = (gate_up.shape[1], gate_up.shape[2]) if transposed else (gate_up.shape[2], gate_up.shape[1])
-    options = {"num_experts": E, "hidden_size": H, "intermediate_size": two_i // 2,
-               "activation": _act_name(experts.act_fn, config), "bias": bool(experts.has_bias)}
+    options = {"num_experts": E, "hidden_size": H, "intermediate_size": two_i // 2, "bias": bool(experts.has_bias)}
+    if getattr(type(experts), "_apply_gate", _default_apply_gate) is _default_apply_gate:
+        options["activation"] = _act_name(experts.act_fn, config)
+    else:
+        options.update(_gate_function(experts, config, two_i))
     keys = {f"experts.{n}": f"experts.{n}" for n in allowed}
     return options, keys, transposed
+
+
+def _gate_function(experts, config, two_i) -> dict:
+    """The zoo activation that computes a family's own ``_apply_gate`` (found on random inputs, beyond any clamp)."""
+    from zoo.moe.experts import ACTIVATIONS
+
+    x = torch.randn(64, two_i, generator=torch.Generator().manual_seed(0)) * 8
+    with torch.no_grad():
+        want = experts._apply_gate(x)
+    limits = {float(v) for v in (getattr(experts, "limit", None), getattr(config, "swiglu_limit", None),
+                                 getattr(experts, "swiglu_limit", None)) if isinstance(v, (int, float))}
+    alphas = {float(v) for v in (getattr(experts, "alpha", None), getattr(config, "swiglu_alpha", None))
+              if isinstance(v, (int, float))}
+    gate, up = x.chunk(2, dim=-1)
+    for name, fn in ACTIVATIONS.items():
+        for limit, alpha in itertools.product(sorted(limits) or [7.0], sorted(alphas) or [1.702]):
+            if want.shape == gate.shape and torch.allclose(fn(gate, up, limit, alpha), want, rtol=1e-5, atol=1e-6):
+                extra = {"swiglu_limit": limit} if name.startswith("clamped") else {}
+                if name == "clamped-swiglu":
+                    extra["swiglu_alpha"] = alpha
+                return {"activation": name, **extra}
+    raise NotConvertible(f"{type(experts).__name__} gates with a function none of the zoo's activations computes")
 
 
 def _router_child(block, E, H) -> str:
@@ -346,11 +369,13 @@ def _candidates(config, E, vectors):
     caps = [0.0] + [float(getattr(config, k)) for k in SOFTCAP_KEYS if (getattr(config, k, None) or 0) > 0]
     role_sets = [dict(zip(vectors, roles)) for roles in itertools.product(("logit", "selection"), repeat=len(vectors))
                  if len(set(roles)) == len(roles)]
-    for roles, score, norm, scale, (n, tk, gs), cap in itertools.product(
-            role_sets, ("softmax", "sigmoid"), (True, False), scales, groups, caps):
+    for roles, score, norm, scale, (n, tk, gs), cap, bias_on in itertools.product(
+            role_sets, ("softmax", "sigmoid"), (True, False), scales, groups, caps, ("scores", "logits")):
+        if bias_on == "logits" and "selection" not in roles.values():
+            continue
         yield roles, {"score": score, "norm_topk_prob": norm, "routed_scaling_factor": scale,
                       "selection_bias": "selection" in roles.values(), "n_group": n, "topk_group": tk,
-                      "group_score": gs, "logit_softcap": cap, "bias": "logit" in roles.values()}
+                      "group_score": gs, "logit_softcap": cap, "bias_on": bias_on, "bias": "logit" in roles.values()}
 
 
 def _probe(block, router_name, config, E, H, gate_name, tensors):
@@ -445,11 +470,11 @@ def _same_routing(indices, weights, routing) -> bool:
 
 def _simplest(options: dict):
     """The zoo router with the fewest options that states this rule."""
-    plain = options["n_group"] == 1 and options["logit_softcap"] == 0
+    plain = options["n_group"] == 1 and options["logit_softcap"] == 0 and options["bias_on"] == "scores"
     if plain and options["score"] == "softmax" and not options["selection_bias"] and options["routed_scaling_factor"] == 1:
         return "topk-softmax", {"bias": options["bias"], "norm_topk_prob": options["norm_topk_prob"]}
     if (options["score"] == "sigmoid" and options["selection_bias"] and options["logit_softcap"] == 0
-            and options["group_score"] == "top2"):
+            and options["group_score"] == "top2" and options["bias_on"] == "scores"):
         return "sigmoid-bias", {"bias": options["bias"], "n_group": options["n_group"],
                                 "topk_group": options["topk_group"], "norm_topk_prob": options["norm_topk_prob"],
                                 "routed_scaling_factor": options["routed_scaling_factor"]}

@@ -95,8 +95,13 @@ def _clamped_glu(gate, up, limit=7.0, alpha=1.702):
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def _clamped_silu(gate, up, limit=7.0, alpha=None):
+    # DeepSeek-V4: SiLU gate clamped from above, linear half clamped both ways.
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
 # act(gate) * up for the activations transformers' MoE families use (``config.hidden_act`` names), plus GPT-OSS's
-ACTIVATIONS = {"silu": _silu_glu, "clamped-swiglu": _clamped_glu,
+ACTIVATIONS = {"silu": _silu_glu, "clamped-swiglu": _clamped_glu, "clamped-silu": _clamped_silu,
                **{name: _glu_with(ACT2FN[name]) for name in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast",
                                                              "quick_gelu", "relu", "relu2", "swish", "tanh")}}
 _TP_METHODS = ("forward", "expert", "glu", "_forward_sorted", "_forward_gather")
@@ -141,6 +146,8 @@ class SwiGLUExperts(Experts):
                 "bias": self.gate_up_proj_bias is not None}
         if self.activation == "clamped-swiglu":
             opts.update(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
+        elif self.activation == "clamped-silu":
+            opts.update(swiglu_limit=self.swiglu_limit)
         return opts
 
     def _stored(self) -> set[str]:
