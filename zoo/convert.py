@@ -18,6 +18,12 @@ def family_of(model):
     for fam in families:
         if fam.matches(model):
             return fam
+    from zoo.architectures.families import EXCEPTIONS
+    from zoo.architectures.family import NotConvertible
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in EXCEPTIONS:
+        raise NotConvertible(f"{type(model).__name__} ({model_type}) is not converted: {EXCEPTIONS[model_type]}")
     known = ", ".join(f.name for f in families)
     raise TypeError(f"{type(model).__name__} is not a supported MoE family (supported: {known})")
 

@@ -1,4 +1,4 @@
-"""Registry entries: public MoE checkpoints of the six supported families (loaded from the Hub) and the
+"""Registry entries: public MoE checkpoints of the supported families (loaded from the Hub) and the
 zoo's own small checkpoints, shipped in the package and loaded offline."""
 from pathlib import Path
 
@@ -42,6 +42,50 @@ PUBLIC = [
                "117B total, 5.1B active; 128 experts, top-4"),
 ]
 
+# families converted by the generic adapter (zoo.architectures.families)
+GLM45 = "GLM-4.5 Team, GLM-4.5: Agentic, Reasoning, and Coding Foundation Models, 2025. arXiv:2508.06471"
+GENERIC_PUBLIC = [
+    ModelEntry("deepseek_v2.lite", "deepseek-ai/DeepSeek-V2-Lite", "deepseek_v2", "other",
+               "DeepSeek-AI, DeepSeek-V2: A Strong, Economical, and Efficient MoE Language Model, 2024. arXiv:2405.04434",
+               "15.7B total, 2.4B active; 64 routed experts top-6 plus 2 shared"),
+    ModelEntry("deepseek_v32.exp", "deepseek-ai/DeepSeek-V3.2-Exp", "deepseek_v32", "mit",
+               "DeepSeek-AI, DeepSeek-V3.2-Exp, 2025", "671B total, 37B active; DeepSeek-V3 MoE with sparse attention"),
+    ModelEntry("glm4_moe.4.5-air", "zai-org/GLM-4.5-Air", "glm4_moe", "mit", GLM45,
+               "106B total, 12B active; sigmoid routing with selection bias, shared expert"),
+    ModelEntry("glm4v_moe.4.5v", "zai-org/GLM-4.5V", "glm4v_moe", "mit", GLM45,
+               "vision-language model on GLM-4.5-Air's MoE language model"),
+    ModelEntry("ernie4_5_moe.21b-a3b", "baidu/ERNIE-4.5-21B-A3B-PT", "ernie4_5_moe", "apache-2.0",
+               "Baidu ERNIE Team, ERNIE 4.5 Technical Report, 2025", "21B total, 3B active"),
+    ModelEntry("hunyuan_v1_moe.a13b-instruct", "tencent/Hunyuan-A13B-Instruct", "hunyuan_v1_moe", "other",
+               "Tencent Hunyuan Team, Hunyuan-A13B Technical Report, 2025", "80B total, 13B active"),
+    ModelEntry("minimax_m2.base", "MiniMaxAI/MiniMax-M2", "minimax_m2", "mit", "MiniMax, MiniMax-M2, 2025",
+               "230B total, 10B active; sigmoid routing with selection bias"),
+    ModelEntry("minimax.text-01", "MiniMaxAI/MiniMax-Text-01-hf", "minimax", "other",
+               "MiniMax, MiniMax-01: Scaling Foundation Models with Lightning Attention, 2025. arXiv:2501.08313",
+               "456B total, 45.9B active; lightning-attention hybrid"),
+    ModelEntry("dots1.llm1-base", "rednote-hilab/dots.llm1.base", "dots1", "mit",
+               "rednote-hilab, dots.llm1 Technical Report, 2025. arXiv:2506.05767", "142B total, 14B active"),
+    ModelEntry("jamba.mini-1.5", "ai21labs/AI21-Jamba-Mini-1.5", "jamba", "other",
+               "Jamba Team, Jamba-1.5: Hybrid Transformer-Mamba Models at Scale, 2024. arXiv:2408.12570",
+               "52B total, 12B active; Mamba/attention hybrid with MoE every other layer"),
+    ModelEntry("granitemoe.3.1-3b-a800m-instruct", "ibm-granite/granite-3.1-3b-a800m-instruct", "granitemoe",
+               "apache-2.0", "IBM Granite Team, Granite 3.0 Language Models, 2024", "3.3B total, 800M active"),
+    ModelEntry("qwen3_next.80b-a3b-instruct", "Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", "apache-2.0", QWEN3,
+               "80B total, 3B active; 512 experts top-10 plus a gated shared expert; linear-attention hybrid"),
+    ModelEntry("qwen3_vl_moe.30b-a3b-instruct", "Qwen/Qwen3-VL-30B-A3B-Instruct", "qwen3_vl_moe", "apache-2.0",
+               "Qwen Team, Qwen3-VL Technical Report, 2025", "vision-language; 30B total, 3B active MoE language model"),
+    ModelEntry("kimi_linear.48b-a3b-instruct", "moonshotai/Kimi-Linear-48B-A3B-Instruct", "kimi_linear", "mit",
+               "Kimi Team, Kimi Linear: An Expressive, Efficient Attention Architecture, 2025. arXiv:2510.26692",
+               "48B total, 3B active; linear-attention hybrid"),
+    ModelEntry("flex_olmo.7x7b-1t", "allenai/FlexOlmo-7x7B-1T", "flex_olmo", "apache-2.0",
+               "Shi et al., FlexOlmo: Open Language Models for Flexible Data Use, 2025. arXiv:2507.07024",
+               "7 independently trained experts of 7B"),
+    ModelEntry("longcat_flash.chat", "meituan-longcat/LongCat-Flash-Chat", "longcat_flash", "mit",
+               "Meituan LongCat Team, LongCat-Flash Technical Report, 2025. arXiv:2509.01322", "560B total"),
+    ModelEntry("aria.base", "rhymes-ai/Aria", "aria", "apache-2.0",
+               "Li et al., Aria: An Open Multimodal Native Mixture-of-Experts Model, 2024. arXiv:2410.05993",
+               "vision-language; 25.3B total, 3.9B active"),
+]
 
 SHIPPED = Path(__file__).resolve().parent / "_data" / "models"
 CORPUS = "trained by moe-zoo on its shipped corpus: Shakespeare (public domain) and Python stdlib source (PSF)"
@@ -63,5 +107,7 @@ OWN = [
 
 @hookimpl
 def register_models(register):
-    for entry in PUBLIC + OWN:
+    from zoo.architectures.families import EXCEPTIONS
+
+    for entry in PUBLIC + [e for e in GENERIC_PUBLIC if e.family not in EXCEPTIONS] + OWN:
         register(entry)

@@ -71,7 +71,7 @@ def zoo_classes(family):
     module = sys.modules[__name__]
     cfg_cls, lm = zoo_config_class(family), family.model_class
     inner_native = _inner_class(lm)
-    recorders = {**inner_native._can_record_outputs, "router_logits": OutputRecorder(Router, index=2)}
+    recorders = {**(inner_native._can_record_outputs or {}), "router_logits": OutputRecorder(Router, index=2)}
     common = {
         "__module__": __name__, "config_class": cfg_cls, "_can_record_outputs": recorders, "_zoo_family": family,
         "_init_weights": _init_weights, "_initialize_missing_keys": _initialize_missing_keys,
@@ -100,9 +100,13 @@ def zoo_classes(family):
 
 def _inner_class(lm):
     """The family's base-model class (``XModel`` beside ``XForCausalLM`` / ``XForConditionalGeneration``)."""
+    import inspect
+    import re
+
     names = lm.__init__.__globals__
+    built = re.search(r"self\.model\s*=\s*(\w+)\(", inspect.getsource(lm.__init__))  # what the family builds
     stem = lm.__name__.replace("ForCausalLM", "").replace("ForConditionalGeneration", "")
-    for name in (f"{stem}Model", f"{stem}TextModel"):
+    for name in ([built[1]] if built else []) + [f"{stem}Model", f"{stem}TextModel"]:
         if isinstance(names.get(name), type):
             return names[name]
     raise TypeError(f"no base-model class beside {lm.__name__}")
@@ -115,6 +119,8 @@ HEAD_AUTO_CLASSES = {"SequenceClassification": AutoModelForSequenceClassificatio
 
 def _native_heads(lm) -> list[type]:
     """The task heads the family's modeling module defines (each gets a zoo twin on the zoo backbone)."""
+    if not lm.__name__.endswith("ForCausalLM"):
+        return []
     names = [lm.__name__.replace("ForCausalLM", f"For{task}") for task in HEAD_AUTO_CLASSES]
     return [lm.__init__.__globals__[n] for n in names if n in lm.__init__.__globals__]
 

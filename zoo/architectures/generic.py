@@ -56,12 +56,16 @@ def _act_name(act, config) -> str:
 
     from zoo.moe.experts import ACTIVATIONS
 
+    plain = {torch.nn.functional.silu: "silu", torch.nn.functional.gelu: "gelu", torch.nn.functional.relu: "relu",
+             torch.tanh: "tanh"}
+    if act in plain:
+        return plain[act]
     for key in ACT_KEYS:
         name = getattr(config, key, None)
         if isinstance(name, str) and name in ACTIVATIONS and type(ACT2FN[name]) is type(act):
             return name
     for name in ACTIVATIONS:
-        if name != "clamped-swiglu" and type(ACT2FN[name]) is type(act):
+        if not name.startswith("clamped") and type(ACT2FN[name]) is type(act):
             return name
     raise NotConvertible(f"activation {type(act).__name__} has no zoo counterpart")
 
