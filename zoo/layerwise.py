@@ -26,14 +26,6 @@ from zoo.layout import decoder_layers, get_block, moe_layers, put_block
 from zoo.moe import SparseMoE
 
 
-def _norm_path(model) -> str:
-    """The final norm after the decoder layers (``model.norm``; a vision-language model's language model's)."""
-    from zoo.layout import family_and_base
-
-    fam, _ = family_and_base(model)
-    layers_path = getattr(fam, "layers_path", None) or "layers"
-    return "model." + (layers_path.rpartition(".")[0] + "." if "." in layers_path else "") + "norm"
-
 
 class _Stop(Exception):
     """Raised inside a forward once what was wanted has been recorded."""
@@ -55,7 +47,6 @@ class LayerInputs:
     def capture(cls, model, batches) -> LayerInputs:
         """Run each batch through the embeddings only (the decoder layers are stood in for, the rest skipped)."""
         layers = decoder_layers(model)
-        norm = model.get_submodule(_norm_path(model))
         hidden, kwargs = [], []
         for batch in batches:
             seen: list[dict] = []
@@ -66,22 +57,22 @@ class LayerInputs:
                 seen.append(kw)
                 if args:
                     raise TypeError("decoder layers are expected to take their extra inputs as keywords")
+                if i == len(layers) - 1:
+                    raise _Stop  # every layer's inputs are known: nothing after the layers is needed
                 return h
-
-            def stop(*args, **kw):
-                raise _Stop
 
             for i, layer in enumerate(layers):
                 layer.forward = lambda h, *a, i=i, **kw: stand_in(h, *a, i=i, **kw)
-            norm.forward = stop
             try:
                 call_model(model, batch)
             except _Stop:
                 pass
+            except (ValueError, TypeError) as exc:  # the model wanted more back from a layer than its hidden states
+                raise ValueError(f"{type(model).__name__}'s decoder layers hand each other more than hidden states "
+                                 f"({exc}); components that calibrate layer by layer cannot run on it") from None
             finally:
                 for layer in layers:
                     layer.__dict__.pop("forward", None)
-                norm.__dict__.pop("forward", None)
             kwargs.append(seen)
         return cls(hidden, kwargs)
 

@@ -13,11 +13,10 @@ GENERIC: dict[str, str] = {
         "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
         "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
         "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax",
-        "minimax_m2", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open",
-        "inkling2_loop_text")},
+        "minimax_m2", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
     # vision-language models: the language model's MoE blocks convert, the vision tower stays
     **{t: "image-text-to-text" for t in (
-        "aria", "deepseek_ocr2", "ernie4_5_vl_moe", "glm4v_moe", "glm5_next", "hy_v4_vl", "inkling2_loop", "mistral4",
+        "aria", "deepseek_ocr2", "glm4v_moe", "glm5_next", "hy_v4_vl", "mistral4",
         "mistral_large4", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp", "unlimited_ocr")},
 }
 
@@ -43,6 +42,10 @@ EXCEPTIONS: dict[str, str] = {
                   "per model (the text model, dots3_note_text, converts)",
     "inkling2": "its experts gate with a function none of the zoo's activations computes",
     "inkling2_text": "its experts gate with a function none of the zoo's activations computes",
+    "inkling2_loop": "its experts gate with a function none of the zoo's activations computes",
+    "inkling2_loop_text": "its experts gate with a function none of the zoo's activations computes",
+    "ernie4_5_vl_moe": "each MoE layer holds a text and a vision expert block, chosen per token by its modality; the "
+                       "zoo block is one router over one expert set",
     "inkling_text": "no [E, H] router gate inside the MoE block",
     "inkling_mm_model": "no [E, H] router gate inside the MoE block",
     "zaya": "no [E, H] router gate inside the MoE block",

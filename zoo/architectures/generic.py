@@ -199,11 +199,15 @@ class GenericFamily(Family):
             for k in keys:
                 if getattr(text, k, None) is not None and not isinstance(getattr(text, k), bool):
                     text_values[k] = new
-        native = self.config_class(**values)
-        expected = self.block_layout(native)
+        try:
+            native = self.config_class(**values)
+            expected = self.block_layout(native)
+            want = set(self.moe_layer_ids(native))
+        except (NotConvertible, ValueError, RuntimeError, TypeError) as exc:
+            raise NotExportable(f"a native {self.name} config cannot hold {first['num_experts']} experts, "
+                                f"top-{first['num_experts_per_tok']}: {exc}") from None
         if expected["experts_options"].get("intermediate_size") != first["experts_options"].get("intermediate_size"):
-            raise NotExportable(f"the experts' intermediate size differs from the native config's")
-        want = set(self.moe_layer_ids(native))
+            raise NotExportable("the experts' intermediate size differs from the native config's")
         if want != set(moe):
             raise NotExportable(f"MoE layers {sorted(moe)} differ from the native pattern {sorted(want)}")
         if first != expected:
