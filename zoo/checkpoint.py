@@ -150,6 +150,9 @@ class Checkpoint:
 
         from zoo.convert import family_of
 
+        if type(self.config) not in AutoModelForCausalLM._model_mapping:
+            raise CheckpointError(f"{self.path}: streaming works on causal-LM decoders; this {self.config.model_type} "
+                                  "model (vision-language) is worked on in memory (--no-stream)")
         with init_empty_weights(include_buffers=True), no_init_weights(), local_torch_dtype(self.dtype):
             model = AutoModelForCausalLM.from_config(self.config)
         model.eval()

@@ -1,0 +1,53 @@
+"""Generic families streamed layer by layer from their shards (zoo.stream) write the tensors the in-memory path
+writes; vision-language ones are refused with the reason (their layers sit below the language model)."""
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import zoo
+from tests.families.test_generic_families import CONVERTED, native_model
+from zoo import stream
+from zoo.architectures.families import GENERIC
+from zoo.checkpoint import CheckpointError
+
+TEXT = [t for t in CONVERTED if GENERIC[t] == "causal-lm"]
+VISION = [t for t in CONVERTED if GENERIC[t] == "image-text-to-text"]
+
+
+def tensors(folder) -> dict:
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, f)))
+    return out
+
+
+@pytest.mark.parametrize("model_type", TEXT)
+def test_streamed_convert_writes_what_the_in_memory_convert_writes(model_type, tmp_path, one_thread):
+    native_model(model_type).save_pretrained(tmp_path / "native")
+    zoo.convert(native_model(model_type)).save_pretrained(tmp_path / "memory")
+    stream.convert(tmp_path / "native", tmp_path / "stream")
+    a, b = tensors(tmp_path / "memory"), tensors(tmp_path / "stream")
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "jamba", "qwen3_next", "granitemoe"])
+def test_streamed_apply_writes_what_apply_writes(model_type, tmp_path, one_thread):
+    cal = [torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))]
+    native_model(model_type).save_pretrained(tmp_path / "native")
+    model = zoo.apply(zoo.convert(native_model(model_type)), "prune-frequency", calibration=cal, num_experts=3)
+    model.save_pretrained(tmp_path / "memory")
+    stream.apply(tmp_path / "native", [("prune-frequency", {"num_experts": 3})], tmp_path / "stream", calibration=cal)
+    a, b = tensors(tmp_path / "memory"), tensors(tmp_path / "stream")
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_vision_language_checkpoint_is_refused_with_the_reason(tmp_path):
+    native_model(VISION[0]).save_pretrained(tmp_path / "native")
+    with pytest.raises(CheckpointError, match="in memory"):
+        stream.convert(tmp_path / "native", tmp_path / "stream")
+    assert not (tmp_path / "stream").exists()
