@@ -408,3 +408,33 @@ def test_sparse_moe_returns_router_scores_and_checks_expert_count():
     torch.testing.assert_close(moe(hidden), out)
     with pytest.raises(ValueError, match="experts"):
         SparseMoE(TopKSoftmax(H, 8, 2), SwiGLUExperts(4, H, I))
+
+
+# ------------------------------------------------------------------- weights on the input (Llama 4)
+
+def test_input_scaled_block_matches_the_naive_reference_outputs_and_gradients():
+    """``weights_scale_input``: sum over a token's slots of expert_e(w * x), written out per token and slot."""
+    torch.manual_seed(0)
+    experts = SwiGLUExperts(4, H, I)
+    router = TopKSoftmax(H, 4, 2)
+    shared = SharedMLP(H, I)
+    moe = SparseMoE(router, experts, shared, weights_scale_input=True)
+    x = torch.randn(2, 5, H, requires_grad=True)
+    out = moe(x)
+    flat = x.reshape(-1, H)
+    routing = router(flat)
+    rows = []
+    for t in range(flat.shape[0]):
+        y = shared(flat[t:t + 1])[0]
+        for slot in range(2):
+            e, w = int(routing.indices[t, slot]), routing.weights[t, slot]
+            gate, up = (experts.gate_up_proj[e] @ (w * flat[t])).chunk(2)
+            y = y + experts.down_proj[e] @ ref_glu(gate, up, "silu")
+        rows.append(y)
+    want = torch.stack(rows).view_as(out)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    g_out, = torch.autograd.grad(out.square().sum(), x)
+    g_want, = torch.autograd.grad(want.square().sum(), x)
+    torch.testing.assert_close(g_out, g_want, rtol=1e-5, atol=1e-6)
+    assert moe.layout()["weights_scale_input"] is True
+    assert moe.with_parts().weights_scale_input  # compressors' rebuilt blocks keep the flag

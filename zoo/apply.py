@@ -7,7 +7,6 @@ import json
 
 from zoo.components import Registered
 from zoo.layout import moe_layers, sync_layout
-from zoo.moe import SparseMoE
 from zoo.options import accepted_options, check_options, required_options
 from zoo.plugins import load_plugins, registry
 
@@ -147,7 +146,7 @@ class RouterSwap:
 
     def compress_layer(self, index, block, inputs):
         router = new_router(index, block, self.cls, self.options)
-        return SparseMoE(router, block.experts, block.shared_experts, block.returns_router_scores)
+        return block.with_parts(router=router)
 
 
 # Options a router class may accept that zoo.apply fills in per layer (recorded in the layout like any other):

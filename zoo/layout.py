@@ -108,7 +108,8 @@ def build_block(entry: dict) -> SparseMoE:
     router = router_cls(experts.hidden_size, entry["num_experts"], entry["num_experts_per_tok"],
                         **entry["router_options"])
     shared = SharedMLP(**entry["shared_experts"]) if entry.get("shared_experts") else None
-    return SparseMoE(router, experts, shared, returns_router_scores=entry.get("returns_router_scores", False))
+    return SparseMoE(router, experts, shared, returns_router_scores=entry.get("returns_router_scores", False),
+                     weights_scale_input=entry.get("weights_scale_input", False))
 
 
 class LayoutError(ValueError):

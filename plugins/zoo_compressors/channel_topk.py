@@ -1,6 +1,5 @@
 """channel-topk: calibration-free top-k channel selection inside each expert (weight-informed scores)."""
 from zoo import Compressor
-from zoo.moe import SparseMoE
 from zoo.moe.channel_topk import ChannelTopKExperts
 from zoo.moe.experts import SwiGLUExperts
 
@@ -25,4 +24,4 @@ class ChannelTopK(Compressor):
 
     def compress_layer(self, index, block, inputs):
         experts = ChannelTopKExperts.from_dense(block.experts, self.budget)
-        return SparseMoE(block.router, experts, block.shared_experts, block.returns_router_scores)
+        return block.with_parts(experts=experts)

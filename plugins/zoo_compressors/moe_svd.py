@@ -16,7 +16,6 @@ import math
 import torch
 
 from zoo import Compressor
-from zoo.moe import SparseMoE
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.factored import FactoredExperts
 
@@ -126,7 +125,7 @@ class MoeSvd(Compressor):
             return block
         experts = self.factor_layer(block.experts, layer_grams(block, inputs), self._keep)[0]
         self.results["rank"][str(index)] = experts.rank_gate_up
-        return SparseMoE(block.router, experts, block.shared_experts, block.returns_router_scores)
+        return block.with_parts(experts=experts)
 
     def factor_layer(self, ex: SwiGLUExperts, st: dict, keep: float):
         """(FactoredExperts, sensitivity) for one layer at the fraction ``keep`` of its expert parameters."""

@@ -4,7 +4,6 @@ import numpy as np
 import torch
 
 from zoo import Compressor
-from zoo.moe import SparseMoE
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.quantized import (
     BITS,
@@ -106,4 +105,4 @@ class Quantize(Compressor):
         widths = [int(self.bits)] * block.num_experts if self.allocation == "uniform" else self._planned[index]
         experts = QuantizedExperts.from_dense(block.experts, widths, self.group_size)
         self.results.setdefault("bits", {})[str(index)] = list(map(int, widths))
-        return SparseMoE(block.router, experts, block.shared_experts, block.returns_router_scores)
+        return block.with_parts(experts=experts)

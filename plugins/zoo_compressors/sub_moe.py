@@ -8,7 +8,6 @@ at the kept rank (``rank_ratio`` of the full rank: below 1 the shared subspace i
 """
 import torch
 
-from zoo.moe.block import SparseMoE
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.surgery import router_like, place_like
 
@@ -70,4 +69,4 @@ class SubMoe(ExpertCountCompressor):
         router.load_state_dict({k: (v[dominant] if v.dim() and v.shape[0] == moe.num_experts else v)
                                 for k, v in moe.router.state_dict().items()})
         place_like(router, moe.router)
-        return SparseMoE(router, experts, moe.shared_experts, moe.returns_router_scores)
+        return moe.with_parts(router, experts)

@@ -114,4 +114,4 @@ def keep_group_experts(moe: SparseMoE, keep: list[int], group: str, size: int) -
     router.group_weight.copy_(old_r.group_weight)
     if old_r.bias is not None:
         router.bias.copy_(old_r.bias.index_select(0, rows))
-    return SparseMoE(router, experts, moe.shared_experts, moe.returns_router_scores)
+    return moe.with_parts(router, experts)

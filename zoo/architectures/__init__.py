@@ -10,6 +10,9 @@ def register_architectures(register):
     from zoo.architectures.deepseek_v3 import DeepseekV3
     from zoo.architectures.families import GENERIC
     from zoo.architectures.generic import GenericFamily
+    from zoo.architectures.llama4 import Llama4Text
+
+    SPECS = {"llama4_text": Llama4Text}  # generic families with a small spec of their own
     from zoo.architectures.gpt_oss import GptOss
     from zoo.architectures.mixtral import Mixtral
     from zoo.architectures.olmoe import Olmoe
@@ -20,7 +23,7 @@ def register_architectures(register):
         register(family)
     for model_type, auto in GENERIC.items():
         if model_type in CONFIG_MAPPING_NAMES:  # an older transformers may lack some
-            register(GenericFamily(model_type, auto))
+            register(SPECS[model_type]() if model_type in SPECS else GenericFamily(model_type, auto))
 
 
 @hookimpl

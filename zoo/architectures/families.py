@@ -13,7 +13,7 @@ GENERIC: dict[str, str] = {
         "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
         "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
         "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax",
-        "minimax_m2", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
+        "minimax_m2", "llama4_text", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
     # vision-language models: the language model's MoE blocks convert, the vision tower stays
     **{t: "image-text-to-text" for t in (
         "aria", "deepseek_ocr2", "glm4v_moe", "glm5_next", "hy_v4_vl", "mistral4",
@@ -35,9 +35,8 @@ EXCEPTIONS: dict[str, str] = {
     "diffusion_gemma": _NO_FUSED, "gemma4": _NO_FUSED, "gemma4_text": _NO_FUSED, "doge": _NO_FUSED,
     "step3p7": _NO_FUSED,
     "longcat_flash": _NO_FUSED + " (zero-computation experts beside the FFN experts)",
-    "llama4": "Llama 4 scales each expert's input (not its output) by the routing score, and "
-              + _NO_FUSED.replace("its ", "its text "),
-    "llama4_text": "Llama 4 scales each expert's input (not its output) by the routing score, and " + _NO_FUSED,
+    "llama4": "its multimodal model holds a whole causal LM (`.language_model`) where the zoo classes expect the "
+              "base model at `.model`; the text model (llama4_text) converts",
     "dots3_note": "MoE blocks in both the language model and the vision tower; the adapter converts one block kind "
                   "per model (the text model, dots3_note_text, converts)",
     "inkling2": "its experts gate with a function none of the zoo's activations computes",

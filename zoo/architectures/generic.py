@@ -229,11 +229,12 @@ def _real_fp32(block) -> bool:
 
 def _verify(native, moe) -> None:
     """The converted block computes what the native one does (on random tokens, in fp32)."""
-    h = native.experts.gate_up_proj.shape[1 if native.experts.is_transposed else 2]
-    x = torch.randn(1, 16, h, generator=torch.Generator().manual_seed(0), device=native.experts.gate_up_proj.device)
+    device = next(native.parameters()).device
+    x = torch.randn(1, 16, moe.experts.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         want, got = native(x), moe(x)
     want = want[0] if isinstance(want, tuple) else want
+    got = got[0] if isinstance(got, tuple) else got
     err = ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
     if not err <= 1e-4:
         raise NotConvertible(f"the converted block differs from {type(native).__name__} (relative error {err:.2e}): "
@@ -281,7 +282,7 @@ def _experts_spec(experts, config):
     allowed = {"gate_up_proj", "down_proj"} | ({"gate_up_proj_bias", "down_proj_bias"} if experts.has_bias else set())
     if names != allowed:
         raise NotConvertible(f"{type(experts).__name__} holds {sorted(names - allowed) or sorted(allowed - names)}")
-    gate_up, down = experts.gate_up_proj, experts.down_proj
+    gate_up = experts.gate_up_proj
     transposed = bool(experts.is_transposed)
     E = gate_up.shape[0]
     H, two_i = (gate_up.shape[1], gate_up.shape[2]) if transposed else (gate_up.shape[2], gate_up.shape[1])

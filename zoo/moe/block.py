@@ -6,7 +6,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from zoo.moe.experts import Experts
-from zoo.moe.routing import Router
+from zoo.moe.routing import Router, Routing
 
 
 class SharedMLP(nn.Module):
@@ -42,12 +42,19 @@ class SparseMoE(nn.Module):
     """
 
     def __init__(self, router: Router, experts: Experts, shared_experts: nn.Module | None = None,
-                 returns_router_scores: bool = False):
+                 returns_router_scores: bool = False, weights_scale_input: bool = False):
         super().__init__()
         if router.num_experts != experts.num_experts:
             raise ValueError(f"router has {router.num_experts} experts but experts has {experts.num_experts}")
         self.router, self.experts, self.shared_experts = router, experts, shared_experts
         self.returns_router_scores = returns_router_scores
+        # Llama 4: the routing weight scales each expert's input, not its output (not the same through SwiGLU)
+        self.weights_scale_input = weights_scale_input
+
+    def with_parts(self, router: Router | None = None, experts: Experts | None = None) -> SparseMoE:
+        """A block like this one (shared experts, flags) with a new router and/or new experts."""
+        return SparseMoE(router if router is not None else self.router, experts if experts is not None else self.experts,
+                         self.shared_experts, self.returns_router_scores, self.weights_scale_input)
 
     @property
     def num_experts(self) -> int:
@@ -62,7 +69,9 @@ class SparseMoE(nn.Module):
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         routing = self.router(x)
-        if getattr(self.experts, "_is_hooked", False):
+        if self.weights_scale_input:
+            out = self._input_scaled_experts(x, routing)
+        elif getattr(self.experts, "_is_hooked", False):
             out = self._parallel_experts(x, routing)
         else:
             out = self.experts(x, routing)
@@ -70,6 +79,16 @@ class SparseMoE(nn.Module):
             out = out + self.shared_experts(x)
         out = out.view(shape)
         return (out, routing.weights) if self.returns_router_scores else out
+
+    def _input_scaled_experts(self, x: torch.Tensor, routing) -> torch.Tensor:
+        """Each (token, slot) pair as its own row, scaled by its weight, sent to its expert with weight 1."""
+        tokens, k = routing.indices.shape
+        empty = routing.indices >= self.num_experts  # their weight is ignored, even if NaN
+        w = routing.weights.masked_fill(empty, 0).to(x.dtype)
+        rows = (x[:, None, :] * w[..., None]).reshape(tokens * k, -1)
+        flat = routing.indices.reshape(tokens * k, 1)
+        out = self.experts(rows, Routing(torch.ones_like(flat, dtype=x.dtype), flat))
+        return out.view(tokens, k, -1).sum(1)
 
     def _parallel_experts(self, x: torch.Tensor, routing) -> torch.Tensor:
         """The experts under transformers' tensor/expert-parallel hooks (``zoo.architectures.parallel``): called
@@ -95,4 +114,5 @@ class SparseMoE(nn.Module):
             "experts_options": experts_options,
             "shared_experts": None if self.shared_experts is None else self.shared_experts.options(),
             "returns_router_scores": self.returns_router_scores,
+            **({"weights_scale_input": True} if self.weights_scale_input else {}),
         }

@@ -57,7 +57,7 @@ def keep_experts(moe: SparseMoE, keep) -> SparseMoE:
              for k, v in moe.router.state_dict().items()}
     router.load_state_dict(state)
     place_like(router, moe.router)
-    return SparseMoE(router, _slice_experts(moe.experts, keep), moe.shared_experts, moe.returns_router_scores)
+    return moe.with_parts(router, _slice_experts(moe.experts, keep))
 
 
 @torch.no_grad()
@@ -72,4 +72,4 @@ def merge_experts(moe: SparseMoE, groups: list[list[int]], weights: list[list[fl
     router = router_like(moe.router, len(groups))
     router.load_state_dict(router_rows(moe.router.state_dict(), mix))
     place_like(router, moe.router)
-    return SparseMoE(router, _slice_experts(moe.experts, None, mix), moe.shared_experts, moe.returns_router_scores)
+    return moe.with_parts(router, _slice_experts(moe.experts, None, mix))
