@@ -9,6 +9,7 @@ def register_routers(register):
     from zoo_routers.remix import Remix
     from zoo_routers.scored_topk import ScoredTopK
     from zoo_routers.sigmoid_bias import SigmoidBias
+    from zoo_routers.sparsemixer import SparseMixer
     from zoo_routers.steer import Steer
     from zoo_routers.top_p import TopP
     from zoo_routers.topk_softmax import TopKSoftmax
@@ -21,3 +22,4 @@ def register_routers(register):
     register(MixtureOfHeads)
     register(Remix)
     register(ScoredTopK)
+    register(SparseMixer)

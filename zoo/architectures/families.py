@@ -13,7 +13,7 @@ GENERIC: dict[str, str] = {
         "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
         "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
         "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax",
-        "minimax_m2", "llama4_text", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
+        "minimax_m2", "llama4_text", "phimoe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
     # vision-language models: the language model's MoE blocks convert, the vision tower stays
     **{t: "image-text-to-text" for t in (
         "aria", "deepseek_ocr2", "glm4v_moe", "glm5_next", "hy_v4_vl", "mistral4",
@@ -52,11 +52,6 @@ EXCEPTIONS: dict[str, str] = {
     "minimax_m3_vl_text": "its shared experts (MiniMaxM3VLDenseMLP) are not a plain gated MLP",
     "muse_spark": "its experts normalise each expert's output (post-expert norm)",
     "nemotron_h": "its experts are ungated (up/down only); the zoo's experts are gated",
-    "phimoe": "SparseMixer routing (masked-softmax top-2 with a jitter threshold) reproduces none of the zoo's "
-              "top-k rules",
-    "dbrx": "its base model sits at `.transformer` (the zoo's model classes expect `.model`)",
-    "jetmoe": "its attention is a mixture of experts too, and its MLP experts are its own parallel-experts modules "
-              "(not fused experts)",
     "nllb-moe": "encoder-decoder with per-expert modules (not fused experts)",
     "switch_transformers": "encoder-decoder with per-expert modules (not fused experts)",
     "vitpose_backbone": "a vision backbone, not a language model",

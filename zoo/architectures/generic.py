@@ -439,8 +439,20 @@ def _probe(block, router_name, config, E, H, gate_name, tensors):
                 if not _same_routing(indices, weights, simple(x[0])):
                     name, opts = "scored-topk", options
             return name, opts, k, {gate_name: "weight", **roles}
+    for name, opts in _other_rules(config):  # families that route in a way of their own
+        router = registry.get("router", name).obj(H, E, k, **opts)
+        _load_router(router, values, gate_name, {})
+        with torch.no_grad():
+            if not vectors and _same_routing(indices, weights, router(x[0])):
+                return name, dict(router.options), k, {gate_name: "weight"}
     raise NotConvertible(f"{type(block).__name__}'s routing matches none of the zoo's top-k rules "
                          "(softmax/sigmoid, selection bias, groups, renormalisation, scaling)")
+
+
+def _other_rules(config):
+    jitter = getattr(config, "router_jitter_noise", None)
+    if isinstance(jitter, (int, float)) and not isinstance(jitter, bool):
+        yield "sparsemixer", {"jitter_eps": float(jitter)}
 
 
 def _routing_twin(block, router_name):
