@@ -119,3 +119,24 @@ def test_every_moe_family_is_listed():
     assert not missing, f"MoE families missing from zoo.architectures.families: {sorted(missing)}"
     assert all(reason.strip() for reason in EXCEPTIONS.values())
     assert not set(FIRST_PARTY) & set(GENERIC)
+
+
+VISION_LANGUAGE = [t for t in CONVERTED if GENERIC[t] == "image-text-to-text"]
+
+
+@pytest.mark.parametrize("model_type", VISION_LANGUAGE)
+def test_multimodal_routing_applies_to_a_vision_language_models_moe_layers(model_type, tmp_path):
+    """MoHAVE's two-level routing over expert groups, on the language model's MoE layers of a real VLM family;
+    the vision tower is untouched and the model reloads through AutoModelForImageTextToText."""
+    model = zoo.convert(native_model(model_type))
+    vision_before = {k: v.clone() for k, v in model.state_dict().items() if "language_model" not in k and "lm_head" not in k}
+    n = moe_layers(model)[0][1].num_experts
+    zoo.apply(model, "hierarchical-modality", group_sizes=[n // 2, n - n // 2], top_groups=1)
+    assert all(moe.router.name == "hierarchical-modality" for _, moe in moe_layers(model))
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in vision_before.items())
+    ids = input_ids(model)
+    out = logits(model, ids)
+    model.save_pretrained(tmp_path / "mm")
+    back = AutoModelForImageTextToText.from_pretrained(tmp_path / "mm").eval()
+    assert rel(logits(back, ids), out) <= 1e-5

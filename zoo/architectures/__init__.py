@@ -10,9 +10,10 @@ def register_architectures(register):
     from zoo.architectures.deepseek_v3 import DeepseekV3
     from zoo.architectures.families import GENERIC
     from zoo.architectures.generic import GenericFamily
+    from zoo.architectures.cohere2_moe import Cohere2Moe
     from zoo.architectures.llama4 import Llama4Text
 
-    SPECS = {"llama4_text": Llama4Text}  # generic families with a small spec of their own
+    SPECS = {"llama4_text": Llama4Text, "cohere2_moe": Cohere2Moe}  # generic families with a small spec of their own
     from zoo.architectures.gpt_oss import GptOss
     from zoo.architectures.mixtral import Mixtral
     from zoo.architectures.olmoe import Olmoe

@@ -13,7 +13,7 @@ GENERIC: dict[str, str] = {
         "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
         "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
         "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax",
-        "minimax_m2", "llama4_text", "phimoe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
+        "minimax_m2", "llama4_text", "phimoe", "cohere2_moe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
     # vision-language models: the language model's MoE blocks convert, the vision tower stays
     **{t: "image-text-to-text" for t in (
         "aria", "deepseek_ocr2", "glm4v_moe", "glm5_next", "hy_v4_vl", "mistral4",
@@ -29,10 +29,11 @@ EXCEPTIONS: dict[str, str] = {
     "axk2": "its routing reproduces none of the zoo's top-k rules",
     "beam": "the converted block differs from BeamMoE (relative error 0.6): the block computes more than router, "
             "experts and shared MLP",
-    "cohere2_moe": "the converted block differs from Cohere2MoeSparseMoeBlock (relative error 1.0): the block "
-                   "combines its parts in its own way",
     "deepseek_v4": "some layers route by token id (hash routing, gate.tid2eid); a zoo router sees hidden states only",
-    "diffusion_gemma": _NO_FUSED, "gemma4": _NO_FUSED, "gemma4_text": _NO_FUSED, "doge": _NO_FUSED,
+    **{t: "router and experts sit in the decoder layer itself and read different inputs (the router its own "
+          "RMS-normed, scaled copy of the residual; the experts a separately normed one), beside a dense MLP; "
+          "the zoo block routes the tokens its experts read" for t in ("gemma4", "gemma4_text", "diffusion_gemma")},
+    "doge": _NO_FUSED,
     "step3p7": _NO_FUSED,
     "longcat_flash": _NO_FUSED + " (zero-computation experts beside the FFN experts)",
     "llama4": "its multimodal model holds a whole causal LM (`.language_model`) where the zoo classes expect the "

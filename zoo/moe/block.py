@@ -12,11 +12,13 @@ from zoo.moe.routing import Router, Routing
 class SharedMLP(nn.Module):
     """Always-on shared expert(s): a gated MLP (SiLU by default), optionally scaled by a sigmoid gate (Qwen2-MoE)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, gated: bool = False, activation: str = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, gated: bool = False, activation: str = "silu",
+                 scale: float = 1.0):
         super().__init__()
         if activation not in ACT2FN:
             raise ValueError(f"unknown activation {activation!r} for the shared experts")
         self.hidden_size, self.intermediate_size, self.activation = hidden_size, intermediate_size, activation
+        self.scale = float(scale)  # Cohere2-MoE's "average" combination halves the shared and the routed outputs
         self.act_fn = ACT2FN[activation]
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -26,11 +28,14 @@ class SharedMLP(nn.Module):
     def options(self) -> dict:
         opts = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
                 "gated": self.gate is not None}
-        return opts if self.activation == "silu" else {**opts, "activation": self.activation}
+        if self.activation != "silu":
+            opts["activation"] = self.activation
+        return opts if self.scale == 1.0 else {**opts, "scale": self.scale}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        return out if self.gate is None else torch.sigmoid(self.gate(x)) * out
+        out = out if self.gate is None else torch.sigmoid(self.gate(x)) * out
+        return out if self.scale == 1.0 else out * self.scale
 
 
 class SparseMoE(nn.Module):
