@@ -53,6 +53,10 @@ EXCEPTIONS: dict[str, str] = {
     "minimax_m3_vl_text": "its shared experts (MiniMaxM3VLDenseMLP) are not a plain gated MLP",
     "muse_spark": "its experts normalise each expert's output (post-expert norm)",
     "nemotron_h": "its experts are ungated (up/down only); the zoo's experts are gated",
+    "dbrx": "its experts are its own GLU module (w1/v1/w2 stacked per expert, not transformers' fused class), and "
+            "its base model sits at `.transformer` where the zoo classes expect `.model`",
+    "jetmoe": "its attention is a mixture of experts too, and its MLP experts are its own parallel-experts modules "
+              "(not fused experts)",
     "nllb-moe": "encoder-decoder with per-expert modules (not fused experts)",
     "switch_transformers": "encoder-decoder with per-expert modules (not fused experts)",
     "vitpose_backbone": "a vision backbone, not a language model",
