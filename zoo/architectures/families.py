@@ -14,9 +14,10 @@ GENERIC: dict[str, str] = {
         "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
         "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax",
         "minimax_m2", "llama4_text", "phimoe", "cohere2_moe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
-    # vision-language models: the language model's MoE blocks convert, the vision tower stays
+    # vision-language models: the language model's MoE blocks convert, the vision tower stays (dots3_note's
+    # vision tower has MoE blocks of its own: they stay native)
     **{t: "image-text-to-text" for t in (
-        "aria", "deepseek_ocr2", "glm4v_moe", "glm5_next", "hy_v4_vl", "mistral4",
+        "aria", "deepseek_ocr2", "dots3_note", "glm4v_moe", "glm5_next", "hy_v4_vl", "mistral4",
         "mistral_large4", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp", "unlimited_ocr")},
 }
 
@@ -38,8 +39,6 @@ EXCEPTIONS: dict[str, str] = {
     "longcat_flash": _NO_FUSED + " (zero-computation experts beside the FFN experts)",
     "llama4": "its multimodal model holds a whole causal LM (`.language_model`) where the zoo classes expect the "
               "base model at `.model`; the text model (llama4_text) converts",
-    "dots3_note": "MoE blocks in both the language model and the vision tower; the adapter converts one block kind "
-                  "per model (the text model, dots3_note_text, converts)",
     "inkling2": "its experts gate with a function none of the zoo's activations computes",
     "inkling2_text": "its experts gate with a function none of the zoo's activations computes",
     "inkling2_loop": "its experts gate with a function none of the zoo's activations computes",

@@ -125,7 +125,9 @@ class GenericFamily(Family):
         if not found:
             raise NotConvertible(f"{self.name}: no block holds transformers' fused experts "
                                  "(`@use_experts_implementation`)")
-        if len(found) > 1:
+        if len(found) > 1:  # e.g. a vision tower with MoE blocks of its own: the language model's are converted
+            found = {key: path for key, path in found.items() if key[0].startswith("language_model.")}
+        if len(found) != 1:
             raise NotConvertible(f"{self.name}: MoE blocks in several places ({sorted(found.values())})")
         (self.layers_path, self.block_attr, self.block_class), = found
 
