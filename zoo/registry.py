@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import warnings
 from dataclasses import asdict, dataclass
 
 from zoo.options import suggest
@@ -116,13 +117,13 @@ def tokenizer_for(model):
 
 
 def load(name_or_path: str, convert: bool = True, **kwargs):
-    """Load a local folder, a registry name, ``hf-hub:org/name`` or a hub id as a causal LM.
+    """Load a local folder, a registry name, ``hf-hub:org/name`` or a hub id as a causal LM (a vision-language
+    model through ``AutoModelForImageTextToText``).
 
     Native checkpoints of a supported family are converted to the zoo block (losslessly) unless
     ``convert=False``. Offline, a hub id that is not cached fails with an error that says so.
     """
     from huggingface_hub.utils import HFValidationError, validate_repo_id
-    from transformers import AutoModelForCausalLM
 
     import zoo
     from zoo import finite
@@ -140,7 +141,7 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
             raise ValueError(f"{target!r} is not a folder, a registry name or a hub id (org/name)") from None
     try:
         with masked_errors(kwargs.get("token")):
-            model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
+            model = _auto_class(target, kwargs).from_pretrained(target, **kwargs)
     except OSError as exc:
         if os.path.isdir(target):
             raise
@@ -152,8 +153,26 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
     if finite.enabled() and getattr(type(model), "_zoo_family", None) is None:  # zoo classes check while loading
         finite.check_finite(model)
     if convert:
+        from zoo.architectures.family import NotConvertible
+
         try:
             model = zoo.convert(model)
+        except NotConvertible as exc:  # an MoE family the zoo cannot hold: say why, return it as transformers built it
+            warnings.warn(f"{exc}; loaded without conversion", stacklevel=2)
         except TypeError:
             pass  # not an MoE family the zoo knows: return it as transformers built it
     return model
+
+
+def _auto_class(target: str, kwargs: dict):
+    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if "config" in kwargs:
+        config = kwargs["config"]
+    else:
+        keys = ("token", "revision", "subfolder", "trust_remote_code", "cache_dir", "local_files_only")
+        config = AutoConfig.from_pretrained(target, **{k: kwargs[k] for k in keys if k in kwargs})
+    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM

@@ -49,7 +49,8 @@ def render(rows: dict, exceptions: dict, counts: dict) -> str:
              "all decoder layers, the relative logit error against the native model (fp32) and whether greedy "
              "decoding picks the same tokens.", "",
              f"MoE config classes found: {counts['found']}; with a causal-LM, image-text-to-text, multimodal or "
-             f"seq2seq class: {counts['with_class']}; converted: {counts['converted']} ({counts['first_party']} by "
+             f"seq2seq class: {counts['with_class']}; of these built as tiny random models from their own config "
+             f"classes: {counts['instantiable']}; converted: {counts['converted']} ({counts['first_party']} by "
              f"first-party specs, {counts['generic']} by the generic adapter); not converted: {counts['excepted']}.",
              "", "## Converted", "",
              "| model type | loads with | router | activation | MoE layers | shared | logit error | greedy |",
@@ -78,6 +79,15 @@ def main() -> None:
     mappings = [ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
                 getattr(ma, "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", {}), ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES]
     with_class = {t for t in found if any(t in m for m in mappings)}
+    from tests.families.test_generic_families import native_model
+
+    instantiable = set()
+    for t in sorted(with_class):
+        try:
+            native_model(t)
+            instantiable.add(t)
+        except Exception as exc:  # noqa: BLE001 - the reason goes into the report
+            print(f"{t}: not instantiable tiny: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
     rows = {}
     for t in sorted(set(FIRST_PARTY) | set(GENERIC)):
         if model_class(t) is None:
@@ -85,6 +95,7 @@ def main() -> None:
         print(t, file=sys.stderr)
         rows[t] = measure(t)
     counts = {"transformers": transformers.__version__, "found": len(found), "with_class": len(with_class),
+              "instantiable": len(instantiable),
               "converted": len(rows), "first_party": len(FIRST_PARTY), "generic": len(rows) - len(FIRST_PARTY),
               "excepted": len(with_class - set(rows))}
     text = render(rows, {t: why for t, why in EXCEPTIONS.items()}, counts)

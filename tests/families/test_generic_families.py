@@ -140,3 +140,19 @@ def test_multimodal_routing_applies_to_a_vision_language_models_moe_layers(model
     model.save_pretrained(tmp_path / "mm")
     back = AutoModelForImageTextToText.from_pretrained(tmp_path / "mm").eval()
     assert rel(logits(back, ids), out) <= 1e-5
+
+
+def test_zoo_load_takes_a_vision_language_checkpoint_through_its_auto_class(tmp_path):
+    model_type = VISION_LANGUAGE[0]
+    native_model(model_type).save_pretrained(tmp_path / "native")
+    model = zoo.load(str(tmp_path / "native"))
+    assert type(model).__name__.startswith("Zoo") and moe_layers(model)
+    assert type(model) is AutoModelForImageTextToText._model_mapping[type(model.config)]
+
+
+def test_zoo_load_says_why_an_excepted_family_stays_native(tmp_path):
+    torch.manual_seed(0)
+    model_class("nemotron_h")(tiny_config("nemotron_h")).save_pretrained(tmp_path / "native")
+    with pytest.warns(UserWarning, match="not converted: its experts are ungated"):
+        model = zoo.load(str(tmp_path / "native"))
+    assert not hasattr(type(model), "_zoo_family")
