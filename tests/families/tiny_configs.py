@@ -15,6 +15,8 @@ Non-obvious kwargs:
 - diffusion_gemma: ``canvas_length=8``; its forward samples a random canvas unless ``decoder_input_ids`` is given.
 - deepseek_v2, deepseek_ocr2, unlimited_ocr: ``topk_method="group_limited_greedy"``, the family's grouped routing.
 - ernie4_5_vl_moe, glm4v_moe, hy_v4_vl: an ``mrope_section`` that fits head_dim 8; zaya: top-1 (its validator).
+- jetmoe: the only module with an ``experts`` child is the attention (JetMoeAttention.experts, mixture of attention
+  heads); its MLP MoE (JetMoeMoE) holds its experts as ``input_linear`` / ``output_linear``.
 
 ``tiny_config(mt)`` builds the config, ``model_class(mt)`` picks the class a user would load it with, and
 ``UNBUILDABLE`` lists the types that cannot be used as a tiny MoE model, with the reason.
