@@ -48,8 +48,9 @@ EXCEPTIONS: dict[str, str] = {
     "inkling_text": "no [E, H] router gate inside the MoE block",
     "inkling_mm_model": "no [E, H] router gate inside the MoE block",
     "zaya": "no [E, H] router gate inside the MoE block",
-    "minimax_m3_vl": "its shared experts (MiniMaxM3VLDenseMLP) are not a plain gated MLP",
-    "minimax_m3_vl_text": "its shared experts (MiniMaxM3VLDenseMLP) are not a plain gated MLP",
+    **{t: "its shared experts are a clamped-SwiGLU MLP with one fused gate/up projection, and its block scales the "
+          "routed output after the experts; the zoo's shared MLP and block hold neither"
+       for t in ("minimax_m3_vl", "minimax_m3_vl_text")},
     "muse_spark": "its experts normalise each expert's output (post-expert norm)",
     "nemotron_h": "its experts are ungated (up/down only); the zoo's experts are gated",
     "dbrx": "its experts are its own GLU module (w1/v1/w2 stacked per expert, not transformers' fused class), and "

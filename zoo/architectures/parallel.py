@@ -71,14 +71,15 @@ def ep_plan(family) -> dict[str, str]:
 
 
 def parallel_attributes(family) -> dict:
-    """Class attributes of the zoo config class of ``family``. Families converted by the generic adapter get no
-    plans: their native plans name native module paths, and the zoo's renames are known only per block."""
-    if getattr(family, "generic", False):
-        return {"base_model_tp_plan": {}, "base_model_ep_plan": {}}
+    """Class attributes of the zoo config class of ``family``."""
     return {"base_model_tp_plan": tp_plan(family), "base_model_ep_plan": ep_plan(family)}
 
 
 def _zoo_plan(family, native: dict | None) -> dict[str, str]:
+    if getattr(family, "generic", False):
+        # no plans for families converted by the generic adapter: their native plans name native module paths,
+        # and the zoo's names for them are known only once a block has been read
+        return {}
     plan = {}
     for key, style in (native or {}).items():
         key = _zoo_key(key, family.renames)
