@@ -438,3 +438,42 @@ def test_input_scaled_block_matches_the_naive_reference_outputs_and_gradients():
     torch.testing.assert_close(g_out, g_want, rtol=1e-5, atol=1e-6)
     assert moe.layout()["weights_scale_input"] is True
     assert moe.with_parts().weights_scale_input  # compressors' rebuilt blocks keep the flag
+
+
+# ------------------------------------------------------------------------ ungated experts (Nemotron-H)
+
+@pytest.mark.parametrize("compiled_path", [False, True])
+def test_mlp_experts_match_the_naive_reference_outputs_and_gradients(compiled_path, monkeypatch):
+    """``mlp`` experts: down(act(up x)) per token and slot, weighted, summed; both the sorted and the gather
+    path (the one a compiled decode step takes), with an empty slot."""
+    from zoo.moe.experts import MLPExperts
+
+    torch.manual_seed(0)
+    experts = MLPExperts(4, H, I, activation="relu2")
+    x = torch.randn(3, H, requires_grad=True)
+    indices = torch.tensor([[0, 2], [3, 4], [1, 1]])  # 4: an empty slot
+    weights = torch.rand(3, 2)
+    if compiled_path:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    out = experts(x, Routing(weights, indices))
+    rows = []
+    for t in range(3):
+        y = torch.zeros(H)
+        for slot in range(2):
+            e = int(indices[t, slot])
+            if e < 4:
+                y = y + weights[t, slot] * (experts.down_proj[e] @ torch.relu(experts.up_proj[e] @ x[t]).square())
+        rows.append(y)
+    want = torch.stack(rows)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    g_out, = torch.autograd.grad(out.square().sum(), x)
+    g_want, = torch.autograd.grad(want.square().sum(), x)
+    torch.testing.assert_close(g_out, g_want, rtol=1e-5, atol=1e-6)
+
+
+def test_ungated_shared_mlp_is_down_of_act_of_up():
+    torch.manual_seed(0)
+    shared = SharedMLP(H, I, activation="relu2", glu=False)
+    x = torch.randn(5, H)
+    torch.testing.assert_close(shared(x), shared.down_proj(torch.relu(shared.up_proj(x)).square()))
+    assert shared.gate_proj is None and shared.options()["glu"] is False

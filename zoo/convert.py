@@ -74,7 +74,7 @@ def native_config(model):
 
     fam = family_of(model)
     for i, moe in moe_layers(model):
-        if type(moe.experts).__name__ != "SwiGLUExperts":
+        if type(moe.experts).__name__ not in ("SwiGLUExperts", "MLPExperts"):
             raise NotExportable(f"layer {i} has {moe.experts.name!r} experts; native {fam.name} needs dense experts")
     native_cfg = fam.native_config(model.config, read_layout(model))
     native_cfg.architectures = [fam.model_class.__name__]

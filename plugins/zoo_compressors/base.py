@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from zoo import Compressor
 from zoo.moe import SwiGLUExperts
+from zoo.moe.experts import MLPExperts
 from zoo.stats import layer_stats
 
 
@@ -21,8 +22,10 @@ class ExpertCountCompressor(Compressor):
         self.num_experts = num_experts
         self.results: dict = {}  # recorded in the recipe step
 
+    experts_kinds: tuple[type, ...] = (SwiGLUExperts, MLPExperts)  # dense experts, gated or not
+
     def check_layer(self, index, block) -> None:
-        if type(block.experts) is not SwiGLUExperts:
+        if type(block.experts) not in self.experts_kinds:
             raise ValueError(f"layer {index} has {block.experts.name!r} experts; {self.name} needs dense experts "
                              f"(run it before steps that quantize, factor or specialise the experts)")
         if self.num_experts > block.num_experts:

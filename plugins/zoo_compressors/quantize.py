@@ -62,7 +62,8 @@ class Quantize(Compressor):
 
     def check_layer(self, index, block):
         if type(block.experts) is not SwiGLUExperts:
-            raise ValueError(f"layer {index} has {block.experts.name!r} experts; quantize needs dense experts")
+            raise ValueError(f"layer {index} has {block.experts.name!r} experts; quantize needs dense gated "
+                             "(swiglu) experts")
         for size in (block.experts.hidden_size, block.experts.intermediate_size):
             if size % self.group_size:
                 raise ValueError(f"group_size={self.group_size} does not divide layer {index}'s size {size}")

@@ -33,6 +33,7 @@ class SubMoe(ExpertCountCompressor):
     card = "cards/sub-moe.md"
     space = "compression-lab"
     all_outputs = True
+    experts_kinds = (SwiGLUExperts,)  # the joint SVD works on the fused gate/up projections
 
     def __init__(self, num_experts: int, rank_ratio: float = 1.0, seed: int = 0):
         if not isinstance(rank_ratio, (int, float)) or not 0 < rank_ratio <= 1:

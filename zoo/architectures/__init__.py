@@ -30,11 +30,13 @@ def register_architectures(register):
 @hookimpl
 def register_experts(register):
     from zoo.moe import SwiGLUExperts
+    from zoo.moe.experts import MLPExperts
     from zoo.moe.channel_topk import ChannelTopKExperts
     from zoo.moe.factored import FactoredExperts
     from zoo.moe.quantized import QuantizedExperts
 
     register(SwiGLUExperts)
+    register(MLPExperts)
     register(QuantizedExperts)
     register(ChannelTopKExperts)
     register(FactoredExperts)

@@ -13,7 +13,7 @@ GENERIC: dict[str, str] = {
         "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
         "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
         "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax",
-        "minimax_m2", "llama4_text", "phimoe", "cohere2_moe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
+        "minimax_m2", "llama4_text", "phimoe", "cohere2_moe", "nemotron_h", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
     # vision-language models: the language model's MoE blocks convert, the vision tower stays (dots3_note's
     # vision tower has MoE blocks of its own: they stay native)
     **{t: "image-text-to-text" for t in (
@@ -52,7 +52,6 @@ EXCEPTIONS: dict[str, str] = {
           "routed output after the experts; the zoo's shared MLP and block hold neither"
        for t in ("minimax_m3_vl", "minimax_m3_vl_text")},
     "muse_spark": "its experts normalise each expert's output (post-expert norm)",
-    "nemotron_h": "its experts are ungated (up/down only); the zoo's experts are gated",
     "dbrx": "its experts are its own GLU module (w1/v1/w2 stacked per expert, not transformers' fused class), and "
             "its base model sits at `.transformer` where the zoo classes expect `.model`",
     "jetmoe": "its attention is a mixture of experts too, and its MLP experts are its own parallel-experts modules "

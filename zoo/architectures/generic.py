@@ -51,21 +51,25 @@ class _Zero(nn.Module):
         return torch.zeros_like(x)
 
 
-def _act_name(act, config) -> str:
+def _act_name(act, config, ungated: bool = False) -> str:
+    """The name of a transformers activation module: among the zoo's GLU activations, or (``ungated``, for
+    ``mlp`` experts and ungated shared MLPs) any of transformers'."""
     from transformers.activations import ACT2FN
 
     from zoo.moe.experts import ACTIVATIONS
+
+    names = [n for n in ACT2FN if isinstance(n, str)] if ungated else [n for n in ACTIVATIONS if not n.startswith("clamped")]
 
     plain = {torch.nn.functional.silu: "silu", torch.nn.functional.gelu: "gelu", torch.nn.functional.relu: "relu",
              torch.tanh: "tanh"}
     if act in plain:
         return plain[act]
-    for key in ACT_KEYS:
+    for key in (*ACT_KEYS, "mlp_hidden_act"):
         name = getattr(config, key, None)
-        if isinstance(name, str) and name in ACTIVATIONS and type(ACT2FN[name]) is type(act):
+        if isinstance(name, str) and name in names and type(ACT2FN[name]) is type(act):
             return name
-    for name in ACTIVATIONS:
-        if not name.startswith("clamped") and type(ACT2FN[name]) is type(act):
+    for name in names:
+        if type(ACT2FN[name]) is type(act):
             return name
     raise NotConvertible(f"activation {type(act).__name__} has no zoo counterpart")
 
@@ -247,7 +251,7 @@ def _verify(native, moe) -> None:
 def _block_spec(block, config) -> dict:
     children = dict(block.named_children())
     experts = children.get("experts")
-    entry_experts, expert_keys, transposed = _experts_spec(experts, config)
+    experts_kind, entry_experts, expert_keys, transposed = _experts_spec(experts, config)
     E, H = entry_experts["num_experts"], entry_experts["hidden_size"]
     router_name = _router_child(block, E, H)
     shared, shared_keys = _shared_spec(children, router_name, H, config)
@@ -263,7 +267,7 @@ def _block_spec(block, config) -> dict:
     if leftover:
         raise NotConvertible(f"block tensors with no zoo counterpart: {sorted(leftover)}")
     entry = {"num_experts": E, "num_experts_per_tok": k, "router": router, "router_options": router_options,
-             "experts": "swiglu", "experts_options": entry_experts, "shared_experts": shared,
+             "experts": experts_kind, "experts_options": entry_experts, "shared_experts": shared,
              "returns_router_scores": False}
     return {"entry": entry, "renames": renames, "shapes": shapes, "transposed": transposed}
 
@@ -274,8 +278,7 @@ def _experts_spec(experts, config):
     if experts is None or not hasattr(experts, "has_gate"):
         raise NotConvertible("the block's experts are not transformers' fused experts")
     if not experts.has_gate:
-        raise NotConvertible(f"{type(experts).__name__} has no gate projection (up/down only); the zoo's experts "
-                             "are gated")
+        return _ungated_spec(experts, config)
     if not experts.is_concatenated:
         raise NotConvertible(f"{type(experts).__name__} interleaves gate and up rows")
     if getattr(experts, "has_post_expert_norm", False):
@@ -294,7 +297,20 @@ def _experts_spec(experts, config):
     else:
         options.update(_gate_function(experts, config, two_i))
     keys = {f"experts.{n}": f"experts.{n}" for n in allowed}
-    return options, keys, transposed
+    return "swiglu", options, keys, transposed
+
+
+def _ungated_spec(experts, config):
+    """Experts with up and down projections only (Nemotron-H): the zoo's ``mlp`` experts."""
+    names = {n for n, _ in experts.named_parameters()} | {n for n, _ in experts.named_buffers()}
+    if names != {"up_proj", "down_proj"} or experts.is_transposed or getattr(experts, "has_post_expert_norm", False):
+        raise NotConvertible(f"{type(experts).__name__}: ungated experts holding {sorted(names)}"
+                             f"{' (transposed)' if experts.is_transposed else ''}; the zoo's mlp experts hold "
+                             "up_proj [E, I, H] and down_proj [E, H, I]")
+    E, I, H = experts.up_proj.shape
+    options = {"num_experts": E, "hidden_size": H, "intermediate_size": I,
+               "activation": _act_name(experts.act_fn, config, ungated=True)}
+    return "mlp", options, {"experts.up_proj": "experts.up_proj", "experts.down_proj": "experts.down_proj"}, False
 
 
 def _gate_function(experts, config, two_i) -> dict:
@@ -330,8 +346,9 @@ def _shared_spec(children, router_name, H, config):
     """The always-on shared MLP (and its sigmoid gate), or None; parts the zoo cannot hold are refused."""
     rest = {n: c for n, c in children.items() if n not in ("experts", router_name) and not isinstance(c, nn.Identity)}
     mlp = {n: c for n, c in rest.items()
-           if all(_linear(getattr(c, p, None)) for p in ("gate_proj", "up_proj", "down_proj"))
-           and set(dict(c.named_children())) <= {"gate_proj", "up_proj", "down_proj", "act_fn"}}
+           if all(_linear(getattr(c, p, None)) for p in ("up_proj", "down_proj"))
+           and (getattr(c, "gate_proj", None) is None or _linear(c.gate_proj))
+           and set(dict(c.named_children())) <= {"gate_proj", "up_proj", "down_proj", "act_fn", "activation_fn"}}
     gate = {n: c for n, c in rest.items() if _linear(c) and c.weight.shape == (1, H)}
     other = set(rest) - set(mlp) - set(gate)
     if other or len(mlp) > 1 or len(gate) > len(mlp):
@@ -340,12 +357,16 @@ def _shared_spec(children, router_name, H, config):
     if not mlp:
         return None, {}
     (name, m), = mlp.items()
-    act = getattr(m, "act_fn", None)
-    options = {"hidden_size": H, "intermediate_size": m.gate_proj.out_features, "gated": bool(gate)}
-    act_name = "silu" if act is None else _act_name(act, config)
+    glu = getattr(m, "gate_proj", None) is not None
+    act = getattr(m, "act_fn", None) or getattr(m, "activation_fn", None)
+    options = {"hidden_size": H, "intermediate_size": m.up_proj.out_features, "gated": bool(gate)}
+    act_name = "silu" if act is None else _act_name(act, config, ungated=not glu)
     if act_name != "silu":
         options["activation"] = act_name
-    keys = {f"{name}.{p}.weight": f"shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    if not glu:
+        options["glu"] = False
+    projections = ("gate_proj", "up_proj", "down_proj") if glu else ("up_proj", "down_proj")
+    keys = {f"{name}.{p}.weight": f"shared_experts.{p}.weight" for p in projections}
     if gate:
         keys[f"{next(iter(gate))}.weight"] = "shared_experts.gate.weight"
     return options, keys

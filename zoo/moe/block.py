@@ -10,17 +10,19 @@ from zoo.moe.routing import Router, Routing
 
 
 class SharedMLP(nn.Module):
-    """Always-on shared expert(s): a gated MLP (SiLU by default), optionally scaled by a sigmoid gate (Qwen2-MoE)."""
+    """Always-on shared expert(s): a gated MLP (SiLU by default; ``glu=False``: ungated), optionally scaled by a
+    sigmoid gate (Qwen2-MoE)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, gated: bool = False, activation: str = "silu",
-                 scale: float = 1.0):
+                 scale: float = 1.0, glu: bool = True):
         super().__init__()
         if activation not in ACT2FN:
             raise ValueError(f"unknown activation {activation!r} for the shared experts")
         self.hidden_size, self.intermediate_size, self.activation = hidden_size, intermediate_size, activation
         self.scale = float(scale)  # Cohere2-MoE's "average" combination halves the shared and the routed outputs
         self.act_fn = ACT2FN[activation]
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        # glu=False: an ungated MLP, down(act(up x)) (Nemotron-H's shared expert)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False) if glu else None
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.gate = nn.Linear(hidden_size, 1, bias=False) if gated else None
@@ -30,10 +32,13 @@ class SharedMLP(nn.Module):
                 "gated": self.gate is not None}
         if self.activation != "silu":
             opts["activation"] = self.activation
+        if self.gate_proj is None:
+            opts["glu"] = False
         return opts if self.scale == 1.0 else {**opts, "scale": self.scale}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        up = self.up_proj(x)
+        out = self.down_proj(self.act_fn(up) if self.gate_proj is None else self.act_fn(self.gate_proj(x)) * up)
         out = out if self.gate is None else torch.sigmoid(self.gate(x)) * out
         return out if self.scale == 1.0 else out * self.scale
 

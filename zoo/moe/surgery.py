@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from zoo.moe.block import SparseMoE
-from zoo.moe.experts import SwiGLUExperts
 
 
 def place_like(router, old):
@@ -29,12 +28,12 @@ def router_like(old, num_experts: int, top_k: int | None = None):
     return type(old)(old.hidden_size, num_experts, k, **opts)
 
 
-def _slice_experts(experts: SwiGLUExperts, rows: torch.Tensor, weights: torch.Tensor | None = None):
+def _slice_experts(experts, rows: torch.Tensor, weights: torch.Tensor | None = None):
     """New experts; each is a (weighted) combination of old ones: ``rows`` [N] or ``weights`` [N, E]."""
     opts = experts.options()
     opts["num_experts"] = len(rows) if weights is None else weights.shape[0]
     with torch.device("meta"):  # no storage to initialise and then overwrite: the new tensors are assigned
-        new = SwiGLUExperts(**opts)
+        new = type(experts)(**opts)
     state = {}
     with torch.no_grad():
         for name, param in experts.named_parameters():
