@@ -21,7 +21,7 @@ from zoo import finite
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+LAYER_KEY = re.compile(r"^(?:model\.|backbone\.)?layers\.(\d+)\.")  # backbone.: Nemotron-H's saved names
 
 
 class CheckpointError(ValueError):
