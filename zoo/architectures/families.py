@@ -13,7 +13,7 @@ GENERIC: dict[str, str] = {
         "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
         "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
         "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax",
-        "minimax_m2", "llama4_text", "phimoe", "cohere2_moe", "nemotron_h", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
+        "minimax_m2", "llama4_text", "phimoe", "cohere2_moe", "nemotron_h", "beam", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
     # vision-language models: the language model's MoE blocks convert, the vision tower stays (dots3_note's
     # vision tower has MoE blocks of its own: they stay native)
     **{t: "image-text-to-text" for t in (
@@ -28,8 +28,6 @@ _NO_FUSED = "its experts are not transformers' fused experts class (`@use_expert
 EXCEPTIONS: dict[str, str] = {
     "axk1": "its MoE block normalises its output (post_mlp_layernorm), which the zoo's block has no place for",
     "axk2": "its routing reproduces none of the zoo's top-k rules",
-    "beam": "the converted block differs from BeamMoE (relative error 0.6): the block computes more than router, "
-            "experts and shared MLP",
     "deepseek_v4": "some layers route by token id (hash routing, gate.tid2eid); a zoo router sees hidden states only",
     **{t: "router and experts sit in the decoder layer itself and read different inputs (the router its own "
           "RMS-normed, scaled copy of the residual; the experts a separately normed one), beside a dense MLP; "

@@ -257,6 +257,9 @@ def _block_spec(block, config) -> dict:
     shared, shared_keys = _shared_spec(children, router_name, H, config)
     gate_name, tensors = _router_tensors(block, router_name, E, H, shared_keys)
     router, router_options, k, roles = _probe(block, router_name, config, E, H, gate_name, tensors)
+    scale = _routed_output_scale(block, router_name, H)
+    if scale != 1.0:  # the block scales the experts' summed output (e.g. by routed_scaling_factor): same as the weights
+        router, router_options = scale_routing(router, router_options, scale)
     renames = {**expert_keys, **shared_keys}
     shapes = {}
     for name, role in roles.items():
@@ -478,13 +481,47 @@ def _other_rules(config):
         yield "sparsemixer", {"jitter_eps": float(jitter)}
 
 
-def _routing_twin(block, router_name):
-    """A float32 copy of the block with only its router real: experts record, other parts return zeros."""
+class _Ones(nn.Module):
+    def forward(self, hidden, *args, **kwargs):
+        return torch.ones_like(hidden)
+
+
+def _routed_output_scale(block, router_name, H) -> float:
+    """What the block does to its experts' output: experts that return ones, other parts zeros; the block's
+    output is then the factor it applies (1.0 for most families)."""
+    twin = _routing_twin(block, router_name, experts=_Ones())
+    with torch.no_grad():
+        try:
+            out = twin(torch.randn(1, 8, H, generator=torch.Generator().manual_seed(0)))
+        except Exception as exc:
+            raise NotConvertible(f"{type(block).__name__} could not be probed: {type(exc).__name__}: {exc}") from None
+    out = (out[0] if isinstance(out, tuple) else out).float()
+    scale = out.mean().item()
+    if not torch.allclose(out, torch.full_like(out, scale), rtol=1e-6, atol=1e-7):
+        raise NotConvertible(f"{type(block).__name__} transforms its experts' output beyond a scale factor")
+    return 1.0 if abs(scale - 1.0) <= 1e-7 else scale
+
+
+def scale_routing(router: str, options: dict, factor: float) -> tuple[str, dict]:
+    """The routing rule with its weights multiplied by ``factor`` (a ``scored-topk`` rule where needed)."""
+    if router == "topk-softmax":
+        router, options = "scored-topk", {
+            "score": "softmax", "norm_topk_prob": options["norm_topk_prob"], "routed_scaling_factor": 1.0,
+            "selection_bias": False, "n_group": 1, "topk_group": 1, "group_score": "top2", "logit_softcap": 0.0,
+            "bias_on": "scores", "bias": options["bias"]}
+    if "routed_scaling_factor" not in options:
+        raise NotConvertible(f"the block scales its {router} routing by {factor}, which that router cannot state")
+    return router, {**options, "routed_scaling_factor": options["routed_scaling_factor"] * factor}
+
+
+def _routing_twin(block, router_name, experts=None):
+    """A float32 copy of the block with only its router real: experts record (or ``experts``), other parts
+    return zeros."""
     children = dict(block.named_children())
     try:
-        for name in children:
-            if name != router_name:
-                setattr(block, name, _Capture() if name == "experts" else _Zero())
+        for name, child in children.items():
+            if name != router_name and not isinstance(child, nn.Identity):
+                setattr(block, name, (experts or _Capture()) if name == "experts" else _Zero())
         twin = copy.deepcopy(block)
     finally:
         for name, child in children.items():
