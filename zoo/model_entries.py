@@ -46,7 +46,8 @@ PUBLIC = [
 GLM45 = "GLM-4.5 Team, GLM-4.5: Agentic, Reasoning, and Coding Foundation Models, 2025. arXiv:2508.06471"
 GENERIC_PUBLIC = [
     ModelEntry("deepseek_v2.lite", "deepseek-ai/DeepSeek-V2-Lite", "deepseek_v2", "other",
-               "DeepSeek-AI, DeepSeek-V2: A Strong, Economical, and Efficient MoE Language Model, 2024. arXiv:2405.04434",
+               "DeepSeek-AI, DeepSeek-V2: A Strong, Economical, and Efficient MoE Language Model, 2024. "
+               "arXiv:2405.04434",
                "15.7B total, 2.4B active; 64 routed experts top-6 plus 2 shared"),
     ModelEntry("deepseek_v32.exp", "deepseek-ai/DeepSeek-V3.2-Exp", "deepseek_v32", "mit",
                "DeepSeek-AI, DeepSeek-V3.2-Exp, 2025", "671B total, 37B active; DeepSeek-V3 MoE with sparse attention"),
@@ -73,7 +74,8 @@ GENERIC_PUBLIC = [
     ModelEntry("qwen3_next.80b-a3b-instruct", "Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", "apache-2.0", QWEN3,
                "80B total, 3B active; 512 experts top-10 plus a gated shared expert; linear-attention hybrid"),
     ModelEntry("qwen3_vl_moe.30b-a3b-instruct", "Qwen/Qwen3-VL-30B-A3B-Instruct", "qwen3_vl_moe", "apache-2.0",
-               "Qwen Team, Qwen3-VL Technical Report, 2025", "vision-language; 30B total, 3B active MoE language model"),
+               "Qwen Team, Qwen3-VL Technical Report, 2025",
+               "vision-language; 30B total, 3B active MoE language model"),
     ModelEntry("kimi_linear.48b-a3b-instruct", "moonshotai/Kimi-Linear-48B-A3B-Instruct", "kimi_linear", "mit",
                "Kimi Team, Kimi Linear: An Expressive, Efficient Attention Architecture, 2025. arXiv:2510.26692",
                "48B total, 3B active; linear-attention hybrid"),

@@ -173,6 +173,7 @@ def _auto_class(target: str, kwargs: dict):
     else:
         keys = ("token", "revision", "subfolder", "trust_remote_code", "cache_dir", "local_files_only")
         config = AutoConfig.from_pretrained(target, **{k: kwargs[k] for k in keys if k in kwargs})
-    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+    causal, vision = AutoModelForCausalLM._model_mapping, AutoModelForImageTextToText._model_mapping
+    if type(config) not in causal and type(config) in vision:
         return AutoModelForImageTextToText
     return AutoModelForCausalLM

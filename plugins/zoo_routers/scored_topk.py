@@ -52,11 +52,13 @@ class ScoredTopK(Router):
                          routed_scaling_factor=float(routed_scaling_factor), selection_bias=bool(selection_bias),
                          n_group=n_group, topk_group=topk_group, group_score=group_score,
                          logit_softcap=float(logit_softcap), bias_on=bias_on, **options)
-        self.score, self.norm_topk_prob, self.routed_scaling_factor = score, bool(norm_topk_prob), float(routed_scaling_factor)
+        self.score, self.norm_topk_prob = score, bool(norm_topk_prob)
+        self.routed_scaling_factor = float(routed_scaling_factor)
         self.n_group, self.topk_group, self.group_score = n_group, topk_group, group_score
         self.logit_softcap, self.bias_on = float(logit_softcap), bias_on
         # a selection bias is updated outside backprop (aux-loss-free balancing): an fp32 buffer
-        self.e_score_correction_bias = nn.Buffer(torch.zeros(num_experts, dtype=torch.float32)) if selection_bias else None
+        bias_buffer = nn.Buffer(torch.zeros(num_experts, dtype=torch.float32)) if selection_bias else None
+        self.e_score_correction_bias = bias_buffer
 
     def init_weights(self, std: float) -> None:
         super().init_weights(std)

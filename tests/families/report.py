@@ -77,7 +77,8 @@ def main() -> None:
 
     found = moe_model_types()
     mappings = [ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-                getattr(ma, "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", {}), ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES]
+                getattr(ma, "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", {}),
+                ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES]
     with_class = {t for t in found if any(t in m for m in mappings)}
     from tests.families.test_generic_families import native_model
 

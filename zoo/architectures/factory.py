@@ -210,7 +210,8 @@ def _experts_implementation(self, requested):
 def _init_weights(self, module):
     """The family's initialisation for its own modules, the zoo modules' ``init_weights`` for theirs."""
     self._zoo_family.model_class._init_weights(self, module)
-    std = getattr(self.config, "initializer_range", None) or getattr(self.config.get_text_config(), "initializer_range", None)
+    text = self.config.get_text_config()
+    std = getattr(self.config, "initializer_range", None) or getattr(text, "initializer_range", None)
     init_zoo_module(module, std or 0.02)
 
 

@@ -9,19 +9,22 @@ GENERIC: dict[str, str] = {
     # text decoders (hybrids included: Jamba, Qwen3-Next, Kimi-Linear, Granite-MoE-hybrid, ... keep their
     # attention-free layers and convert their MoE blocks)
     **{t: "causal-lm" for t in (
-        "afmoe", "aria_text", "bailing_hybrid", "deepseek_v2", "deepseek_v32", "dots1", "dots3_note_text",
-        "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
-        "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
-        "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax",
-        "minimax_m2", "llama4_text", "phimoe", "cohere2_moe", "nemotron_h", "beam", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
+        "afmoe", "aria_text", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v32", "dots1",
+        "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite",
+        "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+        "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini",
+        "lfm2_moe", "llama4_text", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "nemotron_h", "phimoe",
+        "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
     # vision-language models: the language model's MoE blocks convert, the vision tower stays (dots3_note's
     # vision tower has MoE blocks of its own: they stay native)
     **{t: "image-text-to-text" for t in (
         "aria", "deepseek_ocr2", "dots3_note", "glm4v_moe", "glm5_next", "hy_v4_vl", "mistral4",
-        "mistral_large4", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp", "unlimited_ocr")},
+        "mistral_large4", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp",
+        "unlimited_ocr")},
 }
 
-_TEXT_PART = "the text sub-config of a vision-language family; converted as part of that family (no model class of its own)"
+_TEXT_PART = ("the text sub-config of a vision-language family; converted as part of that family (no model class of "
+              "its own)")
 _NO_FUSED = "its experts are not transformers' fused experts class (`@use_experts_implementation`)"
 
 # Why each of these is not converted, as the generic adapter reports it on the family's tiny model.

@@ -27,6 +27,7 @@ SCALE_KEYS = ("routed_scaling_factor", "route_scale", "moe_routed_scaling_factor
 SOFTCAP_KEYS = ("router_logit_softcapping",)
 ACT_KEYS = ("hidden_act", "moe_hidden_act", "hidden_activation")
 PROBE_TOKENS = 64
+ROLE_KEYS = {"weight": "router.weight", "logit": "router.bias", "selection": "router.e_score_correction_bias"}
 AUTO_NAMES = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
               "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"}
 
@@ -58,7 +59,8 @@ def _act_name(act, config, ungated: bool = False) -> str:
 
     from zoo.moe.experts import ACTIVATIONS
 
-    names = [n for n in ACT2FN if isinstance(n, str)] if ungated else [n for n in ACTIVATIONS if not n.startswith("clamped")]
+    names = ([n for n in ACT2FN if isinstance(n, str)] if ungated
+             else [n for n in ACTIVATIONS if not n.startswith("clamped")])
 
     plain = {torch.nn.functional.silu: "silu", torch.nn.functional.gelu: "gelu", torch.nn.functional.relu: "relu",
              torch.tanh: "tanh"}
@@ -263,7 +265,7 @@ def _block_spec(block, config) -> dict:
     renames = {**expert_keys, **shared_keys}
     shapes = {}
     for name, role in roles.items():
-        renames[name] = {"weight": "router.weight", "logit": "router.bias", "selection": "router.e_score_correction_bias"}[role]
+        renames[name] = ROLE_KEYS[role]
         if role != "weight":
             shapes[name] = list(tensors[name].shape)
     leftover = set(block.state_dict()) - set(renames)
@@ -552,7 +554,8 @@ def _same_routing(indices, weights, routing) -> bool:
 def _simplest(options: dict):
     """The zoo router with the fewest options that states this rule."""
     plain = options["n_group"] == 1 and options["logit_softcap"] == 0 and options["bias_on"] == "scores"
-    if plain and options["score"] == "softmax" and not options["selection_bias"] and options["routed_scaling_factor"] == 1:
+    unscaled = options["routed_scaling_factor"] == 1
+    if plain and options["score"] == "softmax" and not options["selection_bias"] and unscaled:
         return "topk-softmax", {"bias": options["bias"], "norm_topk_prob": options["norm_topk_prob"]}
     if (options["score"] == "sigmoid" and options["selection_bias"] and options["logit_softcap"] == 0
             and options["group_score"] == "top2" and options["bias_on"] == "scores"):

@@ -63,7 +63,7 @@ class SparseMoE(nn.Module):
 
     def with_parts(self, router: Router | None = None, experts: Experts | None = None) -> SparseMoE:
         """A block like this one (shared experts, flags) with a new router and/or new experts."""
-        return SparseMoE(router if router is not None else self.router, experts if experts is not None else self.experts,
+        return SparseMoE(self.router if router is None else router, self.experts if experts is None else experts,
                          self.shared_experts, self.returns_router_scores, self.weights_scale_input)
 
     @property
