@@ -11,17 +11,12 @@ from transformers import AutoModelForCausalLM
 import zoo
 from zoo import stream
 from zoo.checkpoint import Checkpoint, CheckpointError
-from tiny import FAMILIES, tiny_native
+from tiny import FAMILIES, folder_tensors, tiny_native
 
 CAL = [torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(i)) for i in range(3)]
 
 
-def tensors(folder) -> dict:
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, f)))
-    return out
+tensors = folder_tensors
 
 
 def assert_same_tensors(a, b):

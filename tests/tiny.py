@@ -90,3 +90,16 @@ def sequential(original, compressed, reference):
             hybrid.model.layers[j].mlp = compressed.model.layers[j].mlp
         out[i] = reference(hybrid)[i]
     return out
+
+
+def folder_tensors(folder) -> dict:
+    """Every tensor of the safetensors files in a saved folder, by key."""
+    import os
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, f)))
+    return out

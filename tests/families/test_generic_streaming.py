@@ -1,27 +1,21 @@
 """Generic families streamed layer by layer from their shards (zoo.stream) write the tensors the in-memory path
 writes; vision-language ones are refused with the reason (their layers sit below the language model)."""
-import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import zoo
 from tests.families.test_generic_families import CONVERTED, native_model
 from zoo import stream
 from zoo.architectures.families import GENERIC
 from zoo.checkpoint import CheckpointError
+from tiny import folder_tensors
 
 TEXT = [t for t in CONVERTED if GENERIC[t] == "causal-lm"]
 VISION = [t for t in CONVERTED if GENERIC[t] == "image-text-to-text"]
 
 
-def tensors(folder) -> dict:
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, f)))
-    return out
+tensors = folder_tensors
 
 
 @pytest.mark.parametrize("model_type", TEXT)
