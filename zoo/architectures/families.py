@@ -13,13 +13,14 @@ GENERIC: dict[str, str] = {
         "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite",
         "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
         "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini",
-        "lfm2_moe", "llama4_text", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "nemotron_h", "phimoe",
-        "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
+        "lfm2_moe", "llama4_text", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text",
+        "nemotron_h", "phimoe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla",
+        "sarvam_moe", "solar_open")},
     # vision-language models: the language model's MoE blocks convert, the vision tower stays (dots3_note's
     # vision tower has MoE blocks of its own: they stay native)
     **{t: "image-text-to-text" for t in (
-        "aria", "deepseek_ocr2", "dots3_note", "glm4v_moe", "glm5_next", "hy_v4_vl", "mistral4",
-        "mistral_large4", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp",
+        "aria", "deepseek_ocr2", "dots3_note", "glm4v_moe", "glm5_next", "hy_v4_vl", "minimax_m3_vl",
+        "mistral4", "mistral_large4", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp",
         "unlimited_ocr")},
 }
 
@@ -49,9 +50,6 @@ EXCEPTIONS: dict[str, str] = {
     "inkling_text": "no [E, H] router gate inside the MoE block",
     "inkling_mm_model": "no [E, H] router gate inside the MoE block",
     "zaya": "no [E, H] router gate inside the MoE block",
-    **{t: "its shared experts are a clamped-SwiGLU MLP with one fused gate/up projection, and its block scales the "
-          "routed output after the experts; the zoo's shared MLP and block hold neither"
-       for t in ("minimax_m3_vl", "minimax_m3_vl_text")},
     "muse_spark": "its experts normalise each expert's output (post-expert norm)",
     "dbrx": "its experts are its own GLU module (w1/v1/w2 stacked per expert, not transformers' fused class), and "
             "its base model sits at `.transformer` where the zoo classes expect `.model`",

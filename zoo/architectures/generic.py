@@ -256,8 +256,8 @@ def _block_spec(block, config) -> dict:
     experts_kind, entry_experts, expert_keys, transposed = _experts_spec(experts, config)
     E, H = entry_experts["num_experts"], entry_experts["hidden_size"]
     router_name = _router_child(block, E, H)
-    shared, shared_keys = _shared_spec(children, router_name, H, config)
-    gate_name, tensors = _router_tensors(block, router_name, E, H, shared_keys)
+    shared, shared_keys, splits = _shared_spec(children, router_name, H, config)
+    gate_name, tensors = _router_tensors(block, router_name, E, H, {**shared_keys, **splits})
     router, router_options, k, roles = _probe(block, router_name, config, E, H, gate_name, tensors)
     scale = _routed_output_scale(block, router_name, H)
     if scale != 1.0:  # the block scales the experts' summed output (e.g. by routed_scaling_factor): same as the weights
@@ -268,13 +268,13 @@ def _block_spec(block, config) -> dict:
         renames[name] = ROLE_KEYS[role]
         if role != "weight":
             shapes[name] = list(tensors[name].shape)
-    leftover = set(block.state_dict()) - set(renames)
+    leftover = set(block.state_dict()) - set(renames) - set(splits)
     if leftover:
         raise NotConvertible(f"block tensors with no zoo counterpart: {sorted(leftover)}")
     entry = {"num_experts": E, "num_experts_per_tok": k, "router": router, "router_options": router_options,
              "experts": experts_kind, "experts_options": entry_experts, "shared_experts": shared,
              "returns_router_scores": False}
-    return {"entry": entry, "renames": renames, "shapes": shapes, "transposed": transposed}
+    return {"entry": entry, "renames": renames, "shapes": shapes, "transposed": transposed, "splits": splits}
 
 
 def _experts_spec(experts, config):
@@ -354,13 +354,18 @@ def _shared_spec(children, router_name, H, config):
            if all(_linear(getattr(c, p, None)) for p in ("up_proj", "down_proj"))
            and (getattr(c, "gate_proj", None) is None or _linear(c.gate_proj))
            and set(dict(c.named_children())) <= {"gate_proj", "up_proj", "down_proj", "act_fn", "activation_fn"}}
+    fused = {n: c for n, c in rest.items()
+             if _linear(getattr(c, "gate_up_proj", None)) and _linear(getattr(c, "down_proj", None))
+             and set(dict(c.named_children())) <= {"gate_up_proj", "down_proj", "act_fn"}}
+    if len(fused) == 1 and not mlp and not (set(rest) - set(fused)):
+        return _fused_shared_spec(*next(iter(fused.items())), H, config)
     gate = {n: c for n, c in rest.items() if _linear(c) and c.weight.shape == (1, H)}
     other = set(rest) - set(mlp) - set(gate)
     if other or len(mlp) > 1 or len(gate) > len(mlp):
         parts = sorted(f"{n} ({type(rest[n]).__name__})" for n in (other or rest))
         raise NotConvertible(f"block parts with no zoo counterpart: {', '.join(parts)}")
     if not mlp:
-        return None, {}
+        return None, {}, {}
     (name, m), = mlp.items()
     glu = getattr(m, "gate_proj", None) is not None
     act = getattr(m, "act_fn", None) or getattr(m, "activation_fn", None)
@@ -374,7 +379,44 @@ def _shared_spec(children, router_name, H, config):
     keys = {f"{name}.{p}.weight": f"shared_experts.{p}.weight" for p in projections}
     if gate:
         keys[f"{next(iter(gate))}.weight"] = "shared_experts.gate.weight"
-    return options, keys
+    return options, keys, {}
+
+
+def _fused_shared_spec(name, m, H, config):
+    """A shared MLP with one fused gate/up projection (MiniMax-M3): its gate function found on random tokens
+    among the zoo's GLU activations; the fused weight splits into the zoo's gate and up projections."""
+    from zoo.moe import SharedMLP
+    from zoo.moe.experts import ACTIVATIONS
+
+    inter = m.down_proj.in_features
+    gen = torch.Generator().manual_seed(0)
+    twin = copy.deepcopy(m)  # probed in fp32 on random weights: the real ones may be bf16, or on meta
+    twin = twin.to_empty(device="cpu") if any(t.is_meta for t in twin.parameters()) else twin
+    twin = twin.float()
+    with torch.no_grad():
+        for t in twin.parameters():
+            t.copy_(torch.randn(t.shape, generator=gen) / t.shape[-1] ** 0.5)
+    x = torch.randn(16, H, generator=gen) * 4
+    with torch.no_grad():
+        want = twin(x)
+    m = twin
+    limits = {float(v) for v in (getattr(m, "swiglu_limit", None), getattr(config, "swiglu_limit", None))
+              if isinstance(v, (int, float))} or {7.0}
+    alphas = {float(v) for v in (getattr(m, "swiglu_alpha", None), getattr(config, "swiglu_alpha", None))
+              if isinstance(v, (int, float))} or {1.702}
+    gate_w, up_w = m.gate_up_proj.weight.detach().float().chunk(2, dim=0)
+    for activation, limit, alpha in itertools.product(ACTIVATIONS, sorted(limits), sorted(alphas)):
+        options = {"hidden_size": H, "intermediate_size": inter, "gated": False, "activation": activation,
+                   "swiglu_limit": limit, "swiglu_alpha": alpha}
+        shared = SharedMLP(**options)
+        with torch.no_grad():
+            shared.gate_proj.weight.copy_(gate_w)
+            shared.up_proj.weight.copy_(up_w)
+            shared.down_proj.weight.copy_(m.down_proj.weight.float())
+            if torch.allclose(shared(x), want, rtol=1e-5, atol=1e-6):
+                return shared.options(), {f"{name}.down_proj.weight": "shared_experts.down_proj.weight"}, {
+                    f"{name}.gate_up_proj.weight": ["shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"]}
+    raise NotConvertible(f"shared experts {type(m).__name__}: a gate function none of the zoo's activations computes")
 
 
 def _router_tensors(block, router_name, E, H, shared_keys):
@@ -569,6 +611,10 @@ def _simplest(options: dict):
 def _to_zoo(sd: dict, spec: dict) -> dict:
     out = {}
     for key, value in sd.items():
+        if key in spec.get("splits", {}):  # one native tensor, two zoo ones (a fused gate/up projection)
+            first, second = spec["splits"][key]
+            out[first], out[second] = (t.contiguous() for t in value.chunk(2, dim=0))
+            continue
         new = spec["renames"][key]
         if key in spec["shapes"]:
             value = value.reshape(-1)
@@ -581,6 +627,9 @@ def _to_zoo(sd: dict, spec: dict) -> dict:
 def _to_native(sd: dict, spec: dict) -> dict:
     back = {v: k for k, v in spec["renames"].items()}
     out = {}
+    for native, (first, second) in spec.get("splits", {}).items():
+        out[native] = torch.cat([sd[first], sd[second]], dim=0)
+    sd = {k: v for k, v in sd.items() if not any(k in pair for pair in spec.get("splits", {}).values())}
     for key, value in sd.items():
         native = back.get(key)
         if native is None:

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from zoo.moe.experts import Experts
+from zoo.moe.experts import ACTIVATIONS, Experts
 from zoo.moe.routing import Router, Routing
 
 
@@ -14,13 +14,14 @@ class SharedMLP(nn.Module):
     sigmoid gate (Qwen2-MoE)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, gated: bool = False, activation: str = "silu",
-                 scale: float = 1.0, glu: bool = True):
+                 scale: float = 1.0, glu: bool = True, swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702):
         super().__init__()
-        if activation not in ACT2FN:
+        if activation not in (ACTIVATIONS if glu else ACT2FN):
             raise ValueError(f"unknown activation {activation!r} for the shared experts")
         self.hidden_size, self.intermediate_size, self.activation = hidden_size, intermediate_size, activation
         self.scale = float(scale)  # Cohere2-MoE's "average" combination halves the shared and the routed outputs
-        self.act_fn = ACT2FN[activation]
+        self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)  # clamped activations
+        self.act_fn = ACTIVATIONS[activation] if glu else ACT2FN[activation]
         # glu=False: an ungated MLP, down(act(up x)) (Nemotron-H's shared expert)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False) if glu else None
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -34,11 +35,16 @@ class SharedMLP(nn.Module):
             opts["activation"] = self.activation
         if self.gate_proj is None:
             opts["glu"] = False
+        if self.activation.startswith("clamped"):
+            opts.update(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         return opts if self.scale == 1.0 else {**opts, "scale": self.scale}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up_proj(x)
-        out = self.down_proj(self.act_fn(up) if self.gate_proj is None else self.act_fn(self.gate_proj(x)) * up)
+        if self.gate_proj is None:
+            out = self.down_proj(self.act_fn(up))
+        else:
+            out = self.down_proj(self.act_fn(self.gate_proj(x), up, self.swiglu_limit, self.swiglu_alpha))
         out = out if self.gate is None else torch.sigmoid(self.gate(x)) * out
         return out if self.scale == 1.0 else out * self.scale
 
