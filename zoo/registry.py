@@ -172,7 +172,10 @@ def _auto_class(target: str, kwargs: dict):
         config = kwargs["config"]
     else:
         keys = ("token", "revision", "subfolder", "trust_remote_code", "cache_dir", "local_files_only")
-        config = AutoConfig.from_pretrained(target, **{k: kwargs[k] for k in keys if k in kwargs})
+        try:
+            config = AutoConfig.from_pretrained(target, **{k: kwargs[k] for k in keys if k in kwargs})
+        except (OSError, ValueError):  # unreadable here: the model's own load reports it
+            return AutoModelForCausalLM
     causal, vision = AutoModelForCausalLM._model_mapping, AutoModelForImageTextToText._model_mapping
     if type(config) not in causal and type(config) in vision:
         return AutoModelForImageTextToText
