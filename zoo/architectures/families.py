@@ -40,7 +40,8 @@ EXCEPTIONS: dict[str, str] = {
     "step3p7": _NO_FUSED,
     "longcat_flash": _NO_FUSED + " (zero-computation experts beside the FFN experts)",
     "llama4": "its multimodal model holds a whole causal LM (`.language_model`) where the zoo classes expect the "
-              "base model at `.model`; the text model (llama4_text) converts",
+              "base model at `.model`, and its forward fails inside transformers 5.24 itself (no `image_outputs` on "
+              "its output); the text model (llama4_text) converts",
     "inkling2": "its experts gate with a function none of the zoo's activations computes",
     "inkling2_text": "its experts gate with a function none of the zoo's activations computes",
     "inkling2_loop": "its experts gate with a function none of the zoo's activations computes",
