@@ -68,7 +68,7 @@ def apply(model, name: str, calibration=None, check_finite: bool = True, **optio
     component = cls(**options) if reg.kind in ("compressor", "adapter") else None  # checks its option values
     if not (reg.kind == "adapter" and getattr(cls, "accepts_dense", False)):
         family_of(model)  # an unsupported model is refused before anything changes
-    calib.check(calibration, getattr(model.config, "vocab_size", None))
+    calib.check(calibration, getattr(model.config.get_text_config(), "vocab_size", None))
     if check_finite:
         finite(model, where=f"the model given to {name}")
     snapshot = Snapshot(model)

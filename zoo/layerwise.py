@@ -194,7 +194,7 @@ def calibration_inputs(model, steps, calibration) -> LayerInputs | None:
 
     data = calibration if calibration is not None else calib.corpus("mixed", tokens=8192)
     batches = calib.batches(data, tokenizer_for(model))
-    calib.check_ids(batches, getattr(model.config, "vocab_size", None))
+    calib.check_ids(batches, getattr(model.config.get_text_config(), "vocab_size", None))
     return LayerInputs.capture(model, batches)
 
 

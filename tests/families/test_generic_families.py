@@ -161,3 +161,10 @@ def test_zoo_load_says_why_an_excepted_family_stays_native(tmp_path):
     with pytest.warns(UserWarning, match="not converted: its MoE block normalises its output"):
         model = zoo.load(str(tmp_path / "native"))
     assert not hasattr(type(model), "_zoo_family")
+
+
+def test_calibration_ids_are_checked_against_a_vision_language_models_text_vocabulary():
+    model = zoo.convert(native_model(VISION_LANGUAGE[0]))
+    vocab = model.config.get_text_config().vocab_size
+    with pytest.raises(ValueError, match=f"vocabulary has {vocab} entries"):
+        zoo.apply(model, "prune-frequency", calibration=[torch.full((1, 8), vocab + 5)], num_experts=3)
