@@ -12,6 +12,7 @@ def register_architectures(register):
     from zoo.architectures.generic import GenericFamily
     from zoo.architectures.cohere2_moe import Cohere2Moe
     from zoo.architectures.llama4 import Llama4Text
+    from zoo.model_entries import GENERIC_PUBLIC
 
     SPECS = {"llama4_text": Llama4Text, "cohere2_moe": Cohere2Moe}  # generic families with a small spec of their own
     from zoo.architectures.gpt_oss import GptOss
@@ -22,9 +23,11 @@ def register_architectures(register):
 
     for family in (Mixtral(), Qwen2Moe(), Qwen3Moe(), Olmoe(), DeepseekV3(), GptOss()):
         register(family)
+    papers = {entry.family: entry.paper for entry in GENERIC_PUBLIC}  # the papers of their public checkpoints
     for model_type, auto in GENERIC.items():
         if model_type in CONFIG_MAPPING_NAMES:  # an older transformers may lack some
-            register(SPECS[model_type]() if model_type in SPECS else GenericFamily(model_type, auto))
+            register(SPECS[model_type]() if model_type in SPECS
+                     else GenericFamily(model_type, auto, paper=papers.get(model_type, "")))
 
 
 @hookimpl
