@@ -111,7 +111,11 @@ def moe_model_types() -> set[str]:
             cls = CONFIG_MAPPING[model_type]
         except Exception:
             continue
-        classes = [cls, *(getattr(cls, "sub_configs", {}) or {}).values()]
+        classes, todo = [], [cls]
+        while todo:  # sub-configs of sub-configs too (an omni model's thinker holds its text config)
+            c = todo.pop()
+            classes.append(c)
+            todo += [s for s in (getattr(c, "sub_configs", {}) or {}).values() if isinstance(s, type)]
         if any(k in getattr(c, "__dataclass_fields__", {}) for c in classes for k in keys):
             found.add(model_type)
     return found

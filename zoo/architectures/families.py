@@ -56,6 +56,8 @@ EXCEPTIONS: dict[str, str] = {
             "its base model sits at `.transformer` where the zoo classes expect `.model`",
     "jetmoe": "its attention is a mixture of experts too, and its MLP experts are its own parallel-experts modules "
               "(not fused experts)",
+    "qwen3_omni_moe": "the omni model holds a thinker and a talker (each an MoE model of its own) and a speech "
+                      "decoder, with no base model at `.model`; its thinker (qwen3_omni_moe_thinker) converts",
     "nllb-moe": "encoder-decoder with per-expert modules (not fused experts)",
     "switch_transformers": "encoder-decoder with per-expert modules (not fused experts)",
     "vitpose_backbone": "a vision backbone, not a language model",
