@@ -52,7 +52,7 @@ class _Zero(nn.Module):
         return torch.zeros_like(x)
 
 
-def _act_name(act, config, ungated: bool = False) -> str:
+def activation_name(act, config, ungated: bool = False) -> str:
     """The name of a transformers activation module: among the zoo's GLU activations, or (``ungated``, for
     ``mlp`` experts and ungated shared MLPs) any of transformers'."""
     from transformers.activations import ACT2FN
@@ -92,8 +92,7 @@ class GenericFamily(Family):
         self.summary = summary or f"{model_type} decoder, converted by the generic family adapter."
         self.paper = paper
         self.layers_path, self.block_attr, self.block_class = None, None, None
-        self._specs: dict[str, dict] = {}
-        self._renames: dict[str, str] = {}
+        self._specs: dict[str, dict] = {}  # by text config: the same for every block of one config
 
     # ---- the family's own classes, imported on first use --------------------------------------------------
     @property
@@ -144,30 +143,26 @@ class GenericFamily(Family):
         key = json.dumps(text.to_dict(), sort_keys=True, default=str)
         if key not in self._specs:
             self._specs[key] = _block_spec(block, text)
-            self._renames.update(self._specs[key]["renames"])
         return self._specs[key]
 
     def block_layout(self, config) -> dict:
-        block = self._meta_block(config)
-        return self.spec(block, config)["entry"]
-
-    def _meta_block(self, config):
-        with torch.device("meta"):
-            model = self.model_class(config)
-        base = model.model
-        self.discover(base)
-        for layer in base.get_submodule(self.layers_path):
-            block = getattr(layer, self.block_attr, None)
-            if isinstance(block, self.block_class):
-                return block
-        raise NotConvertible(f"{self.name}: this config has no MoE layer")
+        _, blocks = self._meta_blocks(config)
+        return self.spec(blocks[0], config)["entry"]
 
     def moe_layer_ids(self, config) -> list[int]:
+        return self._meta_blocks(config)[0]
+
+    def _meta_blocks(self, config) -> tuple[list[int], list]:
+        """(MoE layer ids, their blocks) of the family's model for ``config``, built on the meta device."""
         with torch.device("meta"):
             model = self.model_class(config)
         self.discover(model.model)
-        return [i for i, layer in enumerate(model.model.get_submodule(self.layers_path))
-                if isinstance(getattr(layer, self.block_attr, None), self.block_class)]
+        found = [(i, getattr(layer, self.block_attr, None))
+                 for i, layer in enumerate(model.model.get_submodule(self.layers_path))]
+        found = [(i, block) for i, block in found if isinstance(block, self.block_class)]
+        if not found:
+            raise NotConvertible(f"{self.name}: this config has no MoE layer")
+        return [i for i, _ in found], [block for _, block in found]
 
     def from_native(self, block, config):
         spec = self.spec(block, config)
@@ -180,14 +175,16 @@ class GenericFamily(Family):
         return moe
 
     def to_zoo_state(self, sd: dict) -> dict:
-        return {self._renames.get(k, k): v for k, v in sd.items()}
+        return _to_zoo(sd, self._last_spec())
 
     def to_native_state(self, sd: dict) -> dict:
-        spec = next(iter(self._specs.values()), None)
-        if spec is None:
-            raise NotExportable(f"{self.name}: the native key names are not known yet (export calls native_config "
-                                "first)")
-        return _to_native(sd, spec)
+        return _to_native(sd, self._last_spec())
+
+    def _last_spec(self) -> dict:
+        """The spec read last (export reads the native config's first): key names are the family's structure."""
+        if not self._specs:
+            raise NotExportable(f"{self.name}: no block has been read yet (export calls native_config first)")
+        return list(self._specs.values())[-1]
 
     # ---- export -----------------------------------------------------------------------------------------------
     def native_config(self, config, layout):
@@ -209,8 +206,8 @@ class GenericFamily(Family):
                     text_values[k] = new
         try:
             native = self.config_class(**values)
-            expected = self.block_layout(native)
-            want = set(self.moe_layer_ids(native))
+            ids, blocks = self._meta_blocks(native)
+            expected, want = self.spec(blocks[0], native)["entry"], set(ids)
         except Exception as exc:  # the config class's own validators, or a probe of the block it builds
             raise NotExportable(f"a native {self.name} config cannot hold {first['num_experts']} experts, "
                                 f"top-{first['num_experts_per_tok']}: {exc}") from None
@@ -298,7 +295,7 @@ def _experts_spec(experts, config):
     H, two_i = (gate_up.shape[1], gate_up.shape[2]) if transposed else (gate_up.shape[2], gate_up.shape[1])
     options = {"num_experts": E, "hidden_size": H, "intermediate_size": two_i // 2, "bias": bool(experts.has_bias)}
     if getattr(type(experts), "_apply_gate", _default_apply_gate) is _default_apply_gate:
-        options["activation"] = _act_name(experts.act_fn, config)
+        options["activation"] = activation_name(experts.act_fn, config)
     else:
         options.update(_gate_function(experts, config, two_i))
     keys = {f"experts.{n}": f"experts.{n}" for n in allowed}
@@ -314,7 +311,7 @@ def _ungated_spec(experts, config):
                              "up_proj [E, I, H] and down_proj [E, H, I]")
     E, I, H = experts.up_proj.shape
     options = {"num_experts": E, "hidden_size": H, "intermediate_size": I,
-               "activation": _act_name(experts.act_fn, config, ungated=True)}
+               "activation": activation_name(experts.act_fn, config, ungated=True)}
     return "mlp", options, {"experts.up_proj": "experts.up_proj", "experts.down_proj": "experts.down_proj"}, False
 
 
@@ -370,7 +367,7 @@ def _shared_spec(children, router_name, H, config):
     glu = getattr(m, "gate_proj", None) is not None
     act = getattr(m, "act_fn", None) or getattr(m, "activation_fn", None)
     options = {"hidden_size": H, "intermediate_size": m.up_proj.out_features, "gated": bool(gate)}
-    act_name = "silu" if act is None else _act_name(act, config, ungated=not glu)
+    act_name = "silu" if act is None else activation_name(act, config, ungated=not glu)
     if act_name != "silu":
         options["activation"] = act_name
     if not glu:

@@ -1,7 +1,7 @@
 """Llama 4 (text): what the generic adapter cannot read off the block. Its experts are not transformers' fused
 experts class (every expert runs on every token, inputs pre-scaled), and the routing weight scales each
 expert's *input*: ``shared(x) + sum_k expert_k(sigmoid(logit_k) * x)`` over the top-k logits."""
-from zoo.architectures.generic import GenericFamily, _act_name
+from zoo.architectures.generic import GenericFamily, activation_name
 
 
 class Llama4Text(GenericFamily):
@@ -26,7 +26,7 @@ class Llama4Text(GenericFamily):
                                "logit_softcap": 0.0, "bias_on": "scores", "bias": False},
             "experts": "swiglu",
             "experts_options": {"num_experts": E, "hidden_size": H, "intermediate_size": two_i // 2, "bias": False,
-                                "activation": _act_name(experts.act_fn, self.text_config(config))},
+                                "activation": activation_name(experts.act_fn, self.text_config(config))},
             "shared_experts": {"hidden_size": H, "intermediate_size": shared.gate_proj.out_features, "gated": False},
             "returns_router_scores": True,  # the decoder layer unpacks (hidden, router output)
             "weights_scale_input": True,
@@ -35,7 +35,4 @@ class Llama4Text(GenericFamily):
                    "router.weight": "router.weight",
                    **{f"shared_expert.{p}.weight": f"shared_experts.{p}.weight"
                       for p in ("gate_proj", "up_proj", "down_proj")}}
-        spec = {"entry": entry, "renames": renames, "shapes": {}, "transposed": True}
-        self._specs.setdefault("llama4", spec)
-        self._renames.update(renames)
-        return self._specs["llama4"]
+        return self._specs.setdefault("llama4", {"entry": entry, "renames": renames, "shapes": {}, "transposed": True})
