@@ -27,10 +27,6 @@ def block_attr(model, family=None) -> str:
     return getattr(fam, "block_attr", None) or "mlp"
 
 
-def block_of(model, i: int, family=None):
-    return getattr(decoder_layers(model, family)[i], block_attr(model, family), None)
-
-
 def set_block(model, i: int, block, family=None) -> None:
     setattr(decoder_layers(model, family)[i], block_attr(model, family), block)
 
