@@ -21,7 +21,9 @@ from zoo import finite
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-LAYER_KEY = re.compile(r"^(?:model\.|backbone\.)?layers\.(\d+)\.")  # backbone.: Nemotron-H's saved names
+# a decoder layer's tensors as checkpoints name them: model.layers.N., backbone.layers.N. (Nemotron-H),
+# model.llm.layers.N. (Inkling2)
+LAYER_KEY = re.compile(r"^(?:\w+\.){0,2}layers\.(\d+)\.")
 
 
 class CheckpointError(ValueError):

@@ -67,9 +67,10 @@ class LayerInputs:
                 call_model(model, batch)
             except _Stop:
                 pass
-            except (ValueError, TypeError) as exc:  # the model wanted more back from a layer than its hidden states
-                raise ValueError(f"{type(model).__name__}'s decoder layers hand each other more than hidden states "
-                                 f"({exc}); components that calibrate layer by layer cannot run on it") from None
+            except (ValueError, TypeError) as exc:  # the layers take, or hand on, more than the engine carries
+                raise ValueError(f"{type(model).__name__}'s decoder layers take or hand each other more than hidden "
+                                 f"states and keyword inputs ({exc}); components that calibrate layer by layer cannot "
+                                 "run on it") from None
             finally:
                 for layer in layers:
                     layer.__dict__.pop("forward", None)

@@ -13,9 +13,11 @@ from zoo.architectures.families import EXCEPTIONS, FIRST_PARTY, GENERIC
 from zoo.layout import moe_layers
 
 AUTO = {"causal-lm": AutoModelForCausalLM, "image-text-to-text": AutoModelForImageTextToText}
-# decoder layers that hand the next layer more than hidden states (the top-k indices of sparse attention): the
-# layer-at-a-time engine refuses them with a clear error, so they get the steps that need no calibration
-LAYERS_PASS_MORE = {"hy_v4", "hy_v4_vl", "glm5_next", "glm_moe_dsa", "mistral_large4"}
+# decoder layers that hand the next layer more than hidden states (the top-k indices of sparse attention) or take
+# positional inputs (Inkling2): the layer-at-a-time engine refuses them with a clear error, so they get the steps
+# that need no calibration
+LAYERS_PASS_MORE = {"hy_v4", "hy_v4_vl", "glm5_next", "glm_moe_dsa", "mistral_large4", "inkling2", "inkling2_text",
+                    "inkling2_loop", "inkling2_loop_text"}
 CONVERTED = sorted(t for t in GENERIC if t not in EXCEPTIONS and t in CONFIG_MAPPING_NAMES)
 
 

@@ -12,6 +12,9 @@ from zoo.checkpoint import CheckpointError
 from tiny import folder_tensors
 
 TEXT = [t for t in CONVERTED if GENERIC[t] == "causal-lm"]
+# Inkling2 saves some tensors of a layer outside it (model.llm.attn_res.mlp_queries.N for layer N's
+# mlp_input.query): a layer cannot be read by its own key prefix, and the streaming path says it lacks them
+SAVED_OUTSIDE_THEIR_LAYER = {"inkling2_text", "inkling2_loop_text"}
 VISION = [t for t in CONVERTED if GENERIC[t] == "image-text-to-text"]
 
 
@@ -21,6 +24,10 @@ tensors = folder_tensors
 @pytest.mark.parametrize("model_type", TEXT)
 def test_streamed_convert_writes_what_the_in_memory_convert_writes(model_type, tmp_path, one_thread):
     native_model(model_type).save_pretrained(tmp_path / "native")
+    if model_type in SAVED_OUTSIDE_THEIR_LAYER:
+        with pytest.raises(CheckpointError, match="lacks tensors of layer 0"):
+            stream.convert(tmp_path / "native", tmp_path / "stream")
+        return
     zoo.convert(native_model(model_type)).save_pretrained(tmp_path / "memory")
     stream.convert(tmp_path / "native", tmp_path / "stream")
     a, b = tensors(tmp_path / "memory"), tensors(tmp_path / "stream")

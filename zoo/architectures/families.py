@@ -12,16 +12,16 @@ GENERIC: dict[str, str] = {
         "afmoe", "aria_text", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v32", "dots1",
         "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite",
         "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
-        "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini",
-        "lfm2_moe", "llama4_text", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text",
-        "nemotron_h", "phimoe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla",
-        "sarvam_moe", "solar_open")},
+        "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "jamba", "kimi_linear",
+        "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text", "mellum", "mimo_v2_flash", "minimax",
+        "minimax_m2", "minimax_m3_vl_text", "nemotron_h", "phimoe", "qwen3_5_moe_text", "qwen3_next",
+        "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
     # vision-language models: the language model's MoE blocks convert, the vision tower stays (dots3_note's
     # vision tower has MoE blocks of its own: they stay native)
     **{t: "image-text-to-text" for t in (
-        "aria", "deepseek_ocr2", "dots3_note", "glm4v_moe", "glm5_next", "hy_v4_vl", "minimax_m3_vl",
-        "mistral4", "mistral_large4", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp",
-        "unlimited_ocr")},
+        "aria", "deepseek_ocr2", "dots3_note", "glm4v_moe", "glm5_next", "hy_v4_vl", "inkling2",
+        "inkling2_loop", "minimax_m3_vl", "mistral4", "mistral_large4", "qwen3_5_moe",
+        "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp", "unlimited_ocr")},
 }
 
 _TEXT_PART = ("the text sub-config of a vision-language family; converted as part of that family (no model class of "
@@ -42,10 +42,6 @@ EXCEPTIONS: dict[str, str] = {
     "llama4": "its multimodal model holds a whole causal LM (`.language_model`) where the zoo classes expect the "
               "base model at `.model`, and its forward fails inside transformers 5.24 itself (no `image_outputs` on "
               "its output); the text model (llama4_text) converts",
-    "inkling2": "its experts gate with a function none of the zoo's activations computes",
-    "inkling2_text": "its experts gate with a function none of the zoo's activations computes",
-    "inkling2_loop": "its experts gate with a function none of the zoo's activations computes",
-    "inkling2_loop_text": "its experts gate with a function none of the zoo's activations computes",
     "ernie4_5_vl_moe": "each MoE layer holds a text and a vision expert block, chosen per token by its modality; the "
                        "zoo block is one router over one expert set",
     "inkling_text": "no [E, H] router gate inside the MoE block",

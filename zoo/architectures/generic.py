@@ -57,10 +57,10 @@ def activation_name(act, config, ungated: bool = False) -> str:
     ``mlp`` experts and ungated shared MLPs) any of transformers'."""
     from transformers.activations import ACT2FN
 
-    from zoo.moe.experts import ACTIVATIONS
+    from zoo.moe.experts import ACTIVATIONS, PARAMETERS
 
     names = ([n for n in ACT2FN if isinstance(n, str)] if ungated
-             else [n for n in ACTIVATIONS if not n.startswith("clamped")])
+             else [n for n in ACTIVATIONS if n not in PARAMETERS])
 
     plain = {torch.nn.functional.silu: "silu", torch.nn.functional.gelu: "gelu", torch.nn.functional.relu: "relu",
              torch.tanh: "tanh"}
@@ -317,23 +317,23 @@ def _ungated_spec(experts, config):
 
 def _gate_function(experts, config, two_i) -> dict:
     """The zoo activation that computes a family's own ``_apply_gate`` (found on random inputs, beyond any clamp)."""
-    from zoo.moe.experts import ACTIVATIONS
+    from zoo.moe.experts import ACTIVATIONS, PARAMETERS
 
     x = torch.randn(64, two_i, generator=torch.Generator().manual_seed(0)) * 8
     with torch.no_grad():
         want = experts._apply_gate(x)
+    # an activation's two parameters, from where families keep them (see zoo.moe.experts.PARAMETERS)
     limits = {float(v) for v in (getattr(experts, "limit", None), getattr(config, "swiglu_limit", None),
-                                 getattr(experts, "swiglu_limit", None)) if isinstance(v, (int, float))}
-    alphas = {float(v) for v in (getattr(experts, "alpha", None), getattr(config, "swiglu_alpha", None))
+                                 getattr(experts, "swiglu_limit", None), getattr(config, "mlp_gate_softcap", None))
               if isinstance(v, (int, float))}
+    alphas = {float(v) for v in (getattr(experts, "alpha", None), getattr(config, "swiglu_alpha", None),
+                                 getattr(config, "mlp_up_softcap", None)) if isinstance(v, (int, float))}
     gate, up = x.chunk(2, dim=-1)
     for name, fn in ACTIVATIONS.items():
         for limit, alpha in itertools.product(sorted(limits) or [7.0], sorted(alphas) or [1.702]):
             if want.shape == gate.shape and torch.allclose(fn(gate, up, limit, alpha), want, rtol=1e-5, atol=1e-6):
-                extra = {"swiglu_limit": limit} if name.startswith("clamped") else {}
-                if name == "clamped-swiglu":
-                    extra["swiglu_alpha"] = alpha
-                return {"activation": name, **extra}
+                values = {"swiglu_limit": limit, "swiglu_alpha": alpha}
+                return {"activation": name, **{k: values[k] for k in PARAMETERS.get(name, ())}}
     raise NotConvertible(f"{type(experts).__name__} gates with a function none of the zoo's activations computes")
 
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from zoo.moe.experts import ACTIVATIONS, Experts
+from zoo.moe.experts import ACTIVATIONS, PARAMETERS, Experts
 from zoo.moe.routing import Router, Routing
 
 
@@ -35,8 +35,7 @@ class SharedMLP(nn.Module):
             opts["activation"] = self.activation
         if self.gate_proj is None:
             opts["glu"] = False
-        if self.activation.startswith("clamped"):
-            opts.update(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
+        opts.update({name: getattr(self, name) for name in PARAMETERS.get(self.activation, ())})
         return opts if self.scale == 1.0 else {**opts, "scale": self.scale}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

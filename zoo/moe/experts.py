@@ -95,13 +95,24 @@ def _clamped_glu(gate, up, limit=7.0, alpha=1.702):
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def _softcapped_swiglu(gate, up, gate_cap=4.0, up_cap=25.0):
+    # Inkling2: the sigmoid sees the raw gate; soft-caps (cap * tanh(x / cap)) bound the linear gate factor and up.
+    dtype, gate, up = gate.dtype, gate.float(), up.float()
+    return (torch.tanh(gate / gate_cap) * gate_cap * torch.sigmoid(gate) * (torch.tanh(up / up_cap) * up_cap)).to(dtype)
+
+
 def _clamped_silu(gate, up, limit=7.0, alpha=None):
     # DeepSeek-V4: SiLU gate clamped from above, linear half clamped both ways.
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 # act(gate) * up for the activations transformers' MoE families use (``config.hidden_act`` names), plus GPT-OSS's
+# Activations with parameters, and which of the two (swiglu_limit, swiglu_alpha) each reads: clamped-swiglu: clamp
+# limit, sigmoid sharpness; clamped-silu: clamp limit; softcapped-swiglu: the gate factor's soft-cap, up's soft-cap.
+PARAMETERS = {"clamped-swiglu": ("swiglu_limit", "swiglu_alpha"), "clamped-silu": ("swiglu_limit",),
+              "softcapped-swiglu": ("swiglu_limit", "swiglu_alpha")}
 ACTIVATIONS = {"silu": _silu_glu, "clamped-swiglu": _clamped_glu, "clamped-silu": _clamped_silu,
+               "softcapped-swiglu": _softcapped_swiglu,
                **{name: _glu_with(ACT2FN[name]) for name in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast",
                                                              "quick_gelu", "relu", "relu2", "swish", "tanh")}}
 _TP_METHODS = ("forward", "expert", "glu", "_forward_sorted", "_forward_gather")
@@ -144,10 +155,7 @@ class SwiGLUExperts(Experts):
         opts = {"num_experts": self.num_experts, "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size, "activation": self.activation,
                 "bias": self.gate_up_proj_bias is not None}
-        if self.activation == "clamped-swiglu":
-            opts.update(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
-        elif self.activation == "clamped-silu":
-            opts.update(swiglu_limit=self.swiglu_limit)
+        opts.update({name: getattr(self, name) for name in PARAMETERS.get(self.activation, ())})
         return opts
 
     def _stored(self) -> set[str]:
