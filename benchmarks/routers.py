@@ -2,7 +2,7 @@
 token and held-out perplexity per domain, with ratios to the base model.
 
 - expert-choice at a few capacity factors and top-p at a few p, against the base top-2 (issue #7, claim 4);
-- steer (claim 5): ``zoo.steer.find_experts`` contrasts code with English on the corpus' train split, the
+- steer (claim 5): ``zoo_routers.steer_experts.find_experts`` contrasts code with English on the corpus' train split, the
   experts found are disabled, and code vs English perplexity is compared with the base; controls: as many
   random experts disabled (same layers), and the experts found the other way round (English vs code).
 
@@ -23,7 +23,7 @@ from zoo.data.corpus import DOMAINS
 from zoo.data.tokens import eval_windows, token_stream
 from zoo.eval import perplexity_and_usage
 from zoo.layout import moe_layers
-from zoo.steer import find_experts
+from zoo_routers.steer_experts import find_experts
 
 SEQ_LEN = 256
 

@@ -14,7 +14,7 @@ from huggingface_hub import SpaceCard
 
 import zoo
 from zoo.cards import render_component_card
-from zoo.plugins import registry
+from zoo.registry import registry
 from zoo.resources import resource_path
 from zoo.spaces import load_app, space_dir
 

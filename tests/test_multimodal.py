@@ -19,7 +19,7 @@ from zoo_multimodal.modeling_zoo_mm import ZooMMForCausalLM
 from zoo_multimodal.processing_zoo_mm import ZooMMProcessor
 
 from zoo.architectures.family import NotExportable
-from zoo.data import digits_mm as dm
+from zoo_multimodal import digits as dm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SUBSET = {"voices": ("en-us", "en+f1"), "speeds": (160,), "pitches": (50,)}  # 20 clips, one train and one test voice
@@ -174,8 +174,7 @@ def test_language_conditioned_routing_matches_naive_cross_attention():
     visual, text = torch.randn(3, 4, 16), torch.randn(3, 6, 12)
     mask = torch.ones(3, 6, dtype=torch.long)
     mask[1, 4:] = 0
-    router.condition(text, mask)
-    r = router(visual.reshape(12, 16))
+    r = router(visual.reshape(12, 16), RoutingContext(prompt_embeds=text, prompt_mask=mask))
     for b in range(3):
         n = int(mask[b].sum())
         q = router.q_proj.weight @ visual[b].mean(0)
@@ -188,10 +187,9 @@ def test_language_conditioned_routing_matches_naive_cross_attention():
             torch.testing.assert_close(r.weights[4 * b + p], top.values / top.values.sum())
     other = text.clone()
     other[0, :, :] = torch.randn(6, 12) * 3
-    router.condition(other, mask)
-    assert not torch.equal(router(visual.reshape(12, 16)).logits[0], r.logits[0])  # the text steers the choice
-    router.condition(None)
-    plain = router(visual.reshape(12, 16))
+    steered = router(visual.reshape(12, 16), RoutingContext(prompt_embeds=other, prompt_mask=mask))
+    assert not torch.equal(steered.logits[0], r.logits[0])  # the text steers the choice
+    plain = router(visual.reshape(12, 16), None)
     torch.testing.assert_close(plain.logits, router.gate_logits(visual.reshape(12, 16)))
 
 

@@ -45,7 +45,7 @@ def zoo_plans(monkeypatch):
 
 
 def family(name):
-    from zoo.plugins import registry
+    from zoo.registry import registry
 
     return registry.get("architecture", name).obj
 

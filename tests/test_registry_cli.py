@@ -6,9 +6,10 @@ import torch
 from click.testing import CliRunner
 
 import zoo
-from zoo.cli import cli, parse_step
+from zoo.cli import cli
+from zoo.options import parse_step
 from zoo.layout import moe_layers
-from zoo.registry import HubUnavailable
+from zoo.loading import HubUnavailable
 from tiny import FAMILIES, padded_batch, tiny_native
 
 IDS, MASK = padded_batch()

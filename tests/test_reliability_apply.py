@@ -122,7 +122,7 @@ def test_a_step_that_cannot_follow_fails_before_calibration(monkeypatch):
 
 def test_zoo_model_without_moe_layers_is_refused():
     from zoo.architectures.factory import zoo_classes
-    from zoo.plugins import registry
+    from zoo.registry import registry
 
     cfg_cls, _, lm_cls = zoo_classes(registry.get("architecture", "mixtral").obj)
     model = lm_cls(cfg_cls(**tiny_config("mixtral").to_dict()))

@@ -111,7 +111,7 @@ def test_eval_plot_into_a_missing_folder_before_evaluating(tmp_path, never):
 def test_library_save_error_becomes_one_line():
     """A ValueError subclass (zoo.atomic.SaveTargetError) or an OSError from a library call is one line."""
     from zoo.atomic import SaveTargetError
-    from zoo.cli import one_line
+    from zoo.cli_helpers import one_line
 
     for exc in (SaveTargetError("cannot save into 'x': it is a file, not a folder"),
                 PermissionError(13, "Permission denied", "/root/x"), KeyError("no component named 'x'")):
@@ -200,8 +200,8 @@ def test_generate_more_tokens_than_positions():
 
 
 def test_generate_quantize_on_a_dense_model():
-    fails(["generate", "zoo-tiny-dense", "hi", "--no-compile", "--max-new-tokens", "2", "--quantize", "8"],
-          "--quantize", "not a supported MoE family")
+    fails(["generate", "zoo-tiny-dense", "hi", "--no-compile", "--max-new-tokens", "2", "--step", "quantize:bits=8"],
+          "--step quantize", "not a supported MoE family")
 
 
 def test_generate_threads_must_be_positive(never):
@@ -253,7 +253,7 @@ def test_digits_mm_train_numbers_out_of_range(option, value, tmp_path):
 
 
 def test_digits_mm_generate_out_is_a_file(afile, never):
-    from zoo.data import digits_mm as data
+    from zoo_multimodal import digits as data
     from zoo_multimodal.commands import digits_mm
 
     never(data, "main")

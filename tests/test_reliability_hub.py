@@ -126,7 +126,7 @@ def test_zoo_load_masks_hub_errors(monkeypatch):
 
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
-    with pytest.raises(zoo.registry.HubUnavailable) as excinfo:
+    with pytest.raises(zoo.loading.HubUnavailable) as excinfo:
         zoo.load("org/private-model")
     shown = "".join(traceback.format_exception(excinfo.value))
     assert TOKEN[:8] not in shown and zoo.hub.MASK in str(excinfo.value)

@@ -8,7 +8,8 @@ import torch
 
 import zoo
 from zoo.options import accepted_options
-from zoo.plugins import load_plugins, registry
+from zoo.registry import registry
+from zoo.plugins import load_plugins
 from tiny import tiny_native
 
 pytestmark = pytest.mark.usefixtures("one_thread")

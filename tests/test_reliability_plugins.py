@@ -18,7 +18,8 @@ from click.testing import CliRunner
 import zoo
 import zoo.plugins as P
 from zoo.cli import cli as builtin_cli
-from zoo.registry import get_model, resolve_path
+from zoo.registry import get_model
+from zoo.loading import resolve_path
 
 ROUTER = """
 import zoo

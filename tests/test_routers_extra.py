@@ -1,5 +1,5 @@
 """expert-choice, top-p and steer routers against loop references; empty slots in the experts; zoo.apply
-validation, per-layer options, save/reload; top-p under torch.compile; zoo.steer.find_experts."""
+validation, per-layer options, save/reload; top-p under torch.compile; zoo_routers.steer_experts.find_experts."""
 # zoo is imported before zoo_routers on purpose: importing a plugin first would register it half-initialised.
 import copy  # noqa: I001
 import json
@@ -11,7 +11,7 @@ import zoo
 from zoo.layout import build_block, moe_layers
 from zoo.moe import SparseMoE, SwiGLUExperts
 from zoo.moe.routing import Routing
-from zoo.steer import activation_rates, find_experts
+from zoo_routers.steer_experts import activation_rates, find_experts
 from zoo_routers.expert_choice import ExpertChoice
 from zoo_routers.sigmoid_bias import SigmoidBias
 from zoo_routers.steer import Steer

@@ -11,7 +11,7 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSequenceC
 import zoo
 from zoo.architectures.factory import zoo_classes
 from zoo.moe import SparseMoE
-from zoo.plugins import registry
+from zoo.registry import registry
 from tiny import FAMILIES, tiny_config, tiny_native
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -43,7 +43,7 @@ def tiny_native(family: str, seed: int = 0):
     """A randomly initialised native model. Router weights and biases get real spread (the families
     initialise some of them to zero, which would make routing ties and hide mistakes)."""
     from zoo.convert import family_of  # noqa: F401  (ensures plugins load)
-    from zoo.plugins import registry
+    from zoo.registry import registry
 
     torch.manual_seed(seed)
     fam = registry.get("architecture", family).obj

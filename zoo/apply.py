@@ -5,10 +5,10 @@ import hashlib
 import inspect
 import json
 
-from zoo.components import Registered
+from zoo.registry import Registered, registry
 from zoo.layout import moe_layers, sync_layout
+from zoo.moe import context as routing_context
 from zoo.options import accepted_options, check_options, required_options
-from zoo.plugins import load_plugins, registry
 
 APPLICABLE = ("router", "compressor", "adapter")
 
@@ -22,12 +22,10 @@ def list_components(kind: str | None = None) -> list[dict]:
     """Registered components (or those of one kind) with their metadata and the plugin each came from.
 
     Model entries are listed by ``zoo.list_models``, so they are left out unless ``kind="model"``."""
-    load_plugins()
     return [r.info() for r in registry.all(kind) if kind is not None or r.kind != "model"]
 
 
 def find(name: str) -> Registered:
-    load_plugins()
     for kind in APPLICABLE:
         if name in registry.by_kind[kind]:
             return registry.by_kind[kind][name]
@@ -66,7 +64,7 @@ def apply(model, name: str, calibration=None, check_finite: bool = True, **optio
     if reg.kind == "router" and (isinstance(top_k, bool) or not isinstance(top_k, int)):
         raise ValueError(f"top_k must be an integer, got {top_k!r}")
     component = cls(**options) if reg.kind in ("compressor", "adapter") else None  # checks its option values
-    if not (reg.kind == "adapter" and getattr(cls, "accepts_dense", False)):
+    if not (reg.kind == "adapter" and cls.accepts_dense):
         family_of(model)  # an unsupported model is refused before anything changes
     calib.check(calibration, getattr(model.config.get_text_config(), "vocab_size", None))
     if check_finite:
@@ -84,6 +82,7 @@ def apply(model, name: str, calibration=None, check_finite: bool = True, **optio
         raise
     record_step(model, name, reg.kind, options, calibration, component)
     sync_layout(model)
+    routing_context.attach(model)  # a router that reads the routing context gets it from each call
     # transformers caches torch.compile(model.__call__) on the model; a deepcopy of a compiled model carries
     # the original's, which would decode with the original's modules. A changed model compiles afresh.
     for attr in ("_compiled_call", "_last_compile_config"):
@@ -97,8 +96,8 @@ def _run(model, kind, cls, component, options, calibration):
     from zoo.snapshot import Fingerprint
 
     if kind == "adapter":  # an adapter that builds an MoE from a dense model gets it unconverted
-        return component.attach(model if getattr(cls, "accepts_dense", False) else convert(model))
-    if getattr(cls, "target", None) == "attention":
+        return component.attach(model if cls.accepts_dense else convert(model))
+    if kind == "router" and cls.target == "attention":
         return convert(cls.attach(model, **options))  # wraps every layer's self-attention, all checked first
     model = convert(model)
     if not moe_layers(model):
@@ -116,6 +115,8 @@ def _run(model, kind, cls, component, options, calibration):
 def record_step(model, name: str, kind: str, options: dict, calibration, component=None) -> dict:
     """Append a step to ``config.zoo_recipe``: name, kind, options, calibration data, the component's results."""
     step = {"name": name, "kind": kind, "options": _jsonable(options), "calibration": describe(calibration)}
+    reg = registry.find(kind, name)
+    step.update(reg.provenance if reg is not None else {})  # the distribution and version that provided it
     if getattr(component, "results", None):
         step["results"] = component.results
     model.config.zoo_recipe = list(model.config.zoo_recipe or []) + [step]
@@ -129,7 +130,7 @@ class RouterSwap:
     kind, inputs_for, needs_plan = "router", (), False
 
     def __init__(self, cls, options):
-        if getattr(cls, "target", None) == "attention":
+        if cls.target == "attention":
             raise ValueError(f"router {cls.name!r} wraps attention: it runs on a model in memory (--no-stream)")
         check_options(cls, options, skip=("hidden_size", "num_experts"))
         given = sorted(set(options) & set(LAYER_OPTIONS))
@@ -138,8 +139,7 @@ class RouterSwap:
         self.cls, self.name, self.options = cls, cls.name, dict(options)
 
     def check_layers(self, layers):
-        if hasattr(self.cls, "check_layers"):  # options that name layers must name MoE layers of the checkpoint
-            self.cls.check_layers(layers, self.options)
+        self.cls.check_layers(layers, self.options)  # options that name layers must name MoE layers of the checkpoint
 
     def check_layer(self, index, block):
         pass
@@ -165,8 +165,7 @@ def _swap_routers(model, cls, options):
     given = sorted(set(options) & set(LAYER_OPTIONS))
     if given:
         raise ValueError(f"{', '.join(given)}: filled in by zoo.apply for each layer, not an option to pass")
-    if hasattr(cls, "check_layers"):  # options that name layers must name this model's MoE layers
-        cls.check_layers([i for i, _ in moe_layers(model)], options)
+    cls.check_layers([i for i, _ in moe_layers(model)], options)
     new = [(moe, new_router(i, moe, cls, options)) for i, moe in moe_layers(model)]
     for moe, router in new:
         moe.router = router

@@ -19,22 +19,22 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
          summary: str | None = None) -> ModelCard:
     """A ModelCard for a zoo model: metadata (base_model, library_name, tags, model-index), the recipe
     with its calibration data, evaluation results, how to load it, and every component's citation."""
-    from zoo.architectures.family import NotExportable
-    from zoo.convert import family_of
-    from zoo.layout import read_layout
-    from zoo.plugins import registry
+    from zoo.layout import components_provenance, family_and_base, read_layout
+    from zoo.registry import registry
 
-    fam = family_of(model)
+    fam, _ = family_and_base(model)
+    if fam is None:
+        raise TypeError(f"zoo.card takes a zoo model, not {type(model).__name__}: zoo.convert(model) first")
     cfg = model.config
     layout, recipe = read_layout(model), list(cfg.zoo_recipe or [])
     used = [("architecture", fam.name)] + [("router", n) for n in sorted({e["router"] for e in layout if e})]
     used = list(dict.fromkeys(used + [(s["kind"], s["name"]) for s in recipe]))  # each component once, in order
     comps = [registry.by_kind[k][n] for k, n in used if n in registry.by_kind.get(k, {})]
-    try:
-        fam.native_config(cfg, layout)
-        exportable, reason = True, ""
-    except NotExportable as exc:
-        exportable, reason = False, str(exc)
+    arch = registry.find("architecture", fam.name)
+    sources = [*components_provenance(cfg).values(), *([arch.provenance] if arch else [])]
+    packages = sorted({(s["distribution"], s["version"]) for s in sources if s["distribution"] != "moe-zoo"})
+    reason = fam.export_problem(cfg, layout)
+    exportable, reason = reason is None, reason or ""
     name = model_name or (repo_id or "").split("/")[-1] or f"zoo-{fam.name}"
     base = getattr(cfg, "zoo_base_model", None)
     results = []
@@ -58,7 +58,8 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
         data, template_path=str(resource_path("cards/base.md")), model_name=name,
         summary=summary or f"A {fam.name} Mixture-of-Experts model built with moe-zoo.", recipe=recipe,
         results=results, sections=sections, repo_id=repo_id or "PATH", family=fam.name,
-        exportable=exportable, export_reason=reason, citations=list(dict.fromkeys(citations)))
+        exportable=exportable, export_reason=reason, citations=list(dict.fromkeys(citations)), packages=packages,
+        auto_loads=arch is None or arch.distribution == "moe-zoo")
 
 
 def render_component_card(component, context: dict | None = None) -> str:

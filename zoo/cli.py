@@ -2,15 +2,11 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-from contextlib import contextmanager
 
 import click
 
-THREADS = click.IntRange(1, os.cpu_count())  # torch threads: at least one, at most the machine's CPUs
-SEED = click.IntRange(0, 2**32 - 1)
-COUNT = click.IntRange(min=1)
+from zoo.cli_helpers import COUNT, SEED, THREADS, new_file, one_line, save_folder, step_option
 
 
 def _json(obj) -> None:
@@ -70,9 +66,8 @@ def components(kind, as_json):
 def info(name):
     """Everything known about a component or a model NAME, as JSON."""
     from zoo.options import accepted_options
-    from zoo.plugins import load_plugins, registry
+    from zoo.registry import registry
 
-    load_plugins()
     if name in registry.by_kind["model"]:
         return _json(registry.by_kind["model"][name].obj.info())
     try:
@@ -101,28 +96,6 @@ def _memory_size(ctx, param, value):
     return value
 
 
-def save_folder(ctx, param, value):
-    """A click callback: ``value`` must be a folder a save can write into (zoo.atomic's rules), checked before
-    any work (not a file, not '.', not '/')."""
-    from zoo.atomic import check_target
-
-    if value is not None:
-        try:
-            check_target(value)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), ctx, param) from None
-    return value
-
-
-def new_file(ctx, param, value):
-    """A click callback for an output file: its folder must exist (checked before any work)."""
-    if value is not None:
-        folder = os.path.dirname(os.path.abspath(os.path.expanduser(value)))
-        if not os.path.isdir(folder):
-            raise click.BadParameter(f"cannot write {value!r}: there is no folder {folder!r}", ctx, param)
-    return value
-
-
 def stream_options(command):
     """--stream/--no-stream and --max-memory: work layer by layer from the shards when the model is too large."""
     command = click.option("--max-memory", callback=_memory_size,
@@ -143,32 +116,6 @@ def _streams(src, stream, max_memory) -> bool:
     if chosen and stream is None:
         click.echo(f"streaming {src} layer by layer (budget {budget / 1e9:.1f} GB)", err=True)
     return chosen
-
-
-def _user_errors():
-    """The exceptions a user's mistake raises: printed as one line, not a traceback. OSError covers a missing
-    file or folder, a file where a folder belongs, a Hub that cannot be reached (HubUnavailable)."""
-    from zoo.architectures.family import NotExportable
-    from zoo.checkpoint import CheckpointError
-
-    return (KeyError, ValueError, TypeError, NotExportable, CheckpointError, OSError)
-
-
-def _message(exc: BaseException) -> str:
-    """The text of an exception; a KeyError's own message, not its repr in quotes."""
-    if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
-        return exc.args[0]
-    return str(exc) or type(exc).__name__
-
-
-@contextmanager
-def one_line(prefix: str = ""):
-    """``with one_line(): library call``: a user's mistake (see ``_user_errors``) becomes click's one-line
-    ``Error: ...`` (exit code 1) instead of a traceback."""
-    try:
-        yield
-    except _user_errors() as exc:
-        raise click.ClickException(prefix + _message(exc)) from None
 
 
 def _either(src, stream, max_memory, streamed, in_memory):
@@ -234,40 +181,6 @@ def eval_command(model, as_json, plot, windows, no_speed, stream, max_memory):
                        f"(entropy {layer['entropy_bits']:.2f}/{layer['max_entropy_bits']:.0f} bits)")
 
 
-def _split_top_level(text: str) -> list[str]:
-    """Split on commas outside brackets and quotes, so JSON values such as ``disable={"1":[0,2]}`` stay whole."""
-    parts, depth, quote, start = [], 0, None, 0
-    for i, ch in enumerate(text):
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "\"'":
-            quote = ch
-        elif ch in "[{(":
-            depth += 1
-        elif ch in "]})":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    return parts + [text[start:]]
-
-
-def parse_step(step: str, param_hint: str | None = None) -> tuple[str, dict]:
-    """``name:k=v,k2=v2`` -> (name, options); values are parsed as JSON where they can be."""
-    name, _, rest = step.partition(":")
-    options = {}
-    for item in filter(None, _split_top_level(rest)):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise click.BadParameter(f"option {item!r} in step {step!r} must look like key=value",
-                                     param_hint=param_hint)
-        try:
-            options[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key.strip()] = value
-    return name.strip(), options
-
-
 def _calibration(ctx, param, value):
     """--calibration DOMAIN[:TOKENS] as a ``zoo.calibration.corpus`` spec."""
     from zoo.calibration import corpus
@@ -301,7 +214,7 @@ def apply(src, steps, out, calibration, stream, max_memory):
     from zoo import stream as streaming
     from zoo.apply import find
 
-    parsed = [parse_step(s, "STEPS") for s in steps]
+    parsed = [step_option(s, "STEPS") for s in steps]
     for name, _ in parsed:
         with one_line():
             find(name)
@@ -341,7 +254,7 @@ def finetune(model, adapter, domain, steps, lr, batch_size, seq_len, windows, se
     """Fine-tune MODEL with an adapter on one domain; print held-out perplexity before/after; save to --out."""
     from zoo.finetune import finetune as run
 
-    name, options = parse_step(adapter, "'--adapter'")
+    name, options = step_option(adapter, "'--adapter'")
     out = out or save_folder(None, None, f"runs/finetune-{name}-{domain}")
     with one_line():
         result = run(model, name, options, domain=domain, steps=steps, lr=lr, batch_size=batch_size,

@@ -1,29 +1,18 @@
-"""Component base classes and the name -> class registry that plugins fill."""
+"""Component base classes. Capabilities are declared here, on the bases, with their defaults: a component
+overrides what it has. The name -> class registry the plugins fill is ``zoo.registry``."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from zoo.options import check_options, suggest
-
-# hook name -> component kind
-KINDS = {
-    "register_architectures": "architecture",
-    "register_routers": "router",
-    "register_experts": "experts",
-    "register_adapters": "adapter",
-    "register_compressors": "compressor",
-    "register_models": "model",
-}
+from zoo.options import check_options
 
 
 class Component:
     """Metadata every component class carries."""
 
-    name: str = ""
-    summary: str = ""
-    paper: str = ""
-    card: str = ""
-    space: str = ""
+    name: str = ""  # unique, lowercase, dashes
+    summary: str = ""  # one line
+    paper: str = ""  # citation or URL, where there is one
+    card: str = ""  # its card template, e.g. "cards/<name>.md" (a Jinja template; see docs/plugins/cards.md)
+    space: str = ""  # the demo Space that shows it, e.g. "compression-lab"
 
     def __init__(self, **options):
         check_options(type(self), options)
@@ -34,18 +23,21 @@ class Compressor(Component):
     """``compress(model, calibration=None) -> model``. Validate options in ``__init__``.
 
     A compressor that implements the per-layer contract (``compress_layer``; see ``zoo.layerwise`` and
-    docs/plugin-contract.md) gets ``compress`` for free and works on checkpoints streamed from their shards
+    docs/plugins/compressor.md) gets ``compress`` for free and works on checkpoints streamed from their shards
     too. One that overrides ``compress`` alone works on models in memory only.
     """
 
     kind = "compressor"
-    needs_calibration = False
+    needs_calibration = False  # uses calibration data (the CLI and the card say so)
     inputs_for: tuple[str, ...] = ()  # "observe", "compress": the phases that receive the layer's input tokens
     needs_plan = False  # observe every layer, then plan(), before compress_layer
 
     @property
     def layerwise(self) -> bool:
         return type(self).compress_layer is not Compressor.compress_layer
+
+    def check_layers(self, layers: list[int]) -> None:
+        """Raise (before anything changes) if the options name layers other than the MoE ``layers``."""
 
     def check_layer(self, index: int, block) -> None:
         """Raise (before anything changes) if layer ``index``'s block cannot be compressed."""
@@ -69,61 +61,23 @@ class Compressor(Component):
 
 
 class Adapter(Component):
-    """``attach(model) -> model``; optional ``train_step`` and ``merge``."""
+    """``attach(model) -> model``. Optional capabilities, each declared here with its default:
+
+    - ``accepts_dense``: ``attach`` receives the model as given (a dense model to upcycle), not converted;
+    - ``train_step(model)``: called after each optimiser step of ``moe-zoo finetune`` (weight averaging);
+    - ``loss(model, input_ids, attention_mask=None) -> (loss, lm_loss)``: the training loss, when the adapter
+      owns it (a router trained by policy gradient);
+    - ``merge(model) -> model``: fold the adapter into the base weights;
+    - ``build_module(replaced, spec)`` (classmethod): rebuild, empty, a module the adapter put outside the
+      MoE blocks (it has ``zoo_spec()``; see ``zoo.layout.read_modules``).
+    """
+
+    kind = "adapter"
+    accepts_dense = False
+    train_step = None
+    loss = None
+    merge = None
+    build_module = None
 
     def attach(self, model):  # pragma: no cover - abstract
         raise NotImplementedError
-
-
-@dataclass
-class Registered:
-    kind: str
-    name: str
-    obj: object  # the class (or the Family / ModelEntry instance)
-    plugin: str
-    distribution: str
-
-    @property
-    def summary(self) -> str:
-        return getattr(self.obj, "summary", "")
-
-    def info(self) -> dict:
-        o = self.obj
-        return {"name": self.name, "kind": self.kind, "summary": self.summary,
-                "paper": getattr(o, "paper", ""), "card": getattr(o, "card", ""), "space": getattr(o, "space", ""),
-                "plugin": self.plugin, "distribution": self.distribution}
-
-
-@dataclass
-class Registry:
-    by_kind: dict[str, dict[str, Registered]] = field(default_factory=lambda: {k: {} for k in KINDS.values()})
-
-    def add_all(self, entries: list[Registered]) -> None:
-        """Add a plugin's entries all at once, or none: a name is never replaced, neither one already in the
-        registry nor one earlier in ``entries`` (a clash names both distributions)."""
-        seen: dict[tuple[str, str], Registered] = {}
-        for e in entries:
-            have = self.by_kind[e.kind].get(e.name) or seen.get((e.kind, e.name))
-            if have is not None:
-                raise ValueError(
-                    f"{e.kind} {e.name!r} is registered twice: by {have.distribution} ({have.plugin}) "
-                    f"and by {e.distribution} ({e.plugin})")
-            seen[e.kind, e.name] = e
-        for e in entries:
-            self.by_kind[e.kind][e.name] = e
-
-    def get(self, kind: str | None, name: str) -> Registered:
-        kinds = [kind] if kind else list(self.by_kind)
-        for k in kinds:
-            if name in self.by_kind[k]:
-                return self.by_kind[k][name]
-        known = [n for k in kinds for n in self.by_kind[k]]
-        what = f"{kind} component" if kind else "component"
-        raise KeyError(f"no {what} named {name!r}{suggest(name, known)}")
-
-    def all(self, kind: str | None = None) -> list[Registered]:
-        kinds = [kind] if kind else list(self.by_kind)
-        for k in kinds:
-            if k not in self.by_kind:
-                raise KeyError(f"unknown kind {k!r}{suggest(k, self.by_kind)}; kinds: {', '.join(self.by_kind)}")
-        return sorted((e for k in kinds for e in self.by_kind[k].values()), key=lambda e: (e.kind, e.name))

@@ -5,12 +5,11 @@ import os
 
 from zoo.atomic import atomic_directory
 from zoo.layout import block_attr, block_prefix, decoder_layers, moe_layers, read_layout, sync_layout
-from zoo.plugins import load_plugins, registry
+from zoo.registry import registry
 
 
 def family_of(model):
     """The registered Family whose native (or zoo) classes this model uses."""
-    load_plugins()
     zoo_family = getattr(type(model), "_zoo_family", None)
     if zoo_family is not None:
         return zoo_family

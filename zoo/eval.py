@@ -5,7 +5,6 @@ Compressors, cards and demos all report through ``evaluate``.
 from __future__ import annotations
 
 import math
-import numbers
 import statistics
 import time
 
@@ -15,14 +14,7 @@ from zoo.data.corpus import DOMAINS
 from zoo.data.tokenizer import load_tokenizer
 from zoo.data.tokens import eval_windows, token_stream
 from zoo.layout import moe_layers
-
-
-def check_count(name: str, value, low: int = 1, high: int | None = None) -> None:
-    """``value`` must be a whole number in [low, high] (ValueError naming ``name`` otherwise)."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
-            or (high is not None and value > high)):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be a whole number {bounds}, got {value!r}")
+from zoo.options import check_int
 
 
 def check_positions(model, tokens: int, what: str) -> None:
@@ -125,8 +117,8 @@ def speed(model, tokenizer, prompt_tokens=256, new_tokens=32, repeats=3) -> dict
 
 def evaluate(model, tokenizer=None, seq_len=256, max_windows=24, measure_speed=True) -> dict:
     """Everything the zoo reports about a model, as one JSON-able dict."""
-    check_count("seq_len", seq_len, 2)
-    check_count("max_windows", max_windows)
+    check_int("seq_len", seq_len, 2)
+    check_int("max_windows", max_windows, 1)
     check_positions(model, seq_len, f"seq_len {seq_len}")
     tokenizer = tokenizer or load_tokenizer()
     ppl, usage = perplexity_and_usage(model, tokenizer, seq_len, max_windows)

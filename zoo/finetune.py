@@ -21,7 +21,8 @@ from zoo.atomic import atomic_directory
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokenizer import load_tokenizer
 from zoo.data.tokens import token_stream, train_batch
-from zoo.eval import check_count, check_positions, perplexity_and_usage
+from zoo.eval import check_positions, perplexity_and_usage
+from zoo.options import check_int
 from zoo.layout import moe_layers
 
 
@@ -79,12 +80,12 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
         raise ValueError(f"{adapter!r} is a {reg.kind}, not an adapter")
     for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1), ("seq_len", seq_len, 2),
                              ("windows", windows, 1)):
-        check_count(name, value, low)
+        check_int(name, value, low)
     if threads is not None:
-        check_count("threads", threads)
+        check_int("threads", threads, 1)
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
         raise ValueError(f"lr must be a positive finite number, got {lr!r}")
-    check_count("seed", seed, 0, 2**32 - 1)
+    check_int("seed", seed, 0, 2**32 - 1)
     if threads:
         torch.set_num_threads(threads)
     source = model if isinstance(model, (str, os.PathLike)) else None
@@ -98,7 +99,7 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
     model = zoo.apply(model, adapter, **options)
     # an adapter may own its training loss (mixture-of-loras with remix: the RLOO policy-gradient loss that
     # trains its non-differentiable router) and a per-step update (ewa's averaging)
-    helper = reg.obj(**options) if hasattr(reg.obj, "train_step") or hasattr(reg.obj, "loss") else None
+    helper = reg.obj(**options) if reg.obj.train_step is not None or reg.obj.loss is not None else None
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{adapter} left no parameter to train")
@@ -115,7 +116,7 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
             group["lr"] = lr_at(lr, step, steps)
         ids = train_batch(streams, step, batch_size, seq_len, seed)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            if hasattr(helper, "loss"):
+            if helper is not None and helper.loss is not None:
                 loss, lm_loss = helper.loss(model, ids)
             else:
                 result = model(input_ids=ids, labels=ids, **({"output_router_logits": True} if aux else {}))
@@ -124,7 +125,7 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if hasattr(helper, "train_step"):
+        if helper is not None and helper.train_step is not None:
             helper.train_step(model)
         if lm_loss is not None:
             lm = lm_loss.item()
@@ -136,7 +137,7 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
     seconds = time.perf_counter() - t0
     model.eval()
     if merge:
-        model = reg.obj(**options).merge(model) if hasattr(reg.obj, "merge") else model
+        model = reg.obj(**options).merge(model) if reg.obj.merge is not None else model
     after = held_out(model, tokenizer, seq_len, windows)
     result = FinetuneResult(model, before, after, history, sum(p.numel() for p in params), seconds)
     if out:

@@ -16,29 +16,31 @@ def _prompt(ctx, param, value):
 @click.argument("prompt", callback=_prompt)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="At most this many new tokens (prompt + new tokens must fit the model's positions).")
-@click.option("--quantize", "bits", type=click.Choice(["8", "4", "3"]), help="Quantize the experts first.")
+@click.option("--step", "steps", multiple=True,
+              help="Apply a recipe step NAME[:k=v,...] first, e.g. quantize:bits=8; repeat for several.")
 @click.option("--compile/--no-compile", "use_compile", default=True, show_default=True,
               help="Static KV cache and a torch.compile'd decode step (the first call compiles).")
 @click.option("--threads", type=click.IntRange(1, os.cpu_count()), help="torch threads (default: torch's choice).")
-def generate(model, prompt, max_new_tokens, bits, use_compile, threads):
+def generate(model, prompt, max_new_tokens, steps, use_compile, threads):
     """Continue PROMPT with MODEL (a registry name or folder); prints the text and the decode speed."""
     import torch
 
     import zoo
-    from zoo.cli import one_line
+    from zoo.cli_helpers import one_line, step_option
     from zoo.decode import check_decode, timed_greedy
 
     if threads:
         torch.set_num_threads(threads)
+    parsed = [step_option(s, "--step") for s in steps]
     with one_line():
         lm, tok = zoo.load(model).eval(), zoo.load_tokenizer(model)
         ids = tok(prompt, return_tensors="pt").input_ids
         if ids.shape[1] == 0:
             raise ValueError(f"the prompt {prompt!r} has no tokens for this model's tokenizer")
-        check_decode(lm, ids, max_new_tokens)  # before quantizing or compiling
-        if bits:
-            with one_line("--quantize: "):
-                lm = zoo.apply(lm, "quantize", bits=int(bits))
+        check_decode(lm, ids, max_new_tokens)  # before any step or compiling
+        for name, options in parsed:
+            with one_line(f"--step {name}: "):
+                lm = zoo.apply(lm, name, **options)
         with torch.no_grad():
             run = timed_greedy(lm, ids, max_new_tokens, compile=use_compile, repeats=1,
                                eos_token_id=tok.eos_token_id)

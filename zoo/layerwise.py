@@ -191,7 +191,7 @@ def calibration_inputs(model, steps, calibration) -> LayerInputs | None:
     if not any(getattr(s, "inputs_for", ()) for s in steps):
         return None
     from zoo import calibration as calib
-    from zoo.registry import tokenizer_for
+    from zoo.loading import tokenizer_for
 
     data = calibration if calibration is not None else calib.corpus("mixed", tokens=8192)
     batches = calib.batches(data, tokenizer_for(model))

@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from zoo.moe import SharedMLP, SparseMoE
+from zoo.registry import registry
 
 
 def family_and_base(model, family=None):
@@ -29,6 +30,14 @@ def block_attr(model, family=None) -> str:
 
 def set_block(model, i: int, block, family=None) -> None:
     setattr(decoder_layers(model, family)[i], block_attr(model, family), block)
+
+
+def replace_blocks(model, blocks: dict) -> None:
+    """Put ``{layer index: SparseMoE}`` in place, in whatever family the model is (``mlp``, ``feed_forward``,
+    ...). Build every new block first and call this last: a failure while building leaves the model as it was."""
+    layers, attr = decoder_layers(model), block_attr(model)
+    for i, block in blocks.items():
+        setattr(layers[i], attr, block)
 
 
 def block_prefix(model, i: int, family=None) -> str:
@@ -84,22 +93,68 @@ def read_attention(model) -> list[dict | None]:
 
 
 def sync_layout(model) -> None:
-    model.config.zoo_layout = read_layout(model)
+    """Write the model's structure into its config (``zoo.config_keys``): the layout, the adapter and attention
+    modules, and which distribution (and version) provides each component they name."""
+    config = model.config
+    config.zoo_layout = read_layout(model)
     modules = read_modules(model)
-    if modules or getattr(model.config, "zoo_modules", None):
-        model.config.zoo_modules = modules
+    if modules or getattr(config, "zoo_modules", None):
+        config.zoo_modules = modules
     attention = read_attention(model)
-    if any(attention) or getattr(model.config, "zoo_attention", None):
-        model.config.zoo_attention = attention
+    if any(attention) or getattr(config, "zoo_attention", None):
+        config.zoo_attention = attention
+    config.zoo_components = components_provenance(config)
 
 
-def build_block(entry: dict) -> SparseMoE:
-    """An empty (randomly initialised) SparseMoE with the structure an entry describes."""
-    from zoo.plugins import load_plugins, registry
+def components_used(config) -> list[tuple[str, str]]:
+    """(kind, name) of every component a config's structure and recipe name, each once, in order."""
+    used = []
+    for entry in [*(getattr(config, "zoo_layout", None) or []), getattr(config, "zoo_vision_moe", None)]:
+        if entry:
+            used += [("router", entry["router"]), ("experts", entry["experts"])]
+    used += [("adapter", spec["adapter"]) for spec in (getattr(config, "zoo_modules", None) or {}).values()]
+    used += [("router", e["router"]) for e in getattr(config, "zoo_attention", None) or [] if e]
+    used += [(s["kind"], s["name"]) for s in getattr(config, "zoo_recipe", None) or []]
+    return list(dict.fromkeys(used))
 
-    load_plugins()
-    router_cls = registry.get("router", entry["router"]).obj
-    experts_cls = registry.get("experts", entry["experts"]).obj
+
+def components_provenance(config) -> dict:
+    """``{"kind:name": {"distribution", "version"}}`` for the components a config names; one this process
+    does not have keeps what the config recorded."""
+    recorded = getattr(config, "zoo_components", None) or {}
+    provenance = {}
+    for kind, name in components_used(config):
+        reg, key = registry.find(kind, name), f"{kind}:{name}"
+        if reg is not None or key in recorded:
+            provenance[key] = reg.provenance if reg is not None else recorded[key]
+    return provenance
+
+
+class MissingComponent(KeyError):
+    """A model names a component no installed plugin registers; the message says which package provides it."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+def component_class(kind: str, name: str, provided_by: dict | None = None):
+    """The registered class of a component a model names, or ``MissingComponent`` saying what to install."""
+    reg = registry.find(kind, name)
+    if reg is not None:
+        return reg.obj
+    source = (provided_by or {}).get(f"{kind}:{name}")
+    if source:
+        dist = source["distribution"]
+        raise MissingComponent(f"this model needs the {kind} {name!r} from {dist} {source.get('version', '')}, which "
+                               f"is not installed: pip install {dist} (or moe-zoo install {dist})")
+    registry.get(kind, name)  # raises with close matches
+
+
+def build_block(entry: dict, provided_by: dict | None = None) -> SparseMoE:
+    """An empty (randomly initialised) SparseMoE with the structure an entry describes (``provided_by``: the
+    config's ``zoo_components``, to name the package of a component that is not installed)."""
+    router_cls = component_class("router", entry["router"], provided_by)
+    experts_cls = component_class("experts", entry["experts"], provided_by)
     experts = experts_cls(**entry["experts_options"])
     router = router_cls(experts.hidden_size, entry["num_experts"], entry["num_experts_per_tok"],
                         **entry["router_options"])
@@ -116,7 +171,7 @@ FIELDS = {"router": str, "experts": str, "num_experts": int, "num_experts_per_to
           "router_options": dict, "experts_options": dict}
 
 
-def check_layout(layout, num_layers: int, hidden_size: int) -> None:
+def check_layout(layout, num_layers: int, hidden_size: int, provided_by: dict | None = None) -> None:
     """Every problem of a layout at once, before any module is built (each entry is built on the meta
     device, so a component's own checks run too)."""
     if layout is None:
@@ -125,16 +180,14 @@ def check_layout(layout, num_layers: int, hidden_size: int) -> None:
         raise LayoutError(f"zoo_layout must be a list (one entry per decoder layer), got {type(layout).__name__}")
     if len(layout) != num_layers:
         raise LayoutError(f"zoo_layout has {len(layout)} entries for {num_layers} decoder layers")
-    problems = [f"zoo_layout[{i}]{p}" for i, entry in enumerate(layout) for p in _entry_problems(entry, hidden_size)]
+    problems = [f"zoo_layout[{i}]{p}" for i, entry in enumerate(layout)
+                for p in _entry_problems(entry, hidden_size, provided_by)]
     if problems:
         raise LayoutError("invalid zoo_layout: " + "; ".join(problems))
 
 
-def _entry_problems(entry, hidden_size: int) -> list[str]:
+def _entry_problems(entry, hidden_size: int, provided_by: dict | None) -> list[str]:
     import torch
-
-    from zoo.options import suggest
-    from zoo.plugins import load_plugins, registry
 
     if entry is None:
         return []
@@ -147,12 +200,14 @@ def _entry_problems(entry, hidden_size: int) -> list[str]:
             problems.append(f".{field}: missing")
         elif not isinstance(value, kind) or isinstance(value, bool):
             problems.append(f".{field}: must be {kind.__name__}, got {value!r}")
-    load_plugins()
     for kind in ("router", "experts"):
         name = entry.get(kind)
-        if isinstance(name, str) and name not in registry.by_kind[kind]:
-            problems.append(f".{kind}: no {kind} component named {name!r}{suggest(name, registry.by_kind[kind])}"
-                            " (is the plugin that provides it installed?)")
+        if isinstance(name, str):
+            try:
+                component_class(kind, name, provided_by)
+            except KeyError as exc:
+                problems.append(f".{kind}: {exc.args[0]} (is the plugin that provides it installed?)"
+                                if not isinstance(exc, MissingComponent) else f".{kind}: {exc}")
     if not problems and not 1 <= entry["num_experts_per_tok"] <= entry["num_experts"]:
         problems.append(f".num_experts_per_tok: must be in [1, num_experts={entry['num_experts']}], "
                         f"got {entry['num_experts_per_tok']}")
@@ -173,15 +228,12 @@ def _entry_problems(entry, hidden_size: int) -> list[str]:
 
 def _failing_part(entry) -> str:
     """Which field of a layout entry a failed build comes from (built again part by part, on meta)."""
-    from zoo.plugins import registry
-
-    experts_cls = registry.get("experts", entry["experts"]).obj
     try:
-        experts = experts_cls(**entry["experts_options"])
+        experts = component_class("experts", entry["experts"])(**entry["experts_options"])
     except Exception:
         return "experts_options"
     try:
-        registry.get("router", entry["router"]).obj(experts.hidden_size, entry["num_experts"],
+        component_class("router", entry["router"])(experts.hidden_size, entry["num_experts"],
                                                     entry["num_experts_per_tok"], **entry["router_options"])
     except Exception:
         return "router_options"
@@ -190,30 +242,25 @@ def _failing_part(entry) -> str:
 
 def apply_layout(model, layout) -> None:
     layers, attr = decoder_layers(model), block_attr(model)
-    check_layout(layout, len(layers), model.config.get_text_config().hidden_size)
+    provided_by = getattr(model.config, "zoo_components", None)
+    check_layout(layout, len(layers), model.config.get_text_config().hidden_size, provided_by)
     for i, entry in enumerate(layout or []):
         if entry:
-            setattr(layers[i], attr, build_block(entry))
+            setattr(layers[i], attr, build_block(entry, provided_by))
 
 
 def apply_modules(model, modules) -> None:
     """Rebuild (empty) the adapter modules ``read_modules`` recorded, in place of the modules they wrapped."""
-    from zoo.plugins import load_plugins, registry
-
-    load_plugins()
     for path, spec in (modules or {}).items():
         parent, _, leaf = path.rpartition(".")
         owner = model.get_submodule(parent)
-        cls = registry.get("adapter", spec["adapter"]).obj
+        cls = component_class("adapter", spec["adapter"], getattr(model.config, "zoo_components", None))
         setattr(owner, leaf, cls.build_module(getattr(owner, leaf), spec))
 
 
 def apply_attention(model, entries) -> None:
     """Rebuild (empty) the wrapped self-attention ``read_attention`` recorded: ``attach(model, layers=[i], **options)``
     of the router class each entry names."""
-    from zoo.plugins import load_plugins, registry
-
-    load_plugins()
     for i, entry in enumerate(entries or []):
         if entry:
-            registry.get("router", entry["router"]).obj.attach(model, layers=[i], **entry["options"])
+            component_class("router", entry["router"], getattr(model.config, "zoo_components", None)).attach(model, layers=[i], **entry["options"])

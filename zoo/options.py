@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import inspect
 
@@ -84,3 +85,55 @@ def _is(value, kind: type, optional: bool) -> bool:
     if kind is float:
         return isinstance(value, (int, float)) and math.isfinite(value)
     return isinstance(value, kind)
+
+
+def parse_step(step: str) -> tuple[str, dict]:
+    """A recipe step written ``name:k=v,k2=v2`` -> (name, options); values are parsed as JSON where they can be
+    (``steer:disable={"1":[0,2]}``), else kept as text. A malformed item is a ValueError."""
+    name, _, rest = step.partition(":")
+    options = {}
+    for item in filter(None, _split_top_level(rest)):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"option {item!r} in step {step!r} must look like key=value")
+        try:
+            options[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.strip()] = value
+    return name.strip(), options
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets and quotes, so JSON values such as ``disable={"1":[0,2]}`` stay whole."""
+    parts, depth, quote, start = [], 0, None, 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    """``value`` must be an integer (not a bool) in [low, high]; a ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        span = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {span}, got {value!r}")
+    return value
+
+
+def check_float(name: str, value, low: float, high: float | None = None) -> float:
+    """``value`` must be a finite number (not a bool) in [low, high]; returned as a float."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not low <= value <= (math.inf if high is None else high)):
+        span = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be a number in {span}, got {value!r}")
+    return float(value)
+

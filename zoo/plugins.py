@@ -1,4 +1,7 @@
-"""Plugin loading (llm style): first-party plugins by dotted path, third-party ones by entry point.
+"""Plugin loading (llm style): first-party plugins by dotted path, third-party ones by entry point, on first use.
+
+Nothing is loaded at ``import zoo``: the registry (``zoo.registry``) runs ``load_plugins`` before its first
+lookup, so a plugin module that imports zoo is always imported whole before its hooks are called.
 
 Plugins cannot take the zoo down: every import, hook call and registration of a plugin is isolated. A failure
 (``SystemExit`` included) is recorded in ``errors`` as one line, reported by ``plugin_report`` / ``moe-zoo
@@ -23,7 +26,7 @@ import warnings
 import pluggy
 
 from zoo import hookspecs
-from zoo.components import KINDS, Registered, Registry
+from zoo.registry import KINDS, Registered, registry
 
 DEFAULT_PLUGINS = (
     "zoo.architectures",
@@ -37,7 +40,6 @@ OWN = "moe-zoo"  # the zoo's own distribution
 
 pm = pluggy.PluginManager("moe_zoo")
 pm.add_hookspecs(hookspecs)
-registry = Registry()
 errors: dict[str, str] = {}  # plugin name -> one-line error summary ("; "-joined when several)
 _tracebacks: dict[str, str] = {}  # plugin name -> short traceback of its last failure, for debugging
 _meta: dict[str, dict] = {}  # plugin name -> {"distribution", "version"}
@@ -90,26 +92,11 @@ def _selected_entry_points():
     return [ep for ep in eps if ep.name in names or (ep.dist and _canonical(ep.dist.name) in dists)]
 
 
-def _initializing(module) -> bool:
-    """True while the module is still being imported, e.g. ``import zoo_routers`` imported zoo first."""
-    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
-
-
-def _own_pending() -> bool:
-    """A first-party plugin is neither registered nor failed yet (it is mid-import)."""
-    return any(not pm.has_plugin(d) and d not in errors for d in DEFAULT_PLUGINS)
-
-
-def _register(name: str, load) -> bool:
-    """Import one plugin and register it; False if it is mid-import and must wait for the next call."""
+def _register(name: str, load) -> None:
+    """Import one plugin and register it with pluggy; a failure is recorded as its error."""
     module = _guarded(name, "import", load)
-    if module is _FAILED:
-        return True
-    if _initializing(module):  # its hooks are not defined yet: register it on the next call
-        return False
-    if _guarded(name, "import", pm.register, module, name=name) is not _FAILED:
+    if module is not _FAILED and _guarded(name, "import", pm.register, module, name=name) is not _FAILED:
         _check_hook_names(name, module)
-    return True
 
 
 def _check_hook_names(plugin: str, module) -> None:
@@ -124,14 +111,13 @@ def _check_hook_names(plugin: str, module) -> None:
             _record(plugin, f"unknown hook {name!r} is never called{suggest(name, specs)}")
 
 
-def _import_plugins() -> bool:
-    """Import and register the plugins; False if one is mid-import and must wait."""
-    complete = True
+def _import_plugins() -> None:
+    """Import and register the plugins, the zoo's own first."""
     version = _own_version()
     for dotted in DEFAULT_PLUGINS:
         if not (pm.has_plugin(dotted) or dotted in errors):
             _meta[dotted] = {"distribution": OWN, "version": version}
-            complete &= _register(dotted, lambda d=dotted: importlib.import_module(d))
+            _register(dotted, lambda d=dotted: importlib.import_module(d))
     for ep in _selected_entry_points():
         dist, version = (ep.dist.name, ep.dist.version) if ep.dist else ("?", "?")
         name, owner = ep.name, _meta.get(ep.name, {}).get("distribution")
@@ -143,21 +129,21 @@ def _import_plugins() -> bool:
             continue
         if not (pm.has_plugin(name) or name in errors):
             _meta[name] = {"distribution": dist, "version": version}
-            complete &= _register(name, ep.load)
-    return complete
+            _register(name, ep.load)
 
 
 def _call_hooks(plugin_name: str) -> None:
     """Run one plugin's register_* hooks; add its components all at once, or report and add none."""
     entries: list[Registered] = []
-    dist = _meta.get(plugin_name, {}).get("distribution", "?")
+    meta = _meta.get(plugin_name, {})
+    dist, version = meta.get("distribution", "?"), meta.get("version", "?")
 
     def register_as(kind):
         def register(obj):
             name = getattr(obj, "name", "")
             if not isinstance(name, str) or not name or name != name.lower() or " " in name:
                 raise ValueError(f"{kind} {obj!r} needs a lowercase, dash-separated `name`")
-            entries.append(Registered(kind, name, obj, plugin_name, dist))
+            entries.append(Registered(kind, name, obj, plugin_name, dist, version))
         return register
 
     for hook, kind in KINDS.items():
@@ -169,26 +155,34 @@ def _call_hooks(plugin_name: str) -> None:
 
 
 def load_plugins() -> None:
+    """Import every plugin and run its register_* hooks (once; the registry calls this before its first lookup).
+    The zoo's own plugins register first, so a third-party name can never take one of theirs."""
     global _loaded
     with _lock:
         if _loaded:
             return
-        _loaded = _import_plugins()
-        own_pending = _own_pending()
+        _loaded = True  # first: a plugin that looks something up while registering sees what is in so far
+        _import_plugins()
         names = [n for n, _ in pm.list_name_plugin() if n not in _called]
-        # The zoo's own plugins register first (and third-party ones only once all of those are in), so a
-        # third-party name can never take one of theirs.
         names.sort(key=lambda n: _meta.get(n, {}).get("distribution") != OWN)
         for name in names:
-            if own_pending and _meta.get(name, {}).get("distribution") != OWN:
-                continue
             _called.add(name)
             _call_hooks(name)
         for reg in registry.all("architecture"):
-            if reg.name not in _auto_done:
-                _auto_done.add(reg.name)
-                if _guarded(reg.plugin, f"architecture {reg.name!r}", reg.obj.register_auto_classes) is _FAILED:
-                    del registry.by_kind["architecture"][reg.name]  # half-registered: unusable
+            if reg.name in _auto_done:
+                continue
+            _auto_done.add(reg.name)
+            if _guarded(reg.plugin, f"architecture {reg.name!r}", reg.obj.register_auto_classes) is _FAILED:
+                del registry.entries["architecture"][reg.name]  # half-registered: unusable
+
+
+registry.loader = load_plugins
+
+
+def provenance(kind: str, name: str) -> dict | None:
+    """``{"distribution", "version"}`` of the plugin that registered a component, for what a model records."""
+    reg = registry.find(kind, name)
+    return None if reg is None else reg.provenance
 
 
 def commands_hook(cli) -> None:
@@ -196,7 +190,7 @@ def commands_hook(cli) -> None:
     another plugin's (the first registered wins): such a command is refused and reported as its error."""
     import click
 
-    load_plugins()
+    load_plugins()  # pluggy's hook callers fill as plugins register
     # plugin -> its added commands, kept on the group so a second call adds nothing twice
     added: dict[str, list[str]] = cli.__dict__.setdefault("_zoo_plugin_commands", {})
     order = {n: i for i, (n, _) in enumerate(pm.list_name_plugin())}

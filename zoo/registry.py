@@ -1,13 +1,25 @@
-"""Model registry (timm style): ``arch.tag`` names with their hub id, family, license and paper."""
+"""The registry (timm style): every component, architecture and model entry the plugins registered, by kind
+and name, with the plugin and distribution that provided it.
+
+It fills itself on first use: the first lookup runs ``zoo.plugins.load_plugins`` (the loader sets
+``registry.loader``), so importing a plugin module never loads the plugins half-way.
+"""
 from __future__ import annotations
 
 import fnmatch
-import os
-import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from zoo.options import suggest
-from zoo.plugins import load_plugins, registry
+
+# hook name -> component kind
+KINDS = {
+    "register_architectures": "architecture",
+    "register_routers": "router",
+    "register_experts": "experts",
+    "register_adapters": "adapter",
+    "register_compressors": "compressor",
+    "register_models": "model",
+}
 
 
 @dataclass(frozen=True)
@@ -24,9 +36,84 @@ class ModelEntry:
         return asdict(self)
 
 
+@dataclass
+class Registered:
+    kind: str
+    name: str
+    obj: object  # the class (or the Family / ModelEntry instance)
+    plugin: str
+    distribution: str
+    version: str = "?"
+
+    @property
+    def summary(self) -> str:
+        return getattr(self.obj, "summary", "")
+
+    @property
+    def provenance(self) -> dict:
+        """What a saved model records about where this component came from."""
+        return {"distribution": self.distribution, "version": self.version}
+
+    def info(self) -> dict:
+        o = self.obj
+        return {"name": self.name, "kind": self.kind, "summary": self.summary,
+                "paper": getattr(o, "paper", ""), "card": getattr(o, "card", ""), "space": getattr(o, "space", ""),
+                "plugin": self.plugin, "distribution": self.distribution, "version": self.version}
+
+
+@dataclass
+class Registry:
+    loader: object = None  # called once before the first lookup (zoo.plugins.load_plugins)
+    entries: dict[str, dict[str, Registered]] = field(default_factory=lambda: {k: {} for k in KINDS.values()})
+
+    @property
+    def by_kind(self) -> dict[str, dict[str, Registered]]:
+        """``{kind: {name: Registered}}``, loaded."""
+        if self.loader is not None:
+            self.loader()
+        return self.entries
+
+    def add_all(self, entries: list[Registered]) -> None:
+        """Add a plugin's entries all at once, or none: a name is never replaced, neither one already in the
+        registry nor one earlier in ``entries`` (a clash names both distributions)."""
+        seen: dict[tuple[str, str], Registered] = {}
+        for e in entries:
+            have = self.entries[e.kind].get(e.name) or seen.get((e.kind, e.name))
+            if have is not None:
+                raise ValueError(
+                    f"{e.kind} {e.name!r} is registered twice: by {have.distribution} ({have.plugin}) "
+                    f"and by {e.distribution} ({e.plugin})")
+            seen[e.kind, e.name] = e
+        for e in entries:
+            self.entries[e.kind][e.name] = e
+
+    def find(self, kind: str, name: str) -> Registered | None:
+        return self.by_kind.get(kind, {}).get(name)
+
+    def get(self, kind: str | None, name: str) -> Registered:
+        by_kind = self.by_kind
+        kinds = [kind] if kind else list(by_kind)
+        for k in kinds:
+            if name in by_kind[k]:
+                return by_kind[k][name]
+        known = [n for k in kinds for n in by_kind[k]]
+        what = f"{kind} component" if kind else "component"
+        raise KeyError(f"no {what} named {name!r}{suggest(name, known)}")
+
+    def all(self, kind: str | None = None) -> list[Registered]:
+        by_kind = self.by_kind
+        kinds = [kind] if kind else list(by_kind)
+        for k in kinds:
+            if k not in by_kind:
+                raise KeyError(f"unknown kind {k!r}{suggest(k, by_kind)}; kinds: {', '.join(by_kind)}")
+        return sorted((e for k in kinds for e in by_kind[k].values()), key=lambda e: (e.kind, e.name))
+
+
+registry = Registry()
+
+
 def list_models(pattern: str = "*") -> list[ModelEntry]:
     """Registered models whose name matches the fnmatch ``pattern`` (case-insensitive)."""
-    load_plugins()
     entries = (r.obj for r in registry.all("model"))
     return sorted((e for e in entries if fnmatch.fnmatch(e.name.lower(), pattern.lower())), key=lambda e: e.name)
 
@@ -34,7 +121,6 @@ def list_models(pattern: str = "*") -> list[ModelEntry]:
 def get_model(name: str) -> ModelEntry:
     """An entry by its full ``arch.tag`` name, or by its tag alone. The zoo's own entries come first, so a
     third-party plugin never shadows one of them; a name that fits several third-party entries is an error."""
-    load_plugins()
     models = registry.by_kind["model"]
     hits = [r for n, r in models.items() if name in (n, n.split(".", 1)[-1])]
     for group in ([r for r in hits if r.distribution == "moe-zoo"], hits):
@@ -48,135 +134,9 @@ def get_model(name: str) -> ModelEntry:
     raise KeyError(f"no model named {name!r}{suggest(name, sorted(set(models) | tags))}")
 
 
-def _is_registry_name(name: str) -> bool:
+def is_model_name(name: str) -> bool:
     try:
         get_model(name)
         return True
     except KeyError:
         return False
-
-
-class HubUnavailable(OSError):
-    pass
-
-
-def _looks_like_path(target: str) -> bool:
-    """Written as a path: ``./x``, ``../x``, ``/x``, ``~/x``, a Windows separator, or more than one ``/`` (a hub
-    id has exactly one)."""
-    return (target.split("/", 1)[0] in ("", ".", "..") or target.startswith("~") or target.count("/") > 1
-            or (os.sep != "/" and os.sep in target))
-
-
-def resolve_path(target: str) -> str:
-    """A folder stays a folder; ``hf-hub:org/name`` becomes ``org/name``; a registry name becomes its
-    shipped folder or hub id; anything else without a slash must be a registry name (close matches).
-    A target written as a path must be an existing folder (``FileNotFoundError`` / ``NotADirectoryError``)."""
-    if not target.strip():
-        raise ValueError("no model given: name a folder, a registry name or a hub id")
-    if os.path.isdir(target):
-        return target
-    if target.startswith("hf-hub:"):
-        return target[len("hf-hub:"):]
-    if _looks_like_path(target):
-        path = os.path.expanduser(target)
-        if os.path.isdir(path):
-            return path
-        if os.path.exists(path):
-            raise NotADirectoryError(f"{target!r} is a file, not a model folder")
-        raise FileNotFoundError(f"no such folder: {target!r}")
-    if _is_registry_name(target):
-        entry = get_model(target)
-        if entry.local_path and os.path.isdir(entry.local_path):
-            return entry.local_path
-        if entry.hub_id is None:
-            raise FileNotFoundError(f"{entry.name} ships with moe-zoo but its checkpoint is missing at "
-                                    f"{entry.local_path}; reinstall moe-zoo")
-        return entry.hub_id
-    if os.path.exists(target):
-        raise NotADirectoryError(f"{target!r} is a file, not a model folder")
-    if "/" not in target:
-        get_model(target)  # raises with close matches
-    return target
-
-
-def load_tokenizer(name_or_path: str, **kwargs):
-    """The tokenizer stored with a model (folder, registry name, ``hf-hub:`` id or hub id)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_path(os.fspath(name_or_path)), **kwargs)
-
-
-def tokenizer_for(model):
-    """The tokenizer saved with ``model`` (by its ``_name_or_path``), else the zoo's own."""
-    from zoo.data.tokenizer import load_tokenizer as zoo_tokenizer
-
-    try:
-        return load_tokenizer(model.config._name_or_path)
-    except Exception:
-        return zoo_tokenizer()
-
-
-def load(name_or_path: str, convert: bool = True, **kwargs):
-    """Load a local folder, a registry name, ``hf-hub:org/name`` or a hub id as a causal LM (a vision-language
-    model through ``AutoModelForImageTextToText``).
-
-    Native checkpoints of a supported family are converted to the zoo block (losslessly) unless
-    ``convert=False``. Offline, a hub id that is not cached fails with an error that says so.
-    """
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    import zoo
-    from zoo import finite
-    from zoo.hub import masked_errors
-
-    given = os.fspath(name_or_path)
-    target = resolve_path(given)
-    if os.path.isdir(target):
-        if not os.path.isfile(os.path.join(target, kwargs.get("subfolder", ""), "config.json")):
-            raise FileNotFoundError(f"no config.json in {target!r}: not a saved model folder")
-    else:
-        try:
-            validate_repo_id(target)
-        except HFValidationError:
-            raise ValueError(f"{target!r} is not a folder, a registry name or a hub id (org/name)") from None
-    try:
-        with masked_errors(kwargs.get("token")):
-            model = _auto_class(target, kwargs).from_pretrained(target, **kwargs)
-    except OSError as exc:
-        if os.path.isdir(target):
-            raise
-        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-        why = "the Hub is offline here (HF_HUB_OFFLINE=1)" if offline else "the Hub could not be reached"
-        no_folder = "there is no local folder of that name, " if target == given else ""
-        raise HubUnavailable(f"cannot load {target!r}: {no_folder}{why} and it is not in the local cache "
-                             f"({exc})") from None  # the cause may hold request headers; exc is masked
-    if finite.enabled() and getattr(type(model), "_zoo_family", None) is None:  # zoo classes check while loading
-        finite.check_finite(model)
-    if convert:
-        from zoo.architectures.family import NotConvertible
-
-        try:
-            model = zoo.convert(model)
-        except NotConvertible as exc:  # an MoE family the zoo cannot hold: say why, return it as transformers built it
-            warnings.warn(f"{exc}; loaded without conversion", stacklevel=2)
-        except TypeError:
-            pass  # not an MoE family the zoo knows: return it as transformers built it
-    return model
-
-
-def _auto_class(target: str, kwargs: dict):
-    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    if "config" in kwargs:
-        config = kwargs["config"]
-    else:
-        keys = ("token", "revision", "subfolder", "trust_remote_code", "cache_dir", "local_files_only")
-        try:
-            config = AutoConfig.from_pretrained(target, **{k: kwargs[k] for k in keys if k in kwargs})
-        except (OSError, ValueError):  # unreadable here: the model's own load reports it
-            return AutoModelForCausalLM
-    causal, vision = AutoModelForCausalLM._model_mapping, AutoModelForImageTextToText._model_mapping
-    if type(config) not in causal and type(config) in vision:
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM

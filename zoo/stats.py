@@ -17,7 +17,8 @@ class ExpertStats:
     counts: torch.Tensor  # [E] routed (token, slot) pairs per expert
     gate_sum: torch.Tensor  # [E] sum of routing weights
     reap_sum: torch.Tensor  # [E] sum over routed tokens of gate * ||expert output||_2
-    output_sum: torch.Tensor | None  # [E, H] sum over *all* tokens of the expert's output (HC-SMoE)
+    output_sum: torch.Tensor | None  # [E, H] sum of each expert's output over *all* tokens (all_outputs=True): what
+    # methods that compare experts by their outputs read
     tokens: int = 0
 
     @classmethod
@@ -42,7 +43,7 @@ class ExpertStats:
     @torch.no_grad()
     def add(self, moe, x: torch.Tensor, routing=None) -> ExpertStats:
         """Accumulate tokens ``x [T, H]`` entering ``moe`` (routed here unless ``routing`` is given)."""
-        routing = moe.router(x) if routing is None else routing
+        routing = moe.route(x) if routing is None else routing
         self.tokens += x.shape[0]
         for e in range(moe.num_experts):
             tok, slot = (routing.indices == e).nonzero(as_tuple=True)

@@ -64,7 +64,7 @@ def should_stream(src, max_memory=None) -> bool:
 
 def resolve(src) -> str:
     """A registry name of a shipped model, or a folder, as a folder path."""
-    from zoo.registry import resolve_path
+    from zoo.loading import resolve_path
 
     return resolve_path(os.fspath(src))
 
@@ -156,8 +156,7 @@ def apply(src, steps, out, calibration=None) -> str:
     check(model, components)
     moe = [i for i, layer in enumerate(ckpt.layers) if isinstance(get_block(layer), (SparseMoE, ckpt.family.block_class))]
     for component in components:
-        if hasattr(component, "check_layers"):
-            component.check_layers(moe)
+        component.check_layers(moe)
     inputs = calibration_inputs(model, components, calibration)
     _write(ckpt, out, components, inputs, desc="apply",
            record=[(name, c.kind, opts, calibration if c.inputs_for else None, c)
@@ -230,7 +229,7 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8) -> 
     from zoo.data.corpus import DOMAINS
     from zoo.data.tokens import eval_windows, token_stream
     from zoo.eval import entropy_bits, sizes
-    from zoo.registry import tokenizer_for
+    from zoo.loading import tokenizer_for
 
     ckpt = open_checkpoint(src)
     model = ckpt.model

@@ -21,7 +21,7 @@ import click
 def tour(name, steps, out, windows, no_speed):
     """Load, list plugins, apply a recipe, evaluate before/after, save with a card, print the table."""
     import zoo
-    from zoo.cli import parse_step
+    from zoo.cli_helpers import step_option
     from zoo.eval import evaluate, format_table, plot_usage
     from zoo.plugins import plugin_report
 
@@ -33,13 +33,12 @@ def tour(name, steps, out, windows, no_speed):
         click.echo(f"  {p['name']} ({p['distribution']} {p['version']}): {status}")
     before = evaluate(model, max_windows=windows, measure_speed=not no_speed)
     for step in steps:
-        step_name, options = parse_step(step)
+        step_name, options = step_option(step, "--step")
         model = zoo.apply(model, step_name, **options)
         click.echo(f"\napplied {step_name} {json.dumps(options)}")
     after = evaluate(model, max_windows=windows, measure_speed=not no_speed)
     dest = os.path.join(out, f"{os.path.basename(name.rstrip('/'))}-{'-'.join(s.split(':')[0] for s in steps)}")
-    model.save_pretrained(dest)
-    zoo.card(model, after, model_name=os.path.basename(dest)).save(os.path.join(dest, "README.md"))
+    model.save_pretrained(dest, model_card=zoo.card(model, after, model_name=os.path.basename(dest)))
     plot_usage(after, os.path.join(dest, "expert_usage.png"), title=f"{name} after {', '.join(steps)}")
     with open(os.path.join(dest, "eval.json"), "w") as f:
         json.dump({"before": before, "after": after}, f, indent=1)

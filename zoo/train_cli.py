@@ -21,7 +21,7 @@ def _folder(value, what):
 @click.option("--no-resume", is_flag=True, help="Start over even if a checkpoint exists.")
 def train(config, steps, out, threads, arch, no_resume):
     """Train from CONFIG (see configs/); resumes from OUT/checkpoint; writes OUT/final."""
-    from zoo.cli import one_line
+    from zoo.cli_helpers import one_line
     from zoo.train import TrainConfig, train as run
 
     with one_line(f"{config}: "):

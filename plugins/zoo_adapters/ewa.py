@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from zoo import Adapter
-from zoo.layout import moe_layers, set_block
+from zoo.layout import moe_layers, replace_blocks
 from zoo.moe.surgery import merge_experts
-from zoo_adapters.upcycle import check_float
+from zoo.options import check_float
 
 
 def _averaged_rows(state: dict, mix: torch.Tensor) -> dict:
@@ -44,10 +44,8 @@ class Ewa(Adapter):
     def attach(self, model):
         layers = self.check_model(model)
         if self.collapse:
-            merged = [(i, merge_experts(moe, [list(range(moe.num_experts))], [[1.0] * moe.num_experts],
-                                        _averaged_rows)) for i, moe in layers]
-            for i, block in merged:  # swap only once every layer is built
-                set_block(model, i, block)
+            replace_blocks(model, {i: merge_experts(moe, [list(range(moe.num_experts))], [[1.0] * moe.num_experts],
+                                                    _averaged_rows) for i, moe in layers})
         return model
 
     def check_model(self, model):

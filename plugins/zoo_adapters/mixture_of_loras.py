@@ -21,15 +21,14 @@ from transformers import initialization as init
 
 from zoo import Adapter
 from zoo_adapters.linear_targets import ATTENTION, find_linears, parse_target, swap
-from zoo_adapters.upcycle import check_float, check_int
+from zoo.options import check_float, check_int
 
 ROUTERS = {"remix": "remix", "learned": "topk-softmax"}  # option value -> registered router
 
 
 def router_class(kind: str):
-    from zoo.plugins import load_plugins, registry
+    from zoo.registry import registry
 
-    load_plugins()
     return registry.get("router", ROUTERS[kind]).obj
 
 

@@ -13,13 +13,8 @@ from __future__ import annotations
 import torch
 
 from zoo import Adapter
-from zoo_adapters.upcycle import (
-    check_float,
-    check_int,
-    dense_mlps,
-    ffn_weights,
-    to_mixtral,
-)
+from zoo.options import check_float, check_int
+from zoo_adapters.upcycle import dense_mlps, ffn_weights, to_mixtral
 
 
 class Moefy(Adapter):

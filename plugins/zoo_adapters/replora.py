@@ -21,7 +21,7 @@ from transformers import initialization as init
 from zoo import Adapter
 from zoo.layout import sync_layout
 from zoo_adapters.linear_targets import ATTENTION, find_linears, parse_target, swap
-from zoo_adapters.upcycle import check_float, check_int
+from zoo.options import check_float, check_int
 
 
 class RepLoraLinear(nn.Linear):

@@ -17,23 +17,11 @@ from __future__ import annotations
 import torch
 
 from zoo import Adapter
+from zoo.loading import tokenizer_for
+from zoo.options import check_float, check_int
 
 GATES = ("random", "hidden")
 PROMPT_WINDOWS, PROMPT_LEN = 4, 128  # default prompts: per expert, 4 corpus windows of 128 tokens
-
-
-def check_int(name: str, value, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        span = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be an integer {span}, got {value!r}")
-    return value
-
-
-def check_float(name: str, value, low: float, high: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= (high or float("inf")):
-        span = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be a number in {span}, got {value!r}")
-    return float(value)
 
 
 def dense_mlps(model, who: str):
@@ -88,18 +76,6 @@ def to_mixtral(dense, blocks: list[tuple], top_k: int, router_aux_loss_coef: flo
 def ffn_weights(mlp) -> tuple[torch.Tensor, torch.Tensor]:
     """A SwiGLU FFN's weights in the fused expert layout: ``gate_up [2I, H]`` (gate rows first), ``down [H, I]``."""
     return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight
-
-
-def model_tokenizer(model):
-    """The model's own tokenizer where its folder has one, else the zoo's."""
-    from transformers import AutoTokenizer
-
-    from zoo.data.tokenizer import load_tokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model.config._name_or_path)
-    except (OSError, ValueError):  # no folder, or no tokenizer in it
-        return load_tokenizer()
 
 
 class Upcycle(Adapter):
@@ -175,7 +151,7 @@ class Upcycle(Adapter):
                 batches = []
                 for p in items:
                     if isinstance(p, str):
-                        tok = tok or model_tokenizer(model)
+                        tok = tok or tokenizer_for(model)
                         p = tok(p)["input_ids"]
                     batches.append(torch.tensor([list(p)], dtype=torch.long))
                 if any(b.numel() == 0 or b.min() < 0 or b.max() >= model.config.vocab_size for b in batches):

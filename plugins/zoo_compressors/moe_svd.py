@@ -36,7 +36,7 @@ def layer_grams(moe, x: torch.Tensor, chunk: int = 4096) -> dict:
           "inter": torch.zeros(moe.num_experts, ex.intermediate_size, ex.intermediate_size, dtype=torch.float64),
           "counts": torch.zeros(moe.num_experts, dtype=torch.float64)}
     for part in x.split(chunk):
-        routing = moe.router(part)
+        routing = moe.route(part)
         xd = part.double()
         st["input"] += xd.T @ xd
         for e in range(moe.num_experts):

@@ -8,9 +8,9 @@ hookimpl = pluggy.HookimplMarker("moe_zoo")  # zoo.hookimpl; not imported, so im
 
 @hookimpl
 def register_architectures(register):
-    from zoo_multimodal.modeling_zoo_mm import ZooMMForCausalLM
+    from zoo_multimodal.family import ZooMM
 
-    register(ZooMMForCausalLM._zoo_family)
+    register(ZooMM())
 
 
 @hookimpl

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from zoo.cli import new_file, one_line, save_folder
+from zoo.cli_helpers import new_file, one_line, save_folder
 
 RECIPE = {"hidden_size": 64, "num_hidden_layers": 3, "moe_intermediate_size": 128, "group_sizes": [2, 4, 4], "top_groups": 1,
               "num_experts_per_tok": 2, "vision_experts": 4, "vision_experts_per_tok": 1}
@@ -23,7 +23,7 @@ def digits_mm():
 @click.option("--check", is_flag=True, help="Exit 1 unless the checksums match the shipped manifest.")
 def generate(out, check):
     """Regenerate the set deterministically into OUT (default: the cache) with checksums."""
-    from zoo.data.digits_mm import main
+    from zoo_multimodal.digits import main
 
     if out is not None and os.path.exists(out) and not os.path.isdir(out):
         raise click.BadParameter(f"{out!r} is a file, not a folder", param_hint="OUT")
@@ -64,7 +64,7 @@ def eval_command(model, plot, as_json):
     """Accuracy per modality and per SNR, and expert-group usage per modality."""
     from transformers import AutoConfig
 
-    from zoo.registry import resolve_path
+    from zoo.loading import resolve_path
     from zoo_multimodal.evaluate_mm import evaluate, format_results, plot_usage
 
     with one_line():

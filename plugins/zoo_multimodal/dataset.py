@@ -1,7 +1,7 @@
 """Multimodal digit examples for training and evaluation: features computed once, batches drawn by index.
 
 Each example asks a prompt about one digit shown as an image, spoken as a clip, or both (same digit);
-the answer is the digit's word. Images split by image, speech by voice (``zoo.data.digits_mm``).
+the answer is the digit's word. Images split by image, speech by voice (``zoo_multimodal.digits``).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from zoo.data import digits_mm as dm
+from zoo_multimodal import digits as dm
 
 MODES = ("image", "audio", "both")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from zoo.data import digits_mm as dm
+from zoo_multimodal import digits as dm
 from zoo_multimodal.dataset import batch, load_split
-from zoo_multimodal.modeling_zoo_mm import AUDIO, TEXT, VISION
+from zoo.moe.context import AUDIO, TEXT, VISION
 
 SNRS = (20, 10, 5, 0, -5, -10)
 PROMPT = "which digit ?"
@@ -20,7 +20,7 @@ def load_model(name_or_path):
     from transformers import AutoProcessor
 
     import zoo
-    from zoo.registry import resolve_path
+    from zoo.loading import resolve_path
 
     path = resolve_path(os.fspath(name_or_path))
     return zoo.load(path).eval(), AutoProcessor.from_pretrained(path)

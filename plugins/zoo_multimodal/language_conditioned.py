@@ -3,9 +3,9 @@
 Per image, the mean visual feature queries the text embedding by single-head cross-attention,
 ``c = softmax(q K^T / sqrt(H)) V`` with ``q = W_q mean(v)``, ``K = W_k t``, ``V = W_v t``; the router
 scores experts from ``c`` (``weight [E, H]``) and all of the image's visual tokens share its top-k experts.
-The text comes from ``condition(text [B, L, C], mask [B, L])``, called by the model before the block runs
-(the hidden rows are then the B images' P visual tokens, image-major). Without a condition each token
-routes itself (plain top-k softmax).
+The text comes from the routing context (``zoo.moe.RoutingContext``: ``prompt_embeds [B, L, C]`` and
+``prompt_mask [B, L]``), which the model publishes around the block (the hidden rows are then the B images'
+P visual tokens, image-major). Without a prompt in the context each token routes itself (plain top-k softmax).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from zoo.moe import Router, Routing
+from zoo.moe import Router, Routing, RoutingContext
 
 
 class LanguageConditioned(Router):
@@ -23,6 +23,7 @@ class LanguageConditioned(Router):
     paper = ("Sun et al., Parrot: Multilingual Visual Instruction Tuning, ICML 2025, arXiv:2406.02539")
     card = "cards/language-conditioned.md"
     space = "multimodal-digits"
+    uses_context = True
 
     def __init__(self, hidden_size, num_experts, top_k, context_size: int | None = None, **options):
         context_size = int(context_size or hidden_size)
@@ -30,28 +31,23 @@ class LanguageConditioned(Router):
         self.q_proj = nn.Linear(hidden_size, hidden_size, bias=False)
         self.k_proj = nn.Linear(context_size, hidden_size, bias=False)
         self.v_proj = nn.Linear(context_size, hidden_size, bias=False)
-        self.context = None
 
-    def condition(self, text: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
-        """Set (or clear, with None) the text embedding ``[B, L, C]`` and its 0/1 ``mask [B, L]``."""
-        self.context = None if text is None else (text, mask)
-
-    def attend(self, visual: torch.Tensor) -> torch.Tensor:
-        """``visual [B, P, H]`` -> the language-conditioned router input ``[B, H]``."""
-        text, mask = self.context
+    def attend(self, visual: torch.Tensor, text: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``visual [B, P, H]`` over ``text [B, L, C]`` (0/1 ``mask [B, L]``) -> the router input ``[B, H]``."""
         q = self.q_proj(visual.mean(1))  # [B, H]
         scores = torch.einsum("bh,blh->bl", q, self.k_proj(text)) / math.sqrt(self.hidden_size)
         if mask is not None:
             scores = scores.masked_fill(mask == 0, float("-inf"))
         return torch.einsum("bl,blh->bh", scores.softmax(-1), self.v_proj(text))
 
-    def forward(self, hidden: torch.Tensor) -> Routing:
-        if self.context is None:
+    def forward(self, hidden: torch.Tensor, context: RoutingContext | None = None) -> Routing:
+        text = None if context is None else context.prompt_embeds
+        if text is None:
             logits = self.gate_logits(hidden)
         else:
-            batch = self.context[0].shape[0]
+            batch = text.shape[0]
             per_image = hidden.shape[0] // batch
-            logits = self.gate_logits(self.attend(hidden.view(batch, per_image, -1)))
+            logits = self.gate_logits(self.attend(hidden.view(batch, per_image, -1), text, context.prompt_mask))
             logits = logits.repeat_interleave(per_image, dim=0)  # [T, E]: an image's tokens share its routing
         weights, indices = logits.float().softmax(-1).topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)

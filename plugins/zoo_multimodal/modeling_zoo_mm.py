@@ -18,14 +18,13 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from zoo.layout import apply_layout, build_block, moe_layers, sync_layout
-from zoo.moe import SparseMoE, SwiGLUExperts, model_load_balancing_loss
+from zoo.moe import RoutingContext, SparseMoE, SwiGLUExperts, model_load_balancing_loss, routing_context
+from zoo.moe.context import AUDIO, TEXT, VISION
 from zoo.moe.init import init_zoo_module, initialize_missing_keys
 from zoo_multimodal.configuration_zoo_mm import ZooMMConfig
 from zoo_multimodal.hierarchical_modality import HierarchicalModality
 from zoo_multimodal.language_conditioned import LanguageConditioned
 from zoo_multimodal.modality_groups import ModalityGroupExperts
-
-TEXT, VISION, AUDIO = 0, 1, 2
 
 
 def default_block(config) -> SparseMoE:
@@ -104,7 +103,7 @@ class ZooMMModel(ZooMMPreTrainedModel):
         self.modality = nn.Embedding(3, h)
         self.vision = Encoder(config.patch_size ** 2, (config.image_size // config.patch_size) ** 2, h)
         self.audio = Encoder(config.num_mel_bins, config.audio_frames, h)
-        self.vision_moe = build_block(config.zoo_vision_moe) if config.zoo_vision_moe else default_vision_block(config)
+        self.vision_moe = build_block(config.zoo_vision_moe, config.zoo_components) if config.zoo_vision_moe else default_vision_block(config)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(h, eps=config.rms_norm_eps)
         self.post_init()
@@ -119,12 +118,11 @@ class ZooMMModel(ZooMMPreTrainedModel):
         parts, masks, kinds = [], [], []
         if pixel_values is not None:
             v = self.vision(pixel_values) + self.modality.weight[VISION]
-            if self.vision_moe is not None:
-                self._condition(words, text_mask)
-                try:
+            if self.vision_moe is not None:  # its router reads the prompt from the routing context
+                visual = RoutingContext(prompt_embeds=words, prompt_mask=text_mask,
+                                        modality=torch.full(v.shape[:2], VISION, device=v.device))
+                with routing_context(visual):
                     v = v + self.vision_moe(v)
-                finally:
-                    self._condition(None, None)
             parts.append(v)
             masks.append((image_mask if image_mask is not None else ones)[:, None].expand(-1, v.shape[1]))
             kinds.append(torch.full((v.shape[1],), VISION))
@@ -138,19 +136,19 @@ class ZooMMModel(ZooMMPreTrainedModel):
         kinds.append(torch.full((length,), TEXT))
         return torch.cat(parts, 1), torch.cat(masks, 1), torch.cat(kinds).to(input_ids.device)
 
-    def _condition(self, text, mask):
-        for m in self.vision_moe.modules():
-            if callable(getattr(m, "condition", None)):
-                m.condition(text, mask)
-
     def forward(self, input_ids, attention_mask=None, pixel_values=None, image_mask=None, audio_features=None,
                 audio_mask=None, **kwargs):
         x, keys, kinds = self.embed(input_ids, attention_mask, pixel_values, image_mask, audio_features, audio_mask)
-        s = x.shape[1]
+        b, s = keys.shape
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
         allowed = (causal & keys.bool()[:, None, :]) | torch.eye(s, dtype=torch.bool, device=x.device)
-        for layer in self.layers:
-            x = layer(x, allowed)
+        media = s - input_ids.shape[1]  # image patches and audio frames come first and have no token id
+        ids = torch.cat([input_ids.new_full((b, media), -1), input_ids], 1)
+        context = RoutingContext(input_ids=ids, positions=torch.arange(s, device=x.device).expand(b, s),
+                                 attention_mask=keys, modality=kinds.expand(b, s))
+        with routing_context(context):
+            for layer in self.layers:
+                x = layer(x, allowed)
         return self.norm(x), keys, kinds
 
 
@@ -198,7 +196,7 @@ class ZooMMForCausalLM(ZooMMPreTrainedModel):
         at = logits[torch.arange(len(last)), last]
         return at[:, candidates].float().softmax(-1)
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, model_card=None, **kwargs):
         """Record the current layouts, then save atomically, with the model card as README.md."""
         from zoo.atomic import atomic_directory
         from zoo.cards import card
@@ -208,9 +206,4 @@ class ZooMMForCausalLM(ZooMMPreTrainedModel):
             self.config.zoo_vision_moe = self.model.vision_moe.layout()
         with atomic_directory(save_directory) as tmp:
             super().save_pretrained(tmp, *args, **kwargs)
-            card(self, summary=ZooMM.summary).save(os.path.join(tmp, "README.md"))
-
-
-from zoo_multimodal.family import ZooMM
-
-ZooMMForCausalLM._zoo_family = ZooMM()
+            (model_card or card(self, summary=self._zoo_family.summary)).save(os.path.join(tmp, "README.md"))

@@ -29,7 +29,7 @@ def build_tokenizer(words) -> PreTrainedTokenizerFast:
 
 
 def default_tokenizer() -> PreTrainedTokenizerFast:
-    from zoo.data.digits_mm import PROMPTS, WORDS
+    from zoo_multimodal.digits import PROMPTS, WORDS
 
     words = sorted({w for p in PROMPTS for w in p.split()})
     return build_tokenizer(words + list(WORDS))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from zoo import Compressor
-from zoo.layout import moe_layers
+from zoo.layout import moe_layers, replace_blocks
 from zoo.moe import SparseMoE
 from zoo_multimodal.hierarchical_modality import HierarchicalModality
 from zoo_multimodal.modality_groups import ModalityGroupExperts
@@ -66,8 +66,7 @@ class PruneGroup(Compressor):
             self.results.setdefault("kept", {})[str(i)] = best
             keep = [e for e in range(moe.num_experts) if e not in members or e in best]
             new[i] = keep_group_experts(moe, keep, self.group, self.num_experts)
-        for i, block in new.items():  # swap only when every layer succeeded
-            model.model.layers[i].mlp = block
+        replace_blocks(model, new)  # only when every layer succeeded
         return model
 
     @torch.no_grad()

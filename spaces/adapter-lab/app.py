@@ -8,7 +8,6 @@ import copy
 import functools
 import os
 
-import click
 import gradio as gr
 import matplotlib
 
@@ -18,7 +17,7 @@ import torch
 
 import zoo
 from zoo.apply import find
-from zoo.cli import parse_step
+from zoo.options import parse_step
 from zoo.data.corpus import DOMAINS
 from zoo.finetune import finetune
 from zoo.options import accepted_options
@@ -46,7 +45,7 @@ def base(name: str):
 def adapter_info(adapter: str):
     """Default options and the model that suits the adapter (a dense one for dense -> MoE adapters)."""
     cls = find(adapter).obj
-    dense = getattr(cls, "accepts_dense", False) and DENSE in models()
+    dense = cls.accepts_dense and DENSE in models()
     hint = f"`{adapter}` options: {', '.join(accepted_options(cls)) or 'none'}. {cls.summary}"
     return gr.Textbox(value=DEFAULT_OPTIONS.get(adapter, "")), gr.Dropdown(value=DENSE if dense else MODEL), hint
 
@@ -57,7 +56,7 @@ def run(model: str, adapter: str, options: str, domain: str, steps: int, lr: flo
     lr = check_number(lr, "learning rate", 0, MAX_LR)
     try:
         name, opts = parse_step(f"{adapter}:{options}")
-    except click.BadParameter as exc:
+    except ValueError as exc:
         raise gr.Error(str(exc)) from None
     check_options(opts, adapter)
     try:

@@ -10,7 +10,7 @@ import gradio as gr
 
 import zoo
 from zoo.cards import render_component_card
-from zoo.plugins import registry
+from zoo.registry import registry
 from zoo.spaces import MAX_FILE_SIZE
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")

@@ -29,7 +29,7 @@ def base():
 
 def card(name):
     from zoo.cards import render_component_card
-    from zoo.plugins import registry
+    from zoo.registry import registry
 
     kind = next(k for k in ("architecture", "experts", "router", "compressor") if name in registry.by_kind[k])
     return render_component_card(registry.get(kind, name).obj, {"family": "zoo_mm", "layout_summary": "see the model",
@@ -76,7 +76,7 @@ def answer(image, audio, prompt, snr):
         if samples.ndim == 2:
             samples = samples.mean(-1)
         if snr is not None and snr < 40:
-            from zoo.data.digits_mm import add_noise
+            from zoo_multimodal.digits import add_noise
 
             samples = add_noise(samples, float(snr))
     if image is None and samples is None:

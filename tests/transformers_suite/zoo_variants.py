@@ -37,7 +37,8 @@ from .families import FAMILIES, make_test_class, native_classes, native_tester
 
 
 def family_object(family: str):
-    from zoo.plugins import load_plugins, registry
+    from zoo.registry import registry
+    from zoo.plugins import load_plugins
 
     load_plugins()
     return registry.get("architecture", family).obj

@@ -1,33 +1,45 @@
 """First-party architectures: six families with specs of their own, and every other MoE family transformers ships
-through the generic adapter (``zoo.architectures.families``), registered through ``register_architectures``."""
+through the generic adapter (``zoo.architectures.families``), registered through ``register_architectures``.
+``import zoo`` registers their ``zoo_<family>`` model types with transformers' Auto classes at once
+(``register_auto_classes``), so ``AutoModelForCausalLM.from_pretrained`` loads a saved zoo model."""
+from functools import cache
+
 from zoo.hookspecs import hookimpl
 
 
-@hookimpl
-def register_architectures(register):
+@cache
+def family_specs() -> tuple:
+    """The family specs, made once (the registry and the zoo classes share these instances)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+    from zoo.architectures.cohere2_moe import Cohere2Moe
     from zoo.architectures.deepseek_v3 import DeepseekV3
     from zoo.architectures.families import GENERIC
     from zoo.architectures.generic import GenericFamily
-    from zoo.architectures.cohere2_moe import Cohere2Moe
-    from zoo.architectures.llama4 import Llama4Text
-    from zoo.model_entries import GENERIC_PUBLIC
-
-    SPECS = {"llama4_text": Llama4Text, "cohere2_moe": Cohere2Moe}  # generic families with a small spec of their own
     from zoo.architectures.gpt_oss import GptOss
+    from zoo.architectures.llama4 import Llama4Text
     from zoo.architectures.mixtral import Mixtral
     from zoo.architectures.olmoe import Olmoe
     from zoo.architectures.qwen2_moe import Qwen2Moe
     from zoo.architectures.qwen3_moe import Qwen3Moe
+    from zoo.model_entries import GENERIC_PUBLIC
 
-    for family in (Mixtral(), Qwen2Moe(), Qwen3Moe(), Olmoe(), DeepseekV3(), GptOss()):
-        register(family)
+    specs = {"llama4_text": Llama4Text, "cohere2_moe": Cohere2Moe}  # generic families with a small spec of their own
     papers = {entry.family: entry.paper for entry in GENERIC_PUBLIC}  # the papers of their public checkpoints
-    for model_type, auto in GENERIC.items():
-        if model_type in CONFIG_MAPPING_NAMES:  # an older transformers may lack some
-            register(SPECS[model_type]() if model_type in SPECS
-                     else GenericFamily(model_type, auto, paper=papers.get(model_type, "")))
+    generic = [specs[t]() if t in specs else GenericFamily(t, auto, paper=papers.get(t, ""))
+               for t, auto in GENERIC.items() if t in CONFIG_MAPPING_NAMES]  # an older transformers may lack some
+    return (Mixtral(), Qwen2Moe(), Qwen3Moe(), Olmoe(), DeepseekV3(), GptOss(), *generic)
+
+
+def register_auto_classes() -> None:
+    for family in family_specs():
+        family.register_auto_classes()
+
+
+@hookimpl
+def register_architectures(register):
+    for family in family_specs():
+        register(family)
 
 
 @hookimpl

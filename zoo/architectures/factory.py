@@ -15,6 +15,7 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputReco
 
 from zoo.architectures import parallel
 from zoo.atomic import atomic_directory
+from zoo.config_keys import CLASS_KEYS
 from zoo.layout import (
     apply_attention,
     apply_layout,
@@ -25,6 +26,7 @@ from zoo.layout import (
     sync_layout,
 )
 from zoo.moe import Router
+from zoo.moe import context as routing_context
 from zoo.moe.losses import family_aux_loss
 from zoo.moe.init import init_zoo_module, initialize_missing_keys
 
@@ -43,8 +45,8 @@ def zoo_config_class(family):
     base_cfg = family.config_class
     attrs = {
         "__module__": __name__,
-        "__annotations__": {"zoo_layout": list | None, "zoo_recipe": list | None},
-        "zoo_layout": None, "zoo_recipe": None,
+        "__annotations__": {key: list | dict | None for key in CLASS_KEYS},
+        **dict.fromkeys(CLASS_KEYS),
         "model_type": f"zoo_{family.name}",
         **parallel.parallel_attributes(family),  # transformers' TP/EP plans, in the zoo block's module paths
     }
@@ -157,6 +159,7 @@ def _init(self, config):
     apply_modules(self, getattr(config, "zoo_modules", None))
     _gather_class_properties(self.model, self)
     self.init_weights()  # the new modules through _init_weights, as post_init did for the family's own
+    routing_context.attach(self)
 
 
 def _init_base(self, config):
@@ -168,6 +171,7 @@ def _init_base(self, config):
     apply_modules(self, {k[len("model."):]: v for k, v in modules.items() if k.startswith("model.")})
     _gather_class_properties(self)
     self.init_weights()
+    routing_context.attach(self)
 
 
 def _gather_class_properties(*models) -> None:
@@ -246,11 +250,12 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, cache
                                      router_logits=router_logits)
 
 
-def _save_pretrained(self, save_directory, *args, **kwargs):
-    """Record the current layout, then save atomically, with the model card as README.md."""
+def _save_pretrained(self, save_directory, *args, model_card=None, **kwargs):
+    """Record the current layout, then save atomically, with the model card as README.md (``model_card``: a
+    card already rendered, e.g. with evaluation results; else the default one)."""
     from zoo.cards import card
 
     sync_layout(self)
     with atomic_directory(save_directory) as tmp:
         self._zoo_family.model_class.save_pretrained(self, tmp, *args, **kwargs)
-        card(self).save(os.path.join(tmp, "README.md"))
+        (model_card or card(self)).save(os.path.join(tmp, "README.md"))

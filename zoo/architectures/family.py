@@ -121,6 +121,18 @@ class Family:
                                         f"needs {expected[key]!r}")
         return native
 
+    def export_problem(self, config, layout) -> str | None:
+        """Why ``zoo.export`` would refuse this config and layout, or None when the native format can hold it."""
+        try:
+            self.native_config(config, layout)
+        except NotExportable as exc:
+            return str(exc)
+        return None
+
+    @property
+    def has_shared_experts(self) -> bool:
+        return type(self).shared_options is not Family.shared_options
+
     def _check_exportable_parts(self, config) -> None:
         """Wrapped attention and adapter modules have no native form."""
         attention = [i for i, e in enumerate(getattr(config, "zoo_attention", None) or []) if e]

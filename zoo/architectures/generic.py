@@ -457,9 +457,8 @@ def _candidates(config, E, vectors):
 def _probe(block, router_name, config, E, H, gate_name, tensors):
     """Run the block's own routing on random tokens (experts and shared parts stubbed out) and find the zoo
     router that reproduces it."""
-    from zoo.plugins import load_plugins, registry
+    from zoo.registry import registry
 
-    load_plugins()
     twin = _routing_twin(block, router_name)
     gen = torch.Generator().manual_seed(0)
     values = {}

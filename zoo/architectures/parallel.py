@@ -55,7 +55,7 @@ def tp_plan(family) -> dict[str, str]:
     """The zoo's ``base_model_tp_plan`` for ``family`` (a Family, its name, or its native or zoo config class)."""
     family = _family(family)
     plan = _zoo_plan(family, family.config_class.base_model_tp_plan)
-    if plan and _has_shared_experts(family):
+    if plan and family.has_shared_experts:
         # SharedMLP is a SwiGLU MLP: split like the dense MLPs (DeepSeek-V3's native plan does the same); its
         # sigmoid gate (Qwen2-MoE, [1, H]) stays whole.
         for proj, style in SHARED_TP.items():
@@ -101,18 +101,11 @@ def _zoo_key(key: str, renames: dict[str, str]) -> str:
     return MLP + rest[:-1]
 
 
-def _has_shared_experts(family) -> bool:
-    from zoo.architectures.family import Family
-
-    return type(family).shared_options is not Family.shared_options
-
-
 def _family(family):
     if hasattr(family, "renames") and hasattr(family, "config_class"):
         return family
-    from zoo.plugins import load_plugins, registry
+    from zoo.registry import registry
 
-    load_plugins()
     families = [r.obj for r in registry.all("architecture")]
     if isinstance(family, str):
         for fam in families:

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from zoo.moe import context
 from zoo.moe.experts import ACTIVATIONS, PARAMETERS, Experts
 from zoo.moe.routing import Router, Routing
 
@@ -83,7 +84,7 @@ class SparseMoE(nn.Module):
     def forward(self, hidden: torch.Tensor):
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
-        routing = self.router(x)
+        routing = self.route(x)
         if self.weights_scale_input:
             out = self._input_scaled_experts(x, routing)
         elif getattr(self.experts, "_is_hooked", False):
@@ -94,6 +95,10 @@ class SparseMoE(nn.Module):
             out = out + self.shared_experts(x)
         out = out.view(shape)
         return (out, routing.weights) if self.returns_router_scores else out
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """The router's choice for tokens ``x [T, H]``, with the routing context when the router reads it."""
+        return self.router(x, context.current()) if self.router.uses_context else self.router(x)
 
     def _input_scaled_experts(self, x: torch.Tensor, routing) -> torch.Tensor:
         """Each (token, slot) pair as its own row, scaled by its weight, sent to its expert with weight 1."""

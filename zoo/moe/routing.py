@@ -27,13 +27,22 @@ class Routing(NamedTuple):
 class Router(nn.Module):
     """Base class of routers: a linear gate ``weight [E, H]`` (optionally with ``bias [E]``) plus a
     selection rule implemented by ``forward``. Subclasses pass all their options up so the layout can
-    record and rebuild them."""
+    record and rebuild them.
+
+    Declared capabilities (class attributes a subclass overrides):
+    ``uses_context``: ``forward(hidden, context)`` receives the call's ``zoo.moe.RoutingContext`` (token ids,
+    positions, attention mask, modality tags; see ``zoo.moe.context``), or None outside a model call.
+    ``target``: "experts" (the MoE block's router) or "attention" (the router wraps self-attention heads and
+    is put in place by a classmethod ``attach(model, layers=None, **options)``).
+    """
 
     name: str = ""
     summary: str = ""
     paper: str = ""
     card: str = ""
     space: str = ""
+    uses_context: bool = False
+    target: str = "experts"
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, bias: bool = False, **options):
         super().__init__()
@@ -46,6 +55,10 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
 
+    @classmethod
+    def check_layers(cls, layers: list[int], options: dict) -> None:
+        """Raise (before any router is built) if ``options`` name layers other than the MoE ``layers``."""
+
     def init_weights(self, std: float) -> None:
         """Initialise what a load left missing (as transformers initialises a native router's gate)."""
         init.normal_(self.weight, mean=0.0, std=std)
@@ -56,7 +69,8 @@ class Router(nn.Module):
         """[T, H] -> [T, E] raw router logits."""
         return F.linear(hidden, self.weight, self.bias)
 
-    def forward(self, hidden: torch.Tensor) -> Routing:  # pragma: no cover - abstract
+    def forward(self, hidden: torch.Tensor, context=None) -> Routing:  # pragma: no cover - abstract
+        """``hidden [T, H]`` -> ``Routing``; ``context`` only when the class sets ``uses_context``."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:

@@ -1,10 +1,10 @@
 """Multimodal digits, made here from real sources: scikit-learn's bundled 8x8 digit images, spoken digit
 words synthesised with Debian's ``espeak-ng`` (several voices, speeds and pitches) and text prompts.
 
-``moe-zoo digits-mm generate OUT`` (or ``python -m zoo.data.digits_mm OUT``) regenerates the set
+``moe-zoo digits-mm generate OUT`` (or ``python -m zoo_multimodal.digits OUT``) regenerates the set
 deterministically: ``OUT/speech.npz`` (int16 waveforms) and ``OUT/manifest.json`` (sha256 of every clip
 and of every split). Speech splits by voice (test voices are never heard in training), images split by
-image. The shipped ``zoo/_data/digits_mm/manifest.json`` records the checksums this code produced.
+image. The shipped ``zoo_multimodal/data/manifest.json`` records the checksums this code produced.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ SPEEDS = (130, 160, 190)
 PITCHES = (35, 50, 70)
 PROMPTS = ("which digit ?", "what number is this ?", "name the digit .", "which digit is it ?")
 IMAGE_SEED, TEST_FRACTION = 0, 0.2
-MANIFEST = Path(__file__).resolve().parent.parent / "_data" / "digits_mm" / "manifest.json"
+MANIFEST = Path(__file__).resolve().parent / "data" / "manifest.json"
 SAMPLE_RATE = 22050  # espeak-ng's output rate
 
 
@@ -159,7 +159,7 @@ def add_noise(samples: np.ndarray, snr_db: float, seed: int = 0) -> np.ndarray:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m zoo.data.digits_mm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m zoo_multimodal.digits", description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default=str(default_cache()))
     parser.add_argument("--check", action="store_true", help="compare with the shipped manifest")
     args = parser.parse_args(argv)
