@@ -275,6 +275,7 @@ def _add_builtin_commands():
 
 
 _add_builtin_commands()
+from zoo.plugin_cli import add_commands; add_commands(cli)  # noqa: E402,E702  moe-zoo plugin new, moe-zoo install
 
 
 def main():
