@@ -208,3 +208,94 @@ def test_lab_compresses_and_compares_with_the_base(lab):
     _plot, table = lab.predict("quantize", "mild", api_name="/compress")
     rows = {r[0]: r for r in table["data"]}
     assert rows["quantize mild"][1] < 0.6 * rows["base"][1]  # int8 codes vs 16- or 32-bit floats
+
+
+# ---- moe-zoo demo by component name: the zoo's components and a plugin's ----------------------------------
+
+@pytest.fixture
+def fake_plugin(tmp_path, monkeypatch):
+    """A third-party package whose router lives in a subpackage and whose Space sits at the top of the package
+    (``moe_zoo_fake/spaces/fake-space/``), registered for the test only; plus components naming a zoo Space, a
+    missing Space and none."""
+    import sys
+
+    from zoo.registry import Registered, registry
+
+    pkg = tmp_path / "moe_zoo_fake"
+    (pkg / "parts").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "parts" / "__init__.py").write_text("")
+    (pkg / "parts" / "router.py").write_text(
+        "import zoo\n"
+        "class Fake(zoo.Router):\n    name, space = 'fake-router', 'fake-space'\n"
+        "class UsesZooSpace(zoo.Router):\n    name, space = 'fake-zoo-space', 'router-explorer'\n"
+        "class Missing(zoo.Router):\n    name, space = 'fake-missing', 'nowhere'\n"
+        "class NoSpace(zoo.Router):\n    name, space = 'fake-no-space', ''\n")
+    (pkg / "spaces" / "fake-space").mkdir(parents=True)
+    (pkg / "spaces" / "fake-space" / "app.py").write_text("def build_demo():\n    return 'fake demo'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from moe_zoo_fake.parts import router
+
+    classes = [router.Fake, router.UsesZooSpace, router.Missing, router.NoSpace]
+    entries = [Registered("router", c.name, c, "fake", "moe-zoo-fake", "1.0") for c in classes]
+    registry.add_all(entries)
+    yield router
+    for e in entries:
+        registry.by_kind["router"].pop(e.name, None)
+    for name in [m for m in sys.modules if m.startswith("moe_zoo_fake")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def test_find_space_by_component_or_space_name(fake_plugin):
+    from zoo.spaces import find_space, load_app, space_dir
+
+    space, owner = find_space("fake-router")  # the component's own package first, though it sits one level up
+    assert (space, owner) == ("fake-space", fake_plugin.Fake)
+    assert space_dir(space, owner).parent.parent.name == "moe_zoo_fake"
+    assert load_app(space, owner).build_demo() == "fake demo"
+    assert find_space("fake-space") == ("fake-space", fake_plugin.Fake)  # a plugin's Space by its own name
+    space, owner = find_space("fake-zoo-space")  # a plugin component shown by one of the zoo's Spaces
+    assert space == "router-explorer" and space_dir(space, owner).parent.name in ("spaces", "_spaces")
+    assert find_space("top-p")[0] == "router-explorer"  # a first-party component
+    assert find_space("model-zoo") == ("model-zoo", None)  # the zoo's Spaces by name, as before
+
+
+def test_find_space_errors_are_one_line_with_suggestions(fake_plugin):
+    from zoo.spaces import UnknownSpace, find_space
+
+    with pytest.raises(UnknownSpace, match="no Space named 'fake-routr'; did you mean 'fake-router'"):
+        find_space("fake-routr")
+    with pytest.raises(UnknownSpace, match="did you mean 'fake-space'"):
+        find_space("fake-spac")
+    with pytest.raises(UnknownSpace, match="'fake-missing' names the Space 'nowhere', which is neither in .*moe_zoo_fake"):
+        find_space("fake-missing")
+    with pytest.raises(UnknownSpace, match="'fake-no-space' names no Space"):
+        find_space("fake-no-space")
+
+
+def test_demo_command_takes_component_names(fake_plugin, monkeypatch):
+    from click.testing import CliRunner
+
+    import zoo.spaces
+    from zoo.cli import cli
+
+    served = []
+
+    class Demo:  # stands in for the gr.Blocks: launching returns at once
+        def launch(self, **kwargs):
+            served.append(kwargs["server_name"])
+
+    class App:
+        build_demo = Demo
+
+    def load_app(space, owner=None):
+        served.append((space, owner))
+        return App
+
+    monkeypatch.setattr(zoo.spaces, "load_app", load_app)
+    result = CliRunner().invoke(cli, ["demo", "fake-router"])
+    assert result.exit_code == 0, result.output
+    assert served == [("fake-space", fake_plugin.Fake), "127.0.0.1"]
+    result = CliRunner().invoke(cli, ["demo", "fake-routr"])
+    assert result.exit_code == 1 and "did you mean 'fake-router'" in result.output
+    assert len(result.output.strip().splitlines()) == 1

@@ -2,7 +2,9 @@
 
 Each Space folder holds ``app.py`` (a ``build_demo()`` returning a ``gr.Blocks``), ``requirements.txt`` and
 a ``README.md`` with Hugging Face Spaces front matter. A component names the Space that demonstrates it
-in its ``space`` attribute; a third-party plugin may ship its own ``spaces/<name>/`` beside its module.
+in its ``space`` attribute; a plugin may ship its own ``spaces/<name>/`` beside its module or at the top of
+its package, where that component's Space is looked for first (``find_space``: ``moe-zoo demo NAME`` takes a
+Space or a component name).
 
 The Spaces are meant to be public, so every input is bounded before any work starts (limits below,
 documented in ``spaces/README.md``): text is cut or refused by length, numbers by range, uploads by size.
@@ -42,22 +44,71 @@ def _spaces_in(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / "app.py").is_file()) if root.is_dir() else []
 
 
+def package_dirs(owner: object) -> list[Path]:
+    """Where a component's own Spaces may be (``<folder>/spaces/<space>/``): the folder of its module, then the
+    folder of the top-level package it belongs to (its distribution's package)."""
+    cls = owner if isinstance(owner, type) else type(owner)
+    try:
+        here = Path(inspect.getfile(cls)).resolve().parent
+    except (TypeError, OSError):
+        return []
+    top = sys.modules.get(cls.__module__.partition(".")[0])
+    init = getattr(top, "__file__", None)
+    root = Path(init).resolve().parent if init and Path(init).name == "__init__.py" else here
+    return [here] if root == here else [here, root]
+
+
+def owner_spaces(owner: object) -> dict[str, Path]:
+    """``{space: folder}`` of the Spaces a component's own package ships (nearest folder first)."""
+    found: dict[str, Path] = {}
+    for folder in package_dirs(owner):
+        for name in _spaces_in(folder / "spaces"):
+            found.setdefault(name, folder / "spaces" / name)
+    return found
+
+
 def space_dir(name: str, owner: object | None = None) -> Path:
-    """The folder of Space ``name`` (beside ``owner``'s module first, then the checkout or the package).
+    """The folder of Space ``name``: in ``owner``'s own package first (see ``package_dirs``), then the zoo's.
 
     ``name`` must be one of the folder names found there (``list_spaces()``, plus the owner's own): a
     path (``../x``, ``/x``, ``a/b``) is refused, never resolved."""
-    known = list_spaces()
-    if owner is not None:
-        cls = owner if isinstance(owner, type) else type(owner)
-        try:
-            known = sorted(set(known) | set(_spaces_in(Path(inspect.getfile(cls)).resolve().parent / "spaces")))
-        except (TypeError, OSError):
-            pass
-    path = resource_path(f"spaces/{name}", owner=owner) if isinstance(name, str) and name in known else None
+    own = owner_spaces(owner) if owner is not None else {}
+    if isinstance(name, str) and name in own:
+        return own[name]
+    known = sorted(set(list_spaces()) | set(own))
+    path = resource_path(f"spaces/{name}") if isinstance(name, str) and name in known else None
     if path is None or not (path / "app.py").is_file():
         raise UnknownSpace(f"no Space named {name!r}{suggest(str(name), known)} (Spaces: {', '.join(known)})")
     return path
+
+
+def find_space(name: str) -> tuple[str, object | None]:
+    """``(space, owner)`` for ``moe-zoo demo NAME``, NAME being a Space or a component: one of the zoo's Spaces;
+    else a registered component, whose ``space`` is looked for in its own package first, then in the zoo's;
+    else a Space that a plugin's package ships. An unknown NAME gets close matches."""
+    from zoo.registry import registry
+
+    if name in list_spaces():
+        return name, None
+    components = [r for r in registry.all() if r.kind != "model"]
+    for reg in components:
+        if reg.name == name:
+            space = getattr(reg.obj, "space", "") or ""
+            if not space:
+                raise UnknownSpace(f"{reg.kind} {name!r} names no Space (its `space` attribute is empty)")
+            if space not in owner_spaces(reg.obj) and space not in list_spaces():
+                where = ", ".join(str(d / "spaces") for d in package_dirs(reg.obj)) or "its package"
+                raise UnknownSpace(f"{reg.kind} {name!r} names the Space {space!r}, which is neither in {where} "
+                                   f"nor among the zoo's Spaces ({', '.join(list_spaces())})")
+            return space, reg.obj
+    shipped = [(space, reg.obj) for reg in components for space in owner_spaces(reg.obj)]
+    owners = [obj for space, obj in shipped if space == name]
+    if owners:  # a component that names the Space before one whose package merely ships it
+        return name, next((obj for obj in owners if getattr(obj, "space", "") == name), owners[0])
+    spaces = sorted(set(list_spaces()) | {space for space, _ in shipped})
+    named = sorted(r.name for r in components if getattr(r.obj, "space", ""))
+    raise UnknownSpace(f"no Space named {name!r}{suggest(str(name), spaces + named)} (Spaces: {', '.join(spaces)}; "
+                       "or the name of a component, for the Space that shows it)")
 
 
 def load_app(name: str, owner: object | None = None) -> ModuleType:
@@ -76,11 +127,12 @@ def load_app(name: str, owner: object | None = None) -> ModuleType:
 
 
 def launch(name: str, port: int | None = None, **launch_kwargs):
-    """Build Space ``name`` and serve it on 127.0.0.1 (never shared, no analytics, uploads up to
-    ``MAX_FILE_SIZE``); blocks until stopped unless ``prevent_thread_lock=True`` is passed, in which case
-    the running ``gr.Blocks`` is returned."""
+    """Build Space ``name`` (a Space, or a component whose Space it is: see ``find_space``) and serve it on
+    127.0.0.1 (never shared, no analytics, uploads up to ``MAX_FILE_SIZE``); blocks until stopped unless
+    ``prevent_thread_lock=True`` is passed, in which case the running ``gr.Blocks`` is returned."""
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
-    demo = load_app(name).build_demo()
+    space, owner = find_space(name)
+    demo = load_app(space, owner).build_demo()
     demo.analytics_enabled = False
     launch_kwargs.setdefault("max_file_size", MAX_FILE_SIZE)
     demo.launch(server_name="127.0.0.1", server_port=port, share=False, **launch_kwargs)
