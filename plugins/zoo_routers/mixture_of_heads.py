@@ -139,10 +139,13 @@ class MixedHeadsAttention(nn.Module):
         return {"router": self.router.name, "options": dict(self.router.options)}
 
     def forward(self, hidden_states, *args, **kwargs):
-        out, *rest = self.attention(hidden_states, *args, **kwargs)  # [..., heads * head_dim], before o_proj
+        result = self.attention(hidden_states, *args, **kwargs)  # [..., heads * head_dim], before o_proj
+        # transformers' attentions return (output, weights); others (zoo_mm's) the output alone: answer in kind
+        out = result if torch.is_tensor(result) else result[0]
         gates = self.router(hidden_states).gates.to(out.dtype)
         heads = out.unflatten(-1, (self.router.num_experts, -1)) * gates.unsqueeze(-1)
-        return (self.o_proj(heads.flatten(-2)), *rest)
+        out = self.o_proj(heads.flatten(-2))
+        return out if torch.is_tensor(result) else (out, *result[1:])
 
 
 def head_balance_loss(routing: HeadRouting, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -43,6 +43,10 @@ class Experts(nn.Module):
     card: str = ""
     space: str = ""
     num_experts: int
+    # A kind may define ``reference(self, hidden, routing) -> [T, H]``: a plain, obviously correct version of
+    # ``forward`` (same signature, same result). ``zoo.testing.check_component`` compares the two, outputs and
+    # gradients, on random inputs.
+    reference = None
 
     def __init_subclass__(cls, **kwargs):
         # Every kind, plugins' included, takes both calls: ``(hidden, routing)`` from the zoo block, and
@@ -118,6 +122,19 @@ ACTIVATIONS = {"silu": _silu_glu, "clamped-swiglu": _clamped_glu, "clamped-silu"
 _TP_METHODS = ("forward", "expert", "glu", "_forward_sorted", "_forward_gather")
 
 
+def naive_experts(module, hidden: torch.Tensor, routing) -> torch.Tensor:
+    """Every (token, slot) pair through ``module.expert`` alone, weighted and summed: the reference of the sorted
+    and gathered dispatch (kinds that define ``expert(e, x)`` inherit it)."""
+    rows = []
+    for t in range(hidden.shape[0]):
+        row = hidden.new_zeros(hidden.shape[-1])
+        for slot, e in enumerate(routing.indices[t].tolist()):
+            if e < module.num_experts:  # index E: an empty slot
+                row = row + routing.weights[t, slot].to(hidden.dtype) * module.expert(e, hidden[t:t + 1])[0]
+        rows.append(row)
+    return torch.stack(rows)
+
+
 class SwiGLUExperts(Experts):
     """Dense fused SwiGLU experts in the transformers v5 layout: ``gate_up_proj [E, 2I, H]`` (gate rows
     first, then up rows) and ``down_proj [E, H, I]``; optional biases ``[E, 2I]`` and ``[E, H]``."""
@@ -172,6 +189,8 @@ class SwiGLUExperts(Experts):
     def supports_expert_parallel(self) -> bool:
         # Whole experts per rank: any per-expert compute fits, as long as all that is stored is per expert.
         return self._stored() <= {"gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"}
+
+    reference = naive_experts
 
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -241,6 +260,8 @@ class MLPExperts(Experts):
     def options(self) -> dict:
         return {"num_experts": self.num_experts, "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size, "activation": self.activation}
+
+    reference = naive_experts
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self._act(F.linear(x, self.up_proj[e])), self.down_proj[e])

@@ -1,0 +1,158 @@
+"""zoo.testing.check_component on every first-party component (options that really change the model), and on toy
+routers with the reload bugs it must catch (tests/checker_toys.py). Everything is checked in one batch, so one
+fresh process reloads all the saved models."""
+import pytest
+
+import zoo
+from zoo.snapshot import Fingerprint
+from zoo.testing import TINY, check_component, check_components, tiny_model
+
+# kind:name -> options that change the model
+OPTIONS = {
+    "router:expert-choice": {"capacity_factor": 1.5},
+    "router:hierarchical-modality": {"top_groups": 1},
+    "router:language-conditioned": {"context_size": 32},
+    "router:mixture-of-heads": {"heads_per_token": 0.5},
+    "router:remix": {"num_samples": 2},
+    "router:scored-topk": {"score": "sigmoid"},
+    "router:sigmoid-bias": {"routed_scaling_factor": 2.0},
+    "router:sparsemixer": {"jitter_eps": 0.1},
+    "router:steer": {"disable": {"1": [0]}},
+    "router:top-p": {"p": 0.7},
+    "router:topk-softmax": {"top_k": 1},
+    "compressor:channel-topk": {"budget": 0.5},
+    "compressor:hc-smoe": {"num_experts": 3},
+    "compressor:moe-svd": {"ratio": 0.5},
+    "compressor:prune-frequency": {"num_experts": 3},
+    "compressor:prune-group": {"group": "vision", "num_experts": 2},
+    "compressor:prune-reap": {"num_experts": 3},
+    "compressor:quantize": {"bits": 4, "group_size": 32},
+    "compressor:sub-moe": {"num_experts": 3},
+    "adapter:ewa": {"collapse": True},
+    "adapter:lora-experts": {"r": 2},
+    "adapter:mixture-of-loras": {"num_loras": 3, "r": 2},
+    "adapter:moefy": {"num_experts": 4},
+    "adapter:replora": {"r": 2, "hidden": 8},
+    "adapter:upcycle": {"num_experts": 4, "noise": 0.1},
+    "experts:channel-topk": {"budget": 0.5},
+    "experts:factored": {"rank_gate_up": 4, "rank_down": 4, "num_u": 2},
+    "experts:mlp": {"activation": "relu2"},
+    "experts:modality-groups": {"group_sizes": [2, 1, 1]},
+    "experts:quantized": {"bits": 3, "group_size": 32},
+    "experts:swiglu": {"bias": True},
+}
+# more checks of one component: keys that are not kind:name
+EXTRA = {
+    "quantize mixed widths": {"name": "quantize", "options": {"bits": 5, "allocation": "alphaq", "group_size": 32}},
+    "quantize 8 bits": {"name": "quantize", "options": {"bits": 8}, "families": ["mixtral"]},
+}
+# prune-group scores experts on the multimodal batches it draws itself (it takes no token-id calibration)
+SPECIAL = {"compressor:prune-group": {"families": ["zoo_mm"], "calibration": None},
+           "router:mixture-of-heads": {"families": ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"]}}
+KNOWN_BUG = {"name": "mixture-of-heads", "options": {"heads_per_token": 0.5}, "families": ["zoo_mm"]}
+TOYS = {
+    "toy-scaled": {}, "toy-uninitialised": {}, "toy-cast-on-reload": {}, "toy-unsaved-option": {"sharp": True},
+    "toy-wrong-reference": {},
+}
+
+
+def first_party() -> list[str]:
+    return sorted(f"{c['kind']}:{c['name']}" for c in zoo.list_components() if c["distribution"] == "moe-zoo")
+
+
+def architecture_model(name):
+    """A tiny native model of a family without a built-in one (tests/families/tiny_configs.py)."""
+    from tests.families.test_generic_families import native_model
+
+    return native_model(name)
+
+
+@pytest.fixture(scope="module")
+def reports(one_thread):
+    checks = {}
+    for key in first_party():
+        kind, name = key.split(":")
+        if kind == "architecture":
+            checks[key] = {"name": key, "model": None if name in TINY else architecture_model(name)}
+        else:
+            checks[key] = {"name": key, "options": OPTIONS[key], **SPECIAL.get(key, {})}
+    checks.update(EXTRA)
+    checks["known bug"] = KNOWN_BUG
+    checks["given model"] = {"name": "topk-softmax", "options": {"top_k": 1}, "model": GIVEN}
+    checks.update({name: {"name": name, "options": options, "families": ["mixtral", "deepseek_v3"]}
+                   for name, options in TOYS.items()})
+    out = check_components(list(checks.values()), plugins=["checker_toys"], strict=False)
+    return dict(zip(checks, out))
+
+
+GIVEN = tiny_model("olmoe")
+GIVEN_BEFORE = Fingerprint(GIVEN)
+
+
+def test_every_first_party_component_is_checked():
+    """A new component must get options here (or it would go unchecked)."""
+    missing = [k for k in first_party() if k not in OPTIONS and not k.startswith("architecture:")]
+    assert not missing, f"no options to check {missing} with: add them to OPTIONS"
+
+
+@pytest.mark.parametrize("key", first_party() + list(EXTRA))
+def test_component_round_trips(reports, key):
+    report = reports[key]
+    assert "failure" not in report, report["failure"]
+    assert report["families"]
+    if report["kind"] in ("experts", "architecture"):
+        assert report["references"], "the experts' forward was not compared with their reference"
+
+
+@pytest.mark.xfail(strict=True, reason="zoo_mm loses wrapped attention on load: ZooMMForCausalLM.__init__ calls "
+                                       "apply_layout but not apply_attention / apply_modules (plugins/zoo_multimodal)")
+def test_mixture_of_heads_round_trips_on_zoo_mm(reports):
+    assert "failure" not in reports["known bug"], reports["known bug"]["failure"]
+
+
+def test_a_given_model_is_checked_alone_and_left_as_it_was(reports):
+    report = reports["given model"]
+    assert "failure" not in report, report["failure"]
+    assert report["families"] == ["olmoe"] and not report["skipped"]
+    assert GIVEN_BEFORE.same_as(GIVEN) and GIVEN.config.model_type == "olmoe"
+
+
+def test_a_correct_toy_passes_and_its_reference_is_compared(reports):
+    report = reports["toy-scaled"]
+    assert "failure" not in report, report["failure"]
+    assert report["families"] == ["mixtral", "deepseek_v3"] and report["references"] == ["ScaledRouter"]
+
+
+@pytest.mark.parametrize("toy", ["toy-uninitialised", "toy-cast-on-reload", "toy-unsaved-option"])
+def test_reload_bugs_are_caught(reports, toy):
+    """A non-persistent buffer left uninitialised on load, an fp32 buffer cast to bf16 on load only, an option not
+    passed up to Router.__init__: each changes the logits after a load in a fresh process."""
+    failure = reports[toy].get("failure", "")
+    assert f"{toy} on mixtral: after save_pretrained and a load in a fresh process the logits differ" in failure
+
+
+def test_a_forward_that_differs_from_its_reference_is_caught(reports):
+    failure = reports["toy-wrong-reference"].get("failure", "")
+    assert "WrongReferenceRouter.forward vs its reference, weights: differ" in failure
+
+
+def test_a_component_that_fits_no_model_fails_with_the_reasons():
+    with pytest.raises(AssertionError, match=r"upcycle fits none of the models .*mixtral: TypeError: upcycle needs "
+                                             r"a dense Mistral model"):
+        check_component("upcycle", families=["mixtral"], num_experts=4)
+
+
+def test_an_unknown_name_fails_with_a_suggestion():
+    with pytest.raises(AssertionError, match="did you mean 'topk-softmax'"):
+        check_component("topk-sofmax")
+
+
+def test_mixture_of_heads_wraps_an_attention_that_returns_a_tensor():
+    """zoo_mm's attention returns its output alone, not transformers' (output, weights)."""
+    import torch
+
+    from zoo.testing import sample_inputs
+
+    model = zoo.apply(tiny_model("zoo_mm"), "mixture-of-heads", heads_per_token=0.5)
+    with torch.no_grad():
+        assert torch.isfinite(model(**sample_inputs(model)).logits).all()
