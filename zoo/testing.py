@@ -17,13 +17,16 @@ A family that refuses the component (``TypeError`` or ``ValueError`` before anyt
 adapter on an MoE model) is skipped with its reason; a component that fits none of the families fails.
 
 What each kind means here:
-- routers, compressors, adapters: applied by name with ``options``, as above;
+- routers, compressors, adapters: applied by name with ``options``, as above. Compressors that need calibration get
+  a small batch of random token ids (``calibration=`` gives other data; ``None`` lets the component draw its own).
+  After the step, the tensors it added that hold one constant (a LoRA's zero B, a zero router) get seeded noise,
+  as training would, so that a load that drops or re-initialises them shows;
 - experts kinds (made by compressors, never applied by name): in every MoE block of each family the experts are
   replaced by the kind, built with ``cls.from_dense(old_experts, **options)`` where the class has that
   classmethod (real compressed weights), else ``cls(**options)`` with the sizes the old experts' ``options()`` give
-  filled in and every floating-point tensor drawn at random (seeded); then checks 1 (the constructor must refuse
-  bad options), 3 and 5. A card lists the components of the recipe and the routers, not experts kinds, so 4 only
-  renders the card;
+  filled in and every floating-point tensor drawn at random (seeded); then checks 1 (the constructor must refuse a
+  misspelt option; types are ``zoo.apply``'s to check, and experts kinds are not applied), 3 and 5. A card lists
+  the recipe's components and the routers, not experts kinds, so 4 only renders the card;
 - architectures: a tiny native model of the family (built in for the families in ``TINY``; pass ``model=`` for
   others) is converted losslessly with ``zoo.convert``, then checks 3, 4 and 5.
 
@@ -36,6 +39,7 @@ components with one fresh process (``import zoo`` costs seconds). An option name
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import json
@@ -116,7 +120,7 @@ def tiny_model(family: str, seed: int = 0):
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if any(k in name for k in ("gate", "router", "bias", "sinks")) and "proj" not in name:
+            if "bias" in name or "sinks" in name or (("gate" in name or "router" in name) and "proj" not in name):
                 p.normal_(0, 0.5)
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:
@@ -163,8 +167,7 @@ def register_plugin(module) -> list:
             fn(register=lambda obj, kind=kind: entries.append(
                 Registered(kind, obj.name, obj, module.__name__, module.__name__.split(".")[0],
                            str(getattr(module, "__version__", "0+local")))))
-    entries = [e for e in entries if registry.find(e.kind, e.name) is None or registry.find(e.kind, e.name).obj
-               is not e.obj]
+    entries = [e for e in entries if getattr(registry.find(e.kind, e.name), "obj", None) is not e.obj]
     registry.add_all(entries)
     for e in entries:
         if e.kind == "architecture":
@@ -264,39 +267,41 @@ def _prepare(report, model, options, families, calibration, folder) -> list[dict
     cases = []
     for label, build in targets:
         where = f"{name} on {label}"
-        try:
+        with _failing_as(where, "building or applying it (a refusal must be a TypeError or ValueError)"):
             if kind == "architecture":
                 case = _architecture_case(reg.obj, build(), where)
             elif kind == "experts":
                 case = _experts_case(reg.obj, build(), options, where)
             else:
                 case = _applied_case(reg, build(), options, calibration, where)
-        except AssertionError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - an error that is no clear refusal is a failed check
-            raise AssertionError(f"{where}: raised {type(exc).__name__}: {exc} (a refusal must be a TypeError or "
-                                 "ValueError raised before the model changes)") from exc
         if isinstance(case, str):
             report["skipped"][label] = case if len(case) <= 200 else case[:197] + "..."
             continue
         report["families"].append(label)
         case.update(report=report, where=where, folder=os.path.join(folder, label))
-        for step, run in (("running and saving it", lambda: _save(case)),
-                          ("rendering its card", lambda: _check_card(case, reg.obj, kind)),
-                          ("comparing with references", lambda: _check_references(case, where))):
-            try:
-                done = run()
-            except AssertionError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - any error of the component is a failed check
-                raise AssertionError(f"{where}: {step} raised {type(exc).__name__}: {exc}") from exc
-        report["references"] = sorted(set(report["references"]) | set(done))
+        with _failing_as(where, "running and saving it"):
+            _save(case)
+        with _failing_as(where, "rendering its card"):
+            _check_card(case, reg.obj, kind)
+        with _failing_as(where, "comparing a module with its reference"):
+            report["references"] = sorted(set(report["references"]) | set(_check_references(case, where)))
         cases.append(case)
     if not cases:
         why = "; ".join(f"{f}: {r}" for f, r in report["skipped"].items())
         raise AssertionError(f"{name} fits none of the models it was checked on ({why}). A component must work on "
                              "at least one; pass model= (or families=) to check it on one it is made for.")
     return cases
+
+
+@contextlib.contextmanager
+def _failing_as(where: str, step: str):
+    """Any exception of the component inside is a failed check: an AssertionError naming where and what ran."""
+    try:
+        yield
+    except AssertionError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise AssertionError(f"{where}: {step} raised {type(exc).__name__}: {exc}") from exc
 
 
 def _lookup(name: str):
@@ -330,10 +335,10 @@ def _state(model):
 
 def _unchanged(model, before, what: str, where: str) -> None:
     cls, fingerprint, config = before
-    changed = [part for part, same in (("its class", type(model) is cls), ("its tensors or structure",
-                                                                            fingerprint.same_as(model)),
-                                       ("its config", json.dumps(model.config.to_dict(), sort_keys=True,
-                                                                 default=repr) == config)) if not same]
+    now = json.dumps(model.config.to_dict(), sort_keys=True, default=repr)
+    checks = {"its class": type(model) is cls, "its tensors or structure": fingerprint.same_as(model),
+              "its config": now == config}
+    changed = [part for part, same in checks.items() if not same]
     if changed:
         raise AssertionError(f"{where}: {what} raised but changed the model ({', '.join(changed)}). A step must "
                              "validate everything before it touches the model, or put it back exactly as it was.")
@@ -371,7 +376,7 @@ def _applied_case(reg, model, options, calibration, where):
 
     cls, kind = reg.obj, reg.kind
     if calibration == "auto":
-        calibration = calibration_for(model) if _needs_calibration(cls, options) else None
+        calibration = calibration_for(model) if kind == "compressor" and _needs_calibration(cls, options) else None
     before = _state(model)
     skip = ("hidden_size", "num_experts") if kind == "router" else ()
     for what, bad in bad_options(cls, options, skip):
@@ -497,6 +502,8 @@ def _experts_case(cls, model, options, where):
 def _architecture_case(fam, model, where):
     import zoo
 
+    if not fam.matches(model):
+        raise AssertionError(f"{where}: the model given ({type(model).__name__}) is no {fam.name} model.")
     inputs = sample_inputs(model)
     native = _logits(model, inputs)
     model = zoo.convert(model)
@@ -532,6 +539,7 @@ def _max_diff(a, b) -> float:
 
 def _save(case) -> None:
     """Save the model (and the base of a PEFT adapter) and record what the fresh process must reproduce."""
+    from zoo.convert import family_of
     from zoo.layout import read_layout
 
     model, where = case["model"], case["where"]
@@ -549,8 +557,6 @@ def _save(case) -> None:
     if "base" in case:
         case["base_folder"] = case["folder"] + "-base"
         case.pop("base").save_pretrained(case["base_folder"])
-    from zoo.convert import family_of
-
     auto = getattr(family_of(zoo_model), "auto", "causal-lm")
     case["auto"] = AUTO.get(auto) or f"{type(zoo_model).__module__}:{type(zoo_model).__qualname__}"
 
@@ -568,8 +574,8 @@ def _check_card(case, component, kind) -> None:
     text = str(zoo.card(model))
     if not getattr(component, "card", "") or kind == "experts":
         return  # cards list the recipe's components and the routers; experts kinds appear through their step
-
-    context = {"family": family_of(model).name, "layout_summary": _SENTINEL, "recipe": list(model.config.zoo_recipe or [])}
+    recipe = list(model.config.zoo_recipe or [])
+    context = {"family": family_of(model).name, "layout_summary": _SENTINEL, "recipe": recipe}
     lines = [ln.strip() for ln in render_component_card(component, context).splitlines()]
     lines = [ln for ln in lines if ln and _SENTINEL not in ln]
     readme = os.path.join(case["folder"], "README.md")
@@ -600,53 +606,55 @@ def _check_references(case, where) -> list[str]:
 
 
 def check_reference(module, top_k: int = 2, tokens: int = 12, seed: int = 0, where: str = "") -> None:
-    """A router's or experts module's ``forward`` against its ``reference``: outputs and gradients (input, routing
-    weights, parameters) on seeded random inputs; experts get a routing with distinct experts per token and one
-    empty slot (index E)."""
+    """A router's or experts module's ``forward`` against its ``reference`` on seeded random inputs: outputs, then
+    gradients (of the input, the routing weights and the parameters) of a random projection of the float outputs.
+    Experts get a routing with distinct experts per token and one empty slot (index E); router outputs are
+    compared slot by slot in expert order, with the weights of empty slots (ignored by contract) zeroed."""
     from zoo.moe import Router, Routing
 
     g = torch.Generator().manual_seed(seed)
-    params = [p for p in module.parameters() if p.requires_grad]
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-    hidden_size = getattr(module, "hidden_size")
-    hidden = torch.randn(tokens, hidden_size, generator=g).to(dtype).requires_grad_()
+    hidden = torch.randn(tokens, module.hidden_size, generator=g).to(dtype).requires_grad_()
+    leaves, E = [hidden], module.num_experts
+    if isinstance(module, Router):
+        names = ["indices", "weights", "logits"]
+
+        def outputs(fn):
+            r = fn(hidden)
+            order = r.indices.argsort(dim=-1, stable=True)
+            indices = r.indices.gather(-1, order)
+            weights = r.weights.gather(-1, order).masked_fill(indices >= E, 0)
+            return [indices, weights] + ([r.logits] if r.logits is not None else [])
+    else:
+        names = ["output"]
+        indices = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)])
+        if top_k > 1:
+            indices[0, -1] = E  # an empty slot: its weight is ignored
+        weights = torch.rand(tokens, top_k, generator=g).to(dtype).requires_grad_()
+        leaves.append(weights)
+
+        def outputs(fn):
+            return [fn(hidden, Routing(weights=weights, indices=indices))]
     training = module.training
     module.eval()
     try:
-        if isinstance(module, Router):
-            inputs, leaves = (hidden,), [hidden]
-
-            def outputs(fn):
-                r = fn(hidden)
-                order = r.indices.argsort(-1)
-                out = [r.indices.gather(-1, order), r.weights.gather(-1, order)]
-                return out + ([r.logits] if r.logits is not None else [])
-        else:
-            E = module.num_experts
-            indices = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)])
-            if top_k > 1:
-                indices[0, -1] = E  # an empty slot: its weight is ignored
-            weights = torch.rand(tokens, top_k, generator=g).to(dtype).requires_grad_()
-            inputs, leaves = (hidden, Routing(weights=weights, indices=indices)), [hidden, weights]
-
-            def outputs(fn):
-                return [fn(*inputs)]
         fast, ref = outputs(module), outputs(module.reference)
-        names = ["indices", "weights", "logits"] if isinstance(module, Router) else ["output"]
         for label, a, b in zip(names, fast, ref):
             _close(a, b, f"{where}: {type(module).__name__}.forward vs its reference, {label}")
-        floats = [(a, torch.randn(a.shape, generator=g).to(a.dtype)) for a in fast if a.is_floating_point()]
-        wrt = leaves + params
-        grads = [torch.autograd.grad(sum((o * w).sum() for (_, w), o in zip(floats, [x for x in out
-                                                                                     if x.is_floating_point()])),
-                                     wrt, allow_unused=True) for out in (fast, ref)]
-        labels = ["the input", "the routing weights"][:len(leaves)] + [f"parameter {n}" for n, p in
-                                                                        module.named_parameters() if p.requires_grad]
+        floats = [i for i, t in enumerate(fast) if t.is_floating_point() and t.requires_grad]
+        if not floats:
+            return
+        directions = [torch.randn(fast[i].shape, generator=g).to(fast[i].dtype) for i in floats]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        wrt = leaves + [p for _, p in named]
+        labels = ["the input", "the routing weights"][:len(leaves)] + [f"parameter {n}" for n, _ in named]
+        grads = [torch.autograd.grad(sum((out[i] * d).sum() for i, d in zip(floats, directions)), wrt,
+                                     allow_unused=True) for out in (fast, ref)]
         for label, a, b in zip(labels, *grads):
-            a = torch.zeros_like(b) if a is None and b is not None else a
-            b = torch.zeros_like(a) if b is None and a is not None else b
-            if a is not None:
-                _close(a, b, f"{where}: {type(module).__name__} gradient of {label} vs its reference's")
+            if a is None and b is None:
+                continue
+            a, b = (torch.zeros_like(b) if a is None else a), (torch.zeros_like(a) if b is None else b)
+            _close(a, b, f"{where}: {type(module).__name__} gradient of {label} vs its reference's")
     finally:
         module.train(training)
 
