@@ -57,7 +57,7 @@ def patch_factory_plans():
 
     patched = []
     for cfg_cls, _, lm_cls in _CLASSES.values():
-        for attr, value in parallel_attributes(lm_cls._zoo_family).items():
+        for attr, value in parallel_attributes(lm_cls.zoo_family).items():
             if cfg_cls.__dict__.get(attr) != value:
                 setattr(cfg_cls, attr, value)
                 patched.append(f"{cfg_cls.__name__}.{attr}")

@@ -67,7 +67,8 @@ def test_topk_softmax_top1_swaps_every_router_and_keeps_the_gate(tmp_path):
     assert torch.equal(r.indices[:, 0], r.logits.argmax(-1)) and torch.allclose(r.weights, torch.ones(5, 1))
 
     step = model.config.zoo_recipe[-1]
-    assert step == {"name": "topk-softmax", "kind": "router", "options": {"top_k": 1}, "calibration": None}
+    assert step == {"name": "topk-softmax", "kind": "router", "options": {"top_k": 1}, "calibration": None,
+                    "distribution": "moe-zoo", "version": zoo.plugins.provenance("router", "topk-softmax")["version"]}
     model.save_pretrained(tmp_path / "m")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
     assert loaded.config.zoo_recipe == model.config.zoo_recipe

@@ -40,7 +40,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "parallel_worker.py")
 def zoo_plans(monkeypatch):
     """The zoo plans on the zoo config classes, as the factory is to set them (a no-op once it does)."""
     for cfg_cls, _, lm_cls in list(_CLASSES.values()):
-        for attr, value in parallel.parallel_attributes(lm_cls._zoo_family).items():
+        for attr, value in parallel.parallel_attributes(lm_cls.zoo_family).items():
             monkeypatch.setattr(cfg_cls, attr, value)
 
 
@@ -126,8 +126,8 @@ def test_plan_of_config_classes_and_names():
 def test_factory_sets_the_plans():
     """The contract with zoo/architectures/factory.py: the zoo config classes carry the zoo plans."""
     missing = [cfg.__name__ for cfg, _, lm in _CLASSES.values()
-               if cfg.__dict__.get("base_model_tp_plan") != parallel.tp_plan(lm._zoo_family)
-               or cfg.__dict__.get("base_model_ep_plan") != parallel.ep_plan(lm._zoo_family)]
+               if cfg.__dict__.get("base_model_tp_plan") != parallel.tp_plan(lm.zoo_family)
+               or cfg.__dict__.get("base_model_ep_plan") != parallel.ep_plan(lm.zoo_family)]
     assert not missing, f"the factory does not set parallel.parallel_attributes(family) on {missing}"
 
 

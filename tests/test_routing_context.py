@@ -141,3 +141,13 @@ def test_vision_language_context_tags_image_tokens():
     ids = torch.tensor([[1, 9, 9, 4]])
     context = from_call(model, input_ids=ids)
     assert context.modality.tolist() == [[TEXT, VISION, VISION, TEXT]]
+
+
+def test_calibrated_compression_publishes_the_context_layer_by_layer(hash_router):
+    """prune-reap runs each layer on its calibration inputs (zoo.layerwise): the hash router still sees the
+    calibration batch's token ids there, so the experts it keeps are the ones those tokens hash to."""
+    model = zoo.apply(tiny_native("mixtral"), "test-hash")
+    ids = torch.tensor([[1, 5, 1, 5, 1, 5, 2, 1]])  # 1 -> 3, 5 -> 3, 2 -> 2 (x * 7 % 4)
+    zoo.apply(model, "prune-reap", calibration=[ids], num_experts=2)
+    kept = model.config.zoo_recipe[-1]["results"]["kept"]
+    assert all(sorted(k) == [2, 3] for k in kept.values()), kept

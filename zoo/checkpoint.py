@@ -164,7 +164,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: streaming works on text decoders (model.layers); this "
                                   f"{self.family.name} model keeps them at model.{self.family.layers_path}: "
                                   "work on it in memory (--no-stream)")
-        self.native = getattr(type(model), "_zoo_family", None) is None  # its MoE blocks are the family's own
+        self.native = getattr(type(model), "zoo_family", None) is None  # its MoE blocks are the family's own
         for attr in ("zoo_attention", "zoo_modules"):
             if getattr(self.config, attr, None):
                 raise CheckpointError(f"{self.path} has {attr.replace('zoo_', '')} adapters outside the MoE blocks; "

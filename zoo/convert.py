@@ -10,7 +10,7 @@ from zoo.registry import registry
 
 def family_of(model):
     """The registered Family whose native (or zoo) classes this model uses."""
-    zoo_family = getattr(type(model), "_zoo_family", None)
+    zoo_family = getattr(type(model), "zoo_family", None)
     if zoo_family is not None:
         return zoo_family
     families = [r.obj for r in registry.all("architecture")]
@@ -35,7 +35,7 @@ def convert(model):
     from zoo.architectures.factory import adopt
 
     fam = family_of(model)
-    if getattr(type(model), "_zoo_family", None) is not None:
+    if getattr(type(model), "zoo_family", None) is not None:
         return model  # already converted
     config = model.config
     fam.discover(model.model)

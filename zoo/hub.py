@@ -53,7 +53,7 @@ def push_to_hub(model, repo_id: str, space: bool = True, tokenizer=None, token: 
         checkpoint = open_checkpoint(saved)
         checkpoint.release_outer()
         model = checkpoint.model  # the structure on the meta device: enough for the card and the Space
-    if getattr(type(model), "_zoo_family", None) is None:
+    if getattr(type(model), "zoo_family", None) is None:
         raise TypeError(f"push_to_hub takes a zoo model, not {type(model).__name__}: zoo.convert(model) first")
     api = HfApi(endpoint=endpoint, token=token)
     result = {"repo_id": repo_id, "url": None, "commit_oid": None, "commit_url": None,

@@ -8,7 +8,7 @@ layer i, the inputs that layers 0..i-1 produce *after* that step (and every step
 step that needs a global view (``needs_plan``) first gets a statistics pass (``observe`` per layer, then
 ``plan`` once), on the inputs the layers produce before that step changes them.
 
-The per-layer contract (a ``Compressor`` implements it; see docs/plugin-contract.md)::
+The per-layer contract (a ``Compressor`` implements it; see docs/plugins/compressor.md)::
 
     inputs_for: tuple          phases that receive layer inputs: "observe", "compress" (or neither)
     needs_plan: bool           run observe()/plan() in a first pass
@@ -23,8 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from zoo.layout import decoder_layers, get_block, moe_layers, put_block
-from zoo.moe import SparseMoE
-
+from zoo.moe import SparseMoE, context, routing_context
 
 
 class _Stop(Exception):
@@ -36,24 +35,38 @@ def call_model(model, batch):
 
 
 class LayerInputs:
-    """Per calibration batch, the hidden states entering the next layer and, per layer, the keyword arguments
-    the model passes to it (masks, rotary tables: computed once by the model's own forward)."""
+    """Per calibration batch, the hidden states entering the next layer, per layer the keyword arguments the
+    model passes to it (masks, rotary tables: computed once by the model's own forward), and the routing
+    context of the batch (published again whenever a layer runs, for routers that read it)."""
 
-    def __init__(self, hidden: list[torch.Tensor], kwargs: list[list[dict]]):
+    def __init__(self, hidden: list[torch.Tensor], kwargs: list[list[dict]], contexts: list | None = None):
         self.hidden, self.kwargs = hidden, kwargs
+        self.contexts = contexts or [None] * len(hidden)
+
+    def joined_context(self):
+        """One context for the tokens of every batch together (the rows ``block_inputs`` returns), or None."""
+        if any(c is None for c in self.contexts):
+            return None
+        fields = {}
+        for name in ("input_ids", "positions", "attention_mask", "modality"):
+            values = [getattr(c, name) for c in self.contexts]
+            if all(v is not None for v in values):
+                fields[name] = torch.cat([v.reshape(1, -1) for v in values], 1)
+        return context.RoutingContext(**fields)
 
     @classmethod
     @torch.no_grad()
     def capture(cls, model, batches) -> LayerInputs:
         """Run each batch through the embeddings only (the decoder layers are stood in for, the rest skipped)."""
         layers = decoder_layers(model)
-        hidden, kwargs = [], []
+        hidden, kwargs, contexts = [], [], []
         for batch in batches:
             seen: list[dict] = []
 
             def stand_in(h, *args, i, **kw):
                 if i == 0:
                     hidden.append(h)
+                    contexts.append(context.current())  # published by the model call, if a router reads it
                 seen.append(kw)
                 if args:
                     raise TypeError("decoder layers are expected to take their extra inputs as keywords")
@@ -75,7 +88,7 @@ class LayerInputs:
                 for layer in layers:
                     layer.__dict__.pop("forward", None)
             kwargs.append(seen)
-        return cls(hidden, kwargs)
+        return cls(hidden, kwargs, contexts)
 
     def block_inputs(self, i: int, layer) -> torch.Tensor:
         """The tokens ``[T, H]`` that enter layer i's MLP block (its attention runs; the block does not)."""
@@ -88,9 +101,10 @@ class LayerInputs:
         handle = get_block(layer).register_forward_pre_hook(record)
         try:
             with torch.no_grad():
-                for h, kw in zip(self.hidden, self.kwargs):
+                for h, kw, ctx in zip(self.hidden, self.kwargs, self.contexts):
                     try:
-                        layer(h, **kw[i])
+                        with routing_context(ctx):
+                            layer(h, **kw[i])
                     except _Stop:
                         pass
         finally:
@@ -104,10 +118,13 @@ class LayerInputs:
             put_block(layer, block)
         try:
             with torch.no_grad():
-                out = [layer(h, **kw[i]) for h, kw in zip(self.hidden, self.kwargs)]
+                out = []
+                for h, kw, ctx in zip(self.hidden, self.kwargs, self.contexts):
+                    with routing_context(ctx):
+                        out.append(layer(h, **kw[i]))
         finally:
             put_block(layer, old)
-        return LayerInputs([o[0] if isinstance(o, tuple) else o for o in out], self.kwargs)
+        return LayerInputs([o[0] if isinstance(o, tuple) else o for o in out], self.kwargs, self.contexts)
 
 
 class InMemory:
@@ -163,13 +180,15 @@ def one_pass(source, steps, inputs, observer=None, keep=None, desc="layers") -> 
             if isinstance(block, SparseMoE):
                 for s, step in enumerate(steps):
                     x = None if uses[s] is None else uses[s].block_inputs(i, layer)
-                    block = step.compress_layer(i, block, x)
+                    with routing_context(None if uses[s] is None else uses[s].joined_context()):
+                        block = step.compress_layer(i, block, x)
                     del x
                     source.replaced(i, layer, block)  # streaming: the old block is freed here
                     if uses[s] is not None and i + 1 < len(source.layers):
                         uses[s] = uses[s].advance(i, layer, block)
                 if observer is not None:
-                    observer.observe(i, block, None if watch is None else watch.block_inputs(i, layer))
+                    with routing_context(None if watch is None else watch.joined_context()):
+                        observer.observe(i, block, None if watch is None else watch.block_inputs(i, layer))
                     if watch is not None and i + 1 < len(source.layers):
                         watch = watch.advance(i, layer, block)
             else:  # a dense layer: every carried input goes through it unchanged (once per distinct carry)

@@ -12,7 +12,7 @@ def family_and_base(model, family=None):
     base = getattr(model, "model", model)
     if not isinstance(base, nn.Module):
         base = model
-    fam = family or getattr(type(model), "_zoo_family", None) or getattr(type(base), "_zoo_family", None)
+    fam = family or getattr(type(model), "zoo_family", None) or getattr(type(base), "zoo_family", None)
     return fam, base
 
 

@@ -102,7 +102,7 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
         no_folder = "there is no local folder of that name, " if target == given else ""
         raise HubUnavailable(f"cannot load {target!r}: {no_folder}{why} and it is not in the local cache "
                              f"({exc})") from None  # the cause may hold request headers; exc is masked
-    if finite.enabled() and getattr(type(model), "_zoo_family", None) is None:  # zoo classes check while loading
+    if finite.enabled() and getattr(type(model), "zoo_family", None) is None:  # zoo classes check while loading
         finite.check_finite(model)
     if convert:
         from zoo.architectures.family import NotConvertible

@@ -35,7 +35,7 @@ def ship(src: str, dest: str, name: str, windows: int = 24) -> dict:
         result = evaluate(model, tokenizer, max_windows=windows)
         with open(os.path.join(tmp, "eval.json"), "w") as f:
             json.dump(result, f, indent=1)
-        if getattr(type(model), "_zoo_family", None) is not None:
+        if getattr(type(model), "zoo_family", None) is not None:
             card = zoo.card(model, result, model_name=name,
                             summary=f"`{name}`: trained by moe-zoo on its shipped corpus (Shakespeare and Python "
                                     "standard-library source). A native checkpoint: plain transformers loads it.")

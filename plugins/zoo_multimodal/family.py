@@ -17,7 +17,7 @@ class ZooMM(Family):
         from zoo_multimodal.modeling_zoo_mm import ZooMMForCausalLM
 
         self.config_class, self.model_class = ZooMMConfig, ZooMMForCausalLM
-        ZooMMForCausalLM._zoo_family = self  # how the zoo recognises a zoo_mm model (cards, apply, export)
+        ZooMMForCausalLM.zoo_family = self  # how the zoo recognises a zoo_mm model (cards, apply, export)
 
     def native_config(self, config, layout):
         raise NotExportable("zoo_mm is the zoo's own architecture: transformers has no native family to export to")

@@ -75,7 +75,7 @@ def zoo_classes(family):
     inner_native = _inner_class(lm)
     recorders = {**(inner_native._can_record_outputs or {}), "router_logits": OutputRecorder(Router, index=2)}
     common = {
-        "__module__": __name__, "config_class": cfg_cls, "_can_record_outputs": recorders, "_zoo_family": family,
+        "__module__": __name__, "config_class": cfg_cls, "_can_record_outputs": recorders, "zoo_family": family,
         "_init_weights": _init_weights, "_initialize_missing_keys": _initialize_missing_keys,
         "_check_and_adjust_experts_implementation": _experts_implementation,
         **({"_keep_in_fp32_modules_strict": family.keep_in_fp32} if family.keep_in_fp32 is not None else {}),
@@ -132,7 +132,7 @@ def _init_head(self, config):
     zoo base-model class for a zoo config."""
     self._zoo_native_init(config)
     base = getattr(self, self.base_model_prefix)
-    if getattr(type(base), "_zoo_family", None) is None:
+    if getattr(type(base), "zoo_family", None) is None:
         raise TypeError(f"{type(self).__name__}: the family's head built a native backbone")
 
 
@@ -151,7 +151,7 @@ def adopt(model, family) -> None:
 
 
 def _init(self, config):
-    self._zoo_family.model_class.__init__(self, config)  # builds the family's own base model: made zoo below
+    self.zoo_family.model_class.__init__(self, config)  # builds the family's own base model: made zoo below
     self.model.__class__ = self._zoo_inner_class
     _CAN_RECORD_REGISTRY[self.model] = self._zoo_inner_class._can_record_outputs
     _build_zoo_blocks(self.model, config)
@@ -186,7 +186,7 @@ def _gather_class_properties(*models) -> None:
 def _build_zoo_blocks(base, config) -> None:
     """The MoE blocks of ``config.zoo_layout``; a config without one (a fresh config) gets the family's
     native blocks converted, so every zoo model holds ``SparseMoE`` blocks."""
-    family = type(base)._zoo_family
+    family = type(base).zoo_family
     family.discover(base)
     if config.zoo_layout is None:
         attr = block_attr(base)
@@ -213,14 +213,14 @@ def _experts_implementation(self, requested):
 
 def _init_weights(self, module):
     """The family's initialisation for its own modules, the zoo modules' ``init_weights`` for theirs."""
-    self._zoo_family.model_class._init_weights(self, module)
+    self.zoo_family.model_class._init_weights(self, module)
     text = self.config.get_text_config()
     std = getattr(self.config, "initializer_range", None) or getattr(text, "initializer_range", None)
     init_zoo_module(module, std or 0.02)
 
 
 def _initialize_missing_keys(self, is_quantized: bool) -> None:
-    initialize_missing_keys(self, self._zoo_family.model_class._initialize_missing_keys, is_quantized)
+    initialize_missing_keys(self, self.zoo_family.model_class._initialize_missing_keys, is_quantized)
 
 
 @can_return_tuple
@@ -240,8 +240,8 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, cache
     loss = self.loss_function(logits, labels, self.vocab_size, **kwargs) if labels is not None else None
     aux_loss = None
     router_logits = getattr(outputs, "router_logits", None)
-    if output_router_logits and router_logits and self._zoo_family.aux_loss:
-        aux_loss = family_aux_loss(self._zoo_family, router_logits, [moe for _, moe in moe_layers(self)],
+    if output_router_logits and router_logits and self.zoo_family.aux_loss:
+        aux_loss = family_aux_loss(self.zoo_family, router_logits, [moe for _, moe in moe_layers(self)],
                                    attention_mask)
         if loss is not None:
             loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
@@ -257,5 +257,5 @@ def _save_pretrained(self, save_directory, *args, model_card=None, **kwargs):
 
     sync_layout(self)
     with atomic_directory(save_directory) as tmp:
-        self._zoo_family.model_class.save_pretrained(self, tmp, *args, **kwargs)
+        self.zoo_family.model_class.save_pretrained(self, tmp, *args, **kwargs)
         (model_card or card(self)).save(os.path.join(tmp, "README.md"))

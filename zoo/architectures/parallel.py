@@ -112,7 +112,7 @@ def _family(family):
             if family in (fam.name, f"zoo_{fam.name}"):
                 return fam
     elif isinstance(family, type):
-        zoo_family = getattr(family, "_zoo_family", None)
+        zoo_family = getattr(family, "zoo_family", None)
         if zoo_family is not None:
             return zoo_family
         for fam in families:  # most derived first: a zoo config class subclasses its native one
