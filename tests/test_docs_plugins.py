@@ -1,0 +1,338 @@
+"""docs/plugins/ is executed: every ```python block of every page runs, in order, one namespace per page, and the
+asserts the examples end with must hold.
+
+How a page is run (the conventions the pages follow):
+- A fenced block whose first line is ``# file: PATH`` (or ``{# file: PATH #}`` in a Jinja card template) is a file of
+  the page's plugin project: it is written (appended, when several blocks name one file) under a fresh project
+  folder instead of being run. Python files run when the zoo imports them (the plugin loader, a Space's loader).
+- The project's ``pyproject.toml`` block installs it, as ``pip install -e .`` would: before the next python block
+  runs, a ``<name>-<version>.dist-info`` with its ``moe_zoo`` entry points is written into the project folder, and
+  that folder is put on ``sys.path`` and ``PYTHONPATH`` (fresh processes find it too). The next registry lookup
+  loads the new plugin, as the first lookup of a fresh process would.
+- Every other python block runs in the page's namespace, with the page's temporary folder as working directory.
+After each page everything it registered is taken out again: registry entries, pluggy plugins, plugin errors and
+bookkeeping, CLI commands, transformers Auto-class registrations, imported modules of its project, sys.path.
+
+The meta tests check that every hookspec has a heading and an example in which a real plugin registration called
+it, that every base class has its page, that every ``zoo.x.y`` name the pages mention resolves, and the links.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import re
+import sys
+import tempfile
+import tomllib
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+import zoo
+import zoo.plugins as P
+from zoo import hookspecs
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "plugins"
+PAGES = sorted(p.name for p in DOCS.glob("*.md"))
+
+# base class -> (its page, the dotted name the page's title gives it)
+BASES = {
+    "Router": ("router.md", "zoo.Router"),
+    "Experts": ("experts.md", "zoo.Experts"),
+    "Compressor": ("compressor.md", "zoo.Compressor"),
+    "Adapter": ("adapter.md", "zoo.Adapter"),
+    "Family": ("architecture.md", "zoo.architectures.family.Family"),
+    "ModelEntry": ("models-and-commands.md", "zoo.registry.ModelEntry"),
+}
+HOOKS = sorted(n for n in dir(hookspecs) if getattr(getattr(hookspecs, n), "moe_zoo_spec", None) is not None)
+
+# Blocks that document a contract the core does not keep yet: (page, a line of the block) -> reason. Such a block
+# runs and must fail (the page goes on); once it passes, its test fails so that the entry gets removed.
+XFAIL_BLOCKS: dict[tuple[str, str], str] = {}
+
+FENCE = re.compile(r"^(?P<fence>`{3,}|~{3,})(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.M | re.S)
+MARKER = re.compile(r"^(?:#|\{#)\s*file:\s*(?P<path>[^\s#]+)\s*(?:#\})?\s*$")
+
+
+@dataclass
+class Block:
+    lang: str
+    body: str
+    line: int  # line of the page on which the body starts
+    path: str | None  # a project file, or None for code to run
+
+
+def blocks(page: str) -> list[Block]:
+    text = (DOCS / page).read_text()
+    out = []
+    for m in FENCE.finditer(text):
+        info = m["info"].strip()
+        lang = info.split()[0].lower() if info else ""
+        body = m["body"]
+        first = body.split("\n", 1)[0]
+        marker = MARKER.match(first)
+        out.append(Block(lang, body, text.count("\n", 0, m.start("body")) + 1, marker["path"] if marker else None))
+    return out
+
+
+# ---- the sandbox a page runs in -------------------------------------------------------------------------------
+
+def _auto_mappings():
+    """Every transformers Auto mapping a registration can add to (their ``_extra_content`` dicts)."""
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    maps = [configuration_auto.CONFIG_MAPPING]
+    maps += [v for v in vars(modeling_auto).values() if hasattr(v, "_extra_content") and v is not None]
+    return [m for m in maps if isinstance(getattr(m, "_extra_content", None), dict)]
+
+
+@contextmanager
+def sandbox(folder: Path):
+    """Restore every piece of global state a page may change (see the module docstring)."""
+    from zoo.architectures import factory
+    from zoo.cli import cli
+
+    P.load_plugins()
+    entries = {k: dict(v) for k, v in P.registry.entries.items()}
+    dicts = [(d, dict(d)) for d in (P.errors, P._tracebacks, P._meta, factory._CLASSES, factory._CONFIGS)]
+    dicts += [(m._extra_content, dict(m._extra_content)) for m in _auto_mappings()]
+    sets = [(s, set(s)) for s in (P._called, P._auto_done)]
+    plugins = {n for n, _ in P.pm.list_name_plugin()}
+    commands = dict(cli.commands)
+    added = cli.__dict__.get("_zoo_plugin_commands")
+    added_before = None if added is None else {k: list(v) for k, v in added.items()}
+    modules, path, cwd = set(sys.modules), list(sys.path), os.getcwd()
+    env = {k: os.environ.get(k) for k in ("PYTHONPATH", "MOE_ZOO_LOAD_PLUGINS", "MOE_ZOO_MODEL")}
+    os.environ.pop("MOE_ZOO_LOAD_PLUGINS", None)
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        for k, v in env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:
+            file = getattr(sys.modules[name], "__file__", None) or ""
+            if name.startswith("zoo_space_") or file.startswith(str(folder)):
+                del sys.modules[name]
+        for name, _ in P.pm.list_name_plugin():
+            if name not in plugins:
+                P.pm.unregister(name=name)
+        for kind in P.registry.entries:
+            P.registry.entries[kind].clear()
+            P.registry.entries[kind].update(entries.get(kind, {}))
+        for d, saved in dicts:
+            d.clear()
+            d.update(saved)
+        for s, saved in sets:
+            s.clear()
+            s.update(saved)
+        cli.commands.clear()
+        cli.commands.update(commands)
+        if added_before is None:
+            cli.__dict__.pop("_zoo_plugin_commands", None)
+        else:
+            cli.__dict__["_zoo_plugin_commands"] = added_before
+        importlib.invalidate_caches()
+        P._loaded = True
+
+
+def install(project: Path) -> list[str]:
+    """What ``pip install -e PROJECT`` leaves behind, for the entry points of its pyproject.toml; returns the
+    plugin (entry-point) names."""
+    meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    name, version = meta["name"], meta["version"]
+    eps = meta.get("entry-points", {}).get("moe_zoo", {})
+    info = project / f"{re.sub(r'[-_.]+', '_', name)}-{version}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text("[moe_zoo]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+    sys.path.insert(0, str(project))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(project), *filter(None, [os.environ.get("PYTHONPATH")])])
+    importlib.invalidate_caches()
+    P._loaded = False  # the next registry lookup loads what is new, as a fresh process's first lookup would
+    return list(eps)
+
+
+@dataclass
+class PageResult:
+    ran: int = 0  # python blocks run (files excluded)
+    files: list[Path] = field(default_factory=list)
+    plugins: list[str] = field(default_factory=list)
+    hooks: dict[str, set] = field(default_factory=dict)  # plugin -> hook implementations pluggy holds for it
+    called: set = field(default_factory=set)  # hooks a real registration called (something registered through it)
+    xfails: dict[tuple[str, str], BaseException | None] = field(default_factory=dict)
+    asserts: int = 0
+
+
+def _run(block: Block, page: str, namespace: dict) -> None:
+    tree = ast.parse(block.body, filename=str(DOCS / page))
+    ast.increment_lineno(tree, block.line - 1)
+    exec(compile(tree, str(DOCS / page), "exec"), namespace)
+
+
+def _record(result: PageResult) -> None:
+    from zoo.cli import cli
+    from zoo.registry import KINDS
+
+    added = cli.__dict__.get("_zoo_plugin_commands", {})
+    for name in result.plugins:
+        error = P.errors.get(name)
+        assert error is None, f"plugin {name} failed to load: {error}\n{P._tracebacks.get(name, '')}"
+        assert name in P._called, f"plugin {name} was installed but never loaded (no registry lookup after it)"
+        plugin = P.pm.get_plugin(name)
+        result.hooks[name] = {c.name for c in P.pm.get_hookcallers(plugin)}
+        kinds = {e.kind for by_name in P.registry.entries.values() for e in by_name.values() if e.plugin == name}
+        result.called |= {hook for hook, kind in KINDS.items() if kind in kinds and hook in result.hooks[name]}
+        if added.get(name):
+            result.called.add("register_commands")
+
+
+_RESULTS: dict[str, PageResult] = {}
+
+
+def run_page(page: str) -> PageResult:
+    """Run one page (once per session; the meta tests reuse the results)."""
+    if page in _RESULTS:
+        return _RESULTS[page]
+    result = PageResult()
+    with tempfile.TemporaryDirectory(prefix="docs-plugins-") as tmp:
+        folder = Path(tmp).resolve()
+        project = folder / "project"
+        project.mkdir()
+        namespace = {"__name__": "__main__"}
+        pending = False
+        with sandbox(folder):
+            for block in blocks(page):
+                if block.path is not None:
+                    target = project / block.path
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    with open(target, "a") as f:
+                        f.write(block.body)
+                    result.files.append(target)
+                    pending = pending or target.name == "pyproject.toml"
+                    continue
+                if block.lang != "python":
+                    continue
+                if pending:
+                    result.plugins += install(project)
+                    pending = False
+                result.asserts += sum(isinstance(n, ast.Assert) for n in ast.walk(ast.parse(block.body)))
+                key = next(((p, s) for p, s in XFAIL_BLOCKS if p == page and s in block.body), None)
+                if key is None:
+                    _run(block, page, namespace)
+                else:
+                    try:
+                        _run(block, page, namespace)
+                        result.xfails[key] = None
+                    except Exception as exc:  # noqa: BLE001 - the known failure
+                        result.xfails[key] = exc
+                result.ran += 1
+            _record(result)
+            loaded = {Path(f).resolve() for m in list(sys.modules.values())
+                      if (f := getattr(m, "__file__", None))}
+            unrun = [str(f.relative_to(project)) for f in dict.fromkeys(result.files)
+                     if f.suffix == ".py" and f.resolve() not in loaded]
+            assert not unrun, f"{page}: python files never imported (so never run): {unrun}"
+    _RESULTS[page] = result
+    return result
+
+
+# ---- the pages ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_runs(page, one_thread):
+    result = run_page(page)
+    code = [b for b in blocks(page) if b.lang == "python" and b.path is None]
+    assert result.ran == len(code)
+    if code:
+        assert result.asserts, f"{page}: its examples assert nothing"
+        assert "assert " in code[-1].body, f"{page}: its last example ends without asserting what it shows"
+
+
+@pytest.mark.parametrize("key", sorted(XFAIL_BLOCKS))
+def test_known_core_bugs(key, one_thread):
+    outcome = run_page(key[0]).xfails.get(key, "block not found")
+    assert outcome != "block not found", f"no block of {key[0]} contains {key[1]!r}"
+    if outcome is None:
+        pytest.fail(f"{key}: the example now works; remove it from XFAIL_BLOCKS")
+    pytest.xfail(f"{XFAIL_BLOCKS[key]} ({type(outcome).__name__}: {outcome})")
+
+
+# ---- meta -----------------------------------------------------------------------------------------------------
+
+def headings(page: str) -> list[str]:
+    text = FENCE.sub("", (DOCS / page).read_text())
+    return [line for line in text.splitlines() if line.startswith("#")]
+
+
+def test_every_hookspec_has_a_heading_and_an_example_a_registration_called(one_thread):
+    assert len(HOOKS) == 7, HOOKS
+    titled = {h for page in PAGES for line in headings(page) for h in HOOKS if re.search(rf"\b{h}\b", line)}
+    assert set(HOOKS) <= titled, f"hookspecs without a heading: {sorted(set(HOOKS) - titled)}"
+    called = set().union(*(run_page(page).called for page in PAGES))
+    assert set(HOOKS) <= called, f"hookspecs no example's plugin registration called: {sorted(set(HOOKS) - called)}"
+
+
+def test_every_base_class_has_its_page():
+    for cls, (page, dotted) in BASES.items():
+        assert (DOCS / page).is_file(), f"{cls}: no {page}"
+        title = headings(page)[0]
+        assert title.startswith("# ") and f"`{dotted}`" in title, f"{page}: title {title!r} does not name {dotted}"
+        assert resolve(dotted).__name__ == cls
+
+
+def resolve(dotted: str):
+    """``dotted`` as a reader reaches it: import its longest module prefix, then attribute access from ``zoo``."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        try:
+            importlib.import_module(".".join(parts[:n]))
+            break
+        except ImportError:
+            continue
+    obj = importlib.import_module(parts[0])
+    for part in parts[1:]:
+        obj = getattr(obj, part)
+    return obj
+
+
+NAME = re.compile(r"(?<![\w.\-/])zoo(?:\.[A-Za-z_]\w*)+")
+
+
+def test_every_zoo_name_the_pages_mention_resolves():
+    names = sorted({m.group(0) for page in PAGES for m in NAME.finditer((DOCS / page).read_text())})
+    assert len(names) > 40, names
+    unresolved = []
+    for name in names:
+        try:
+            resolve(name)
+        except (ImportError, AttributeError) as exc:
+            unresolved.append(f"{name} ({exc})")
+    assert not unresolved, "names the pages mention that do not resolve: " + "; ".join(unresolved)
+
+
+LINK = re.compile(r"\]\((?P<target>[^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_links_resolve_and_the_overview_links_every_page():
+    for page in PAGES:
+        for m in LINK.finditer((DOCS / page).read_text()):
+            target = m["target"]
+            if "://" not in target:
+                assert (DOCS / target).exists(), f"{page}: broken link {target}"
+    linked = {m["target"] for m in LINK.finditer((DOCS / "README.md").read_text())}
+    assert set(PAGES) - {"README.md"} <= linked, f"pages README.md does not link: {set(PAGES) - linked - {'README.md'}}"
+
+
+def test_the_old_contract_page_points_to_the_new_one():
+    old = (ROOT / "docs" / "plugin-contract.md").read_text().strip().splitlines()
+    assert len(old) == 2 and "plugins/compressor.md" in old[1]
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("**/*.md")]:
+        if doc.name != "plugin-contract.md":
+            assert "plugin-contract.md" not in doc.read_text(), f"{doc} still links docs/plugin-contract.md"
