@@ -41,7 +41,9 @@ def new(name, kind, parent):
               help="Install a local plugin folder in editable mode (repeatable).")
 @click.option("-U", "--upgrade", is_flag=True, help="Upgrade the named packages (never the zoo's pinned libraries).")
 @click.option("--no-deps", is_flag=True, help="Install the packages alone, without their dependencies.")
-@click.option("--force-reinstall", is_flag=True, help="Reinstall the packages even if they are up to date.")
+@click.option("--reinstall", is_flag=True,
+              help="Reinstall the named packages even if they are up to date (not their dependencies: pip's "
+                   "--force-reinstall would reinstall torch too).")
 @click.option("--pre", is_flag=True, help="Include pre-release versions.")
 @click.option("--no-index", is_flag=True, help="Do not use a package index (with --find-links, or local folders).")
 @click.option("-f", "--find-links", multiple=True, metavar="URL|DIR", help="Also look for packages here (repeatable).")
@@ -50,7 +52,7 @@ def new(name, kind, parent):
 @click.option("--no-build-isolation", is_flag=True,
               help="Build local folders with the build tools already installed (offline builds).")
 @click.option("-q", "--quiet", is_flag=True, help="Less pip output.")
-def install(packages, editable, upgrade, no_deps, force_reinstall, pre, no_index, find_links, index_url,
+def install(packages, editable, upgrade, no_deps, reinstall, pre, no_index, find_links, index_url,
             extra_index_url, no_build_isolation, quiet):
     """Install plugin PACKAGES (pip requirement specifiers, wheels or folders) with pip, holding torch and the
     zoo's own libraries at their installed versions; then load every plugin in a fresh process and print one
@@ -59,8 +61,8 @@ def install(packages, editable, upgrade, no_deps, force_reinstall, pre, no_index
 
     if not packages and not editable:
         raise click.UsageError("name at least one package to install (or -e PATH)")
-    flags = [flag for flag, on in (("--upgrade", upgrade), ("--no-deps", no_deps),
-                                   ("--force-reinstall", force_reinstall), ("--pre", pre), ("--no-index", no_index),
+    flags = [flag for flag, on in (("--upgrade", upgrade), ("--no-deps", no_deps or reinstall),
+                                   ("--force-reinstall", reinstall), ("--pre", pre), ("--no-index", no_index),
                                    ("--no-build-isolation", no_build_isolation), ("--quiet", quiet)) if on]
     for url in find_links:
         flags += ["--find-links", url]
@@ -78,8 +80,8 @@ def install(packages, editable, upgrade, no_deps, force_reinstall, pre, no_index
     for dist in not_plugins:
         click.echo(f"{dist}: installed, but it has no moe_zoo entry point (not a moe-zoo plugin)")
     if not rows and not not_plugins:
-        click.echo("no new plugin installed (everything asked for was already installed; -U or --force-reinstall "
-                   "to install again)")
+        click.echo("no new plugin installed (what was asked for is installed already; --upgrade or --reinstall "
+                   "to install it again)")
     broken = [row["name"] for row in rows if "error" in row]
     if broken:
         raise click.ClickException(f"installed, but {len(broken)} plugin(s) failed to load: {', '.join(broken)}")

@@ -68,10 +68,7 @@ def variables(name: str, kind: str) -> dict[str, str]:
     camel = "".join(w.capitalize() for w in words)
     class_name = camel if camel.endswith(suffix) else camel + suffix  # my-router -> MyRouter, not MyRouterRouter
     component = name.replace("-", "_") if kind == "architecture" else name  # a model type: zoo_<component>
-    try:
-        zoo_version = md.version("moe-zoo")
-    except md.PackageNotFoundError:
-        zoo_version = "0.1.0"
+    zoo_version, gradio_version = installed("moe-zoo", "0.1.0"), installed("gradio", "6.31.0")
     v = {
         "name": name,
         "kind": kind,
@@ -85,10 +82,18 @@ def variables(name: str, kind: str) -> dict[str, str]:
         "default_options": default_options,
         "test_file": f"test_{name.replace('-', '_')}.py",
         "zoo_version": zoo_version,
+        "gradio_version": gradio_version,  # the Space's sdk_version and pin: what the zoo runs with
         "registered": class_name + ("()" if kind == "architecture" else ""),  # a Family is registered as an instance
     }
     v["usage"] = string.Template((TEMPLATES / kind / "usage.md").read_text()).substitute(v).rstrip("\n")
     return v
+
+
+def installed(distribution: str, default: str) -> str:
+    try:
+        return md.version(distribution)
+    except md.PackageNotFoundError:
+        return default
 
 
 def output_path(template: str, v: dict[str, str]) -> str:
