@@ -93,6 +93,17 @@ def test_bad_names_are_refused(tmp_path, name, message):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("name, kind, message", [
+    ("top-p", "router", "router 'top-p' is already registered by moe-zoo"),
+    ("qwen3-moe", "architecture", "architecture 'qwen3_moe' is already registered by moe-zoo"),
+    ("llama", "architecture", "'llama' is a transformers model type already"),
+])
+def test_taken_names_are_refused(tmp_path, name, kind, message):
+    result = new(name, "--kind", kind, "--dir", str(tmp_path))
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unknown_kind_gets_a_suggestion(tmp_path):
     result = new("x", "--kind", "routr", "--dir", str(tmp_path))
     assert result.exit_code == 2 and "unknown kind 'routr'; did you mean 'router'?" in result.output

@@ -49,6 +49,23 @@ def check_kind(kind: str) -> str:
     return kind
 
 
+def check_free(name: str, kind: str) -> None:
+    """Refuse a component name an installed plugin (or the zoo) already registers for this kind, and an
+    architecture named like a transformers model type: the new plugin would be refused when it loads."""
+    from zoo.registry import registry
+
+    component = variables(name, kind)["component"]
+    taken = registry.find(kind, component)
+    if taken is not None:
+        raise ScaffoldError(f"{kind} {component!r} is already registered by {taken.distribution} "
+                            f"(plugin {taken.plugin}); choose another name")
+    if kind == "architecture":
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if component in CONFIG_MAPPING_NAMES:
+            raise ScaffoldError(f"{component!r} is a transformers model type already; choose another name")
+
+
 def target_dir(name: str, parent: str | os.PathLike = ".") -> Path:
     """``PARENT/moe-zoo-NAME``, refused if it is a file or a folder with anything in it."""
     target = Path(parent) / f"moe-zoo-{name}"
@@ -128,6 +145,7 @@ def new_plugin(name: str, kind: str, parent: str | os.PathLike = ".") -> Path:
     check_name(name)
     check_kind(kind)
     target = target_dir(name, parent)
+    check_free(name, kind)
     files = render(name, kind)
     Path(parent).mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".moe-zoo-{name}-", dir=parent))
