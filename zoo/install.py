@@ -34,7 +34,11 @@ def pinned() -> dict[str, str]:
     from packaging.requirements import Requirement
 
     names = [OWN, *EXTRA_PINS]
-    for line in md.requires(OWN) or []:
+    try:
+        requires = md.requires(OWN) or []
+    except md.PackageNotFoundError:  # the zoo imported from a checkout that was never installed
+        requires = []
+    for line in requires:
         req = Requirement(line)
         if req.marker is None or req.marker.evaluate({"extra": ""}):  # the optional extras are not pinned
             names.append(req.name)
@@ -58,8 +62,22 @@ def pip_command(packages, constraints: Path, report: Path, editable=(), flags=()
     return cmd + list(flags) + list(packages)
 
 
+def check_pip() -> None:
+    """pip 22.2 or newer (``--report`` says what it installed)."""
+    from packaging.version import Version
+
+    try:
+        version = md.version("pip")
+    except md.PackageNotFoundError:
+        raise InstallError(f"pip is not installed for {sys.executable}: python -m ensurepip --upgrade") from None
+    if Version(version) < Version("22.2"):
+        raise InstallError(f"moe-zoo install needs pip 22.2 or newer, this is pip {version}: "
+                           "python -m pip install -U pip")
+
+
 def run_pip(packages, editable=(), flags=()) -> list[dict]:
     """Run pip (its output goes to the terminal); return its report's ``install`` list (what it installed)."""
+    check_pip()
     with tempfile.TemporaryDirectory(prefix="moe-zoo-install-") as tmp:
         constraints, report = Path(tmp) / "constraints.txt", Path(tmp) / "report.json"
         pins = pinned()
