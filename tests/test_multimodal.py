@@ -16,6 +16,7 @@ from zoo_multimodal.hierarchical_modality import HierarchicalModality
 from zoo_multimodal.language_conditioned import LanguageConditioned
 from zoo_multimodal.modality_groups import ModalityGroupExperts
 from zoo_multimodal.modeling_zoo_mm import ZooMMForCausalLM
+from zoo.moe import RoutingContext
 from zoo_multimodal.processing_zoo_mm import ZooMMProcessor
 
 from zoo.architectures.family import NotExportable

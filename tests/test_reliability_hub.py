@@ -10,6 +10,7 @@ import pytest
 
 import zoo
 import zoo.hub
+import zoo.token_masking
 import zoo.ship
 from tiny import tiny_native
 
@@ -60,8 +61,8 @@ def model():
     return zoo.convert(tiny_native("mixtral"))
 
 
-def push_error(hub, model, token=None) -> zoo.hub.HubError:
-    with pytest.raises(zoo.hub.HubError) as excinfo:
+def push_error(hub, model, token=None) -> zoo.token_masking.HubError:
+    with pytest.raises(zoo.token_masking.HubError) as excinfo:
         zoo.hub.push_to_hub(model, "org/name", space=False, token=token, endpoint=hub.url)
     assert hub.seen and hub.seen[0] == f"Bearer {TOKEN}"  # the token went out, and the server echoed it
     return excinfo.value
@@ -70,7 +71,7 @@ def push_error(hub, model, token=None) -> zoo.hub.HubError:
 def assert_masked(error: Exception) -> None:
     shown = "".join(traceback.format_exception(error))  # what an uncaught error prints
     assert TOKEN[:8] not in shown and TOKEN[-8:] not in shown, shown
-    assert "401" in str(error) and zoo.hub.MASK in str(error)  # still says what went wrong
+    assert "401" in str(error) and zoo.token_masking.MASK in str(error)  # still says what went wrong
     assert error.__cause__ is None and error.__suppress_context__  # the response (headers) is not chained
     assert isinstance(error, OSError) and isinstance(error, RuntimeError)
 
@@ -93,7 +94,7 @@ def test_token_prefix_is_masked(echo_hub, model):
     echo_hub.echo = lambda token: token[:10] + "..."  # a server that shows only the start of the token
     error = push_error(echo_hub, model, token=TOKEN)
     assert_masked(error)
-    assert f"Invalid credentials: {zoo.hub.MASK}..." in str(error)
+    assert f"Invalid credentials: {zoo.token_masking.MASK}..." in str(error)
 
 
 def test_ship_masks_hub_errors(monkeypatch, tmp_path):
@@ -105,7 +106,7 @@ def test_ship_masks_hub_errors(monkeypatch, tmp_path):
 
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
-    with pytest.raises(zoo.hub.HubError, match="org/gated is gated; token hf_\\*\\*\\* has no access") as excinfo:
+    with pytest.raises(zoo.token_masking.HubError, match="org/gated is gated; token hf_\\*\\*\\* has no access") as excinfo:
         zoo.ship.ship("org/gated", str(tmp_path / "out"), "gated")
     assert TOKEN[:8] not in "".join(traceback.format_exception(excinfo.value))
 
@@ -113,7 +114,7 @@ def test_ship_masks_hub_errors(monkeypatch, tmp_path):
 def test_errors_without_a_token_pass_unchanged(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     with pytest.raises(FileNotFoundError, match="no such folder"):
-        with zoo.hub.masked_errors():
+        with zoo.token_masking.masked_errors():
             raise FileNotFoundError("no such folder")
 
 
@@ -129,4 +130,4 @@ def test_zoo_load_masks_hub_errors(monkeypatch):
     with pytest.raises(zoo.loading.HubUnavailable) as excinfo:
         zoo.load("org/private-model")
     shown = "".join(traceback.format_exception(excinfo.value))
-    assert TOKEN[:8] not in shown and zoo.hub.MASK in str(excinfo.value)
+    assert TOKEN[:8] not in shown and zoo.token_masking.MASK in str(excinfo.value)

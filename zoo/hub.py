@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from zoo.token_masking import HubError, known_tokens, mask_tokens, masked_errors  # noqa: F401  (zoo.hub's API)
+from zoo.token_masking import masked_errors
 
 DEFAULT_SPACE = "router-explorer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -19,7 +19,7 @@ def ship(src: str, dest: str, name: str, windows: int = 24) -> dict:
     import zoo
     from zoo.atomic import atomic_directory
     from zoo.eval import evaluate, plot_usage
-    from zoo.hub import masked_errors
+    from zoo.token_masking import masked_errors
 
     with masked_errors():  # src may be a hub id: its errors must not show a token
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
