@@ -8,7 +8,8 @@ one-paragraph message at the first failure:
    ``str``) raise, and leave the model bit-identical (every tensor, its class and its config);
 2. ``zoo.apply(model, name, **options)`` works and the recipe step records the name and the options as given;
 3. ``save_pretrained``, then a load in a fresh Python process (``import zoo`` and the model's Auto class) gives the
-   same logits on fixed inputs, the same layout and the same recipe;
+   same logits on fixed inputs, and the same output of every module on the way (the first one that differs names
+   the culprit), the same layout and the same recipe;
 4. ``zoo.card(model)`` (and the saved README.md) holds the section the component's card template renders;
 5. every router or experts module the step put in the model that declares a ``reference`` (a plain, obviously
    correct version of ``forward`` with the same signature) matches it, outputs and gradients, on random inputs.
@@ -51,13 +52,14 @@ from pathlib import Path
 
 import torch
 
-# Reload tolerance, relative to the largest |logit|. The fresh process runs the same fp32 kernels on the same
-# weights and inputs with the same thread count, so logits mostly come back bit-identical; but a loaded tensor's
-# memory alignment can pick another kernel path, which changes a linear layer's output in the last bit (7e-9
-# measured), and a large adapter update amplifies that to 1.1e-6 of the largest logit (replora on the tiny
-# Mixtral). Reload bugs change a tensor by a bf16 rounding (2^-9 relative) or far more (uninitialised memory, a
-# default in place of a saved option): the mildest, an fp32 buffer cast to bf16 on load, moved the logits by
-# 4.9e-4 of the largest one (tests/checker_toys.py). 2e-5 sits between the two with a margin of 18x and 25x.
+# Reload tolerance, relative to the largest |value| of each output compared (every module's, in the order they ran,
+# then the logits). The fresh process runs the same fp32 kernels on the same weights and inputs with the same thread
+# count, so outputs mostly come back bit-identical; but a loaded tensor's memory alignment can pick another kernel
+# path, which changes a linear layer's output in the last bit, and the layers after it carry that on: at most
+# 8.6e-7 of an output's largest value over every first-party check (replora on the tiny Qwen2-MoE). Reload bugs
+# change a tensor by a bf16 rounding (2^-9) or far more; the mildest, an fp32 buffer cast to bf16 on load
+# (tests/checker_toys.py), moved the router's output by 9.2e-4 of its largest value. 2e-5 sits between the two,
+# 23x above the one and 46x below the other.
 RELOAD_TOLERANCE = 2e-5
 # Conversion (native -> zoo) computes the same function with other kernels (fused experts, another summation order).
 CONVERT_TOLERANCE = 1e-5
@@ -70,31 +72,32 @@ FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "mistral", "zoo_mm
 # ---- tiny models ------------------------------------------------------------------------------------------------
 
 def _common(**extra) -> dict:
-    return dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+    return dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
 
 
-# family -> (config class name in transformers, its keyword arguments). Expert widths are multiples of 32 so that
-# quantization groups fit; Qwen2-MoE and DeepSeek-V3 have a dense layer next to MoE ones and shared experts.
+# family -> (config class name in transformers, its keyword arguments): 20-80 thousand parameters each. Widths are
+# 32, the smallest quantization group; Qwen2-MoE and DeepSeek-V3 have a dense layer next to MoE ones and shared
+# experts, GPT-OSS biased experts and a clamped activation.
 TINY = {
-    "mixtral": ("MixtralConfig", _common(intermediate_size=64, num_hidden_layers=2, num_local_experts=4,
+    "mixtral": ("MixtralConfig", _common(intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
                                          num_experts_per_tok=2)),
     "qwen2_moe": ("Qwen2MoeConfig", _common(intermediate_size=64, moe_intermediate_size=32,
-                                            shared_expert_intermediate_size=64, num_hidden_layers=3, num_experts=6,
+                                            shared_expert_intermediate_size=32, num_hidden_layers=3, num_experts=6,
                                             num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1])),
     "qwen3_moe": ("Qwen3MoeConfig", _common(intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-                                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16)),
+                                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
     "olmoe": ("OlmoeConfig", _common(intermediate_size=32, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)),
     "deepseek_v3": ("DeepseekV3Config", dict(
-        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=128, pad_token_id=0,
+        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64, pad_token_id=0,
         bos_token_id=1, eos_token_id=2, rope_interleave=True)),
     "gpt_oss": ("GptOssConfig", _common(intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
-                                        num_experts_per_tok=2, head_dim=16, sliding_window=16,
+                                        num_experts_per_tok=2, sliding_window=16,
                                         layer_types=["sliding_attention", "full_attention"])),
-    "mistral": ("MistralConfig", _common(intermediate_size=64, num_hidden_layers=2, head_dim=16)),  # dense
+    "mistral": ("MistralConfig", _common(intermediate_size=64, num_hidden_layers=2)),  # dense
     "zoo_mm": ("ZooMMConfig", dict(vocab_size=25, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                    moe_intermediate_size=32, group_sizes=[2, 3, 3], top_groups=2,
                                    num_experts_per_tok=2, vision_experts=3)),
@@ -328,16 +331,30 @@ def _label(model) -> str:
 
 
 def _state(model):
+    """What must not change: the class, the structure, the config and every tensor's bytes (buffers that are not
+    saved included)."""
     from zoo.snapshot import Fingerprint
 
-    return type(model), Fingerprint(model), json.dumps(model.config.to_dict(), sort_keys=True, default=repr)
+    return (type(model), Fingerprint(model), json.dumps(model.config.to_dict(), sort_keys=True, default=repr),
+            {n: _bytes(t) for n, t in _tensors(model)})
+
+
+def _tensors(model):
+    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+
+def _bytes(t: torch.Tensor) -> tuple:
+    return t.dtype, tuple(t.shape), t.detach().reshape(-1).view(torch.uint8).clone()
 
 
 def _unchanged(model, before, what: str, where: str) -> None:
-    cls, fingerprint, config = before
-    now = json.dumps(model.config.to_dict(), sort_keys=True, default=repr)
-    checks = {"its class": type(model) is cls, "its tensors or structure": fingerprint.same_as(model),
-              "its config": now == config}
+    cls, fingerprint, config, tensors = before
+    now = {n: _bytes(t) for n, t in _tensors(model)}
+    same_bytes = now.keys() == tensors.keys() and all(
+        a[:2] == b[:2] and torch.equal(a[2], b[2]) for a, b in ((now[n], tensors[n]) for n in now))
+    checks = {"its class": type(model) is cls, "its structure": fingerprint.same_as(model),
+              "its tensors": same_bytes,
+              "its config": json.dumps(model.config.to_dict(), sort_keys=True, default=repr) == config}
     changed = [part for part, same in checks.items() if not same]
     if changed:
         raise AssertionError(f"{where}: {what} raised but changed the model ({', '.join(changed)}). A step must "
@@ -526,9 +543,31 @@ def _part_classes(model) -> list[type]:
 
 
 def _logits(model, inputs) -> torch.Tensor:
+    return _forward(model, inputs)["logits"]
+
+
+def _forward(model, inputs) -> dict[str, torch.Tensor]:
+    """The logits and every module's output (``name#call``, in the order they finish; the first tensor of a tuple
+    such as a Routing) on ``inputs``, in eval mode."""
+    outputs, calls = {}, {}
+
+    def record(name, out):
+        if isinstance(out, (tuple, list)):
+            out = next((o for o in out if torch.is_tensor(o)), None)
+        if torch.is_tensor(out) and out.is_floating_point():
+            calls[name] = calls.get(name, -1) + 1
+            outputs[f"{name}#{calls[name]}"] = out.detach().float().clone()
+
+    hooks = [m.register_forward_hook(lambda _, __, out, name=name: record(name, out))
+             for name, m in model.named_modules() if name]
     model.eval()
-    with torch.no_grad():
-        return model(**inputs, use_cache=False).logits.float()
+    try:
+        with torch.no_grad():
+            logits = model(**inputs, use_cache=False).logits.float()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {**outputs, "logits": logits}
 
 
 def _max_diff(a, b) -> float:
@@ -546,10 +585,10 @@ def _save(case) -> None:
     case["inputs"] = sample_inputs(model)
     logits = _logits(model, case["inputs"])
     model.save_pretrained(case["folder"])
-    case["logits"] = _logits(model, case["inputs"])
-    if not torch.equal(logits, case["logits"]):
+    case["outputs"] = _forward(model, case["inputs"])
+    if not torch.equal(logits, case["outputs"]["logits"]):
         raise AssertionError(f"{where}: save_pretrained changed the model's logits (by up to "
-                             f"{_max_diff(case['logits'], logits):.3g}).")
+                             f"{_max_diff(case['outputs']['logits'], logits):.3g}).")
     zoo_model = _unwrapped(model)
     case["layout"] = read_layout(zoo_model)
     case["recipe"] = json.loads(json.dumps(zoo_model.config.zoo_recipe or []))
@@ -700,7 +739,7 @@ def _reload(cases, plugins, tmp) -> None:
     for case, job, result in zip(cases, jobs, json.loads(results.read_text())):
         case["reloaded"] = result
         if "error" not in result:
-            result["logits"] = load_file(job["out"])["logits"]
+            result["outputs"] = load_file(job["out"])
 
 
 def reload_job(path: str) -> None:
@@ -736,7 +775,7 @@ def reload_job(path: str) -> None:
             else:
                 model = cls.from_pretrained(case["folder"])
                 found = {"layout": read_layout(model), "recipe": json.loads(json.dumps(model.config.zoo_recipe or []))}
-            save_file({"logits": _logits(model, load_file(case["inputs"])).contiguous()}, case["out"])
+            save_file({k: v.contiguous() for k, v in _forward(model, load_file(case["inputs"])).items()}, case["out"])
             out.append({"class": type(model).__name__, **found})
         except Exception as exc:  # noqa: BLE001 - reported by the checking process
             out.append({"error": "".join(traceback.format_exception_only(type(exc), exc)).strip()})
@@ -755,13 +794,18 @@ def _compare(case) -> None:
                              "An option the module does not pass up to its base class is not saved.")
     if "recipe" in result and result["recipe"] != case["recipe"]:
         raise AssertionError(f"{where}: the reloaded recipe differs: {result['recipe']} instead of {case['recipe']}.")
-    want, got = case["logits"], result["logits"]
-    diff = _max_diff(got, want)
-    case["report"]["max_logit_diff"] = max(case["report"]["max_logit_diff"], diff)
-    scale = want.abs().max().item()
-    if diff > RELOAD_TOLERANCE * max(scale, 1e-6):
-        raise AssertionError(
-            f"{where}: after save_pretrained and a load in a fresh process the logits differ by up to {diff:.3g} "
-            f"(largest logit {scale:.3g}). Typical causes: a non-persistent buffer that no init_weights rebuilds "
-            "(it comes back as uninitialised memory), a tensor whose dtype changes on load, or an option not "
-            "passed to super().__init__ (so not saved).")
+    want, got = case["outputs"], result["outputs"]
+    case["report"]["max_logit_diff"] = max(case["report"]["max_logit_diff"], _max_diff(got["logits"], want["logits"]))
+    lost = [k for k in want if k not in got]
+    if lost and "base_folder" not in case:  # PEFT's own load wraps the base in its own modules
+        raise AssertionError(f"{where}: the model loaded in a fresh process lacks modules that ran in this one: "
+                             f"{', '.join(k.split('#')[0] for k in lost[:3])}. Their structure is not saved.")
+    for key in [k for k in want if k in got]:  # in the order they ran: the first one to differ is the culprit
+        diff, scale = _max_diff(got[key], want[key]), want[key].abs().max().item()
+        if diff > RELOAD_TOLERANCE * max(scale, 1e-6):
+            what = "the logits differ" if key == "logits" else f"the output of {key.split('#')[0]} differs"
+            raise AssertionError(
+                f"{where}: after save_pretrained and a load in a fresh process {what} by up to {diff:.3g} "
+                f"(largest value {scale:.3g}). Typical causes: a non-persistent buffer that no init_weights "
+                "rebuilds (it comes back as uninitialised memory), a tensor whose dtype changes on load, or an "
+                "option not passed to super().__init__ (so not saved).")
