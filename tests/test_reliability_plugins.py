@@ -58,11 +58,6 @@ class FakeEntryPoint:
 def plugins(monkeypatch, tmp_path):
     """``plugins.add(module, source)`` installs a fake third-party plugin; ``plugins.load()`` loads the new ones
     and returns ``plugin_report()`` by name. Everything the test changed in the plugin state is undone after."""
-    P.load_plugins()
-    kinds = {k: dict(v) for k, v in P.registry.by_kind.items()}
-    dicts = [(d, dict(d)) for d in (P.errors, P._tracebacks, P._meta)]
-    sets = [(s, set(s)) for s in (P._called, P._auto_done)]
-    before = {n for n, _ in P.pm.list_name_plugin()}
     eps, modules = [], []
     real = md.entry_points
     monkeypatch.setattr(md, "entry_points", lambda **kw: list(eps) if kw.get("group") == "moe_zoo" else real(**kw))
@@ -76,26 +71,13 @@ def plugins(monkeypatch, tmp_path):
         modules.append(module)
 
     def load():
-        P._loaded = False
-        P.load_plugins()
+        P.load_new_plugins()
         return {row["name"]: row for row in P.plugin_report()}
 
-    yield SimpleNamespace(add=add, load=load)
-    for name, _ in P.pm.list_name_plugin():
-        if name not in before:
-            P.pm.unregister(name=name)
-    for kind, d in P.registry.by_kind.items():
-        d.clear()
-        d.update(kinds[kind])
-    for d, saved in dicts:
-        d.clear()
-        d.update(saved)
-    for s, saved in sets:
-        s.clear()
-        s.update(saved)
+    with P.restored_state():
+        yield SimpleNamespace(add=add, load=load)
     for module in modules:
         sys.modules.pop(module, None)
-    P._loaded = True
 
 
 def one_line(error: str) -> str:

@@ -179,6 +179,37 @@ def load_plugins() -> None:
 registry.loader = load_plugins
 
 
+def load_new_plugins() -> None:
+    """Load the plugins installed since the last load (e.g. an entry point added in this process)."""
+    global _loaded
+    with _lock:
+        _loaded = False
+        load_plugins()
+
+
+@contextlib.contextmanager
+def restored_state():
+    """Everything the loader and the registry hold is put back on exit: the plugins, components, errors and
+    Auto-class registrations of plugins loaded inside are forgotten (tests that install plugins use it)."""
+    load_plugins()
+    plugins = {n for n, _ in pm.list_name_plugin()}
+    entries = {kind: dict(by_name) for kind, by_name in registry.entries.items()}
+    saved = [(d, dict(d)) for d in (errors, _tracebacks, _meta)] + [(s, set(s)) for s in (_called, _auto_done)]
+    try:
+        yield
+    finally:
+        with _lock:
+            for name, _ in pm.list_name_plugin():
+                if name not in plugins:
+                    pm.unregister(name=name)
+            for kind, by_name in registry.entries.items():
+                by_name.clear()
+                by_name.update(entries.get(kind, {}))
+            for container, before in saved:
+                container.clear()
+                container.update(before)
+
+
 def provenance(kind: str, name: str) -> dict | None:
     """``{"distribution", "version"}`` of the plugin that registered a component, for what a model records."""
     reg = registry.find(kind, name)
