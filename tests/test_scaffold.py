@@ -2,6 +2,7 @@
 throwaway venv that sees the installed zoo, and then works there: its own generated tests pass, ``moe-zoo plugins``
 lists it without error, and ``moe-zoo demo`` finds its Space. Mistakes are refused in one line, writing nothing."""
 import json
+import sysconfig
 
 import pytest
 from click.testing import CliRunner
@@ -52,7 +53,7 @@ def test_pip_sees_the_installed_zoo(installed):
     show = run(python, "-m", "pip", "show", "moe-zoo", "moe-zoo-demo-router")
     assert show.returncode == 0, show.stderr
     zoo_info, plugin_info = show.stdout.split("\n---\n")
-    assert "Name: moe-zoo\n" in zoo_info and "Location: " in zoo_info
+    assert "Name: moe-zoo\n" in zoo_info and f"Location: {sysconfig.get_path('purelib')}\n" in zoo_info  # ours
     assert "Requires: moe-zoo" in plugin_info and "venv" in plugin_info.split("Location: ")[1].splitlines()[0]
 
 
