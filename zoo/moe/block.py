@@ -81,7 +81,9 @@ class SparseMoE(nn.Module):
     def top_k(self) -> int:
         return self.router.top_k
 
-    def forward(self, hidden: torch.Tensor):
+    def forward(self, hidden: torch.Tensor, **family_inputs):
+        """``family_inputs``: what a family's decoder layer hands its block besides the hidden states (DeepSeek-V4
+        passes ``input_ids``); routers read such facts from the routing context instead, so they are ignored."""
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         routing = self.route(x)
