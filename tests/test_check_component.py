@@ -11,7 +11,7 @@ from zoo.testing import TINY, check_component, check_components, tiny_model
 OPTIONS = {
     "router:expert-choice": {"capacity_factor": 1.5},
     "router:hierarchical-modality": {"top_groups": 1},
-    "router:language-conditioned": {"context_size": 32},
+    "router:language-conditioned": {"context_size": 16},
     "router:mixture-of-heads": {"heads_per_token": 0.5},
     "router:remix": {"num_samples": 2},
     "router:scored-topk": {"score": "sigmoid"},
@@ -46,9 +46,12 @@ EXTRA = {
     "quantize mixed widths": {"name": "quantize", "options": {"bits": 5, "allocation": "alphaq", "group_size": 32}},
     "quantize 8 bits": {"name": "quantize", "options": {"bits": 8, "group_size": 32}, "families": ["mixtral"]},
 }
-# prune-group scores experts on the multimodal batches it draws itself (it takes no token-id calibration)
-SPECIAL = {"compressor:prune-group": {"families": ["zoo_mm"], "calibration": None},
-           "router:mixture-of-heads": {"families": ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"]}}
+SPECIAL = {
+    # prune-group scores experts on the multimodal batches it draws itself: it takes no token-id calibration
+    "compressor:prune-group": {"families": ["zoo_mm"], "calibration": None},
+    # on zoo_mm it does not survive a reload: checked apart (KNOWN_BUG)
+    "router:mixture-of-heads": {"families": ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"]},
+}
 # Families each check is expected to skip, with the zoo's refusal (the default: the dense Mistral, for MoE steps).
 # Pinned, so that a component that stops fitting a family is noticed rather than skipped in silence.
 MOE = {"mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "zoo_mm"}  # refused by steps that make an MoE of a dense model
