@@ -31,12 +31,16 @@ What each kind means here:
 - architectures: a tiny native model of the family (built in for the families in ``TINY``; pass ``model=`` for
   others) is converted losslessly with ``zoo.convert``, then checks 3, 4 and 5.
 
-``model=`` checks on that model only (a copy: yours is left as it is). ``families=`` picks built-in families
-(``TINY``). ``plugins=`` names modules holding ``@zoo.hookimpl register_*`` functions that are not installed as
-entry points (e.g. a plugin under development, or test components): they are registered for the check, here and
-in the fresh process, which finds them on the ``sys.path`` of this one. ``check_components`` checks several
-components with one fresh process (``import zoo`` costs seconds). An option named ``model``, ``families``,
-``plugins`` or ``calibration`` is passed through ``check_components([(name, options)])``.
+A name that two kinds use (``channel-topk``: a compressor and the experts it makes) means the applicable kind;
+write ``experts:channel-topk`` for the other. ``model=`` checks on that model only (a copy: yours is left as it
+is); ``families=`` picks built-in families (``TINY``). ``plugins=`` names modules holding ``@zoo.hookimpl
+register_*`` functions that are not installed through an entry point (a plugin under development, components
+defined for a test): they are registered for the check, here and in the fresh process, which gets their folder on
+its ``PYTHONPATH``. ``check_components`` checks several components with one fresh process (``import zoo`` costs
+seconds); an option named ``model``, ``families``, ``plugins`` or ``calibration`` goes through it too.
+
+    from zoo.testing import check_component
+    check_component("my-router", plugins=["my_plugin"], temperature=0.5)     # a plugin not installed yet
 """
 from __future__ import annotations
 
@@ -199,7 +203,8 @@ def _module_root(name: str) -> str:
 # ---- the checks -------------------------------------------------------------------------------------------------
 
 def check_component(name: str, model=None, *, families=None, plugins=(), calibration="auto", **options) -> dict:
-    """Check component ``name`` with ``options`` end to end (see the module docstring); returns a report:
+    """Check component ``name`` (``kind:name`` where a name is taken by two kinds) with ``options`` end to end (see
+    the module docstring); raises ``AssertionError`` at the first failure, else returns a report:
     ``{"name", "kind", "families": [checked], "skipped": {family: reason}, "max_logit_diff": float,
     "references": [classes compared with their reference]}``."""
     return check_components([(name, options, model)], families=families, plugins=plugins,
@@ -231,10 +236,14 @@ def check_components(checks, *, families=None, plugins=(), calibration="auto", s
                                       os.path.join(tmp, str(n)))
                 except AssertionError as exc:
                     _fail(report, exc, strict)
-            _reload(cases, plugins, tmp)
+            try:
+                _reload(cases, plugins, tmp)
+            except AssertionError as exc:  # the fresh process itself failed: every check that reached it fails
+                for report in {id(c["report"]): c["report"] for c in cases}.values():
+                    _fail(report, exc, strict)
             for case in cases:
                 report = case["report"]
-                if "failure" not in report:
+                if "failure" not in report and "reloaded" in case:
                     try:
                         _compare(case)
                     except AssertionError as exc:
@@ -252,8 +261,6 @@ def _fail(report, exc, strict):
 
 def _prepare(report, model, options, families, calibration, folder) -> list[dict]:
     """Everything in this process for one check; returns the cases (one per model) to reload."""
-    from zoo.registry import registry
-
     name = report["name"]
     reg = _lookup(name)
     kind = report["kind"] = reg.kind
@@ -480,7 +487,7 @@ def build_experts(cls, block, options: dict, seed: int = 0):
         for t in [*new.parameters(), *new.buffers()]:
             if t.is_floating_point():
                 t.copy_(torch.randn(t.shape, generator=g) * 0.05)
-    return new.to(old.gate_up_proj.dtype if hasattr(old, "gate_up_proj") else torch.float32)
+    return new.to(next((t.dtype for t in old.parameters() if t.is_floating_point()), torch.float32))
 
 
 def _experts_case(cls, model, options, where):
@@ -730,8 +737,8 @@ def _reload(cases, plugins, tmp) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     roots = [_module_root(m) for m in plugins]
     env["PYTHONPATH"] = os.pathsep.join(roots + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    run = subprocess.run([sys.executable, "-c", "import sys; from zoo.testing import reload_job; reload_job(sys.argv[1])",
-                          job], env=env, capture_output=True, text=True)
+    script = "import sys; from zoo.testing import reload_job; reload_job(sys.argv[1])"
+    run = subprocess.run([sys.executable, "-c", script, job], env=env, capture_output=True, text=True)
     results = Path(job + ".out")
     if run.returncode or not results.exists():
         raise AssertionError(f"the fresh process that reloads the saved models failed (exit {run.returncode}): "
