@@ -45,6 +45,13 @@ OPTIONS = {
 EXTRA = {
     "quantize mixed widths": {"name": "quantize", "options": {"bits": 5, "allocation": "alphaq", "group_size": 32}},
     "quantize 8 bits": {"name": "quantize", "options": {"bits": 8, "group_size": 32}, "families": ["mixtral"]},
+    "quantize pmq": {"name": "quantize", "options": {"bits": 6, "allocation": "pmq", "group_size": 32},
+                     "families": ["qwen2_moe"]},
+    "mixture-of-loras learned": {"name": "mixture-of-loras", "options": {"num_loras": 2, "r": 2, "router": "learned",
+                                                                         "top_k": 1, "target": "q_proj,o_proj"},
+                                 "families": ["gpt_oss"]},
+    "steer force": {"name": "steer", "options": {"force": {"2": [5]}, "disable": {"1": [0, 1]}},
+                    "families": ["deepseek_v3"]},
 }
 SPECIAL = {
     # prune-group scores experts on the multimodal batches it draws itself: it takes no token-id calibration
@@ -62,7 +69,8 @@ SKIPPED = {
     "adapter:moefy": MOE, "adapter:replora": NO_QKV, "adapter:upcycle": MOE,
     **{f"compressor:{n}": DENSE_EXPERTS for n in ("channel-topk", "hc-smoe", "moe-svd", "prune-frequency",
                                                  "prune-reap", "quantize", "sub-moe")},
-    "compressor:prune-group": set(), "router:mixture-of-heads": set(), "quantize 8 bits": set(),
+    "compressor:prune-group": set(), "router:mixture-of-heads": set(),
+    **{key: set() for key in ("quantize 8 bits", "quantize pmq", "mixture-of-loras learned", "steer force")},
     "quantize mixed widths": DENSE_EXPERTS, "experts:channel-topk": DENSE_EXPERTS, "experts:quantized": DENSE_EXPERTS,
     "experts:modality-groups": {"mistral", "qwen2_moe", "deepseek_v3", "zoo_mm"},  # group_sizes sum to 4 experts
     "router:steer": {"mistral", "qwen2_moe", "zoo_mm"},  # layer 1 is dense; zoo_mm's router is no steer base
