@@ -2,14 +2,14 @@
 asserts the examples end with must hold.
 
 How a page is run (the conventions the pages follow):
-- A fenced block whose first line is ``# file: PATH`` (or ``{# file: PATH #}`` in a Jinja card template) is a file of
-  the page's plugin project: it is not run but written (appended, when several blocks name one file, in page
+- A fenced block whose first line is ``# file: PATH`` (or ``{# file: PATH #}`` in a Jinja card template), or whose
+  info string holds ``file=PATH`` (a README with front matter), is a file of the page's plugin project: it is not run but written (appended, when several blocks name one file, in page
   order) under a fresh project folder, all of them before the page's code runs. Python files run when the zoo
   imports them (the plugin loader, a Space's loader); each must be imported by the end of the page.
 - A project with a ``pyproject.toml`` is installed as ``pip install -e .`` would install it, before the page's first
   python block runs: a ``<name>-<version>.dist-info`` with its ``moe_zoo`` entry points is written into the project
-  folder, and that folder is put on ``sys.path`` and ``PYTHONPATH`` (fresh processes find it too). The next
-  registry lookup loads the new plugin, as the first lookup of a fresh process would.
+  folder, and that folder is put on ``sys.path`` and ``PYTHONPATH`` (fresh processes find it too); then
+  ``zoo.plugins.load_new_plugins()`` loads it, as the first registry lookup of a fresh process would.
 - Every other python block runs in the page's namespace, with the page's temporary folder as working directory.
 After each page everything it registered is taken out again: registry entries, pluggy plugins, plugin errors and
 bookkeeping, CLI commands, transformers Auto-class registrations, imported modules of its project, sys.path.
@@ -80,7 +80,9 @@ def blocks(page: str) -> list[Block]:
         body = m["body"]
         first = body.split("\n", 1)[0]
         marker = MARKER.match(first)
-        out.append(Block(lang, body, text.count("\n", 0, m.start("body")) + 1, marker["path"] if marker else None))
+        named = re.search(r"\bfile=(\S+)", info)  # where a first-line comment cannot go (front matter)
+        path = marker["path"] if marker else named.group(1) if named else None
+        out.append(Block(lang, body, text.count("\n", 0, m.start("body")) + 1, path))
     return out
 
 
@@ -97,16 +99,13 @@ def _auto_mappings():
 
 @contextmanager
 def sandbox(folder: Path):
-    """Restore every piece of global state a page may change (see the module docstring)."""
+    """Restore every piece of global state a page may change (see the module docstring); the plugin loader's and
+    the registry's through ``zoo.plugins.restored_state``."""
     from zoo.architectures import factory
     from zoo.cli import cli
 
-    P.load_plugins()
-    entries = {k: dict(v) for k, v in P.registry.entries.items()}
-    dicts = [(d, dict(d)) for d in (P.errors, P._tracebacks, P._meta, factory._CLASSES, factory._CONFIGS)]
+    dicts = [(d, dict(d)) for d in (factory._CLASSES, factory._CONFIGS)]
     dicts += [(m._extra_content, dict(m._extra_content)) for m in _auto_mappings()]
-    sets = [(s, set(s)) for s in (P._called, P._auto_done)]
-    plugins = {n for n, _ in P.pm.list_name_plugin()}
     commands = dict(cli.commands)
     added = cli.__dict__.get("_zoo_plugin_commands")
     added_before = None if added is None else {k: list(v) for k, v in added.items()}
@@ -115,7 +114,8 @@ def sandbox(folder: Path):
     os.environ.pop("MOE_ZOO_LOAD_PLUGINS", None)
     os.chdir(folder)
     try:
-        yield
+        with P.restored_state():
+            yield
     finally:
         os.chdir(cwd)
         for k, v in env.items():
@@ -125,18 +125,9 @@ def sandbox(folder: Path):
             file = getattr(sys.modules[name], "__file__", None) or ""
             if name.startswith("zoo_space_") or file.startswith(str(folder)):
                 del sys.modules[name]
-        for name, _ in P.pm.list_name_plugin():
-            if name not in plugins:
-                P.pm.unregister(name=name)
-        for kind in P.registry.entries:
-            P.registry.entries[kind].clear()
-            P.registry.entries[kind].update(entries.get(kind, {}))
         for d, saved in dicts:
             d.clear()
             d.update(saved)
-        for s, saved in sets:
-            s.clear()
-            s.update(saved)
         cli.commands.clear()
         cli.commands.update(commands)
         if added_before is None:
@@ -144,12 +135,11 @@ def sandbox(folder: Path):
         else:
             cli.__dict__["_zoo_plugin_commands"] = added_before
         importlib.invalidate_caches()
-        P._loaded = True
 
 
-def install(project: Path) -> list[str]:
-    """What ``pip install -e PROJECT`` leaves behind, for the entry points of its pyproject.toml; returns the
-    plugin (entry-point) names."""
+def install(project: Path) -> dict[str, str]:
+    """What ``pip install -e PROJECT`` leaves behind, for the entry points of its pyproject.toml; returns them
+    (plugin name -> module)."""
     meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
     name, version = meta["name"], meta["version"]
     eps = meta.get("entry-points", {}).get("moe_zoo", {})
@@ -160,15 +150,15 @@ def install(project: Path) -> list[str]:
     sys.path.insert(0, str(project))
     os.environ["PYTHONPATH"] = os.pathsep.join([str(project), *filter(None, [os.environ.get("PYTHONPATH")])])
     importlib.invalidate_caches()
-    P._loaded = False  # the next registry lookup loads what is new, as a fresh process's first lookup would
-    return list(eps)
+    P.load_new_plugins()  # what a fresh process's first registry lookup does
+    return dict(eps)
 
 
 @dataclass
 class PageResult:
     ran: int = 0  # python blocks run (files excluded)
     files: list[Path] = field(default_factory=list)
-    plugins: list[str] = field(default_factory=list)
+    plugins: dict[str, str] = field(default_factory=dict)  # plugin (entry-point) name -> its module
     hooks: dict[str, set] = field(default_factory=dict)  # plugin -> hook implementations pluggy holds for it
     called: set = field(default_factory=set)  # hooks a real registration called (something registered through it)
     xfails: dict[tuple[str, str], BaseException | None] = field(default_factory=dict)
@@ -181,20 +171,22 @@ def _run(block: Block, page: str, namespace: dict) -> None:
     exec(compile(tree, str(DOCS / page), "exec"), namespace)
 
 
-def _record(result: PageResult) -> None:
+def _record(result: PageResult, commands_before: set) -> None:
+    """What the page's plugins registered, from ``plugin_report()`` (what ``moe-zoo plugins`` prints) and the CLI."""
     from zoo.cli import cli
     from zoo.registry import KINDS
 
-    added = cli.__dict__.get("_zoo_plugin_commands", {})
-    for name in result.plugins:
-        error = P.errors.get(name)
-        assert error is None, f"plugin {name} failed to load: {error}\n{P._tracebacks.get(name, '')}"
-        assert name in P._called, f"plugin {name} was installed but never loaded (no registry lookup after it)"
-        plugin = P.pm.get_plugin(name)
-        result.hooks[name] = {c.name for c in P.pm.get_hookcallers(plugin)}
-        kinds = {e.kind for by_name in P.registry.entries.values() for e in by_name.values() if e.plugin == name}
+    rows = {row["name"]: row for row in P.plugin_report()}
+    for name, module in result.plugins.items():
+        row = rows.get(name)
+        assert row is not None, f"plugin {name} is installed but not loaded"
+        assert "error" not in row, f"plugin {name} failed to load: {row['error']}\n{row.get('traceback', '')}"
+        result.hooks[name] = set(row["hooks"])
+        kinds = {c.split(":", 1)[0] for c in row["components"]}
         result.called |= {hook for hook, kind in KINDS.items() if kind in kinds and hook in result.hooks[name]}
-        if added.get(name):
+        added = [c for n, c in cli.commands.items() if n not in commands_before]
+        if "register_commands" in result.hooks[name] and any(
+                (getattr(c.callback, "__module__", "") or "").startswith(module) for c in added):
             result.called.add("register_commands")
 
 
@@ -219,14 +211,17 @@ def run_page(page: str) -> PageResult:
                     f.write(block.body)
                 result.files.append(target)
         pending = (project / "pyproject.toml").is_file()
+        from zoo.cli import cli
+
+        commands_before = set(cli.commands)
         with sandbox(folder):
             for block in blocks(page):
                 if block.path is not None or block.lang != "python":
                     continue
                 if pending:
-                    result.plugins += install(project)
+                    result.plugins.update(install(project))
                     pending = False
-                result.asserts += sum(isinstance(n, ast.Assert) for n in ast.walk(ast.parse(block.body)))
+                result.asserts += len(re.findall(r"^\s*(?:assert |with pytest\.raises)", block.body, re.M))
                 key = next(((p, s) for p, s in XFAIL_BLOCKS if p == page and s in block.body), None)
                 if key is None:
                     _run(block, page, namespace)
@@ -237,7 +232,7 @@ def run_page(page: str) -> PageResult:
                     except Exception as exc:  # noqa: BLE001 - the known failure
                         result.xfails[key] = exc
                 result.ran += 1
-            _record(result)
+            _record(result, commands_before)
             loaded = {Path(f).resolve() for m in list(sys.modules.values())
                       if (f := getattr(m, "__file__", None))}
             unrun = [str(f.relative_to(project)) for f in dict.fromkeys(result.files)
@@ -256,7 +251,8 @@ def test_page_runs(page, one_thread):
     assert result.ran == len(code)
     if code:
         assert result.asserts, f"{page}: its examples assert nothing"
-        assert "assert " in code[-1].body, f"{page}: its last example ends without asserting what it shows"
+        assert re.search(r"^\s*(assert |with pytest\.raises)", code[-1].body, re.M), \
+            f"{page}: its last example ends without asserting what it shows"
 
 
 @pytest.mark.parametrize("key", sorted(XFAIL_BLOCKS))
