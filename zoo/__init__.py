@@ -1,14 +1,13 @@
 """moe-zoo: a plugin-based Mixture-of-Experts model zoo for the Hugging Face ecosystem.
 
-``import zoo`` registers the zoo's ``zoo_<family>`` model types with transformers' Auto classes. Plugins load on
-first use (the first registry lookup, e.g. ``zoo.apply`` or ``zoo.list_components``), or with
-``zoo.load_plugins()``; a plugin's own architectures (``zoo_mm``) join the Auto classes then.
+``import zoo`` registers every ``zoo_<family>`` model type with transformers' Auto classes and loads the plugins
+(see ``zoo.plugins``: when a plugin module is what imported zoo, they load at the registry's first lookup).
 """
 from zoo.hookspecs import hookimpl
 from zoo.components import Adapter, Compressor
 from zoo.moe import Experts, Router, Routing, RoutingContext
 from zoo import moe
-from zoo.plugins import load_plugins
+from zoo.plugins import load_plugins, load_unless_a_plugin_is_importing
 from zoo.convert import convert, export
 from zoo.apply import apply, list_components
 from zoo.registry import list_models
@@ -22,3 +21,4 @@ __all__ = ["Adapter", "Compressor", "Experts", "Router", "Routing", "RoutingCont
            "push_to_hub"]
 
 register_auto_classes()
+load_unless_a_plugin_is_importing()

@@ -1,7 +1,8 @@
-"""Plugin loading (llm style): first-party plugins by dotted path, third-party ones by entry point, on first use.
+"""Plugin loading (llm style): first-party plugins by dotted path, third-party ones by entry point.
 
-Nothing is loaded at ``import zoo``: the registry (``zoo.registry``) runs ``load_plugins`` before its first
-lookup, so a plugin module that imports zoo is always imported whole before its hooks are called.
+The registry (``zoo.registry``) runs ``load_plugins`` before its first lookup. ``import zoo`` loads them at once
+too (so plugin architectures join transformers' Auto classes), except while a plugin module is itself being
+imported (it imported zoo): its hooks are not defined yet, so loading waits for the registry's first lookup.
 
 Plugins cannot take the zoo down: every import, hook call and registration of a plugin is isolated. A failure
 (``SystemExit`` included) is recorded in ``errors`` as one line, reported by ``plugin_report`` / ``moe-zoo
@@ -177,6 +178,15 @@ def load_plugins() -> None:
 
 
 registry.loader = load_plugins
+
+
+def load_unless_a_plugin_is_importing() -> None:
+    """What ``import zoo`` runs: ``load_plugins()``, unless a module of a plugin is mid-import right now."""
+    roots = {*DEFAULT_PLUGINS, *(ep.module.split(".")[0] for ep in md.entry_points(group="moe_zoo"))}
+    importing = [name for name, module in list(sys.modules.items())
+                 if name.split(".")[0] in roots and getattr(getattr(module, "__spec__", None), "_initializing", False)]
+    if not importing:
+        load_plugins()
 
 
 def load_new_plugins() -> None:
