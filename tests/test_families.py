@@ -151,3 +151,27 @@ def test_convert_twice_is_a_no_op():
     blocks = [m for _, m in moe_layers(model)]
     assert zoo.convert(model) is model
     assert [m for _, m in moe_layers(model)] == blocks and all(isinstance(b, SparseMoE) for b in blocks)
+
+
+def test_family_of_prefers_the_most_specific_family():
+    """A plugin family whose model class subclasses Mixtral's claims its own models, whatever its name."""
+    from transformers import MixtralForCausalLM
+
+    from tiny import tiny_config
+    from zoo.architectures.mixtral import Mixtral
+    from zoo.convert import family_of
+    from zoo.registry import Registered, registry
+
+    class DerivedMixtral(MixtralForCausalLM):
+        pass
+
+    class Derived(Mixtral):
+        name, model_class = "aaa_derived_mixtral", DerivedMixtral  # sorts before "mixtral"
+
+    derived = Derived()
+    registry.add_all([Registered("architecture", derived.name, derived, "tests", "tests")])
+    try:
+        assert family_of(DerivedMixtral(tiny_config("mixtral"))) is derived
+        assert family_of(MixtralForCausalLM(tiny_config("mixtral"))).name == "mixtral"
+    finally:
+        registry.entries["architecture"].pop(derived.name)

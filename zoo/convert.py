@@ -14,9 +14,10 @@ def family_of(model):
     if zoo_family is not None:
         return zoo_family
     families = [r.obj for r in registry.all("architecture")]
-    for fam in families:
-        if fam.matches(model):
-            return fam
+    matching = [fam for fam in families if fam.matches(model)]
+    if matching:  # the most specific: a plugin family built on a subclass of Mixtral's model wins over Mixtral
+        mro = type(model).__mro__
+        return min(matching, key=lambda fam: mro.index(fam.model_class) if fam.model_class in mro else len(mro))
     from zoo.architectures.families import EXCEPTIONS
     from zoo.architectures.family import NotConvertible
 
