@@ -166,7 +166,7 @@ def test_family_of_prefers_the_most_specific_family():
         pass
 
     class Derived(Mixtral):
-        name, model_class = "aaa_derived_mixtral", DerivedMixtral  # sorts before "mixtral"
+        name, model_class = "zz_derived_mixtral", DerivedMixtral  # sorts after "mixtral", which matches it too
 
     derived = Derived()
     registry.add_all([Registered("architecture", derived.name, derived, "tests", "tests")])
