@@ -1,6 +1,9 @@
 """zoo.testing.check_component on every first-party component (options that really change the model), and on toy
 routers with the reload bugs it must catch (tests/checker_toys.py). Everything is checked in one batch, so one
 fresh process reloads all the saved models."""
+import sys
+from pathlib import Path
+
 import pytest
 
 import zoo
@@ -107,7 +110,11 @@ def reports(one_thread):
     checks["given model"] = {"name": "topk-softmax", "options": {"top_k": 1}, "model": GIVEN}
     checks.update({name: {"name": name, "options": options, "families": ["mixtral", "deepseek_v3"]}
                    for name, options in TOYS.items()})
-    out = check_components(list(checks.values()), plugins=["checker_toys"], strict=False)
+    checks["third party"] = {"name": "example-switch-top1", "families": ["mixtral", "deepseek_v3"]}
+    with pytest.MonkeyPatch.context() as mp:  # the example third-party plugin, not installed
+        mp.syspath_prepend(str(Path(__file__).parent / "plugin_example"))
+        out = check_components(list(checks.values()), plugins=["checker_toys", "moe_zoo_example"], strict=False)
+        mp.delitem(sys.modules, "moe_zoo_example")
     return dict(zip(checks, out))
 
 
@@ -143,6 +150,12 @@ def test_a_given_model_is_checked_alone_and_left_as_it_was(reports):
     assert "failure" not in report, report["failure"]
     assert report["families"] == ["olmoe"] and not report["skipped"]
     assert GIVEN_BEFORE.same_as(GIVEN) and GIVEN.config.model_type == "olmoe"
+
+
+def test_a_plugin_that_is_not_installed_is_checked_here_and_in_the_fresh_process(reports):
+    report = reports["third party"]
+    assert "failure" not in report, report["failure"]
+    assert report["kind"] == "router" and report["families"] == ["mixtral", "deepseek_v3"]
 
 
 def test_a_correct_toy_passes_and_its_reference_is_compared(reports):
