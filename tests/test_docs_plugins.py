@@ -317,15 +317,24 @@ def test_every_zoo_name_the_pages_mention_resolves():
     assert not unresolved, "names the pages mention that do not resolve: " + "; ".join(unresolved)
 
 
-LINK = re.compile(r"\]\((?P<target>[^)#\s]+)(?:#[^)]*)?\)")
+LINK = re.compile(r"\]\((?P<target>[^)#\s]*)(?:#(?P<anchor>[^)\s]*))?\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.lstrip("#").strip().lower()).replace(" ", "-")
 
 
 def test_links_resolve_and_the_overview_links_every_page():
     for page in PAGES:
         for m in LINK.finditer((DOCS / page).read_text()):
-            target = m["target"]
-            if "://" not in target:
-                assert (DOCS / target).exists(), f"{page}: broken link {target}"
+            target = m["target"] or page
+            if "://" in target:
+                continue
+            assert (DOCS / target).exists(), f"{page}: broken link {target}"
+            if m["anchor"]:
+                anchors = {slug(h) for h in headings(target)}
+                assert m["anchor"] in anchors, f"{page}: no heading of {target} has the anchor #{m['anchor']}"
     linked = {m["target"] for m in LINK.finditer((DOCS / "README.md").read_text())}
     assert set(PAGES) - {"README.md"} <= linked, f"pages README.md does not link: {set(PAGES) - linked - {'README.md'}}"
 
@@ -336,3 +345,25 @@ def test_the_old_contract_page_points_to_the_new_one():
     for doc in [ROOT / "README.md", *(ROOT / "docs").glob("**/*.md")]:
         if doc.name != "plugin-contract.md":
             assert "plugin-contract.md" not in doc.read_text(), f"{doc} still links docs/plugin-contract.md"
+
+
+def test_the_scaffold_listing_is_what_plugin_new_writes(tmp_path):
+    """README.md's listing of `moe-zoo plugin new my-router --kind router`, against what the command writes."""
+    from click.testing import CliRunner
+
+    from zoo.cli import cli
+
+    text = (DOCS / "README.md").read_text()
+    listing = next(b.body for b in blocks("README.md") if b.lang == "text" and b.body.startswith("moe-zoo-my-router/"))
+    listed = {line.split()[0] for line in listing.splitlines()[1:] if line.strip()}
+    assert "moe-zoo plugin new my-router --kind router" in text
+    result = CliRunner().invoke(cli, ["plugin", "new", "my-router", "--kind", "router", "--dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    root = tmp_path / "moe-zoo-my-router"
+    written = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+    assert written == listed
+    assert 'my-router = "moe_zoo_my_router"' in (root / "pyproject.toml").read_text()
+    again = CliRunner().invoke(cli, ["plugin", "new", "my-router", "--kind", "router", "--dir", str(tmp_path)])
+    assert again.exit_code != 0 and "not empty" in again.output
+    bad = CliRunner().invoke(cli, ["plugin", "new", "moe-zoo-x", "--kind", "router", "--dir", str(tmp_path)])
+    assert bad.exit_code != 0 and "moe-zoo-" in bad.output
