@@ -3,13 +3,14 @@ asserts the examples end with must hold.
 
 How a page is run (the conventions the pages follow):
 - A fenced block whose first line is ``# file: PATH`` (or ``{# file: PATH #}`` in a Jinja card template), or whose
-  info string holds ``file=PATH`` (a README with front matter), is a file of the page's plugin project: it is not run but written (appended, when several blocks name one file, in page
-  order) under a fresh project folder, all of them before the page's code runs. Python files run when the zoo
-  imports them (the plugin loader, a Space's loader); each must be imported by the end of the page.
+  info string holds ``file=PATH`` (a README with front matter), is a file of the page's plugin project: it is not
+  run but written (appended, when several blocks name one file, in page order) under a fresh project folder, all
+  of them before the page's code runs. Python files run when the zoo imports them (the plugin loader, a Space's
+  loader); each must be imported by the end of the page.
 - A project with a ``pyproject.toml`` is installed as ``pip install -e .`` would install it, before the page's first
   python block runs: a ``<name>-<version>.dist-info`` with its ``moe_zoo`` entry points is written into the project
   folder, and that folder is put on ``sys.path`` and ``PYTHONPATH`` (fresh processes find it too); then
-  ``zoo.plugins.load_new_plugins()`` loads it, as the first registry lookup of a fresh process would.
+  ``zoo.plugins.load_new_plugins()`` loads it, as ``import zoo`` in a fresh process would.
 - Every other python block runs in the page's namespace, with the page's temporary folder as working directory.
 After each page everything it registered is taken out again: registry entries, pluggy plugins, plugin errors and
 bookkeeping, CLI commands, transformers Auto-class registrations, imported modules of its project, sys.path.
@@ -150,7 +151,7 @@ def install(project: Path) -> dict[str, str]:
     sys.path.insert(0, str(project))
     os.environ["PYTHONPATH"] = os.pathsep.join([str(project), *filter(None, [os.environ.get("PYTHONPATH")])])
     importlib.invalidate_caches()
-    P.load_new_plugins()  # what a fresh process's first registry lookup does
+    P.load_new_plugins()  # what import zoo does in a fresh process
     return dict(eps)
 
 
