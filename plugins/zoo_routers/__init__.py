@@ -11,6 +11,7 @@ def register_routers(register):
     from zoo_routers.sigmoid_bias import SigmoidBias
     from zoo_routers.sparsemixer import SparseMixer
     from zoo_routers.steer import Steer
+    from zoo_routers.token_hash import TokenHash
     from zoo_routers.top_p import TopP
     from zoo_routers.topk_softmax import TopKSoftmax
 
@@ -23,3 +24,4 @@ def register_routers(register):
     register(Remix)
     register(ScoredTopK)
     register(SparseMixer)
+    register(TokenHash)

@@ -1,9 +1,9 @@
 """scored-topk: the top-k routing rules of transformers' MoE families in one parameterised router.
 
-Scores are a softmax or a sigmoid of the (optionally soft-capped) gate logits; a selection-only bias
-(``e_score_correction_bias``) may steer which experts are picked; selection may be limited to the best
-``topk_group`` of ``n_group`` expert groups (group score: sum of the group's two best, or its best);
-the kept scores are optionally renormalised and scaled. Conversion finds the options that reproduce a
+Scores are a softmax, a sigmoid or (DeepSeek-V4) the square root of a softplus of the (optionally soft-capped)
+gate logits; a selection-only bias (``e_score_correction_bias``) may steer which experts are picked; selection
+may be limited to the best ``topk_group`` of ``n_group`` expert groups (group score: sum of the group's two best,
+or its best); the kept scores are optionally renormalised and scaled. Conversion finds the options that reproduce a
 family's own router exactly (``zoo.architectures.generic``)."""
 import torch
 import torch.nn.functional as F
@@ -12,14 +12,30 @@ from transformers import initialization as init
 
 from zoo.moe import Router, Routing
 
-SCORES = ("softmax", "sigmoid")
+
+def softmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.softmax(-1)
+
+
+def sigmoid(logits: torch.Tensor) -> torch.Tensor:
+    return logits.sigmoid()
+
+
+def sqrtsoftplus(logits: torch.Tensor) -> torch.Tensor:
+    """sqrt(softplus(x)): DeepSeek-V4's router score (transformers' ``ACT2FN["sqrtsoftplus"]``)."""
+    return F.softplus(logits).sqrt()
+
+
+# score name -> the function from [T, E] gate logits to [T, E] expert scores (also read by token-hash)
+SCORE_FUNCTIONS = {"softmax": softmax, "sigmoid": sigmoid, "sqrtsoftplus": sqrtsoftplus}
+SCORES = tuple(SCORE_FUNCTIONS)
 GROUP_SCORES = ("top2", "max")
 
 
 class ScoredTopK(Router):
     name = "scored-topk"
-    summary = ("Top-k routing of transformers' MoE families: softmax or sigmoid scores, selection-only bias, "
-               "group-limited selection, renormalisation, scaling, logit soft-cap.")
+    summary = ("Top-k routing of transformers' MoE families: softmax, sigmoid or sqrt-softplus scores, selection-only "
+               "bias, group-limited selection, renormalisation, scaling, logit soft-cap.")
     paper = ("Shazeer et al., Outrageously Large Neural Networks, 2017, arXiv:1701.06538; DeepSeek-AI, "
              "DeepSeek-V2, 2024, arXiv:2405.04434 (group-limited selection); Wang et al., Auxiliary-Loss-Free "
              "Load Balancing, 2024, arXiv:2408.15664 (selection bias)")
@@ -70,7 +86,7 @@ class ScoredTopK(Router):
         logits = F.linear(hidden.float(), self.weight.float(), bias)
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
-        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        scores = SCORE_FUNCTIONS[self.score](logits)
         choice = scores if self.bias_on == "scores" else logits
         if self.e_score_correction_bias is not None:
             choice = choice + self.e_score_correction_bias

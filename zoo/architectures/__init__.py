@@ -14,6 +14,7 @@ def family_specs() -> tuple:
 
     from zoo.architectures.cohere2_moe import Cohere2Moe
     from zoo.architectures.deepseek_v3 import DeepseekV3
+    from zoo.architectures.deepseek_v4 import DeepseekV4
     from zoo.architectures.families import GENERIC
     from zoo.architectures.generic import GenericFamily
     from zoo.architectures.gpt_oss import GptOss
@@ -24,7 +25,8 @@ def family_specs() -> tuple:
     from zoo.architectures.qwen3_moe import Qwen3Moe
     from zoo.model_entries import GENERIC_PUBLIC
 
-    specs = {"llama4_text": Llama4Text, "cohere2_moe": Cohere2Moe}  # generic families with a small spec of their own
+    # generic families with a small spec of their own
+    specs = {"llama4_text": Llama4Text, "cohere2_moe": Cohere2Moe, "deepseek_v4": DeepseekV4}
     papers = {entry.family: entry.paper for entry in GENERIC_PUBLIC}  # the papers of their public checkpoints
     generic = [specs[t]() if t in specs else GenericFamily(t, auto, paper=papers.get(t, ""))
                for t, auto in GENERIC.items() if t in CONFIG_MAPPING_NAMES]  # an older transformers may lack some

@@ -9,9 +9,9 @@ GENERIC: dict[str, str] = {
     # text decoders (hybrids included: Jamba, Qwen3-Next, Kimi-Linear, Granite-MoE-hybrid, ... keep their
     # attention-free layers and convert their MoE blocks)
     **{t: "causal-lm" for t in (
-        "afmoe", "aria_text", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v32", "dots1",
-        "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite",
-        "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+        "afmoe", "aria_text", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v32",
+        "deepseek_v4", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
+        "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
         "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "jamba", "kimi_linear",
         "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text", "mellum", "mimo_v2_flash", "minimax",
         "minimax_m2", "minimax_m3_vl_text", "nemotron_h", "phimoe", "qwen3_5_moe_text", "qwen3_next",
@@ -32,7 +32,6 @@ _NO_FUSED = "its experts are not transformers' fused experts class (`@use_expert
 EXCEPTIONS: dict[str, str] = {
     "axk1": "its MoE block normalises its output (post_mlp_layernorm), which the zoo's block has no place for",
     "axk2": "its routing reproduces none of the zoo's top-k rules",
-    "deepseek_v4": "some layers route by token id (hash routing, gate.tid2eid); a zoo router sees hidden states only",
     **{t: "router and experts sit in the decoder layer itself and read different inputs (the router its own "
           "RMS-normed, scaled copy of the residual; the experts a separately normed one), beside a dense MLP; "
           "the zoo block routes the tokens its experts read" for t in ("gemma4", "gemma4_text", "diffusion_gemma")},

@@ -1,0 +1,96 @@
+"""token-hash: Hash Layers routing as DeepSeek-V4 runs it in its first MoE layers.
+
+A fixed table ``tid2eid [vocab_size, k]`` names each token id's k experts; the gate ``weight [E, H]`` only scores
+them: the picked scores (softmax, sigmoid or sqrtsoftplus of the gate logits) are renormalised and scaled by
+``routed_scaling_factor``. The table is a persistent long buffer, saved with the model: a converted DeepSeek-V4
+keeps its own; a router built anew (``zoo.apply(model, "token-hash", vocab_size=...)``, or a load that lacks the
+table) gets a fixed balanced hash (``hash_table``).
+
+The token ids come from the routing context of the model call (``zoo.moe.context``); a token without one (id -1,
+an image patch) is routed by the gate's own top-k. Experts pruned or merged by a compressor keep the table valid
+through ``expert_map [E, table_experts]``: row e is positive where expert e answers for a table id (the identity
+until then); a table id no remaining expert answers for leaves its slot empty."""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+
+from zoo.moe import Router, Routing
+from zoo_routers.scored_topk import SCORE_FUNCTIONS, SCORES
+
+GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+def hash_table(vocab_size: int, top_k: int, num_experts: int) -> torch.Tensor:
+    """``[vocab_size, top_k]`` long: slot j of token t is ``(h(t) + j) mod num_experts``, k distinct experts per
+    token. ``h(t) = t * a mod vocab_size`` with ``a`` the integer nearest ``vocab_size`` times the golden ratio
+    that is coprime to it: a bijection of the vocabulary that scatters neighbouring ids, so every expert gets the
+    same number of tokens in each slot (within one)."""
+    a = max(1, round(vocab_size * GOLDEN))
+    while math.gcd(a, vocab_size) != 1:
+        a += 1
+    h = torch.arange(vocab_size, dtype=torch.long) * a % vocab_size
+    return (h[:, None] + torch.arange(top_k, dtype=torch.long)) % num_experts
+
+
+class TokenHash(Router):
+    name = "token-hash"
+    summary = ("Hash Layers: a fixed token-id -> experts table picks each token's k experts; the gate only weights "
+               "them (DeepSeek-V4's first MoE layers).")
+    paper = ("Roller et al., Hash Layers For Large Sparse Models, NeurIPS 2021, arXiv:2106.04426; DeepSeek-AI, "
+             "DeepSeek-V4, 2026 (hash routing with a scoring gate)")
+    card = "cards/token-hash.md"
+    space = "router-explorer"
+    uses_context = True
+
+    def __init__(self, hidden_size, num_experts, top_k, vocab_size: int, score: str = "softmax",
+                 norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, table_experts: int | None = None,
+                 **options):
+        if score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        if isinstance(routed_scaling_factor, bool) or not routed_scaling_factor > 0:
+            raise ValueError(f"routed_scaling_factor must be positive, got {routed_scaling_factor!r}")
+        table_experts = num_experts if table_experts is None else table_experts
+        if isinstance(table_experts, bool) or not isinstance(table_experts, int) or table_experts < top_k:
+            raise ValueError(f"table_experts (the expert ids the table holds) must be an integer >= top_k={top_k}, "
+                             f"got {table_experts!r}")
+        super().__init__(hidden_size, num_experts, top_k, vocab_size=vocab_size, score=score,
+                         norm_topk_prob=bool(norm_topk_prob), routed_scaling_factor=float(routed_scaling_factor),
+                         table_experts=table_experts, **options)
+        self.vocab_size, self.score, self.norm_topk_prob = vocab_size, score, bool(norm_topk_prob)
+        self.routed_scaling_factor, self.table_experts = float(routed_scaling_factor), table_experts
+        self.tid2eid = nn.Buffer(hash_table(vocab_size, top_k, table_experts), persistent=True)
+        self.expert_map = nn.Buffer(torch.eye(num_experts, table_experts), persistent=True)
+
+    def init_weights(self, std: float) -> None:
+        super().init_weights(std)
+        init.copy_(self.tid2eid, hash_table(self.vocab_size, self.top_k, self.table_experts))
+        init.eye_(self.expert_map)
+
+    def expert_slots(self) -> torch.Tensor:
+        """``[table_experts]``: the expert that answers for each table id, or E where none does."""
+        strength, owner = self.expert_map.max(0)
+        return torch.where(strength > 0, owner, self.num_experts)
+
+    def forward(self, hidden: torch.Tensor, context=None) -> Routing:
+        if context is None or context.input_ids is None:
+            raise ValueError("token-hash routes each token by its id: it needs the input ids of the model call "
+                             "(the routing context), and this call has none (call the model with input_ids, not "
+                             "inputs_embeds, or run the block inside `with routing_context(...)`)")
+        ids = context.rows("input_ids", hidden.shape[0]).to(self.tid2eid.device)
+        bias = None if self.bias is None else self.bias.float()
+        logits = F.linear(hidden.float(), self.weight.float(), bias)
+        scores = SCORE_FUNCTIONS[self.score](logits)
+        indices = self.expert_slots()[self.tid2eid[ids.clamp_min(0)]]
+        # a token without an id (-1: an image patch) has no table row: the gate's own top-k routes it
+        indices = torch.where((ids < 0)[:, None], scores.topk(self.top_k, dim=-1).indices, indices)
+        empty = indices >= self.num_experts
+        weights = scores.gather(1, indices.masked_fill(empty, 0)).masked_fill(empty, 0)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights * self.routed_scaling_factor
+        return Routing(weights=weights.to(hidden.dtype), indices=indices, logits=logits)
