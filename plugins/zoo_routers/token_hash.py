@@ -9,7 +9,8 @@ table) gets a fixed balanced hash (``hash_table``).
 The token ids come from the routing context of the model call (``zoo.moe.context``); a token without one (id -1,
 an image patch) is routed by the gate's own top-k. Experts pruned or merged by a compressor keep the table valid
 through ``expert_map [E, table_experts]``: row e is positive where expert e answers for a table id (the identity
-until then); a table id no remaining expert answers for leaves its slot empty."""
+until then); a table id no remaining expert answers for leaves its slot empty. The routing carries no logits, so
+no balance loss counts a hash layer: its selection is fixed, and DeepSeek-V4's own loss leaves these layers out."""
 import math
 
 import torch
@@ -93,4 +94,5 @@ class TokenHash(Router):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * self.routed_scaling_factor
-        return Routing(weights=weights.to(hidden.dtype), indices=indices, logits=logits)
+        # no logits: a balance loss has no selection to balance here (DeepSeek-V4 records none for its hash layers)
+        return Routing(weights=weights.to(hidden.dtype), indices=indices, logits=None)
