@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import threading
 
 import torch
 
@@ -24,7 +25,7 @@ from zoo.architectures.family import Family, NotConvertible, NotExportable
 from zoo.architectures.generic import GenericFamily
 from zoo.layout import build_block
 from zoo.moe import RoutingContext, routing_context
-from zoo.moe import context as routing
+from zoo.moe.context import current, from_call, uses_context
 
 # native key -> zoo key, in every block and in each kind's
 COMMON = {"gate.weight": "router.weight", "experts.gate_up_proj": "experts.gate_up_proj",
@@ -194,20 +195,21 @@ def publish_context(base) -> None:
         return
     signature = inspect.signature(type(base).forward)
     rest = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-    entered = []  # per call in progress: the context manager it entered, or None
+    calls = threading.local()  # per thread, per call in progress: the context manager it entered, or None
 
     def enter(module, args, kwargs):
+        entered = calls.__dict__.setdefault("entered", [])
         entered.append(None)  # first, so the always-called leave pops this entry whatever happens next
-        if routing.current() is not None or not routing.uses_context(module):
+        if current() is not None or not uses_context(module):
             return
         bound = signature.bind_partial(module, *args, **kwargs).arguments
         bound.update(bound.pop(rest, None) or {})
-        published = routing_context(routing.from_call(module, **{k: v for k, v in bound.items() if k != "self"}))
+        published = routing_context(from_call(module, **{k: v for k, v in bound.items() if k != "self"}))
         published.__enter__()
         entered[-1] = published
 
     def leave(module, args, kwargs, output):
-        published = entered.pop()
+        published = calls.entered.pop()
         if published is not None:
             published.__exit__(None, None, None)
 
