@@ -141,8 +141,6 @@ def test_component_round_trips(reports, key):
         assert report["references"], "the experts' forward was not compared with their reference"
 
 
-@pytest.mark.xfail(strict=True, reason="zoo_mm loses wrapped attention on load: ZooMMForCausalLM.__init__ calls "
-                                       "apply_layout but not apply_attention / apply_modules (plugins/zoo_multimodal)")
 def test_mixture_of_heads_round_trips_on_zoo_mm(reports):
     assert "failure" not in reports["known bug"], reports["known bug"]["failure"]
 

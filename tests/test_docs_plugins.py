@@ -54,11 +54,7 @@ HOOKS = sorted(n for n in dir(hookspecs) if getattr(getattr(hookspecs, n), "moe_
 
 # Blocks that document a contract the core does not keep yet: (page, a line of the block) -> reason. Such a block
 # runs and must fail (the page goes on); once it passes, its test fails so that the entry gets removed.
-XFAIL_BLOCKS: dict[tuple[str, str], str] = {
-    ("compressor.md", 'zoo.apply(model, "prune-rare-whole"'):
-        "zoo.stats.collect: its forward hook on each router returns ExpertStats.add's result (the stats object), "
-        "which replaces the router's output, so the experts receive an ExpertStats instead of a Routing",
-}
+XFAIL_BLOCKS: dict[tuple[str, str], str] = {}  # (page, text of a block) -> the core bug it shows
 
 FENCE = re.compile(r"^(?P<fence>`{3,}|~{3,})(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.M | re.S)
 MARKER = re.compile(r"^(?:#|\{#)\s*file:\s*(?P<path>[^\s#]+)\s*(?:#\})?\s*$")

@@ -1,6 +1,8 @@
 """Model cards: ``zoo.card(model)`` renders ``cards/`` templates with huggingface_hub's ModelCard."""
 from __future__ import annotations
 
+import warnings
+
 import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
@@ -52,7 +54,8 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
                     ("active parameters / token", f"{size['active_params'] / 1e6:.2f} M"),
                     ("bytes", f"{size['bytes'] / 1e6:.1f} MB")]
     context = {"family": fam.name, "layout_summary": _layout_summary(layout), "recipe": recipe}
-    sections = [render_component_card(c.obj, context) for c in comps if getattr(c.obj, "card", "")]
+    sections = [section for c in comps if getattr(c.obj, "card", "")
+                for section in [render_component_card(c.obj, context, missing_ok=True)] if section]
     citations = [c.obj.paper for c in comps if getattr(c.obj, "paper", "")]
     return ModelCard.from_template(
         data, template_path=str(resource_path("cards/base.md")), model_name=name,
@@ -62,7 +65,14 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
         auto_loads=arch is None or arch.distribution == "moe-zoo")
 
 
-def render_component_card(component, context: dict | None = None) -> str:
-    """A component's own card section (its ``card`` template), rendered with ``context``."""
-    text = resource_path(component.card, owner=component).read_text()
+def render_component_card(component, context: dict | None = None, missing_ok: bool = False) -> str:
+    """A component's own card section (its ``card`` template), rendered with ``context``. ``missing_ok``: a
+    template its package does not ship is warned about and left out (a save never fails for a card)."""
+    try:
+        text = resource_path(component.card, owner=component).read_text()
+    except FileNotFoundError as exc:
+        if not missing_ok:
+            raise
+        warnings.warn(f"{component.name}: its card section is left out ({exc})", stacklevel=2)
+        return ""
     return jinja2.Template(text).render(**(context or {}))

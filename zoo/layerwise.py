@@ -155,8 +155,10 @@ class InMemory:
 
 def check(model, steps) -> None:
     """Every step's preconditions on every MoE layer, before anything is computed or changed."""
+    layers = moe_layers(model)
     for step in steps:
-        for i, block in moe_layers(model):
+        step.check_layers([i for i, _ in layers])
+        for i, block in layers:
             step.check_layer(i, block)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from zoo.registry import get_model, is_model_name
+from zoo.registry import get_model, is_model_name, registry
 
 
 class HubUnavailable(OSError):
@@ -40,8 +40,9 @@ def resolve_path(target: str) -> str:
         if entry.local_path and os.path.isdir(entry.local_path):
             return entry.local_path
         if entry.hub_id is None:
-            raise FileNotFoundError(f"{entry.name} ships with moe-zoo but its checkpoint is missing at "
-                                    f"{entry.local_path}; reinstall moe-zoo")
+            dist = registry.get("model", entry.name).distribution
+            raise FileNotFoundError(f"{entry.name} ships with {dist} but its checkpoint is missing at "
+                                    f"{entry.local_path}; reinstall {dist}")
         return entry.hub_id
     if os.path.exists(target):
         raise NotADirectoryError(f"{target!r} is a file, not a model folder")

@@ -199,8 +199,9 @@ def load_new_plugins() -> None:
 
 @contextlib.contextmanager
 def restored_state():
-    """Everything the loader and the registry hold is put back on exit: the plugins, components, errors and
-    Auto-class registrations of plugins loaded inside are forgotten (tests that install plugins use it)."""
+    """Everything the loader and the registry hold is put back on exit: the plugins, components and errors of
+    plugins loaded inside are forgotten (tests that install plugins use it). Model types a plugin registered with
+    transformers' Auto classes stay registered."""
     load_plugins()
     plugins = {n for n, _ in pm.list_name_plugin()}
     entries = {kind: dict(by_name) for kind, by_name in registry.entries.items()}

@@ -12,7 +12,6 @@ documented in ``spaces/README.md``): text is cut or refused by length, numbers b
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import math
 import os
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 from zoo.options import suggest
-from zoo.resources import resource_path
+from zoo.resources import package_dirs, resource_path
 
 MAX_FILE_SIZE = "5mb"  # any upload (a drawn or photographed digit, a spoken digit)
 MAX_PROMPT_CHARS = 2000  # free text: cut to this many characters before tokenising
@@ -42,20 +41,6 @@ def list_spaces() -> list[str]:
 
 def _spaces_in(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / "app.py").is_file()) if root.is_dir() else []
-
-
-def package_dirs(owner: object) -> list[Path]:
-    """Where a component's own Spaces may be (``<folder>/spaces/<space>/``): the folder of its module, then the
-    folder of the top-level package it belongs to (its distribution's package)."""
-    cls = owner if isinstance(owner, type) else type(owner)
-    try:
-        here = Path(inspect.getfile(cls)).resolve().parent
-    except (TypeError, OSError):
-        return []
-    top = sys.modules.get(cls.__module__.partition(".")[0])
-    init = getattr(top, "__file__", None)
-    root = Path(init).resolve().parent if init and Path(init).name == "__init__.py" else here
-    return [here] if root == here else [here, root]
 
 
 def owner_spaces(owner: object) -> dict[str, Path]:

@@ -87,8 +87,12 @@ def collect(model, batches, all_outputs: bool = False, desc: str = "calibrating"
     see the original model's hidden states; compressors use the layer-at-a-time ``zoo.layerwise`` instead)."""
     layers = moe_layers(model)
     stats = [ExpertStats.empty(i, m, all_outputs) for i, m in layers]
-    handles = [moe.router.register_forward_hook(lambda router, args, routing, st=st, moe=moe: st.add(moe, args[0], routing))
-               for st, (_, moe) in zip(stats, layers)]
+    def recorder(st, moe):
+        def record(router, args, routing):  # returns None: the router's output goes on unchanged
+            st.add(moe, args[0], routing)
+        return record
+
+    handles = [moe.router.register_forward_hook(recorder(st, moe)) for st, (_, moe) in zip(stats, layers)]
     was_training = model.training
     model.eval()
     try:

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
-from zoo.layout import apply_layout, build_block, moe_layers, sync_layout
+from zoo.layout import apply_attention, apply_layout, apply_modules, build_block, moe_layers, sync_layout
 from zoo.moe import RoutingContext, SparseMoE, SwiGLUExperts, model_load_balancing_loss, routing_context
 from zoo.moe.context import AUDIO, TEXT, VISION
 from zoo.moe.init import init_zoo_module, initialize_missing_keys
@@ -158,6 +158,8 @@ class ZooMMForCausalLM(ZooMMPreTrainedModel):
         self.model = ZooMMModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         apply_layout(self, config.zoo_layout)
+        apply_attention(self, getattr(config, "zoo_attention", None))  # a router that wraps attention (mixture-of-heads)
+        apply_modules(self, getattr(config, "zoo_modules", None))  # adapter modules outside the blocks
         if config.zoo_recipe is None:
             config.zoo_recipe = []
         self.post_init()

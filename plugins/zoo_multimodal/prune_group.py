@@ -53,6 +53,9 @@ class PruneGroup(Compressor):
 
     def compress(self, model, calibration=None):
         layers = self.check_model(model)
+        if calibration is not None and not all(isinstance(b, dict) for b in calibration):
+            raise ValueError("prune-group calibrates on zoo_mm batches (dicts of input_ids, pixel_values, "
+                             "audio_features, ... from zoo_multimodal.dataset.batch), not token ids alone")
         if calibration is None:
             from zoo_multimodal.dataset import calibration_batches
 

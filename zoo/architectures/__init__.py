@@ -4,7 +4,10 @@ through the generic adapter (``zoo.architectures.families``), registered through
 (``register_auto_classes``), so ``AutoModelForCausalLM.from_pretrained`` loads a saved zoo model."""
 from functools import cache
 
+from zoo.architectures.family import Family, NotConvertible, NotExportable
 from zoo.hookspecs import hookimpl
+
+__all__ = ["Family", "NotConvertible", "NotExportable", "family_specs", "register_auto_classes"]
 
 
 @cache

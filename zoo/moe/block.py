@@ -123,7 +123,7 @@ class SparseMoE(nn.Module):
         return self.experts(x, indices, weights)
 
     def layout(self) -> dict:
-        """A JSON-able description that ``zoo.moe.build_block`` turns back into an empty block."""
+        """A JSON-able description that ``zoo.layout.build_block`` turns back into an empty block."""
         experts_options = self.experts.options()
         if "num_experts" in experts_options:  # the global count, also where expert parallelism narrowed the module's
             experts_options["num_experts"] = self.num_experts

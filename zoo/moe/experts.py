@@ -147,7 +147,8 @@ class SwiGLUExperts(Experts):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu",
                  bias: bool = False, swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702):
         super().__init__()
-        check_options(type(self), {})
+        check_options(type(self), {"activation": activation, "bias": bias, "swiglu_limit": swiglu_limit,
+                                   "swiglu_alpha": swiglu_alpha})
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; choose from {sorted(ACTIVATIONS)}")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
@@ -243,7 +244,7 @@ class MLPExperts(Experts):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "relu2"):
         super().__init__()
-        check_options(type(self), {})
+        check_options(type(self), {"activation": activation})
         if activation not in ACT2FN:
             raise ValueError(f"unknown activation {activation!r}")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size

@@ -43,6 +43,9 @@ class Router(nn.Module):
     space: str = ""
     uses_context: bool = False
     target: str = "experts"
+    # A router may define ``reference(self, hidden, context=None) -> Routing``: a plain, obviously correct version
+    # of ``forward``; ``zoo.testing.check_component`` compares the two, outputs and gradients.
+    reference = None
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, bias: bool = False, **options):
         super().__init__()
