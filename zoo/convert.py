@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 from zoo.atomic import atomic_directory
+from zoo.moe import context as routing_context
 from zoo.layout import block_attr, block_prefix, decoder_layers, moe_layers, read_layout, sync_layout
 from zoo.registry import registry
 
@@ -54,6 +55,7 @@ def convert(model):
         config.zoo_base_model = source
     sync_layout(model)
     hook_new_routers(model)
+    routing_context.attach(model)  # converted routers that read the routing context (DeepSeek-V4's hash layers)
     return model
 
 

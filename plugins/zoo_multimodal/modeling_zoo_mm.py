@@ -169,9 +169,15 @@ class ZooMMForCausalLM(ZooMMPreTrainedModel):
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         layers = moe_layers(self)
-        captured, hooks = [], []
+        captured, top_ks, hooks = [], [], []  # a router may return no logits (token-hash): it has no balance term
+
+        def record(router, args, routing):  # returns None: the routing goes on unchanged
+            if routing.logits is not None:
+                captured.append(routing.logits)
+                top_ks.append(router.top_k)
+
         if output_router_logits:
-            hooks = [moe.router.register_forward_hook(lambda m, a, r: captured.append(r.logits)) for _, moe in layers]
+            hooks = [moe.router.register_forward_hook(record) for _, moe in layers]
         try:
             hidden, keys, _ = self.model(input_ids, attention_mask, pixel_values, image_mask, audio_features,
                                          audio_mask)
@@ -183,7 +189,7 @@ class ZooMMForCausalLM(ZooMMPreTrainedModel):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
         if output_router_logits:
-            aux = model_load_balancing_loss(captured, [moe.top_k for _, moe in layers], keys)
+            aux = model_load_balancing_loss(captured, top_ks, keys)
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits,

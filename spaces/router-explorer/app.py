@@ -17,6 +17,7 @@ import torch  # noqa: E402
 
 import zoo  # noqa: E402
 from zoo.apply import NoChange, find  # noqa: E402
+from zoo.options import accepted_options  # noqa: E402
 from zoo.layout import moe_layers  # noqa: E402
 from zoo.spaces import MAX_FILE_SIZE, MAX_PROMPT_CHARS, check_number, cut_text  # noqa: E402
 
@@ -46,8 +47,10 @@ def route(text: str, router: str, k: int):
     k = int(check_number(k, "top-k", 1, MAX_TOP_K))
     model, tok = base()
     # attention routers (mixture-of-heads) pick heads, not experts: the slider gives heads per token there
-    target = getattr(find(router).obj, "target", "experts")
-    options = {"heads_per_token": int(k)} if target == "attention" else {"top_k": int(k)}
+    cls = find(router).obj
+    options = {"heads_per_token": int(k)} if cls.target == "attention" else {"top_k": int(k)}
+    if "vocab_size" in accepted_options(cls):  # routers that route by token id (token-hash) size their table
+        options["vocab_size"] = model.config.vocab_size
     fresh = copy.deepcopy(model)
     try:
         model = zoo.apply(fresh, router, **options)

@@ -15,9 +15,7 @@ Export writes the native format back, hash tables included, as long as every lay
 """
 from __future__ import annotations
 
-import inspect
 import json
-import threading
 
 import torch
 
@@ -25,7 +23,6 @@ from zoo.architectures.family import Family, NotConvertible, NotExportable
 from zoo.architectures.generic import GenericFamily
 from zoo.layout import build_block
 from zoo.moe import RoutingContext, routing_context
-from zoo.moe.context import current, from_call, uses_context
 
 # native key -> zoo key, in every block and in each kind's
 COMMON = {"gate.weight": "router.weight", "experts.gate_up_proj": "experts.gate_up_proj",
@@ -43,10 +40,6 @@ class DeepseekV4(GenericFamily):
                          summary="DeepSeek-V4 decoder (hash-routed first MoE layers, sqrt-softplus top-k routing with "
                                  "a selection bias, clamped SwiGLU experts, a shared expert, hyper-connections).",
                          paper="DeepSeek-AI, DeepSeek-V4, 2026")
-
-    def discover(self, base) -> None:
-        super().discover(base)
-        publish_context(base)
 
     # ---- one block ------------------------------------------------------------------------------------------
     def spec(self, block, config) -> dict:
@@ -186,33 +179,3 @@ def verify(native, moe) -> None:
         if not err <= 1e-4:
             raise NotConvertible(f"the converted block differs from {type(native).__name__} (relative error "
                                  f"{err:.2e} on inputs scaled by {factor:g})")
-
-
-def publish_context(base) -> None:
-    """Make each call of the base model publish its routing context when none is published yet (once per model).
-    DeepSeek-V4 hands its hash blocks the call's token ids; a converted block's router reads them from there."""
-    if base.__dict__.get("zoo_publishes_context"):
-        return
-    signature = inspect.signature(type(base).forward)
-    rest = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-    calls = threading.local()  # per thread, per call in progress: the context manager it entered, or None
-
-    def enter(module, args, kwargs):
-        entered = calls.__dict__.setdefault("entered", [])
-        entered.append(None)  # first, so the always-called leave pops this entry whatever happens next
-        if current() is not None or not uses_context(module):
-            return
-        bound = signature.bind_partial(module, *args, **kwargs).arguments
-        bound.update(bound.pop(rest, None) or {})
-        published = routing_context(from_call(module, **{k: v for k, v in bound.items() if k != "self"}))
-        published.__enter__()
-        entered[-1] = published
-
-    def leave(module, args, kwargs, output):
-        published = calls.entered.pop()
-        if published is not None:
-            published.__exit__(None, None, None)
-
-    base.register_forward_pre_hook(enter, with_kwargs=True)
-    base.register_forward_hook(leave, with_kwargs=True, always_call=True)
-    base.__dict__["zoo_publishes_context"] = True
