@@ -96,3 +96,18 @@ class TokenHash(Router):
         weights = weights * self.routed_scaling_factor
         # no logits: a balance loss has no selection to balance here (DeepSeek-V4 records none for its hash layers)
         return Routing(weights=weights.to(hidden.dtype), indices=indices, logits=None)
+
+    def reference(self, hidden: torch.Tensor, context=None) -> Routing:
+        """``forward`` one token at a time, plainly (what ``zoo.testing.check_component`` compares it with)."""
+        ids, slots = context.rows("input_ids", hidden.shape[0]).tolist(), self.expert_slots().tolist()
+        bias = None if self.bias is None else self.bias.float()
+        weights, indices = [], []
+        for h, token in zip(hidden, ids):
+            scores = SCORE_FUNCTIONS[self.score](F.linear(h.float(), self.weight.float(), bias))
+            picked = scores.topk(self.top_k).indices.tolist() if token < 0 else \
+                [slots[e] for e in self.tid2eid[token].tolist()]
+            w = torch.stack([scores[e] if e < self.num_experts else scores.new_zeros(()) for e in picked])
+            w = w / (w.sum() + 1e-20) if self.norm_topk_prob else w
+            weights.append(w * self.routed_scaling_factor)
+            indices.append(picked)
+        return Routing(weights=torch.stack(weights).to(hidden.dtype), indices=torch.tensor(indices), logits=None)

@@ -2,7 +2,6 @@
 and gradients, on random inputs (an empty routing slot included)."""
 from __future__ import annotations
 
-
 import torch
 
 from zoo.testing.outputs import max_diff, unwrapped
@@ -31,8 +30,9 @@ def check_reference(module, top_k: int = 2, tokens: int = 12, seed: int = 0, whe
     """A router's or experts module's ``forward`` against its ``reference`` on seeded random inputs: outputs, then
     gradients (of the input, the routing weights and the parameters) of a random projection of the float outputs.
     Experts get a routing with distinct experts per token and one empty slot (index E); router outputs are
-    compared slot by slot in expert order, with the weights of empty slots (ignored by contract) zeroed."""
-    from zoo.moe import Router, Routing
+    compared slot by slot in expert order, with the weights of empty slots (ignored by contract) zeroed. A router
+    that reads the routing context gets one with seeded token ids and positions, the same for both."""
+    from zoo.moe import Router, Routing, RoutingContext
 
     g = torch.Generator().manual_seed(seed)
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
@@ -40,9 +40,14 @@ def check_reference(module, top_k: int = 2, tokens: int = 12, seed: int = 0, whe
     leaves, E = [hidden], module.num_experts
     if isinstance(module, Router):
         names = ["indices", "weights", "logits"]
+        context = None
+        if module.uses_context:
+            vocab = int(module.options.get("vocab_size", 64))
+            context = RoutingContext(input_ids=torch.randint(vocab, (1, tokens), generator=g),
+                                     positions=torch.arange(tokens)[None], attention_mask=torch.ones(1, tokens))
 
         def outputs(fn):
-            r = fn(hidden)
+            r = fn(hidden, context) if module.uses_context else fn(hidden)
             order = r.indices.argsort(dim=-1, stable=True)
             indices = r.indices.gather(-1, order)
             weights = r.weights.gather(-1, order).masked_fill(indices >= E, 0)
