@@ -101,8 +101,7 @@ def sandbox(folder: Path):
     from zoo.architectures import factory
     from zoo.cli import cli
 
-    dicts = [(d, dict(d)) for d in (factory._CLASSES, factory._CONFIGS)]
-    dicts += [(m._extra_content, dict(m._extra_content)) for m in _auto_mappings()]
+    dicts = [(m._extra_content, dict(m._extra_content)) for m in _auto_mappings()]
     commands = dict(cli.commands)
     added = cli.__dict__.get("_zoo_plugin_commands")
     added_before = None if added is None else {k: list(v) for k, v in added.items()}
@@ -111,7 +110,7 @@ def sandbox(folder: Path):
     os.environ.pop("MOE_ZOO_LOAD_PLUGINS", None)
     os.chdir(folder)
     try:
-        with P.restored_state():
+        with P.restored_state(), factory.restored_classes():
             yield
     finally:
         os.chdir(cwd)

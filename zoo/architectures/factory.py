@@ -1,4 +1,5 @@
 """One factory makes the zoo config/model classes of every family from the family's own classes."""
+import contextlib
 import os
 import sys
 from types import SimpleNamespace
@@ -34,6 +35,18 @@ _CLASSES: dict[str, tuple] = {}
 
 
 _CONFIGS: dict[str, type] = {}
+
+
+@contextlib.contextmanager
+def restored_classes():
+    """The zoo classes made inside are forgotten on exit (tests that define families of their own)."""
+    saved = dict(_CLASSES), dict(_CONFIGS)
+    try:
+        yield
+    finally:
+        for cache, before in zip((_CLASSES, _CONFIGS), saved):
+            cache.clear()
+            cache.update(before)
 
 
 def zoo_config_class(family):
