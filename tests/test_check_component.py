@@ -12,7 +12,7 @@ from zoo.testing import TINY, check_component, check_components, tiny_model
 
 # kind:name -> options that change the model
 OPTIONS = {
-    "router:token-hash": {"vocab_size": 64},
+    "router:token-hash": {"score": "sigmoid"},
     "router:expert-choice": {"capacity_factor": 1.5},
     "router:hierarchical-modality": {"top_groups": 1},
     "router:language-conditioned": {"context_size": 16},

@@ -191,9 +191,13 @@ def test_token_hash_applies_to_any_family_and_round_trips(tmp_path):
     from tiny import tiny_native
 
     model = tiny_native("qwen3_moe")
-    with pytest.raises(ValueError, match="token-hash needs option vocab_size"):
-        zoo.apply(model, "token-hash")
-    zoo.apply(model, "token-hash", vocab_size=128, score="sigmoid")
+    with pytest.raises(ValueError, match="vocab_size=64, but this model's vocabulary has 128 tokens"):
+        zoo.apply(model, "token-hash", vocab_size=64)
+    with pytest.raises(ValueError, match=r"vocab_size must be an integer in \[1, 16777216\]"):
+        TokenHash(16, 4, 1, vocab_size=10**9)
+    zoo.apply(model, "token-hash", score="sigmoid")  # the table is the model's vocabulary: filled in
+    assert moe_layers(model)[0][1].router.vocab_size == 128
+    assert model.config.zoo_recipe[-1]["options"] == {"score": "sigmoid"}  # as given
     ids = torch.tensor([[5, 9, 5, 12, 9, 5]])
     seen = []
     _, moe = moe_layers(model)[0]

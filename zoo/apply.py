@@ -57,6 +57,9 @@ def apply(model, name: str, calibration=None, check_finite: bool = True, **optio
     cls = reg.obj
     skip = ("hidden_size", "num_experts") if reg.kind == "router" else ()
     check_options(cls, options, skip=skip)
+    given = options
+    if reg.kind == "router":
+        options = {**options, **model_options(cls, model, options)}
     absent = [o for o in required_options(cls, skip=(*skip, "top_k")) if o not in options]
     if absent:
         raise ValueError(f"{name} needs option{'s' * (len(absent) > 1)} {', '.join(absent)}")
@@ -80,7 +83,7 @@ def apply(model, name: str, calibration=None, check_finite: bool = True, **optio
             raise MemoryError(f"{name}: not enough memory for these options ({options}); the model is unchanged") \
                 from None
         raise
-    record_step(model, name, reg.kind, options, calibration, component)
+    record_step(model, name, reg.kind, given, calibration, component)
     sync_layout(model)
     routing_context.attach(model)  # a router that reads the routing context gets it from each call
     # transformers caches torch.compile(model.__call__) on the model; a deepcopy of a compiled model carries
@@ -88,6 +91,18 @@ def apply(model, name: str, calibration=None, check_finite: bool = True, **optio
     for attr in ("_compiled_call", "_last_compile_config"):
         model.__dict__.pop(attr, None)
     return model
+
+
+def model_options(cls, model, options) -> dict:
+    """Options a router class accepts that are facts of the model (``vocab_size``: a token-id router's table is
+    the model's vocabulary): filled in from its config; a given value that differs is refused."""
+    if "vocab_size" not in accepted_options(cls):
+        return {}
+    vocab = model.config.get_text_config().vocab_size
+    if options.get("vocab_size", vocab) != vocab:
+        raise ValueError(f"vocab_size={options['vocab_size']!r}, but this model's vocabulary has {vocab} tokens "
+                         "(leave it out: zoo.apply fills it in)")
+    return {"vocab_size": vocab}
 
 
 def _run(model, kind, cls, component, options, calibration):

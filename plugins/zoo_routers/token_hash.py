@@ -24,6 +24,9 @@ from zoo_routers.scored_topk import SCORE_FUNCTIONS, SCORES
 GOLDEN = (math.sqrt(5) - 1) / 2
 
 
+MAX_VOCAB = 2**24  # the table holds vocab_size x k ids; real vocabularies are below 2**20
+MAX_TABLE_EXPERTS = 2**16  # expert_map is [E, table_experts]; real MoE layers have at most a few hundred experts
+
 def hash_table(vocab_size: int, top_k: int, num_experts: int) -> torch.Tensor:
     """``[vocab_size, top_k]`` long: slot j of token t is ``(h(t) + j) mod num_experts``, k distinct experts per
     token. ``h(t) = t * a mod vocab_size`` with ``a`` the integer nearest ``vocab_size`` times the golden ratio
@@ -51,14 +54,16 @@ class TokenHash(Router):
                  **options):
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= MAX_VOCAB:
+            raise ValueError(f"vocab_size must be an integer in [1, {MAX_VOCAB}] (the model's vocabulary: zoo.apply "
+                             f"fills it in), got {vocab_size!r}")
         if isinstance(routed_scaling_factor, bool) or not routed_scaling_factor > 0:
             raise ValueError(f"routed_scaling_factor must be positive, got {routed_scaling_factor!r}")
         table_experts = num_experts if table_experts is None else table_experts
-        if isinstance(table_experts, bool) or not isinstance(table_experts, int) or table_experts < top_k:
-            raise ValueError(f"table_experts (the expert ids the table holds) must be an integer >= top_k={top_k}, "
-                             f"got {table_experts!r}")
+        if isinstance(table_experts, bool) or not isinstance(table_experts, int) or \
+                not top_k <= table_experts <= MAX_TABLE_EXPERTS:
+            raise ValueError(f"table_experts (the expert ids the table holds) must be an integer in [top_k={top_k}, "
+                             f"{MAX_TABLE_EXPERTS}], got {table_experts!r}")
         super().__init__(hidden_size, num_experts, top_k, vocab_size=vocab_size, score=score,
                          norm_topk_prob=bool(norm_topk_prob), routed_scaling_factor=float(routed_scaling_factor),
                          table_experts=table_experts, **options)

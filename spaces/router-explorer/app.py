@@ -17,7 +17,6 @@ import torch  # noqa: E402
 
 import zoo  # noqa: E402
 from zoo.apply import NoChange, find  # noqa: E402
-from zoo.options import accepted_options  # noqa: E402
 from zoo.layout import moe_layers  # noqa: E402
 from zoo.spaces import MAX_FILE_SIZE, MAX_PROMPT_CHARS, check_number, cut_text  # noqa: E402
 
@@ -49,8 +48,6 @@ def route(text: str, router: str, k: int):
     # attention routers (mixture-of-heads) pick heads, not experts: the slider gives heads per token there
     cls = find(router).obj
     options = {"heads_per_token": int(k)} if cls.target == "attention" else {"top_k": int(k)}
-    if "vocab_size" in accepted_options(cls):  # routers that route by token id (token-hash) size their table
-        options["vocab_size"] = model.config.vocab_size
     fresh = copy.deepcopy(model)
     try:
         model = zoo.apply(fresh, router, **options)
