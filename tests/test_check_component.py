@@ -22,7 +22,6 @@ OPTIONS = {
     "router:sigmoid-bias": {"routed_scaling_factor": 2.0},
     "router:sparsemixer": {"jitter_eps": 0.1},
     "router:steer": {"disable": {"1": [0]}},
-    "router:token-hash": {"vocab_size": 64, "score": "sigmoid"},
     "router:top-p": {"p": 0.7},
     "router:topk-softmax": {"top_k": 1},
     "compressor:channel-topk": {"budget": 0.5},

@@ -82,14 +82,19 @@ class TokenHash(Router):
         strength, owner = self.expert_map.max(0)
         return torch.where(strength > 0, owner, self.num_experts)
 
+    def scored_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The gate logits in at least fp32 (bf16 models score in fp32, as DeepSeek-V4 does; fp64 stays fp64)."""
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(hidden.to(dtype), self.weight.to(dtype), bias)
+
     def forward(self, hidden: torch.Tensor, context=None) -> Routing:
         if context is None or context.input_ids is None:
             raise ValueError("token-hash routes each token by its id: it needs the input ids of the model call "
                              "(the routing context), and this call has none (call the model with input_ids, not "
                              "inputs_embeds, or run the block inside `with routing_context(...)`)")
         ids = context.rows("input_ids", hidden.shape[0]).to(self.tid2eid.device)
-        bias = None if self.bias is None else self.bias.float()
-        logits = F.linear(hidden.float(), self.weight.float(), bias)
+        logits = self.scored_logits(hidden)
         scores = SCORE_FUNCTIONS[self.score](logits)
         indices = self.expert_slots()[self.tid2eid[ids.clamp_min(0)]]
         # a token without an id (-1: an image patch) has no table row: the gate's own top-k routes it
@@ -105,10 +110,9 @@ class TokenHash(Router):
     def reference(self, hidden: torch.Tensor, context=None) -> Routing:
         """``forward`` one token at a time, plainly (what ``zoo.testing.check_component`` compares it with)."""
         ids, slots = context.rows("input_ids", hidden.shape[0]).tolist(), self.expert_slots().tolist()
-        bias = None if self.bias is None else self.bias.float()
         weights, indices = [], []
         for h, token in zip(hidden, ids):
-            scores = SCORE_FUNCTIONS[self.score](F.linear(h.float(), self.weight.float(), bias))
+            scores = SCORE_FUNCTIONS[self.score](self.scored_logits(h[None])[0])
             picked = scores.topk(self.top_k).indices.tolist() if token < 0 else \
                 [slots[e] for e in self.tid2eid[token].tolist()]
             w = torch.stack([scores[e] if e < self.num_experts else scores.new_zeros(()) for e in picked])
