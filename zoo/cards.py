@@ -1,6 +1,9 @@
 """Model cards: ``zoo.card(model)`` renders ``cards/`` templates with huggingface_hub's ModelCard."""
 from __future__ import annotations
 
+import json
+import os
+import re
 import warnings
 
 import jinja2
@@ -17,10 +20,43 @@ def _layout_summary(layout) -> str:
     return "; ".join(parts) or "no MoE layers"
 
 
+ARXIV = re.compile(r"arxiv(?:\.org/(?:abs|pdf)/|:)\s*(\d{4}\.\d{4,5})", re.IGNORECASE)
+
+
+def unique_citations(papers) -> list[str]:
+    """Each citation once, in order of first mention. A ``paper`` string may hold several citations separated by
+    "; "; one whose arXiv ids were all cited already (or, without an arXiv id, whose words were) is left out."""
+    out, seen_ids, seen_text = [], set(), set()
+    for paper in papers:
+        for item in filter(None, (part.strip() for part in (paper or "").split("; "))):
+            ids = set(ARXIV.findall(item))
+            words = " ".join(re.findall(r"\w+", item.lower()))
+            if (ids and ids <= seen_ids) or (not ids and words in seen_text):
+                continue
+            seen_ids |= ids
+            seen_text.add(words)
+            out.append(item)
+    return out
+
+
+def card_title(model_name: str | None = None, repo_id: str | None = None, path: str | None = None,
+               base_model: str | None = None, family: str = "") -> str:
+    """The card's title: the given name, else the repo's name, else the folder's, else the base model's."""
+    if model_name and model_name.strip():
+        return model_name.strip()
+    for candidate in (repo_id, path and os.path.normpath(os.fspath(path)), base_model):
+        name = str(candidate or "").replace("\\", "/").rstrip("/").split("/")[-1]
+        if name and name not in (".", ".."):
+            return name
+    return f"zoo-{family}"
+
+
 def card(model, eval_result: dict | None = None, repo_id: str | None = None, model_name: str | None = None,
-         summary: str | None = None) -> ModelCard:
+         summary: str | None = None, path: str | os.PathLike | None = None) -> ModelCard:
     """A ModelCard for a zoo model: metadata (base_model, library_name, tags, model-index), the recipe
-    with its calibration data, evaluation results, how to load it, and every component's citation."""
+    with its calibration data, evaluation results, how to load it, and every component's citation.
+    ``repo_id`` (a Hub repo) or ``path`` (the folder it is saved to) is what the "How to load" snippet loads, and
+    names the card unless ``model_name`` is given."""
     from zoo.layout import components_provenance, family_and_base, read_layout
     from zoo.registry import registry
 
@@ -37,8 +73,9 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
     packages = sorted({(s["distribution"], s["version"]) for s in sources if s["distribution"] != "moe-zoo"})
     reason = fam.export_problem(cfg, layout)
     exportable, reason = reason is None, reason or ""
-    name = model_name or (repo_id or "").split("/")[-1] or f"zoo-{fam.name}"
     base = getattr(cfg, "zoo_base_model", None)
+    name = card_title(model_name, repo_id, path, base, fam.name)
+    target = repo_id or (os.fspath(path) if path is not None else "PATH")
     results = []
     data = ModelCardData(library_name="moe-zoo", base_model=base, pipeline_tag="text-generation",
                          tags=["moe", "mixture-of-experts", fam.name] + [c.name for c in comps[1:]])
@@ -56,13 +93,20 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
     context = {"family": fam.name, "layout_summary": _layout_summary(layout), "recipe": recipe}
     sections = [section for c in comps if getattr(c.obj, "card", "")
                 for section in [render_component_card(c.obj, context, missing_ok=True)] if section]
-    citations = [c.obj.paper for c in comps if getattr(c.obj, "paper", "")]
-    return ModelCard.from_template(
+    citations = unique_citations(getattr(c.obj, "paper", "") for c in comps)
+    rendered = ModelCard.from_template(
         data, template_path=str(resource_path("cards/base.md")), model_name=name,
         summary=summary or f"A {fam.name} Mixture-of-Experts model built with moe-zoo.", recipe=recipe,
-        results=results, sections=sections, repo_id=repo_id or "PATH", family=fam.name,
-        exportable=exportable, export_reason=reason, citations=list(dict.fromkeys(citations)), packages=packages,
+        results=results, sections=sections, repo_id=target, load_from=json.dumps(target, ensure_ascii=False),
+        family=fam.name, exportable=exportable, export_reason=reason, citations=citations, packages=packages,
         auto_loads=arch is None or arch.distribution == "moe-zoo")
+    return ModelCard(tidy(rendered.content))
+
+
+def tidy(text: str) -> str:
+    """No trailing spaces, no runs of blank lines, one newline at the end."""
+    text = re.sub(r"[ \t]+\n", "\n", text)
+    return re.sub(r"\n{3,}", "\n\n", text).strip("\n") + "\n"
 
 
 def render_component_card(component, context: dict | None = None, missing_ok: bool = False) -> str:

@@ -214,4 +214,4 @@ class ZooMMForCausalLM(ZooMMPreTrainedModel):
             self.config.zoo_vision_moe = self.model.vision_moe.layout()
         with atomic_directory(save_directory) as tmp:
             super().save_pretrained(tmp, *args, **kwargs)
-            (model_card or card(self, summary=self.zoo_family.summary)).save(os.path.join(tmp, "README.md"))
+            (model_card or card(self, summary=self.zoo_family.summary, path=save_directory)).save(os.path.join(tmp, "README.md"))

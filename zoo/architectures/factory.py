@@ -271,4 +271,4 @@ def _save_pretrained(self, save_directory, *args, model_card=None, **kwargs):
     sync_layout(self)
     with atomic_directory(save_directory) as tmp:
         self.zoo_family.model_class.save_pretrained(self, tmp, *args, **kwargs)
-        (model_card or card(self)).save(os.path.join(tmp, "README.md"))
+        (model_card or card(self, path=save_directory)).save(os.path.join(tmp, "README.md"))
