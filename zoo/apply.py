@@ -128,8 +128,14 @@ def _run(model, kind, cls, component, options, calibration):
 
 
 def record_step(model, name: str, kind: str, options: dict, calibration, component=None) -> dict:
-    """Append a step to ``config.zoo_recipe``: name, kind, options, calibration data, the component's results."""
-    step = {"name": name, "kind": kind, "options": _jsonable(options), "calibration": describe(calibration)}
+    """Append a step to ``config.zoo_recipe``: name, kind, options, the calibration data the step ran on (the
+    default corpus when a component that calibrates got none: ``"default": true``), the component's results."""
+    from zoo.calibration import used
+
+    ran_on = used(calibration, component)
+    step = {"name": name, "kind": kind, "options": _jsonable(options), "calibration": describe(ran_on)}
+    if calibration is None and ran_on is not None:
+        step["calibration"]["default"] = True
     reg = registry.find(kind, name)
     step.update(reg.provenance if reg is not None else {})  # the distribution and version that provided it
     if getattr(component, "results", None):
@@ -211,11 +217,18 @@ def _default_k(cls, current: int) -> int:
 
 
 def describe(calibration):
-    """A JSON-able record of calibration data: what it was, how much, and a checksum."""
+    """A JSON-able record of calibration data: what it was (a corpus spec: its source, domain, tokens, seq_len,
+    seed and the tokens it gives), how much, and a checksum."""
+    from zoo import calibration as calib
+
     if calibration is None:
         return None
     if isinstance(calibration, dict):
-        return {"type": "corpus", **calibration}
+        try:
+            spec = calib.corpus(**calibration)
+        except (TypeError, ValueError):
+            return {"type": "corpus", **calibration}
+        return {"type": "corpus", "source": calib.SOURCE, **spec, "tokens_used": calib.tokens_used(spec)}
     if isinstance(calibration, str):
         calibration = [calibration]
     try:
@@ -226,7 +239,10 @@ def describe(calibration):
     for item in items:
         digest.update(item.encode() if isinstance(item, str) else repr(getattr(item, "shape", item)).encode())
     kind = "texts" if all(isinstance(i, str) for i in items) else "batches"
-    return {"type": kind, "count": len(items), "sha256": digest.hexdigest()[:16]}
+    record = {"type": kind, "count": len(items), "sha256": digest.hexdigest()[:16]}
+    if kind == "batches" and all(hasattr(i, "numel") for i in items):
+        record["tokens"] = sum(int(i.numel()) for i in items)
+    return record
 
 
 def _jsonable(options: dict) -> dict:

@@ -14,6 +14,37 @@ def corpus(domain: str = "mixed", tokens: int = 16384, seq_len: int = 256, seed:
 
 
 SPEC_KEYS = ("domain", "tokens", "seq_len", "seed")
+SOURCE = "moe-zoo shipped corpus, train split"  # what a corpus spec draws from (zoo/_data/corpus)
+
+
+def default() -> dict:
+    """The calibration a component that calibrates gets when none is given: 8192 tokens of both domains."""
+    return corpus("mixed", tokens=8192)
+
+
+def calibrates(component) -> bool:
+    """Whether a component (an instance) reads calibration data: it takes layer inputs, or says it needs data."""
+    return bool(getattr(component, "inputs_for", ())) or bool(getattr(component, "needs_calibration", False))
+
+
+def used(calibration, component):
+    """The calibration ``component`` actually runs on: the one given, or the default for a component that
+    calibrates (and layer by layer takes inputs); None for one that does not calibrate and got none."""
+    if calibration is None and getattr(component, "inputs_for", ()):
+        return default()
+    return calibration
+
+
+def needs_tokenizer(calibration) -> bool:
+    """Whether the calibration data is text (a corpus spec or texts) rather than token ids."""
+    return isinstance(calibration, (dict, str)) or (isinstance(calibration, (list, tuple)) and bool(calibration)
+                                                   and all(isinstance(t, str) for t in calibration))
+
+
+def tokens_used(spec: dict) -> int:
+    """The tokens a corpus spec gives: whole rows of ``seq_len`` (at least one)."""
+    spec = corpus(**spec)
+    return max(1, spec["tokens"] // spec["seq_len"]) * spec["seq_len"]
 
 
 def check(calibration, vocab_size: int | None = None) -> None:
@@ -86,15 +117,15 @@ def batches(calibration, tokenizer=None, batch_size: int = 8) -> list[torch.Tens
 
 
 def _corpus_rows(spec: dict, tokenizer) -> torch.Tensor:
-    from zoo.data.tokens import token_stream
+    from zoo.loading import corpus_tokens
 
     spec = corpus(**spec)
     domains = DOMAINS if spec["domain"] == "mixed" else (spec["domain"],)
-    n_rows = max(1, spec["tokens"] // spec["seq_len"])
+    n_rows = tokens_used(spec) // spec["seq_len"]
     g = torch.Generator().manual_seed(spec["seed"])
     rows = []
     for i in range(n_rows):
-        stream = token_stream(domains[i % len(domains)], "train", tokenizer or _default_tokenizer())
+        stream = corpus_tokens(domains[i % len(domains)], "train", tokenizer or _default_tokenizer())
         start = int(torch.randint(0, len(stream) - spec["seq_len"], (1,), generator=g))
         rows.append(stream[start:start + spec["seq_len"]])
     return torch.stack(rows).long()

@@ -135,7 +135,7 @@ def convert(src, out, stream, max_memory):
     from zoo import stream as streaming
 
     _either(src, stream, max_memory, lambda: streaming.convert(src, out),
-            lambda: zoo.load(src).save_pretrained(out))
+            lambda: streaming.save(zoo.load(src), out, src))
     click.echo(f"saved {src} as a zoo model to {out}")
 
 
@@ -229,7 +229,7 @@ def apply(src, steps, out, calibration, stream, max_memory):
             with one_line(f"step {name}: "):
                 model = zoo.apply(model, name, calibration=calibration, **options)
             click.echo(f"applied {name} {options}")
-        model.save_pretrained(out)
+        streaming.save(model, out, src)  # with the source's tokenizer, as the streamed path
         return f"saved to {out}"
 
     click.echo(_either(src, stream, max_memory, streamed, in_memory))

@@ -11,9 +11,9 @@ import time
 import torch
 
 from zoo.data.corpus import DOMAINS
-from zoo.data.tokenizer import load_tokenizer
-from zoo.data.tokens import eval_windows, token_stream
+from zoo.data.tokens import eval_windows
 from zoo.layout import moe_layers
+from zoo.loading import check_tokenizer, corpus_tokens, tokenizer_for
 from zoo.options import check_int
 
 
@@ -80,7 +80,7 @@ def perplexity_and_usage(model, tokenizer, seq_len=256, max_windows=24, batch=8)
     ppl, usage = {}, {}
     model.eval()
     for domain in DOMAINS:
-        windows = eval_windows(token_stream(domain, "val", tokenizer), seq_len, max_windows)
+        windows = eval_windows(corpus_tokens(domain, "val", tokenizer), seq_len, max_windows)
         total = count = 0.0
         with UsageRecorder(model) as rec:
             for i in range(0, len(windows), batch):
@@ -98,7 +98,7 @@ def perplexity_and_usage(model, tokenizer, seq_len=256, max_windows=24, batch=8)
 @torch.no_grad()
 def speed(model, tokenizer, prompt_tokens=256, new_tokens=32, repeats=3) -> dict:
     """Prefill tok/s (one forward over ``prompt_tokens``) and greedy decode tok/s (after a 16-token prompt)."""
-    ids = token_stream("english", "val", tokenizer)[:prompt_tokens].long()[None]
+    ids = corpus_tokens("english", "val", tokenizer)[:prompt_tokens].long()[None]
     pre = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -116,11 +116,15 @@ def speed(model, tokenizer, prompt_tokens=256, new_tokens=32, repeats=3) -> dict
 
 
 def evaluate(model, tokenizer=None, seq_len=256, max_windows=24, measure_speed=True) -> dict:
-    """Everything the zoo reports about a model, as one JSON-able dict."""
+    """Everything the zoo reports about a model, as one JSON-able dict. ``tokenizer``: the model's own by default
+    (``zoo.loading.tokenizer_for``); one whose vocabulary does not fit the model is refused."""
     check_int("seq_len", seq_len, 2)
     check_int("max_windows", max_windows, 1)
     check_positions(model, seq_len, f"seq_len {seq_len}")
-    tokenizer = tokenizer or load_tokenizer()
+    if tokenizer is None:
+        tokenizer = tokenizer_for(model)
+    else:
+        check_tokenizer(tokenizer, model, "the tokenizer given")
     ppl, usage = perplexity_and_usage(model, tokenizer, seq_len, max_windows)
     result = {"perplexity": {d: round(v, 3) for d, v in ppl.items()}, "usage": usage, "size": sizes(model)}
     if measure_speed:

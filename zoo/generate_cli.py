@@ -28,12 +28,14 @@ def generate(model, prompt, max_new_tokens, steps, use_compile, threads):
     import zoo
     from zoo.cli_helpers import one_line, step_option
     from zoo.decode import check_decode, timed_greedy
+    from zoo.loading import tokenizer_for
 
     if threads:
         torch.set_num_threads(threads)
     parsed = [step_option(s, "--step") for s in steps]
     with one_line():
-        lm, tok = zoo.load(model).eval(), zoo.load_tokenizer(model)
+        lm = zoo.load(model).eval()
+        tok = tokenizer_for(lm)  # the model's own, checked to fit its vocabulary
         ids = tok(prompt, return_tensors="pt").input_ids
         if ids.shape[1] == 0:
             raise ValueError(f"the prompt {prompt!r} has no tokens for this model's tokenizer")

@@ -208,14 +208,15 @@ def one_pass(source, steps, inputs, observer=None, keep=None, desc="layers") -> 
 
 def calibration_inputs(model, steps, calibration) -> LayerInputs | None:
     """The layer-0 inputs of the calibration data, if any step looks at layer inputs (the shipped corpus'
-    mixed domains, 8192 tokens, when none is given)."""
+    mixed domains, 8192 tokens, when none is given: ``zoo.calibration.default()``, which the recipe records),
+    tokenized with the model's own tokenizer."""
     if not any(getattr(s, "inputs_for", ()) for s in steps):
         return None
     from zoo import calibration as calib
     from zoo.loading import tokenizer_for
 
-    data = calibration if calibration is not None else calib.corpus("mixed", tokens=8192)
-    batches = calib.batches(data, tokenizer_for(model))
+    data = calibration if calibration is not None else calib.default()
+    batches = calib.batches(data, tokenizer_for(model) if calib.needs_tokenizer(data) else None)
     calib.check_ids(batches, getattr(model.config.get_text_config(), "vocab_size", None))
     return LayerInputs.capture(model, batches)
 

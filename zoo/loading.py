@@ -58,15 +58,154 @@ def load_tokenizer(name_or_path: str, **kwargs):
     return AutoTokenizer.from_pretrained(resolve_path(os.fspath(name_or_path)), **kwargs)
 
 
-def tokenizer_for(model):
-    """The tokenizer saved with ``model`` (its folder or hub id, ``config.name_or_path``), else the zoo's own:
-    the one tokenizer lookup every component that tokenizes text for a model uses."""
-    from zoo.data.tokenizer import load_tokenizer as zoo_tokenizer
+# What travels beside the weights: tokenizer files, generation config, chat template, processor configs.
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "added_tokens.json", "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json",
+              "merges.txt", "vocab.txt", "spiece.model", "preprocessor_config.json", "processor_config.json",
+              "video_preprocessor_config.json")
+SIDE_FOLDERS = ("additional_chat_templates",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+ZOO_VOCAB = 8192  # the zoo's own tokenizer (zoo/_data/tokenizer)
+
+
+class TokenizerMismatch(ValueError):
+    """A tokenizer whose vocabulary does not fit the model, or none where the zoo's own cannot stand in."""
+
+
+def source_folder(src) -> str | None:
+    """The local folder holding ``src``'s files: the folder itself, a registry name's shipped folder, or a hub
+    id's snapshot in the local cache (never downloaded here); None when there is none."""
+    if not src:
+        return None
+    try:
+        target = resolve_path(os.fspath(src))
+    except (OSError, ValueError, KeyError):
+        return None
+    if os.path.isdir(target):
+        return target
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError
 
     try:
-        return load_tokenizer(model.config.name_or_path)
-    except (OSError, ValueError, KeyError):  # no folder, no tokenizer in it, not a name the zoo knows
-        return zoo_tokenizer()
+        return snapshot_download(target, local_files_only=True)
+    except (OSError, ValueError, HFValidationError):  # not cached, or not a hub id
+        return None
+
+
+def copy_side_files(src, dest) -> list[str]:
+    """Copy ``src``'s tokenizer files, generation config, chat template and processor configs into ``dest`` (a
+    save's staging folder); returns the names copied. ``src``: a folder, registry name or cached hub id."""
+    import shutil
+
+    folder = source_folder(src)
+    if folder is None or os.path.realpath(folder) == os.path.realpath(dest):
+        return []
+    copied = []
+    for name in SIDE_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(dest, name))  # a cached hub file is a link: its content
+            copied.append(name)
+    for name in SIDE_FOLDERS:
+        path = os.path.join(folder, name)
+        if os.path.isdir(path) and not os.path.exists(os.path.join(dest, name)):
+            shutil.copytree(path, os.path.join(dest, name))
+            copied.append(name)
+    return copied
+
+
+def model_vocab(model) -> int | None:
+    """The number of token ids the model's input embeddings take."""
+    config = getattr(model, "config", None)
+    vocab = getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
+    return vocab if isinstance(vocab, int) else None
+
+
+def tokenizer_size(tokenizer) -> int:
+    """One more than the largest id the tokenizer can give (its added tokens included)."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+
+
+def check_tokenizer(tokenizer, model, where: str = "the tokenizer") -> None:
+    """``TokenizerMismatch`` naming both sizes unless the tokenizer fits the model: no id past the model's
+    vocabulary, and at least half of the vocabulary in use (models pad their vocabulary a little, not 4x)."""
+    vocab = model_vocab(model)
+    size = tokenizer_size(tokenizer)
+    if vocab is not None and (size > vocab or 2 * size < vocab):
+        raise TokenizerMismatch(f"{where} has {size} tokens but the model's vocabulary has {vocab}: it is not "
+                                "this model's tokenizer; save the model's own tokenizer beside it "
+                                "(tokenizer.save_pretrained(folder))")
+
+
+def tokenizer_for(model):
+    """The tokenizer saved with ``model`` (its folder, registry name or hub id: ``config.name_or_path``), checked
+    to fit the model's vocabulary; where there is none, the zoo's own, if the model's vocabulary is the zoo's.
+    The one tokenizer lookup every component that tokenizes text for a model uses."""
+    from zoo.data.tokenizer import load_tokenizer as zoo_tokenizer
+
+    name = getattr(getattr(model, "config", None), "name_or_path", "") or ""
+    folder = source_folder(name)
+    tokenizer = None
+    if folder is not None and any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+        try:
+            tokenizer = load_tokenizer(folder)
+        except (OSError, ValueError, KeyError) as exc:
+            raise TokenizerMismatch(f"the tokenizer saved with {name} cannot be loaded: {exc}") from None
+    elif folder is None and name and not os.path.isdir(name) and not looks_like_path(name):
+        try:
+            tokenizer = load_tokenizer(name)  # a hub id: its tokenizer from the Hub (or the cache)
+        except (OSError, ValueError, KeyError):
+            tokenizer = None
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, model, f"the tokenizer saved with {name}")
+        return tokenizer
+    vocab = model_vocab(model)
+    if vocab is not None and vocab != ZOO_VOCAB:
+        raise TokenizerMismatch(f"no tokenizer found for {name or 'this model'} (vocabulary {vocab}; the zoo's own "
+                                f"tokenizer has {ZOO_VOCAB}): save the model's tokenizer beside it "
+                                "(tokenizer.save_pretrained(folder))")
+    return zoo_tokenizer()
+
+
+_STREAMS: dict[tuple, object] = {}
+_ZOO_VOCAB: list[dict] = []
+
+
+def is_zoo_tokenizer(tokenizer) -> bool:
+    """Whether ``tokenizer`` has the zoo's own vocabulary (the shipped models' tokenizers do)."""
+    from zoo.data.tokenizer import load_tokenizer as zoo_tokenizer
+
+    if tokenizer_size(tokenizer) != ZOO_VOCAB:
+        return False
+    if not _ZOO_VOCAB:
+        _ZOO_VOCAB.append(zoo_tokenizer().get_vocab())
+    return tokenizer.get_vocab() == _ZOO_VOCAB[0]
+
+
+def corpus_tokens(domain: str, split: str, tokenizer):
+    """The shipped corpus split as ``tokenizer``'s ids: ``zoo.data.tokens.token_stream`` for the zoo's own
+    vocabulary (which it caches per split, whatever the tokenizer), tokenized the same way (document by
+    document) and cached per tokenizer for any other."""
+    import torch
+
+    import hashlib
+
+    from zoo.data.corpus import SEPARATOR, load_text
+    from zoo.data.tokens import token_stream
+
+    if tokenizer is None or is_zoo_tokenizer(tokenizer):
+        return token_stream(domain, split, tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    fingerprint = hashlib.sha256(backend.to_str().encode()).hexdigest() if backend is not None else id(tokenizer)
+    key = (domain, split, fingerprint)
+    if key not in _STREAMS:
+        sep = tokenizer(SEPARATOR)["input_ids"]
+        ids: list[int] = []
+        for i, doc in enumerate(load_text(domain, split).split(SEPARATOR)):
+            ids += (sep if i else []) + tokenizer(doc)["input_ids"]
+        _STREAMS[key] = torch.tensor(ids, dtype=torch.int32)
+    return _STREAMS[key]
 
 
 def load(name_or_path: str, convert: bool = True, **kwargs):

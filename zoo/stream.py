@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 
 import torch
 from tqdm.auto import tqdm
 
+from zoo import loading
 from zoo.atomic import atomic_directory
 from zoo.checkpoint import LAYER_KEY, Checkpoint, checkpoint_bytes
 from zoo.layerwise import LayerInputs, calibration_inputs, check, run
@@ -23,8 +23,7 @@ from zoo.moe import SparseMoE
 from zoo.shards import ShardWriter
 
 IN_MEMORY_FACTOR = 3  # peak RSS of the in-memory path, in checkpoint sizes (benchmarks/scale.py: 2.0-2.8x)
-SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-              "added_tokens.json", "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
+SIDE_FILES = loading.SIDE_FILES  # tokenizer, generation config, chat template, processor: they travel with saves
 
 
 # ---- when to stream ------------------------------------------------------------------------------------------
@@ -115,10 +114,20 @@ def outer_tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def copy_side_files(src: str, dest: str) -> None:
-    for name in SIDE_FILES:
-        if os.path.exists(os.path.join(src, name)) and not os.path.exists(os.path.join(dest, name)):
-            shutil.copy2(os.path.join(src, name), os.path.join(dest, name))
+def copy_side_files(src: str, dest: str) -> list[str]:
+    """``src``'s tokenizer, generation config, chat template and processor files into ``dest`` (a staging folder)."""
+    return loading.copy_side_files(src, dest)
+
+
+def save(model, out, src=None) -> str:
+    """``model.save_pretrained(out)`` with the source's tokenizer, generation config, chat template and processor
+    files beside it, in one atomic save (``src``: the folder, registry name or cached hub id the model came from;
+    by default ``config.name_or_path``). The model's own generation config wins over the source's."""
+    source = src if src is not None else getattr(model.config, "name_or_path", "")
+    with atomic_directory(out) as tmp:
+        copy_side_files(source, tmp)
+        model.save_pretrained(tmp)
+    return os.fspath(out)
 
 
 # ---- the commands ------------------------------------------------------------------------------------------
@@ -159,7 +168,7 @@ def apply(src, steps, out, calibration=None) -> str:
         component.check_layers(moe)
     inputs = calibration_inputs(model, components, calibration)
     _write(ckpt, out, components, inputs, desc="apply",
-           record=[(name, c.kind, opts, calibration if c.inputs_for else None, c)
+           record=[(name, c.kind, opts, calibration if c.inputs_for else None, c)  # None: the default, if it calibrates
                    for (name, opts), c in zip(steps, components)])
     return os.fspath(out)
 
@@ -227,16 +236,16 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8) -> 
     """Perplexity per domain and expert usage (``zoo.eval.evaluate``'s numbers, without speed), every window
     carried through each layer together so each layer's weights are read once."""
     from zoo.data.corpus import DOMAINS
-    from zoo.data.tokens import eval_windows, token_stream
+    from zoo.data.tokens import eval_windows
     from zoo.eval import entropy_bits, sizes
-    from zoo.loading import tokenizer_for
+    from zoo.loading import corpus_tokens, tokenizer_for
 
     ckpt = open_checkpoint(src)
     model = ckpt.model
     tok = tokenizer_for(model)
     batches, domains = [], []
     for d in DOMAINS:
-        windows = eval_windows(token_stream(d, "val", tok), seq_len, max_windows)
+        windows = eval_windows(corpus_tokens(d, "val", tok), seq_len, max_windows)
         for i in range(0, len(windows), batch):
             batches.append(windows[i:i + batch])
             domains.append(d)
