@@ -165,3 +165,31 @@ def test_a_component_that_does_not_calibrate_records_no_calibration(paths, tmp_p
     ok("apply", paths["src"], "quantize:bits=8,group_size=32", "--out", tmp_path / "q", "--no-stream")
     assert json.loads((tmp_path / "q" / "config.json").read_text())["zoo_recipe"][-1]["calibration"] is None
     has_tokenizer(tmp_path / "q", paths["src"])
+
+
+def test_a_hub_id_in_the_local_cache_gives_its_tokenizer_files(paths, tmp_path, monkeypatch):
+    """A cached hub snapshot (files are links to blobs) lends its side files; an uncached id lends none."""
+    from huggingface_hub import constants
+
+    from zoo.loading import copy_side_files
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--someone--tiny-mixtral"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "blobs").mkdir()
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name in os.listdir(paths["src"]):
+        shutil.copyfile(paths["src"] / name, repo / "blobs" / name)
+        os.symlink(os.path.relpath(repo / "blobs" / name, snapshot), snapshot / name)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    assert os.path.samefile(source_folder("someone/tiny-mixtral"), snapshot)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    copied = copy_side_files("someone/tiny-mixtral", dest)
+    assert set(TOKENIZER_FILES) <= set(copied)
+    assert not (dest / "tokenizer.json").is_symlink()
+    assert (dest / "tokenizer.json").read_bytes() == (paths["src"] / "tokenizer.json").read_bytes()
+    assert source_folder("someone/not-cached") is None and copy_side_files("someone/not-cached", dest) == []
