@@ -90,3 +90,67 @@ def test_cli_convert_and_apply(tmp_path):
     assert model.config.zoo_recipe[-1]["options"] == {"top_k": 1}
     res = runner.invoke(cli, ["apply", str(tmp_path / "zoo"), "topk-softmax:top_kk=1", "--out", str(tmp_path / "x")])
     assert res.exit_code != 0 and "did you mean 'top_k'" in res.output and not (tmp_path / "x").exists()
+
+
+def test_info_shows_every_option_with_type_default_and_help():
+    runner = CliRunner()
+    reap = json.loads(runner.invoke(cli, ["info", "prune-reap"]).output)
+    assert reap["options"]["num_experts"] == {"type": "int", "default": None, "required": True, "help": ""}
+    top_p = json.loads(runner.invoke(cli, ["info", "top-p"]).output)["options"]
+    assert "hidden_size" not in top_p and "num_experts" not in top_p  # zoo.apply gives a router the layer's
+    assert top_p["p"] == {"type": "float", "default": 0.5, "required": False, "help": ""}
+    assert top_p["max_k"]["type"] == "int | None" and top_p["top_k"]["required"] is False
+    assert "the layer's own top_k" in top_p["top_k"]["help"]
+    quantize = json.loads(runner.invoke(cli, ["info", "quantize"]).output)["options"]
+    assert quantize["widths"]["default"] == [2, 3, 4, 8] and quantize["allocation"]["type"] == "str"
+
+
+def test_describe_options_reads_signatures_along_the_mro_and_docstrings():
+    from zoo.options import describe_options
+
+    class Base:
+        """A base.
+
+        :param depth: how deep it goes
+        """
+
+        def __init__(self, depth: int = 2, scale=1.5, **options):
+            pass
+
+    class Child(Base):
+        """- ``width`` (int): how wide it is, in channels
+        mode: the mode (ignored when off)"""
+
+        def __init__(self, width, mode: str | None = None, depth: int = 3, **options):
+            super().__init__(depth=depth, **options)
+
+    rows = {r.pop("name"): r for r in describe_options(Child, skip=("mode",))}
+    assert list(rows) == ["width", "depth", "scale"]
+    assert rows["width"] == {"type": "", "default": None, "required": True, "help": "how wide it is, in channels"}
+    assert rows["depth"] == {"type": "int", "default": 3, "required": False, "help": "how deep it goes"}
+    assert rows["scale"] == {"type": "float", "default": 1.5, "required": False, "help": ""}
+    assert describe_options(Child)[1]["help"] == "the mode (ignored when off)"
+
+
+def test_info_takes_a_model_short_name_and_suggests_models_too():
+    runner = CliRunner()
+    res = runner.invoke(cli, ["info", "zoo-tiny-moe"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["name"] == "mixtral.zoo-tiny-moe"
+    assert json.loads(runner.invoke(cli, ["info", "mixtral.zoo-tiny-moe"]).output)["family"] == "mixtral"
+    res = runner.invoke(cli, ["info", "zoo-tiny-mo"])
+    assert res.exit_code != 0 and "did you mean 'zoo-tiny-moe'" in res.output
+
+
+def test_components_columns_align_and_name_the_distribution():
+    runner = CliRunner()
+    rows = json.loads(runner.invoke(cli, ["components", "--json"]).output)
+    res = runner.invoke(cli, ["components"])
+    assert res.exit_code == 0, res.output
+    header, *lines = res.output.splitlines()
+    assert header.split() == ["KIND", "NAME", "DISTRIBUTION", "SUMMARY"] and len(lines) == len(rows)
+    at = [header.index(word) for word in ("NAME", "DISTRIBUTION", "SUMMARY")]
+    assert max(len(r["name"]) for r in rows) > 18  # longer than the old fixed column
+    for line, r in zip(lines, rows):
+        assert line.startswith(r["kind"] + " ") and line[at[0]:].startswith(r["name"] + " ")
+        assert line[at[1]:].startswith(r["distribution"] + " ") and line[at[2]:] == r["summary"]

@@ -57,26 +57,48 @@ def components(kind, as_json):
         raise click.UsageError(str(exc.args[0])) from None
     if as_json:
         return _json(rows)
-    for r in rows:
-        click.echo(f"{r['kind']:12} {r['name']:18} {r['summary']}")
+    table = [("KIND", "NAME", "DISTRIBUTION", "SUMMARY")] + [
+        (r["kind"], r["name"], r["distribution"], r["summary"]) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(3)]
+    for row in table:
+        click.echo("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths)), row[3]]).rstrip())
+
+
+# What zoo.apply gives a router itself: hidden_size and num_experts are the layer's (and not shown), these may be left out
+ROUTER_FILLED = {"top_k": "experts per token; default: the layer's own top_k",
+                 "vocab_size": "filled in from the model's vocabulary"}
 
 
 @cli.command()
 @click.argument("name")
 def info(name):
-    """Everything known about a component or a model NAME, as JSON."""
-    from zoo.options import accepted_options
-    from zoo.registry import registry
+    """Everything known about a component or a model NAME (a full name or its tag, e.g. zoo-tiny-moe), as JSON.
+    A component's options come with their type, default, whether they are required and a line of help."""
+    from zoo.options import describe_options, suggest
+    from zoo.registry import get_model, registry
 
-    if name in registry.by_kind["model"]:
-        return _json(registry.by_kind["model"][name].obj.info())
+    by_kind = registry.by_kind
+    if name in by_kind["model"]:
+        return _json(by_kind["model"][name].obj.info())
     try:
         reg = registry.get(None, name)
-    except KeyError as exc:
-        raise click.ClickException(str(exc.args[0])) from None
+    except KeyError:
+        try:
+            return _json(get_model(name).info())
+        except KeyError as exc:
+            message = str(exc.args[0])
+            if "ambiguous" not in message:
+                known = {n for names in by_kind.values() for n in names} | {n.split(".", 1)[-1] for n in by_kind["model"]}
+                message = f"no component or model named {name!r}{suggest(name, sorted(known))}"
+            raise click.ClickException(message) from None
     row = reg.info()
     if isinstance(reg.obj, type):
-        row["options"] = accepted_options(reg.obj, skip=("hidden_size", "num_experts"))
+        router = reg.kind == "router"
+        options = describe_options(reg.obj, skip=("hidden_size", "num_experts") if router else ())
+        for option in options:
+            if router and option["name"] in ROUTER_FILLED:
+                option.update(required=False, help=option["help"] or ROUTER_FILLED[option["name"]])
+        row["options"] = {option.pop("name"): option for option in options}
     _json(row)
 
 

@@ -5,6 +5,7 @@ import difflib
 import json
 import math
 import inspect
+import re
 
 
 def accepted_options(cls, skip=()) -> list[str]:
@@ -137,3 +138,51 @@ def check_float(name: str, value, low: float, high: float | None = None) -> floa
         raise ValueError(f"{name} must be a number in {span}, got {value!r}")
     return float(value)
 
+
+
+def describe_options(cls, skip=()) -> list[dict]:
+    """Every named ``__init__`` option of ``cls`` along its MRO (the most derived signature wins), as
+    ``{"name", "type", "default", "required", "help"}``: ``type`` is the annotation as written (else the default's
+    type, else ""), ``default`` is None where there is none (then ``required`` is true), and ``help`` is the text
+    after ``:param name:`` or ``name:`` on a line of the class's or an ``__init__``'s docstring (else "")."""
+    params: dict[str, inspect.Parameter] = {}
+    annotations: dict[str, str] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.name == "self" or p.name in skip:
+                continue
+            params.setdefault(p.name, p)
+            if p.annotation is not p.empty and p.name not in annotations:
+                ann = p.annotation
+                annotations[p.name] = ann if isinstance(ann, str) else getattr(ann, "__name__", None) or str(ann)
+    docs = option_docs(cls)
+    out = []
+    for name, p in params.items():
+        required = p.default is p.empty
+        default = None if required else p.default
+        kind = annotations.get(name) or ("" if default is None else type(default).__name__)
+        out.append({"name": name, "type": kind, "default": default, "required": required,
+                    "help": docs.get(name, "")})
+    return out
+
+
+def option_docs(cls) -> dict[str, str]:
+    """``{option: one line of help}`` from ``:param name: text`` / ``name: text`` lines (``name`` may be in
+    backticks, followed by a ``(type)``, after a ``-`` bullet) in the docstrings of ``cls``, its bases and their
+    ``__init__`` methods (the most derived first; torch's own classes aside)."""
+    line = re.compile(r"^\s*(?:[-*]\s+)?(?::param\s+(?:[\w\[\], |.]+\s+)?(\w+)\s*:|`{0,2}(\w+)`{0,2}\s*"
+                      r"(?:\([^)]*\))?\s*:)\s*(\S.*?)\s*$")
+    docs: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] in ("builtins", "torch", "abc"):
+            continue
+        init = klass.__dict__.get("__init__")
+        for doc in (klass.__dict__.get("__doc__"), getattr(init, "__doc__", None)):
+            for text in (doc or "").splitlines():
+                m = line.match(text)
+                if m:
+                    docs.setdefault(m.group(1) or m.group(2), m.group(3))
+    return docs
