@@ -64,7 +64,7 @@ def components(kind, as_json):
         click.echo("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths)), row[3]]).rstrip())
 
 
-# What zoo.apply gives a router itself: hidden_size and num_experts are the layer's (and not shown), these may be left out
+# What zoo.apply gives a router: hidden_size and num_experts are the layer's (not shown); these may be left out
 ROUTER_FILLED = {"top_k": "experts per token; default: the layer's own top_k",
                  "vocab_size": "filled in from the model's vocabulary"}
 
@@ -88,7 +88,8 @@ def info(name):
         except KeyError as exc:
             message = str(exc.args[0])
             if "ambiguous" not in message:
-                known = {n for names in by_kind.values() for n in names} | {n.split(".", 1)[-1] for n in by_kind["model"]}
+                known = {n for names in by_kind.values() for n in names}
+                known |= {n.split(".", 1)[-1] for n in by_kind["model"]}  # model tags
                 message = f"no component or model named {name!r}{suggest(name, sorted(known))}"
             raise click.ClickException(message) from None
     row = reg.info()
