@@ -5,6 +5,7 @@ import os
 import shutil
 
 import pytest
+import torch
 from click.testing import CliRunner
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import MixtralConfig, PreTrainedTokenizerFast
@@ -140,8 +141,17 @@ def test_a_model_without_a_tokenizer_is_refused_in_one_line_unless_its_vocabular
     tiny_mixtral(20_000).save_pretrained(bare)  # a larger vocabulary than the zoo's, no tokenizer beside it
     out = fails("eval", bare, "--no-speed", "--windows", "1")
     assert "no tokenizer found" in out and "20000" in out and "save" in out and len(out.strip().splitlines()) == 1
+    model = zoo.load(bare)
     with pytest.raises(TokenizerMismatch, match="no tokenizer found"):
-        tokenizer_for(zoo.load(bare))
+        tokenizer_for(model, required=True)
+    missing = tokenizer_for(model)  # raises when used: token-id calibration batches need no tokenizer
+    for use in (lambda: missing("some text"), lambda: missing.encode("x"), lambda: len(missing)):
+        with pytest.raises(TokenizerMismatch, match="no tokenizer found.*20000.*save"):
+            use()
+    ids = torch.randint(3, 20_000, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert zoo.calibration.batches([ids], missing)[0].equal(ids)
+    with pytest.raises(TokenizerMismatch, match="no tokenizer found"):
+        zoo.calibration.batches(zoo.calibration.corpus("code", tokens=256), missing)
     zoo_sized = tmp_path / "zoo-sized"
     tiny_mixtral(ZOO_VOCAB).save_pretrained(zoo_sized)
     assert len(tokenizer_for(zoo.load(zoo_sized))) == ZOO_VOCAB  # the zoo's own stands in

@@ -122,7 +122,7 @@ def evaluate(model, tokenizer=None, seq_len=256, max_windows=24, measure_speed=T
     check_int("max_windows", max_windows, 1)
     check_positions(model, seq_len, f"seq_len {seq_len}")
     if tokenizer is None:
-        tokenizer = tokenizer_for(model)
+        tokenizer = tokenizer_for(model, required=True)
     else:
         check_tokenizer(tokenizer, model, "the tokenizer given")
     ppl, usage = perplexity_and_usage(model, tokenizer, seq_len, max_windows)

@@ -35,7 +35,7 @@ def generate(model, prompt, max_new_tokens, steps, use_compile, threads):
     parsed = [step_option(s, "--step") for s in steps]
     with one_line():
         lm = zoo.load(model).eval()
-        tok = tokenizer_for(lm)  # the model's own, checked to fit its vocabulary
+        tok = tokenizer_for(lm, required=True)  # the model's own, checked to fit its vocabulary
         ids = tok(prompt, return_tensors="pt").input_ids
         if ids.shape[1] == 0:
             raise ValueError(f"the prompt {prompt!r} has no tokens for this model's tokenizer")

@@ -138,10 +138,12 @@ def check_tokenizer(tokenizer, model, where: str = "the tokenizer") -> None:
                                 "(tokenizer.save_pretrained(folder))")
 
 
-def tokenizer_for(model):
+def tokenizer_for(model, required: bool = False):
     """The tokenizer saved with ``model`` (its folder, registry name or hub id: ``config.name_or_path``), checked
-    to fit the model's vocabulary; where there is none, the zoo's own, if the model's vocabulary is the zoo's.
-    The one tokenizer lookup every component that tokenizes text for a model uses."""
+    to fit the model's vocabulary (``TokenizerMismatch`` naming both sizes); where there is none, the zoo's own if
+    the model's vocabulary is the zoo's 8192 tokens, else a ``MissingTokenizer`` that raises, saying what to do,
+    when it is used (``required=True``: raises it now). The one tokenizer lookup every component that tokenizes
+    text for a model uses."""
     from zoo.data.tokenizer import load_tokenizer as zoo_tokenizer
 
     name = getattr(getattr(model, "config", None), "name_or_path", "") or ""
@@ -162,10 +164,39 @@ def tokenizer_for(model):
         return tokenizer
     vocab = model_vocab(model)
     if vocab is not None and vocab != ZOO_VOCAB:
-        raise TokenizerMismatch(f"no tokenizer found for {name or 'this model'} (vocabulary {vocab}; the zoo's own "
-                                f"tokenizer has {ZOO_VOCAB}): save the model's tokenizer beside it "
-                                "(tokenizer.save_pretrained(folder))")
+        missing = MissingTokenizer(f"no tokenizer found for {name or 'this model'} (vocabulary {vocab}; the zoo's "
+                                   f"own tokenizer has {ZOO_VOCAB}): save the model's tokenizer beside it "
+                                   "(tokenizer.save_pretrained(folder))")
+        if required:
+            raise TokenizerMismatch(missing.message)
+        return missing
     return zoo_tokenizer()
+
+
+class MissingTokenizer:
+    """What ``tokenizer_for`` returns for a model that has no tokenizer and whose vocabulary is not the zoo's: any
+    use raises ``TokenizerMismatch`` with the reason, so code that only tokenizes text when it has text (token-id
+    calibration batches need no tokenizer) runs, and code that tokenizes gets the one-line error."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise TokenizerMismatch(self.message)
+
+    def __call__(self, *args, **kwargs):
+        raise TokenizerMismatch(self.message)
+
+    def __len__(self):
+        raise TokenizerMismatch(self.message)
+
+    def __bool__(self):
+        return True  # ``tokenizer or default`` keeps it: using it raises
+
+    def __repr__(self):
+        return f"MissingTokenizer({self.message!r})"
 
 
 _STREAMS: dict[tuple, object] = {}

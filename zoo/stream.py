@@ -242,7 +242,7 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8) -> 
 
     ckpt = open_checkpoint(src)
     model = ckpt.model
-    tok = tokenizer_for(model)
+    tok = tokenizer_for(model, required=True)
     batches, domains = [], []
     for d in DOMAINS:
         windows = eval_windows(corpus_tokens(d, "val", tok), seq_len, max_windows)
