@@ -22,11 +22,6 @@ def default() -> dict:
     return corpus("mixed", tokens=8192)
 
 
-def calibrates(component) -> bool:
-    """Whether a component (an instance) reads calibration data: it takes layer inputs, or says it needs data."""
-    return bool(getattr(component, "inputs_for", ())) or bool(getattr(component, "needs_calibration", False))
-
-
 def used(calibration, component):
     """The calibration ``component`` actually runs on: the one given, or the default for a component that
     calibrates (and layer by layer takes inputs); None for one that does not calibrate and got none."""

@@ -87,6 +87,8 @@ def export(model, path) -> str:
     """Write the family's native checkpoint (loadable by plain transformers, vLLM, TGI), with the tokenizer,
     chat template and processor files of the folder the model came from, or raise ``NotExportable`` naming why
     the layout has no native form."""
+    from zoo.loading import copy_side_files
+
     fam = family_of(model)
     native_cfg = native_config(model)
     state = dict(model.state_dict())
@@ -104,8 +106,6 @@ def export(model, path) -> str:
     if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         native.tie_weights()
     native.generation_config = model.generation_config
-    from zoo.loading import copy_side_files
-
     with atomic_directory(path) as tmp:
         copy_side_files(getattr(model.config, "name_or_path", ""), tmp)  # the tokenizer travels with the weights
         native.save_pretrained(tmp)
