@@ -196,7 +196,7 @@ def _write(ckpt, out, components, inputs, desc, record=()):
         sync_layout(model)
         model.config.save_pretrained(tmp)
         copy_side_files(ckpt.path, tmp)
-        card(model).save(os.path.join(tmp, "README.md"))
+        card(model, path=out).save(os.path.join(tmp, "README.md"))
 
 
 def export(src, out) -> str:

@@ -6,12 +6,13 @@ import torch
 from zoo.data.corpus import DOMAINS, SEPARATOR, load_text
 from zoo.data.tokenizer import load_tokenizer
 
-_CACHE: dict[tuple[str, str], torch.Tensor] = {}
+_CACHE: dict[tuple, torch.Tensor] = {}
 
 
 def token_stream(domain: str, split: str, tokenizer=None) -> torch.Tensor:
-    """The whole split as one 1-D tensor of token ids (documents separated by eos)."""
-    key = (domain, split)
+    """The whole split as one 1-D tensor of token ids (documents separated by eos), cached per tokenizer."""
+    vocab = None if tokenizer is None else hash(frozenset(tokenizer.get_vocab().items()))
+    key = (domain, split, vocab)  # two tokenizers never share a stream (the zoo's own: vocab None)
     if key not in _CACHE:
         tok = tokenizer or load_tokenizer()
         # document by document: the same ids as the whole text at once (the separator is a special token, so
