@@ -112,7 +112,7 @@ def batches(calibration, tokenizer=None, batch_size: int = 8) -> list[torch.Tens
 
 
 def _corpus_rows(spec: dict, tokenizer) -> torch.Tensor:
-    from zoo.loading import corpus_tokens
+    from zoo.data.tokens import token_stream
 
     spec = corpus(**spec)
     domains = DOMAINS if spec["domain"] == "mixed" else (spec["domain"],)
@@ -120,7 +120,7 @@ def _corpus_rows(spec: dict, tokenizer) -> torch.Tensor:
     g = torch.Generator().manual_seed(spec["seed"])
     rows = []
     for i in range(n_rows):
-        stream = corpus_tokens(domains[i % len(domains)], "train", tokenizer or _default_tokenizer())
+        stream = token_stream(domains[i % len(domains)], "train", tokenizer or _default_tokenizer())
         start = int(torch.randint(0, len(stream) - spec["seq_len"], (1,), generator=g))
         rows.append(stream[start:start + spec["seq_len"]])
     return torch.stack(rows).long()

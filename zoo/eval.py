@@ -11,9 +11,9 @@ import time
 import torch
 
 from zoo.data.corpus import DOMAINS
-from zoo.data.tokens import eval_windows
+from zoo.data.tokens import eval_windows, token_stream
 from zoo.layout import moe_layers
-from zoo.loading import check_tokenizer, corpus_tokens, tokenizer_for
+from zoo.loading import check_tokenizer, tokenizer_for
 from zoo.options import check_int
 
 
@@ -80,7 +80,7 @@ def perplexity_and_usage(model, tokenizer, seq_len=256, max_windows=24, batch=8)
     ppl, usage = {}, {}
     model.eval()
     for domain in DOMAINS:
-        windows = eval_windows(corpus_tokens(domain, "val", tokenizer), seq_len, max_windows)
+        windows = eval_windows(token_stream(domain, "val", tokenizer), seq_len, max_windows)
         total = count = 0.0
         with UsageRecorder(model) as rec:
             for i in range(0, len(windows), batch):
@@ -98,7 +98,7 @@ def perplexity_and_usage(model, tokenizer, seq_len=256, max_windows=24, batch=8)
 @torch.no_grad()
 def speed(model, tokenizer, prompt_tokens=256, new_tokens=32, repeats=3) -> dict:
     """Prefill tok/s (one forward over ``prompt_tokens``) and greedy decode tok/s (after a 16-token prompt)."""
-    ids = corpus_tokens("english", "val", tokenizer)[:prompt_tokens].long()[None]
+    ids = token_stream("english", "val", tokenizer)[:prompt_tokens].long()[None]
     pre = []
     for _ in range(repeats):
         t = time.perf_counter()

@@ -199,46 +199,6 @@ class MissingTokenizer:
         return f"MissingTokenizer({self.message!r})"
 
 
-_STREAMS: dict[tuple, object] = {}
-_ZOO_VOCAB: list[dict] = []
-
-
-def is_zoo_tokenizer(tokenizer) -> bool:
-    """Whether ``tokenizer`` has the zoo's own vocabulary (the shipped models' tokenizers do)."""
-    from zoo.data.tokenizer import load_tokenizer as zoo_tokenizer
-
-    if tokenizer_size(tokenizer) != ZOO_VOCAB:
-        return False
-    if not _ZOO_VOCAB:
-        _ZOO_VOCAB.append(zoo_tokenizer().get_vocab())
-    return tokenizer.get_vocab() == _ZOO_VOCAB[0]
-
-
-def corpus_tokens(domain: str, split: str, tokenizer):
-    """The shipped corpus split as ``tokenizer``'s ids: ``zoo.data.tokens.token_stream`` for the zoo's own
-    vocabulary (which it caches per split, whatever the tokenizer), tokenized the same way (document by
-    document) and cached per tokenizer for any other."""
-    import torch
-
-    import hashlib
-
-    from zoo.data.corpus import SEPARATOR, load_text
-    from zoo.data.tokens import token_stream
-
-    if tokenizer is None or is_zoo_tokenizer(tokenizer):
-        return token_stream(domain, split, tokenizer)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    fingerprint = hashlib.sha256(backend.to_str().encode()).hexdigest() if backend is not None else id(tokenizer)
-    key = (domain, split, fingerprint)
-    if key not in _STREAMS:
-        sep = tokenizer(SEPARATOR)["input_ids"]
-        ids: list[int] = []
-        for i, doc in enumerate(load_text(domain, split).split(SEPARATOR)):
-            ids += (sep if i else []) + tokenizer(doc)["input_ids"]
-        _STREAMS[key] = torch.tensor(ids, dtype=torch.int32)
-    return _STREAMS[key]
-
-
 def load(name_or_path: str, convert: bool = True, **kwargs):
     """Load a local folder, a registry name, ``hf-hub:org/name`` or a hub id as a causal LM (a vision-language
     model through ``AutoModelForImageTextToText``).

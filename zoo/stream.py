@@ -238,14 +238,15 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8) -> 
     from zoo.data.corpus import DOMAINS
     from zoo.data.tokens import eval_windows
     from zoo.eval import entropy_bits, sizes
-    from zoo.loading import corpus_tokens, tokenizer_for
+    from zoo.data.tokens import token_stream
+    from zoo.loading import tokenizer_for
 
     ckpt = open_checkpoint(src)
     model = ckpt.model
     tok = tokenizer_for(model, required=True)
     batches, domains = [], []
     for d in DOMAINS:
-        windows = eval_windows(corpus_tokens(d, "val", tok), seq_len, max_windows)
+        windows = eval_windows(token_stream(d, "val", tok), seq_len, max_windows)
         for i in range(0, len(windows), batch):
             batches.append(windows[i:i + batch])
             domains.append(d)

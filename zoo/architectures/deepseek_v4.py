@@ -20,7 +20,7 @@ import json
 import torch
 
 from zoo.architectures.family import Family, NotConvertible, NotExportable
-from zoo.architectures.generic import GenericFamily
+from zoo.architectures.generic import GenericFamily, first_difference
 from zoo.layout import build_block
 from zoo.moe import RoutingContext, routing_context
 
@@ -120,13 +120,6 @@ class DeepseekV4(GenericFamily):
             if moe[i] != want:
                 raise NotExportable(f"layer {i}: {first_difference(moe[i], want)}")
         return native
-
-
-def first_difference(got: dict, want: dict) -> str:
-    for key in sorted(set(got) | set(want)):
-        if got.get(key) != want.get(key):
-            return f"{key} is {got.get(key)!r}, the native block needs {want.get(key)!r}"
-    return "same"
 
 
 def block_entry(block, config, kind: str) -> dict:

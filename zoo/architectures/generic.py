@@ -195,7 +195,7 @@ class GenericFamily(Family):
         first_i, first = next(iter(moe.items()))
         for i, e in moe.items():
             if e != first:
-                raise NotExportable(f"layer {i} differs from layer {first_i} ({_first_difference(e, first)}): a "
+                raise NotExportable(f"layer {i} differs from layer {first_i} ({first_difference(e, first)}): a "
                                     f"native {self.name} config holds one block shape for all layers")
         values = {k: v for k, v in config.to_dict().items() if not k.startswith("zoo_") and k != "model_type"}
         text_values = values.get("text_config", values) if self.text_config(config) is not config else values
@@ -216,11 +216,11 @@ class GenericFamily(Family):
         if want != set(moe):
             raise NotExportable(f"MoE layers {sorted(moe)} differ from the native pattern {sorted(want)}")
         if first != expected:
-            raise NotExportable(f"layer {first_i}: {_first_difference(first, expected)}")
+            raise NotExportable(f"layer {first_i}: {first_difference(first, expected)}")
         return native
 
 
-def _first_difference(a: dict, b: dict) -> str:
+def first_difference(a: dict, b: dict) -> str:
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
             return f"{key} is {a.get(key)!r}, the native block needs {b.get(key)!r}"
