@@ -54,7 +54,6 @@ HOOKS = sorted(n for n in dir(hookspecs) if getattr(getattr(hookspecs, n), "moe_
 
 # Blocks that document a contract the core does not keep yet: (page, a line of the block) -> reason. Such a block
 # runs and must fail (the page goes on); once it passes, its test fails so that the entry gets removed.
-XFAIL_BLOCKS: dict[tuple[str, str], str] = {}  # (page, text of a block) -> the core bug it shows
 
 FENCE = re.compile(r"^(?P<fence>`{3,}|~{3,})(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.M | re.S)
 MARKER = re.compile(r"^(?:#|\{#)\s*file:\s*(?P<path>[^\s#]+)\s*(?:#\})?\s*$")
@@ -157,7 +156,6 @@ class PageResult:
     plugins: dict[str, str] = field(default_factory=dict)  # plugin (entry-point) name -> its module
     hooks: dict[str, set] = field(default_factory=dict)  # plugin -> hook implementations pluggy holds for it
     called: set = field(default_factory=set)  # hooks a real registration called (something registered through it)
-    xfails: dict[tuple[str, str], BaseException | None] = field(default_factory=dict)
     asserts: int = 0
 
 
@@ -218,15 +216,7 @@ def run_page(page: str) -> PageResult:
                     result.plugins.update(install(project))
                     pending = False
                 result.asserts += len(re.findall(r"^\s*(?:assert |with pytest\.raises)", block.body, re.M))
-                key = next(((p, s) for p, s in XFAIL_BLOCKS if p == page and s in block.body), None)
-                if key is None:
-                    _run(block, page, namespace)
-                else:
-                    try:
-                        _run(block, page, namespace)
-                        result.xfails[key] = None
-                    except Exception as exc:  # noqa: BLE001 - the known failure
-                        result.xfails[key] = exc
+                _run(block, page, namespace)
                 result.ran += 1
             _record(result, commands_before)
             loaded = {Path(f).resolve() for m in list(sys.modules.values())
@@ -249,15 +239,6 @@ def test_page_runs(page, one_thread):
         assert result.asserts, f"{page}: its examples assert nothing"
         assert re.search(r"^\s*(assert |with pytest\.raises)", code[-1].body, re.M), \
             f"{page}: its last example ends without asserting what it shows"
-
-
-@pytest.mark.parametrize("key", sorted(XFAIL_BLOCKS))
-def test_known_core_bugs(key, one_thread):
-    outcome = run_page(key[0]).xfails.get(key, "block not found")
-    assert outcome != "block not found", f"no block of {key[0]} contains {key[1]!r}"
-    if outcome is None:
-        pytest.fail(f"{key}: the example now works; remove it from XFAIL_BLOCKS")
-    pytest.xfail(f"{XFAIL_BLOCKS[key]} ({type(outcome).__name__}: {outcome})")
 
 
 # ---- meta -----------------------------------------------------------------------------------------------------
