@@ -56,10 +56,15 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
     """A ModelCard for a zoo model: metadata (base_model, library_name, tags, model-index), the recipe
     with its calibration data, evaluation results, how to load it, and every component's citation.
     ``repo_id`` (a Hub repo) or ``path`` (the folder it is saved to) is what the "How to load" snippet loads, and
-    names the card unless ``model_name`` is given."""
+    names the card unless ``model_name`` is given. A PEFT model gets the card of an adapter folder: its base
+    model's recipe, ``base_model`` only when the base is on the Hub, and how to load and merge it."""
     from zoo.layout import components_provenance, family_and_base, read_layout
     from zoo.registry import registry
 
+    adapter_base = None
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):  # a PEFT adapter on a zoo model
+        adapter_base = model.peft_config[model.active_adapter].base_model_name_or_path or None
+        model = model.get_base_model()
     fam, _ = family_and_base(model)
     if fam is None:
         raise TypeError(f"zoo.card takes a zoo model, not {type(model).__name__}: zoo.convert(model) first")
@@ -74,6 +79,10 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
     reason = fam.export_problem(cfg, layout)
     exportable, reason = reason is None, reason or ""
     base = getattr(cfg, "zoo_base_model", None)
+    if adapter_base is not None:
+        from zoo.adapter_folder import hub_id_of
+
+        base = hub_id_of(adapter_base)  # a card names a Hub id as its base_model, never a local path
     name = card_title(model_name, repo_id, path, base, fam.name)
     target = repo_id or (os.fspath(path) if path is not None else "PATH")
     results = []
@@ -86,10 +95,11 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
                        dataset_config=d, dataset_split="validation", metric_type="perplexity", metric_value=v)
             for d, v in eval_result["perplexity"].items()]
         results = [(f"perplexity ({d})", f"{v:.2f}") for d, v in eval_result["perplexity"].items()]
-        size = eval_result["size"]
-        results += [("parameters", f"{size['params'] / 1e6:.2f} M"),
-                    ("active parameters / token", f"{size['active_params'] / 1e6:.2f} M"),
-                    ("bytes", f"{size['bytes'] / 1e6:.1f} MB")]
+        size = eval_result.get("size")
+        if size:
+            results += [("parameters", f"{size['params'] / 1e6:.2f} M"),
+                        ("active parameters / token", f"{size['active_params'] / 1e6:.2f} M"),
+                        ("bytes", f"{size['bytes'] / 1e6:.1f} MB")]
     context = {"family": fam.name, "layout_summary": _layout_summary(layout), "recipe": recipe}
     sections = [section for c in comps if getattr(c.obj, "card", "")
                 for section in [render_component_card(c.obj, context, missing_ok=True)] if section]
@@ -99,7 +109,7 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
         summary=summary or f"A {fam.name} Mixture-of-Experts model built with moe-zoo.", recipe=recipe,
         results=results, sections=sections, repo_id=target, load_from=json.dumps(target, ensure_ascii=False),
         family=fam.name, exportable=exportable, export_reason=reason, citations=citations, packages=packages,
-        auto_loads=arch is None or arch.distribution == "moe-zoo")
+        adapter_base=adapter_base, auto_loads=arch is None or arch.distribution == "moe-zoo")
     return ModelCard(tidy(rendered.content))
 
 

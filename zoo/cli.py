@@ -165,15 +165,42 @@ def convert(src, out, stream, max_memory):
 @cli.command()
 @click.argument("src")
 @click.argument("out", callback=save_folder)
+@click.option("--format", "fmt", type=click.Choice(["native"]), default="native", show_default=True,
+              help="native: the family's own transformers checkpoint (vLLM, TGI, plain transformers).")
 @stream_options
-def export(src, out, stream, max_memory):
-    """Write SRC in its family's native format (for vLLM, TGI, plain transformers) to OUT."""
+def export(src, out, fmt, stream, max_memory):
+    """Write SRC (a zoo model folder, registry name or hub id) in its family's native format to OUT. An adapter
+    folder is merged into its base first."""
     import zoo
     from zoo import stream as streaming
 
-    _either(src, stream, max_memory, lambda: streaming.export(src, out),
-            lambda: zoo.export(zoo.load(src), out))
-    click.echo(f"exported {src} to {out}")
+    def in_memory():
+        model = zoo.load(src)
+        if hasattr(model, "merge_and_unload"):
+            model = model.merge_and_unload()
+        zoo.export(model, out)
+
+    _either(src, stream, max_memory, lambda: streaming.export(src, out), in_memory)
+    click.echo(f"exported {src} ({fmt}) to {out}")
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("out", callback=save_folder)
+def merge(src, out):
+    """Fold the PEFT adapter folder SRC (``moe-zoo finetune``'s output) into its base model and save the plain zoo
+    model to OUT, with the base's tokenizer and a card."""
+    import zoo
+    from zoo import stream as streaming
+    from zoo.adapter_folder import is_adapter_folder
+
+    with one_line():
+        if not is_adapter_folder(src):
+            raise ValueError(f"{src} is not an adapter folder (no adapter_config.json without a config.json): "
+                             "nothing to merge")
+        model = zoo.load(src).merge_and_unload()
+        streaming.save(model, out, model.config.name_or_path)
+    click.echo(f"merged {src} into its base; saved to {out}")
 
 
 @cli.command("eval")
@@ -197,11 +224,13 @@ def eval_command(model, as_json, plot, windows, no_speed, stream, max_memory):
             plot_usage(result, plot, title=model)
     if as_json:
         return _json(result)
+    click.echo(f"held-out perplexity over {windows} windows of 256 tokens per domain (another window count or "
+               "length measures other text: compare like with like)")
     click.echo(format_table({model: result}))
     for domain, layers in result["usage"].items():
         for layer in layers:
             click.echo(f"usage {domain:8} layer {layer['layer']}: {layer['counts']} "
-                       f"(entropy {layer['entropy_bits']:.2f}/{layer['max_entropy_bits']:.0f} bits)")
+                       f"(entropy {layer['entropy_bits']:.2f} of at most {layer['max_entropy_bits']:.2f} bits)")
 
 
 def _calibration(ctx, param, value):

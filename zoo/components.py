@@ -68,6 +68,8 @@ class Adapter(Component):
     - ``loss(model, input_ids, attention_mask=None) -> (loss, lm_loss)``: the training loss, when the adapter
       owns it (a router trained by policy gradient);
     - ``merge(model) -> model``: fold the adapter into the base weights;
+    - ``load_saved(model, folder) -> model`` (static): put a saved adapter folder back on its base model, when
+      ``peft.PeftModel.from_pretrained`` is not how it should load (``zoo.load`` of the folder calls it);
     - ``build_module(replaced, spec)`` (classmethod): rebuild, empty, a module the adapter put outside the
       MoE blocks (it has ``zoo_spec()``; see ``zoo.layout.read_modules``).
     """
@@ -77,6 +79,7 @@ class Adapter(Component):
     train_step = None
     loss = None
     merge = None
+    load_saved = None
     build_module = None
 
     def attach(self, model):  # pragma: no cover - abstract

@@ -144,7 +144,7 @@ def format_table(results: dict[str, dict]) -> str:
     for d in DOMAINS:
         ent = [results[n]["usage"][d] for n in names]
         rows.append((f"usage entropy {d} (bits, mean)",
-                     [f"{statistics.mean(l['entropy_bits'] for l in e):.2f}/{e[0]['max_entropy_bits']:.0f}" if e
+                     [f"{statistics.mean(l['entropy_bits'] for l in e):.2f}/{e[0]['max_entropy_bits']:.2f}" if e
                       else "-" for e in ent]))
     if all("speed" in results[n] for n in names):
         rows.append(("prefill tok/s", [f"{results[n]['speed']['prefill_tok_s']:.0f}" for n in names]))
@@ -176,6 +176,8 @@ def plot_usage(result: dict, path: str, title: str = "expert usage") -> str:
         ax.set_title(f"{d} (ppl {result['perplexity'][d]:.1f})")
         ax.set_xlabel("expert")
         ax.set_ylabel("layer")
+        ax.set_xticks(range(width))  # whole experts and layers, never fractional ticks
+        ax.set_yticks(range(len(layers)), [str(l["layer"]) for l in layers])
         fig.colorbar(im, ax=ax, label="share of routed tokens")
     fig.suptitle(title)
     fig.tight_layout()

@@ -19,10 +19,11 @@ from tqdm.auto import tqdm
 
 from zoo.atomic import atomic_directory
 from zoo.data.corpus import DOMAINS
-from zoo.data.tokenizer import load_tokenizer
 from zoo.data.tokens import token_stream, train_batch
 from zoo.eval import check_positions, perplexity_and_usage
+from zoo.loading import copy_side_files, tokenizer_for
 from zoo.options import check_int
+from zoo.adapter_folder import portable_base
 from zoo.layout import moe_layers
 
 
@@ -34,10 +35,14 @@ class FinetuneResult:
     history: list = field(default_factory=list)  # [step, language-model loss]
     trainable_params: int = 0
     seconds: float = 0.0
+    windows: int = 0  # held-out windows per domain, of seq_len tokens
+    seq_len: int = 0
 
     def table(self) -> str:
-        """Held-out perplexity per domain, before and after."""
-        lines = [f"{'domain':10}{'before':>10}{'after':>10}{'change':>10}"]
+        """Held-out perplexity per domain, before and after (the window count and length say what it measured:
+        perplexity over other windows, e.g. ``moe-zoo eval``'s, is not comparable)."""
+        lines = [f"held-out perplexity ({self.windows} windows of {self.seq_len} tokens per domain)",
+                 f"{'domain':10}{'before':>10}{'after':>10}{'change':>10}"]
         for d in DOMAINS:
             b, a = self.before["perplexity"][d], self.after["perplexity"][d]
             lines.append(f"{d:10}{b:10.2f}{a:10.2f}{100 * (a / b - 1):+9.1f}%")
@@ -92,7 +97,7 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
     if source is not None:
         model = zoo.load(source, dtype=torch.float32)  # fp32 master weights; bf16 autocast for the steps
     check_positions(base_of(model), seq_len, f"seq_len {seq_len}")  # before any perplexity or training
-    tokenizer = load_tokenizer()
+    tokenizer = tokenizer_for(base_of(model), required=True)  # the model's own, checked to fit its vocabulary
     before = held_out(model, tokenizer, seq_len, windows)
 
     torch.manual_seed(seed)  # the adapter's own initialisation (e.g. LoRA's A) is reproducible
@@ -139,9 +144,9 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
     if merge:
         model = reg.obj(**options).merge(model) if reg.obj.merge is not None else model
     after = held_out(model, tokenizer, seq_len, windows)
-    result = FinetuneResult(model, before, after, history, sum(p.numel() for p in params), seconds)
+    result = FinetuneResult(model, before, after, history, sum(p.numel() for p in params), seconds, windows, seq_len)
     if out:
-        save(result, out, tokenizer, {"base": None if source is None else os.fspath(source), "adapter": adapter,
+        save(result, out, tokenizer, {"base": portable_base(source), "adapter": adapter,
                                       "options": options, "domain": domain, "steps": steps, "lr": lr,
                                       "batch_size": batch_size, "seq_len": seq_len, "seed": seed, "bf16": bf16,
                                       "windows": windows, "merged": merge})
@@ -149,10 +154,28 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
 
 
 def save(result: FinetuneResult, out: str, tokenizer, args: dict) -> None:
-    """The model (a PEFT adapter folder, or a whole model), its tokenizer and ``finetune.json``, all or nothing."""
+    """The model (a PEFT adapter folder, or a whole model) with the zoo's card, the base model's tokenizer files and
+    generation config, and ``finetune.json``, all or nothing. An adapter names its base portably (a registry name,
+    a hub id or an absolute folder: ``zoo.load(out)`` finds it from anywhere)."""
+    import zoo
+
+    model = result.model
+    peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
     with atomic_directory(out) as tmp:
-        result.model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        if peft:
+            source = args["base"] or base_of(model).config.name_or_path or None
+            model.peft_config[model.active_adapter].base_model_name_or_path = source
+            # the vocabulary was not resized: PEFT's "auto" would reload the base config only to compare sizes
+            model.save_pretrained(tmp, save_embedding_layers=False)
+        else:
+            model.save_pretrained(tmp)
+        if not copy_side_files(base_of(model).config.name_or_path, tmp):
+            tokenizer.save_pretrained(tmp)
+        summary = (f"`{args['adapter']}` fine-tuned for {args['steps']} steps on the {args['domain']} training split "
+                   f"of the zoo's corpus (held-out perplexity: {args['windows']} windows of {args['seq_len']} "
+                   "tokens per domain, before and after in finetune.json).")
+        zoo.card(model, eval_result={"perplexity": result.after["perplexity"]}, path=out,
+                 summary=summary).save(os.path.join(tmp, "README.md"))
         record = {**args, "trainable_params": result.trainable_params, "seconds": round(result.seconds, 1),
                   "perplexity": {"before": result.before["perplexity"], "after": result.after["perplexity"]},
                   "history": result.history}

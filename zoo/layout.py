@@ -8,7 +8,10 @@ from zoo.registry import registry
 
 
 def family_and_base(model, family=None):
-    """(family spec or None, base model) of a zoo or native model, or of its base model."""
+    """(family spec or None, base model) of a zoo or native model, or of its base model (through a PEFT
+    wrapper: its base model still runs the adapter's layers)."""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     base = getattr(model, "model", model)
     if not isinstance(base, nn.Module):
         base = model

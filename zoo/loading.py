@@ -204,16 +204,20 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
     model through ``AutoModelForImageTextToText``).
 
     Native checkpoints of a supported family are converted to the zoo block (losslessly) unless
-    ``convert=False``. Offline, a hub id that is not cached fails with an error that says so.
+    ``convert=False``. A PEFT adapter folder (``moe-zoo finetune``'s output) loads as its base model with the
+    adapter on it (``zoo.adapter_folder``). Offline, a hub id that is not cached fails with an error that says so.
     """
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     from zoo import finite
+    from zoo.adapter_folder import is_adapter_folder, load as load_adapter_folder
     from zoo.convert import convert as convert_model
     from zoo.token_masking import masked_errors
 
     given = os.fspath(name_or_path)
     target = resolve_path(given)
+    if os.path.isdir(target) and is_adapter_folder(target):
+        return load_adapter_folder(target, **kwargs)  # a PEFT adapter: its base model with the adapter on it
     if os.path.isdir(target):
         if not os.path.isfile(os.path.join(target, kwargs.get("subfolder", ""), "config.json")):
             raise FileNotFoundError(f"no config.json in {target!r}: not a saved model folder")

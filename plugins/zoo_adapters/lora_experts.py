@@ -75,6 +75,8 @@ class LoraExperts(Adapter):
         config.base_model_name_or_path = model.__dict__.get("name_or_path") or None  # as get_peft_model does
         return ZooPeftModel(model, config)
 
+    load_saved = staticmethod(load_adapter)  # zoo.load(adapter folder): the grouped forward, not PEFT's folded one
+
     def merge(self, model):
         """Fold the updates into the expert weights: a plain zoo model again."""
         return model.merge_and_unload()
