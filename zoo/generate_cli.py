@@ -43,6 +43,8 @@ def generate(model, prompt, max_new_tokens, steps, use_compile, threads):
         for name, options in parsed:
             with one_line(f"--step {name}: "):
                 lm = zoo.apply(lm, name, **options)
+        if use_compile:  # the first call compiles: say so, or the wait looks like a hang
+            click.echo("compiling the decode step (first call, ~30-60 s)...", err=True)
         with torch.no_grad():
             run = timed_greedy(lm, ids, max_new_tokens, compile=use_compile, repeats=1,
                                eos_token_id=tok.eos_token_id)

@@ -1,8 +1,11 @@
 """Plugin loading (llm style): first-party plugins by dotted path, third-party ones by entry point.
 
-The registry (``zoo.registry``) runs ``load_plugins`` before its first lookup. ``import zoo`` loads them at once
-too (so plugin architectures join transformers' Auto classes), except while a plugin module is itself being
-imported (it imported zoo): its hooks are not defined yet, so loading waits for the registry's first lookup.
+Nothing loads at ``import zoo``. The registry (``zoo.registry``) runs ``load_plugins`` before its first lookup;
+transformers' first lookup of a ``zoo_`` model type runs it too (``auto_classes_at_first_need``), so the
+``zoo_<family>`` model types, plugin architectures' included, join the Auto classes before
+``AutoConfig`` / ``AutoModelForCausalLM.from_pretrained`` needs them. ``moe-zoo`` imports the plugins (cheap: a
+plugin's ``__init__`` imports its components inside its hooks) and runs only their ``register_commands`` hooks
+(``commands_hook``), so ``moe-zoo --help`` lists plugin commands without loading torch.
 
 Plugins cannot take the zoo down: every import, hook call and registration of a plugin is isolated. A failure
 (``SystemExit`` included) is recorded in ``errors`` as one line, reported by ``plugin_report`` / ``moe-zoo
@@ -46,6 +49,7 @@ _tracebacks: dict[str, str] = {}  # plugin name -> short traceback of its last f
 _meta: dict[str, dict] = {}  # plugin name -> {"distribution", "version"}
 _lock = threading.RLock()
 _loaded = False
+_imported = False  # the plugin modules are imported (``import_plugins``); their hooks may not have run yet
 _called: set[str] = set()  # plugins whose register_* hooks have run
 _auto_done: set[str] = set()  # architectures whose Auto classes are registered
 _FAILED = object()
@@ -155,6 +159,16 @@ def _call_hooks(plugin_name: str) -> None:
     _guarded(plugin_name, "registration", registry.add_all, entries)
 
 
+def import_plugins() -> None:
+    """Import every plugin and register it with pluggy, without running its hooks (once per load: what
+    ``moe-zoo``'s command list needs; ``load_plugins`` runs the hooks)."""
+    global _imported
+    with _lock:
+        if not _imported:
+            _imported = True
+            _import_plugins()
+
+
 def load_plugins() -> None:
     """Import every plugin and run its register_* hooks (once; the registry calls this before its first lookup).
     The zoo's own plugins register first, so a third-party name can never take one of theirs."""
@@ -163,7 +177,7 @@ def load_plugins() -> None:
         if _loaded:
             return
         _loaded = True  # first: a plugin that looks something up while registering sees what is in so far
-        _import_plugins()
+        import_plugins()
         names = [n for n, _ in pm.list_name_plugin() if n not in _called]
         names.sort(key=lambda n: _meta.get(n, {}).get("distribution") != OWN)
         for name in names:
@@ -180,21 +194,125 @@ def load_plugins() -> None:
 registry.loader = load_plugins
 
 
+def _importing(roots) -> bool:
+    """Whether a module under one of the top-level packages ``roots`` is mid-import right now."""
+    return any(name.split(".")[0] in roots and getattr(getattr(module, "__spec__", None), "_initializing", False)
+               for name, module in list(sys.modules.items()))
+
+
+def _plugin_importing() -> bool:
+    """Whether a plugin package (not the zoo's own modules) is mid-import: e.g. it imported zoo."""
+    roots = {*(d.split(".")[0] for d in DEFAULT_PLUGINS),
+             *(ep.module.split(".")[0] for ep in md.entry_points(group="moe_zoo"))}
+    return _importing(roots - {"zoo"})
+
+
 def load_unless_a_plugin_is_importing() -> None:
-    """What ``import zoo`` runs: ``load_plugins()``, unless a module of a plugin is mid-import right now."""
-    roots = {*DEFAULT_PLUGINS, *(ep.module.split(".")[0] for ep in md.entry_points(group="moe_zoo"))}
-    importing = [name for name, module in list(sys.modules.items())
-                 if name.split(".")[0] in roots and getattr(getattr(module, "__spec__", None), "_initializing", False)]
-    if not importing:
+    """``load_plugins()``, unless a module of a plugin is mid-import right now (its hooks are not defined yet:
+    loading waits for the next lookup)."""
+    if not _plugin_importing():
         load_plugins()
 
 
 def load_new_plugins() -> None:
     """Load the plugins installed since the last load (e.g. an entry point added in this process)."""
-    global _loaded
+    global _loaded, _imported
     with _lock:
-        _loaded = False
+        _loaded = _imported = False
         load_plugins()
+
+
+# ---- transformers' Auto classes at first need ------------------------------------------------------------------
+# ``import zoo`` must not import transformers (seconds), yet ``AutoModelForCausalLM.from_pretrained(zoo_folder)``
+# must find the zoo_<family> model types. transformers resolves every model type through one mapping,
+# ``configuration_auto.CONFIG_MAPPING``: once that module has run (now, or later through the import hook below),
+# the mapping is armed; its first lookup of a ``zoo_`` model type (or a listing of them all) loads the plugins,
+# which registers every architecture's Auto classes, and disarms it. Registering right when a transformers module
+# runs could not work: configuration_auto is imported half-way through transformers.modeling_utils, which the
+# family modules need themselves.
+
+_AUTO_CONFIG = "transformers.models.auto.configuration_auto"
+_armed_classes: dict[type, type] = {}
+
+
+def _disarm_and_load(mapping) -> bool:
+    """Load the plugins for transformers (the mapping is back to its own class first), unless a transformers or
+    plugin module is mid-import (the next lookup tries again). Whether it disarmed."""
+    if _importing({"transformers"}) or _plugin_importing():
+        return False
+    for own, armed in _armed_classes.items():
+        if type(mapping) is armed:
+            mapping.__class__ = own
+    load_plugins()
+    return True
+
+
+def _armed_class(own: type) -> type:
+    if own not in _armed_classes:
+        def lookup(method):
+            def wrapper(self, *args):
+                if not args or isinstance(args[0], str) and args[0].startswith("zoo_"):
+                    _disarm_and_load(self)
+                return getattr(own, method)(self, *args)
+            wrapper.__name__ = method
+            return wrapper
+
+        methods = ("__getitem__", "__contains__", "keys", "values", "items", "__iter__", "__reduce__")
+        _armed_classes[own] = type(own.__name__, (own,), {
+            "__module__": own.__module__, **{m: lookup(m) for m in methods if hasattr(own, m)}})
+    return _armed_classes[own]
+
+
+def _arm(configuration_auto) -> None:
+    mapping = getattr(configuration_auto, "CONFIG_MAPPING", None)
+    if mapping is None or _loaded or type(mapping) in _armed_classes.values():
+        return
+    try:
+        mapping.__class__ = _armed_class(type(mapping))
+    except TypeError:  # a mapping of another layout (another transformers): register at once instead
+        load_unless_a_plugin_is_importing()
+
+
+class _ArmAfterImport:
+    """A ``sys.meta_path`` finder that arms ``CONFIG_MAPPING`` right after configuration_auto runs."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _AUTO_CONFIG:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is not None and hasattr(loader, "exec_module"):
+            run = loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                _arm(module)
+
+            try:
+                loader.exec_module = exec_module  # this module's loader only
+            except AttributeError:
+                pass
+        return spec
+
+    def invalidate_caches(self):
+        pass
+
+
+def auto_classes_at_first_need() -> None:
+    """What ``import zoo`` runs: arm transformers' config mapping now if configuration_auto has run, and install
+    the hook that arms it when it does (cheap: imports nothing)."""
+    with _lock:
+        if not any(isinstance(f, _ArmAfterImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _ArmAfterImport())
+        if _AUTO_CONFIG in sys.modules:
+            _arm(sys.modules[_AUTO_CONFIG])
 
 
 @contextlib.contextmanager
@@ -232,7 +350,7 @@ def commands_hook(cli) -> None:
     another plugin's (the first registered wins): such a command is refused and reported as its error."""
     import click
 
-    load_plugins()  # pluggy's hook callers fill as plugins register
+    import_plugins()  # their modules only (cheap): pluggy's hook callers fill as plugins register
     # plugin -> its added commands, kept on the group so a second call adds nothing twice
     added: dict[str, list[str]] = cli.__dict__.setdefault("_zoo_plugin_commands", {})
     order = {n: i for i, (n, _) in enumerate(pm.list_name_plugin())}

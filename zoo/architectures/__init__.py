@@ -1,13 +1,22 @@
 """First-party architectures: six families with specs of their own, and every other MoE family transformers ships
 through the generic adapter (``zoo.architectures.families``), registered through ``register_architectures``.
-``import zoo`` registers their ``zoo_<family>`` model types with transformers' Auto classes at once
-(``register_auto_classes``), so ``AutoModelForCausalLM.from_pretrained`` loads a saved zoo model."""
+Their ``zoo_<family>`` model types join transformers' Auto classes when the plugins load
+(``register_auto_classes``): at the registry's first lookup, or when transformers first looks up a ``zoo_`` model
+type (see ``zoo.plugins``), so ``AutoModelForCausalLM.from_pretrained`` loads a saved zoo model after a bare
+``import zoo``. Importing this package is cheap (the hooks import the families, torch and transformers)."""
 from functools import cache
 
-from zoo.architectures.family import Family, NotConvertible, NotExportable
 from zoo.hookspecs import hookimpl
 
 __all__ = ["Family", "NotConvertible", "NotExportable", "family_specs", "register_auto_classes"]
+
+
+def __getattr__(name: str):
+    if name in ("Family", "NotConvertible", "NotExportable"):  # zoo.architectures.family imports torch
+        from zoo.architectures import family
+
+        return getattr(family, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @cache
