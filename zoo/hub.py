@@ -10,8 +10,6 @@ from pathlib import Path
 from zoo.token_masking import masked_errors
 
 DEFAULT_SPACE = "router-explorer"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
 
 
 def space_for(model) -> tuple[str, type | None]:
@@ -67,12 +65,8 @@ def push_to_hub(model, repo_id: str, space: bool = True, tokenizer=None, token: 
             rendered.save(folder / "README.md")
         else:
             model.save_pretrained(folder, model_card=rendered)
-        if tokenizer is not None:
+        if tokenizer is not None:  # else the tokenizer files travel with the save (or the saved folder's links)
             tokenizer.save_pretrained(folder)
-        elif os.path.isdir(saved_from := getattr(model.config, "_name_or_path", "") or ""):
-            for name in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(saved_from, name)) and not (folder / name).exists():
-                    shutil.copy2(os.path.join(saved_from, name), folder / name)
         result["url"] = str(api.create_repo(repo_id, private=private, exist_ok=True))
         info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
         result.update(commit_oid=info.oid, commit_url=info.commit_url)

@@ -93,23 +93,24 @@ def source_folder(src) -> str | None:
         return None
 
 
-def copy_side_files(src, dest) -> list[str]:
+def copy_side_files(src, dest, keep=None) -> list[str]:
     """Copy ``src``'s tokenizer files, generation config, chat template and processor configs into ``dest`` (a
-    save's staging folder); returns the names copied. ``src``: a folder, registry name or cached hub id."""
+    save's staging folder); returns the names copied. ``src``: a folder, registry name or cached hub id. ``keep``:
+    the save's target folder, whose own files of these names are left as they are (not replaced by the source's)."""
     import shutil
 
     folder = source_folder(src)
-    if folder is None or os.path.realpath(folder) == os.path.realpath(dest):
+    if folder is None or os.path.realpath(folder) in {os.path.realpath(d) for d in (dest, keep) if d}:
         return []
     copied = []
     for name in SIDE_FILES:
         path = os.path.join(folder, name)
-        if os.path.isfile(path):
+        if os.path.isfile(path) and not (keep and os.path.lexists(os.path.join(keep, name))):
             shutil.copyfile(path, os.path.join(dest, name))  # a cached hub file is a link: its content
             copied.append(name)
     for name in SIDE_FOLDERS:
         path = os.path.join(folder, name)
-        if os.path.isdir(path) and not os.path.exists(os.path.join(dest, name)):
+        if os.path.isdir(path) and not any(os.path.exists(os.path.join(d, name)) for d in (dest, keep) if d):
             shutil.copytree(path, os.path.join(dest, name))
             copied.append(name)
     return copied

@@ -265,10 +265,13 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, cache
 
 def _save_pretrained(self, save_directory, *args, model_card=None, **kwargs):
     """Record the current layout, then save atomically, with the model card as README.md (``model_card``: a
-    card already rendered, e.g. with evaluation results; else the default one)."""
+    card already rendered, e.g. with evaluation results; else the default one) and the tokenizer files and
+    generation config of the folder the model was loaded from (those the target folder does not hold already)."""
     from zoo.cards import card
+    from zoo.loading import copy_side_files
 
     sync_layout(self)
     with atomic_directory(save_directory) as tmp:
+        copy_side_files(getattr(self.config, "name_or_path", ""), tmp, keep=save_directory)  # the model's own win
         self.zoo_family.model_class.save_pretrained(self, tmp, *args, **kwargs)
         (model_card or card(self, path=save_directory)).save(os.path.join(tmp, "README.md"))
