@@ -2,11 +2,13 @@
 overrides what it has. The name -> class registry the plugins fill is ``zoo.registry``."""
 from __future__ import annotations
 
+from zoo.demo_controls import DemoControls
 from zoo.options import check_options
 
 
-class Component:
-    """Metadata every component class carries."""
+class Component(DemoControls):
+    """Metadata every component class carries, and the demo controls a Space builds from it
+    (``demo_controls(model)``, ``demo_presets(model)``, ``demo_unfit(model)``: see ``zoo.demo_controls``)."""
 
     name: str = ""  # unique, lowercase, dashes
     summary: str = ""  # one line

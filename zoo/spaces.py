@@ -180,3 +180,184 @@ def check_audio(rate: int, samples, label: str = "audio", limit: float = MAX_AUD
     seconds = len(samples) / rate if rate and rate > 0 else math.inf
     if seconds > limit:
         raise _error(f"{label} is too long: {seconds:.1f} s, at most {limit:g} s.")
+
+
+# ---- controls declared by the components (zoo.demo_controls), as gradio widgets ---------------------------
+
+def components_of(kind: str) -> dict[str, type]:
+    """``{name: class}`` of every registered component of ``kind`` (plugins' included), in registry order."""
+    from zoo.registry import registry
+
+    return {c["name"]: registry.get(kind, c["name"]).obj for c in _list_components(kind)}
+
+
+def _list_components(kind):
+    import zoo
+
+    return zoo.list_components(kind)
+
+
+def _widget(control):
+    """The gradio component for one ``zoo.demo_controls.Control`` (values are set by ``ControlPanel.select``)."""
+    import gradio as gr
+
+    label, value = control.label, control.show(control.default)
+    if control.kind == "bool":
+        return gr.Checkbox(value=bool(value), label=label)
+    if control.kind == "choice":
+        return gr.Dropdown(list(control.choices), value=value, label=label)
+    if control.kind in ("text", "json"):
+        return gr.Textbox(value=value or "", label=label, max_length=MAX_OPTIONS_CHARS,
+                          placeholder="empty: none" if control.optional else None)
+    bounded = control.low is not None and control.high is not None
+    if bounded and not control.optional:
+        return gr.Slider(control.low, control.high, value=value, step=control.step or (1 if control.kind == "int" else None),
+                         label=label)
+    return gr.Number(value=value, label=label + (" (empty: none)" if control.optional else ""), minimum=control.low,
+                     maximum=control.high, precision=0 if control.kind == "int" else None)
+
+
+class ControlPanel:
+    """A dropdown of the components of one kind, a mild/strong preset, and each component's declared controls
+    (``zoo.demo_controls``), shown for the chosen one. ``options`` (a ``gr.JSON``) holds what the Space's action
+    should pass to the component: the action takes ``[panel.name, panel.options]`` and calls ``panel.resolve``.
+
+    ``model_for(cls)`` is the model the component would run on (loaded lazily: the first ``select`` loads it);
+    ranges and presets that depend on the model are set then."""
+
+    def __init__(self, kind: str, model_for, default: str | None = None, label: str | None = None):
+        import gradio as gr
+
+        from zoo.demo_controls import PRESETS, controls_for
+
+        self.kind, self.model_for = kind, model_for
+        self.classes = components_of(kind)
+        names = list(self.classes)
+        with gr.Row():
+            self.name = gr.Dropdown(names, value=default if default in names else names[0], label=label or kind,
+                                    elem_id=f"{kind}-name")
+            self.preset = gr.Radio(list(PRESETS), value=PRESETS[0], label="preset", elem_id=f"{kind}-preset")
+        self.about = gr.Markdown(elem_id=f"{kind}-about")
+        self.groups, self.widgets = {}, {}
+        for name, cls in self.classes.items():
+            with gr.Group(visible=False) as group:
+                self.widgets[name] = [(c, _widget(c)) for c in controls_for(cls)]
+            self.groups[name] = group
+        self.options = gr.JSON(label="options passed to the component", elem_id=f"{kind}-options")
+        self.all_widgets = [w for pairs in self.widgets.values() for _, w in pairs]
+        gr.on([w.input for w in self.all_widgets], self.collect, [self.name, *self.all_widgets], self.options,
+              api_visibility="private", show_progress="hidden")
+        gr.api(self.preset_options, api_name=f"{kind}_preset")
+
+    # -- what the page calls
+    def outputs(self) -> list:
+        return [self.about, self.options, *self.groups.values(), *self.all_widgets]
+
+    def on_select(self, triggers):
+        """Wire ``select`` to ``triggers`` (events such as ``demo.load``, ``panel.name.input``); the dependency
+        is returned, for ``.then(action)``."""
+        import gradio as gr
+
+        return gr.on(triggers, self.select, [self.name, self.preset], self.outputs(), api_visibility="private")
+
+    def select(self, name: str, preset: str):
+        """The chosen component's group shown, its controls set from the preset (ranges from the model), the
+        others hidden and left as they are; the summary, and the reason when it does not fit the model."""
+        import gradio as gr
+
+        from zoo.demo_controls import controls_for, presets_for, unfit_reason
+
+        cls = self.component(name)
+        model = self.model_for(cls)
+        controls = controls_for(cls, model)
+        values = presets_for(cls, model).get(preset, {})
+        unfit = unfit_reason(cls, model)
+        about = f"**{name}**: {cls.summary}" + (f"\n\n⚠️ **Does not fit this model.** {unfit}" if unfit else "")
+        updates = []
+        for other, pairs in self.widgets.items():
+            declared = {c.name: c for c in controls} if other == name else {}
+            for control, _ in pairs:
+                control = declared.get(control.name)
+                if control is None:
+                    updates.append(gr.update() if other != name else gr.update(visible=False))
+                    continue
+                value = control.show(values.get(control.name, control.default))
+                if control.kind in ("int", "float") and control.low is not None and control.high is not None:
+                    updates.append(gr.update(value=value, minimum=control.low, maximum=control.high, visible=True))
+                else:
+                    updates.append(gr.update(value=value, visible=True))
+        groups = [gr.update(visible=other == name) for other in self.groups]
+        options = self.preset_options(name, preset) if not unfit else {}
+        return [about, options, *groups, *updates]
+
+    def collect(self, name: str, *values) -> dict:
+        """The options the chosen component's widgets show (a value that does not parse is left out)."""
+        out, i = {}, 0
+        for other, pairs in self.widgets.items():
+            for control, _ in pairs:
+                if other == name:
+                    try:
+                        value = control.parse(values[i])
+                    except (TypeError, ValueError):
+                        value = None
+                    if value is not None:
+                        out[control.name] = value
+                i += 1
+        return out
+
+    def preset_options(self, name: str, preset: str) -> dict:
+        """The options of ``name``'s preset (mild or strong) on the Space's model."""
+        from zoo.demo_controls import PRESETS, presets_for
+
+        cls = self.component(name)
+        if preset not in PRESETS:
+            raise _error(f"preset must be one of {', '.join(PRESETS)}; got {preset!r}")
+        return presets_for(cls, self.model_for(cls))[preset]
+
+    def component(self, name: str):
+        if name not in self.classes:
+            raise _error(f"no {self.kind} named {name!r}{suggest(str(name), self.classes)}")
+        return self.classes[name]
+
+    def resolve(self, name: str, options) -> tuple[type, dict]:
+        """``(class, options)`` for an action, after the checks: a known component, options a mapping of at most
+        ``MAX_OPTIONS_CHARS`` characters with numbers bounded, and a component that fits the model (else a
+        ``gr.Error`` with the component's own reason)."""
+        import json
+
+        from zoo.demo_controls import unfit_reason
+
+        cls = self.component(name)
+        options = {} if options is None else options
+        if not isinstance(options, dict):
+            raise _error(f"options must be a mapping of option names to values; got {type(options).__name__}")
+        check_text(json.dumps(options), "options", MAX_OPTIONS_CHARS)
+        check_options(options, name)
+        unfit = unfit_reason(cls, self.model_for(cls))
+        if unfit:
+            raise _error(f"{name} does not fit this model: {unfit}")
+        return cls, options
+
+
+def apply_component(model, name: str, options: dict, **kwargs):
+    """``zoo.apply(model, name, **kwargs, **options)``, its refusals (bad option values) as a ``gr.Error``."""
+    import zoo
+
+    try:
+        return zoo.apply(model, name, **kwargs, **options)
+    except (ValueError, TypeError) as exc:
+        from zoo.apply import NoChange
+
+        if isinstance(exc, NoChange):
+            raise
+        raise _error(f"{name} {options}: {exc}") from None
+
+
+def integer_ticks(ax, axis: str = "both") -> None:
+    """Integer tick marks (layers, experts) on a matplotlib axis."""
+    from matplotlib.ticker import MaxNLocator
+
+    if axis in ("x", "both"):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if axis in ("y", "both"):
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))

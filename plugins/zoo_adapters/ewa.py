@@ -17,6 +17,7 @@ from zoo import Adapter
 from zoo.layout import moe_layers, replace_blocks
 from zoo.moe.surgery import merge_experts
 from zoo.options import check_float
+from zoo.demo_controls import Control
 
 
 def _averaged_rows(state: dict, mix: torch.Tensor) -> dict:
@@ -33,6 +34,15 @@ class Ewa(Adapter):
              "2023, arXiv:2308.06093")
     card = "cards/ewa.md"
     space = "model-zoo"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [Control("beta", "float", 0.1, low=0.0, high=1.0, step=0.05, help="weight of the expert average"),
+                Control("collapse", "bool", False, help="end with every expert equal to the average")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {"beta": 0.1}, "strong": {"beta": 0.5}}
 
     def __init__(self, beta: float = 0.1, collapse: bool = False):
         super().__init__(beta=beta, collapse=collapse)

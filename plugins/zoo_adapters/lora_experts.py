@@ -13,6 +13,7 @@ from zoo import Adapter
 from zoo.layout import block_prefix, moe_layers
 from zoo.moe import SwiGLUExperts
 from zoo_adapters.lora_grouped import TARGETS, ParamWrapper
+from zoo.demo_controls import Control
 
 
 class ZooPeftModel(PeftModelForCausalLM):
@@ -49,6 +50,17 @@ class LoraExperts(Adapter):
              "PEFT target_parameters (Hugging Face PEFT >= 0.17)")
     card = "cards/lora-experts.md"
     space = "adapter-lab"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [Control("r", "int", 8, low=1, high=64, step=1, help="LoRA rank"),
+                Control("alpha", "float", 16.0, low=1.0, high=128.0, step=1.0, help="LoRA scale numerator"),
+                Control("targets", "choice", "gate_up_proj,down_proj",
+                        choices=("gate_up_proj,down_proj", "gate_up_proj", "down_proj"), help="expert weights adapted")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {"r": 4, "alpha": 8.0}, "strong": {"r": 16, "alpha": 32.0}}
 
     def __init__(self, r: int = 8, alpha: float = 16.0, targets: str = "gate_up_proj,down_proj"):
         super().__init__(r=r, alpha=alpha, targets=targets)

@@ -22,6 +22,7 @@ from transformers import initialization as init
 from zoo import Adapter
 from zoo_adapters.linear_targets import ATTENTION, find_linears, parse_target, swap
 from zoo.options import check_float, check_int
+from zoo.demo_controls import Control
 
 ROUTERS = {"remix": "remix", "learned": "topk-softmax"}  # option value -> registered router
 
@@ -99,6 +100,20 @@ class MixtureOfLoras(Adapter):
              "for mixtures of LoRAs in LLM finetuning, 2026, arXiv:2603.10160")
     card = "cards/mixture-of-loras.md"
     space = "adapter-lab"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [Control("num_loras", "int", 8, low=2, high=16, step=1, help="LoRAs per linear layer"),
+                Control("r", "int", 8, low=1, high=64, step=1, help="rank of each LoRA"),
+                Control("alpha", "float", 16.0, low=1.0, high=128.0, step=1.0, help="LoRA scale numerator"),
+                Control("router", "choice", "remix", choices=tuple(ROUTERS), help="how LoRAs are picked"),
+                Control("top_k", "int", 2, low=1, high=16, step=1, help="LoRAs per token (at most num_loras)"),
+                Control("target", "text", ATTENTION, help="linear layers adapted (comma list)")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {"num_loras": 4, "r": 4, "top_k": 2}, "strong": {"num_loras": 8, "r": 8, "top_k": 2,
+                                                                      "router": "learned"}}
 
     def __init__(self, num_loras: int = 8, r: int = 8, alpha: float = 16.0, router: str = "remix", top_k: int = 2,
                  target: str = ATTENTION, num_samples: int = 4):

@@ -15,6 +15,7 @@ import torch
 from zoo import Adapter
 from zoo.options import check_float, check_int
 from zoo_adapters.upcycle import dense_mlps, ffn_weights, to_mixtral
+from zoo.demo_controls import Control
 
 
 class Moefy(Adapter):
@@ -25,6 +26,16 @@ class Moefy(Adapter):
     card = "cards/moefy.md"
     space = "model-zoo"
     accepts_dense = True  # zoo.apply passes the dense model as it is (no zoo.convert first)
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [Control("num_experts", "choice", 8, choices=(2, 4, 8, 16), help="experts the FFN is split into"),
+                Control("top_k", "int", None, low=1, high=16, step=1, optional=True,
+                        help="experts per token (empty: all)")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {"num_experts": 4, "top_k": 3}, "strong": {"num_experts": 8, "top_k": 2}}
 
     def __init__(self, num_experts: int = 8, top_k: int | None = None, seed: int = 0,
                  router_aux_loss_coef: float = 0.01):

@@ -22,6 +22,7 @@ from zoo import Adapter
 from zoo.layout import sync_layout
 from zoo_adapters.linear_targets import ATTENTION, find_linears, parse_target, swap
 from zoo.options import check_float, check_int
+from zoo.demo_controls import Control
 
 
 class RepLoraLinear(nn.Linear):
@@ -86,6 +87,17 @@ class RepLora(Adapter):
              "Experts, ICML 2025, arXiv:2502.03044")
     card = "cards/replora.md"
     space = "adapter-lab"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [Control("r", "int", 8, low=1, high=64, step=1, help="LoRA rank"),
+                Control("alpha", "float", 16.0, low=1.0, high=128.0, step=1.0, help="LoRA scale numerator"),
+                Control("hidden", "int", 64, low=1, high=256, step=1, help="width of the shared MLP"),
+                Control("target", "text", ATTENTION, help="linear layers adapted (comma list)")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {"r": 4, "hidden": 32}, "strong": {"r": 16, "hidden": 128}}
 
     def __init__(self, r: int = 8, alpha: float = 16.0, hidden: int = 64, target: str = ATTENTION):
         super().__init__(r=r, alpha=alpha, hidden=hidden, target=target)

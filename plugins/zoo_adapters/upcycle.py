@@ -19,6 +19,7 @@ import torch
 from zoo import Adapter
 from zoo.loading import tokenizer_for
 from zoo.options import check_float, check_int
+from zoo.demo_controls import Control
 
 GATES = ("random", "hidden")
 PROMPT_WINDOWS, PROMPT_LEN = 4, 128  # default prompts: per expert, 4 corpus windows of 128 tokens
@@ -87,6 +88,17 @@ class Upcycle(Adapter):
     card = "cards/upcycle.md"
     space = "model-zoo"
     accepts_dense = True  # zoo.apply passes the dense model as it is (no zoo.convert first)
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [Control("num_experts", "int", 8, low=2, high=16, step=1, help="copies of the dense FFN"),
+                Control("top_k", "int", 2, low=1, high=16, step=1, help="experts per token (at most num_experts)"),
+                Control("gate", "choice", "random", choices=GATES, help="how the new router starts"),
+                Control("noise", "float", 0.0, low=0.0, high=0.1, step=0.005, help="noise added to each copy")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {"num_experts": 4, "top_k": 2}, "strong": {"num_experts": 8, "top_k": 2, "noise": 0.01}}
 
     def __init__(self, num_experts: int = 8, top_k: int = 2, gate: str = "random", noise: float = 0.0,
                  prompts: list | None = None, seed: int = 0, router_aux_loss_coef: float = 0.01):

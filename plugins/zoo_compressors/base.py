@@ -5,6 +5,7 @@ from zoo import Compressor
 from zoo.moe import SwiGLUExperts
 from zoo.moe.experts import MLPExperts
 from zoo.stats import layer_stats
+from zoo.demo_controls import expert_fraction, num_experts_control
 
 
 class ExpertCountCompressor(Compressor):
@@ -14,6 +15,16 @@ class ExpertCountCompressor(Compressor):
     needs_calibration = True
     inputs_for = ("compress",)
     all_outputs = False  # statistics need every expert's output on every token (merging), not only routed ones
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [num_experts_control(model)]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        """mild: 3/4 of the layer's experts; strong: half of them."""
+        return {"mild": {"num_experts": expert_fraction(model, 0.75, 6)},
+                "strong": {"num_experts": expert_fraction(model, 0.5, 4)}}
 
     def __init__(self, num_experts: int, **options):
         if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:

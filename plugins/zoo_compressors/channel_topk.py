@@ -2,6 +2,7 @@
 from zoo import Compressor
 from zoo.moe.channel_topk import ChannelTopKExperts
 from zoo.moe.experts import SwiGLUExperts
+from zoo.demo_controls import Control
 
 
 class ChannelTopK(Compressor):
@@ -11,6 +12,15 @@ class ChannelTopK(Compressor):
              "Neuron Activation for Accelerating LLM Inference, 2025, arXiv:2505.19427")
     card = "cards/channel-topk.md"
     space = "compression-lab"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [Control("budget", "float", 0.5, low=0.05, high=1.0, step=0.05,
+                        help="fraction of each expert's channels a token reads")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {"budget": 0.75}, "strong": {"budget": 0.4}}
 
     def __init__(self, budget: float = 0.5):
         if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 < budget <= 1:

@@ -12,6 +12,7 @@ import torch
 from zoo.moe.surgery import merge_experts
 
 from zoo_compressors.base import ExpertCountCompressor
+from zoo.demo_controls import Control
 
 LINKAGES = ("average", "single", "complete")
 
@@ -35,6 +36,13 @@ class HcSmoe(ExpertCountCompressor):
     card = "cards/hc-smoe.md"
     space = "compression-lab"
     all_outputs = True
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [*super().demo_controls(model),
+                Control("linkage", "choice", "average", choices=LINKAGES, help="how clusters of experts are joined"),
+                Control("router_rows", "choice", "dominant", choices=("dominant", "average"),
+                        help="the merged expert's gate row")]
 
     def __init__(self, num_experts: int, linkage: str = "average", router_rows: str = "dominant"):
         if linkage not in LINKAGES:

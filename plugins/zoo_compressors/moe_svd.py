@@ -18,6 +18,7 @@ import torch
 from zoo import Compressor
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.factored import FactoredExperts
+from zoo.demo_controls import Control
 
 
 def cholesky_scale(gram: torch.Tensor) -> torch.Tensor:
@@ -74,6 +75,17 @@ class MoeSvd(Compressor):
     needs_calibration = True
     inputs_for = ("observe", "compress")
     needs_plan = True
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [Control(key, "float", default, low=0.05, high=1.0, step=0.05, help=text) for key, default, text in (
+            ("ratio", 0.75, "share of the expert parameters kept"),
+            ("layer_ratio", 0.5, "share of the layers factored"),
+            ("u_keep", 1.0, "share of the U bases kept"))]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {"ratio": 0.75}, "strong": {"ratio": 0.5, "layer_ratio": 1.0}}
 
     def __init__(self, ratio: float = 0.75, layer_ratio: float = 0.5, u_keep: float = 1.0):
         for key, value in (("ratio", ratio), ("layer_ratio", layer_ratio), ("u_keep", u_keep)):

@@ -14,6 +14,7 @@ from zoo.moe.quantized import (
 )
 from zoo.stats import layer_stats
 from zoo_compressors.allocation import WIDTHS, allocate, alphaq, esd_alpha, pmq
+from zoo.demo_controls import Control
 
 ALLOCATIONS = ("uniform", "pmq", "alphaq", "random")  # random: the same budget spent blindly (a baseline)
 
@@ -36,6 +37,18 @@ class Quantize(Compressor):
              "(PMQ); AlphaQ: Calibration-Free Bit Allocation for MoE Quantization, 2026")
     card = "cards/quantize.md"
     space = "compression-lab"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [Control("bits", "float", 8, low=WIDTHS[0], high=WIDTHS[-1], step=0.5,
+                        help=f"bits per expert weight: one of {list(BITS)} (uniform), or an average (pmq, alphaq)"),
+                Control("allocation", "choice", "uniform", choices=ALLOCATIONS,
+                        help="uniform, or mixed precision per expert: pmq (usage), alphaq (weight spectra), random"),
+                Control("group_size", "choice", 64, choices=(32, 64, 128), help="weights per quantization scale")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {"bits": 8}, "strong": {"bits": 3.5, "allocation": "pmq"}}
 
     def __init__(self, bits: float = 8, allocation: str = "uniform", group_size: int = 64, widths=WIDTHS):
         if allocation not in ALLOCATIONS:

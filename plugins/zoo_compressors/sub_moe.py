@@ -12,6 +12,7 @@ from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.surgery import router_like, place_like
 
 from zoo_compressors.base import ExpertCountCompressor
+from zoo.demo_controls import Control
 
 
 def subspace_merge(weights: list[torch.Tensor], freq: torch.Tensor, rank_ratio: float) -> torch.Tensor:
@@ -34,6 +35,11 @@ class SubMoe(ExpertCountCompressor):
     space = "compression-lab"
     all_outputs = True
     experts_kinds = (SwiGLUExperts,)  # the joint SVD works on the fused gate/up projections
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [*super().demo_controls(model),
+                Control("rank_ratio", "float", 1.0, low=0.05, high=1.0, step=0.05, help="rank kept of the shared basis")]
 
     def __init__(self, num_experts: int, rank_ratio: float = 1.0, seed: int = 0):
         if not isinstance(rank_ratio, (int, float)) or not 0 < rank_ratio <= 1:

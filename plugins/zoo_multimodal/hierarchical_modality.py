@@ -15,6 +15,7 @@ from torch import nn
 from transformers import initialization as init
 
 from zoo.moe import Router, Routing
+from zoo.demo_controls import Control, layer_experts, layer_top_k
 
 
 class HierarchicalModality(Router):
@@ -24,6 +25,23 @@ class HierarchicalModality(Router):
              "ICML 2025, arXiv:2502.10447")
     card = "cards/hierarchical-modality.md"
     space = "multimodal-digits"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [*super().demo_controls(model)[:1],
+                Control("group_sizes", "json", None, optional=True,
+                        help="experts per group, summing to the layer's experts (empty: one group)"),
+                Control("top_groups", "int", 1, low=1, high=4, step=1, help="groups kept per token (divides top-k)")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        """Groups over a model's experts: two halves (mild) or four quarters (strong), one kept per token."""
+        n, k = layer_experts(model) or 8, layer_top_k(model) or 2
+        presets = {}
+        for strength, parts in (("mild", 2), ("strong", 4)):
+            parts = parts if n % parts == 0 and n // parts >= 1 else 1
+            presets[strength] = {"top_k": min(k, n // parts), "group_sizes": [n // parts] * parts, "top_groups": 1}
+        return presets
 
     def __init__(self, hidden_size, num_experts, top_k, group_sizes: list[int] | None = None, top_groups: int = 1,
                  **options):

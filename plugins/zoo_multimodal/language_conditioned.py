@@ -25,6 +25,19 @@ class LanguageConditioned(Router):
     space = "multimodal-digits"
     uses_context = True
 
+    @classmethod
+    def demo_controls(cls, model=None):
+        return super().demo_controls(model)[:1]  # context_size is the model's text width
+
+    @classmethod
+    def demo_unfit(cls, model):
+        if model.config.model_type == "zoo_mm":
+            return ""
+        return ("language-conditioned routes an image's visual tokens by the text prompt, read from the routing "
+                "context that a multimodal model (zoo_mm) publishes around its vision MoE block. This "
+                f"{model.config.model_type} model has no images and no prompt context: every token would route "
+                "itself by plain top-k softmax, so it is not shown here (see the multimodal-digits Space).")
+
     def __init__(self, hidden_size, num_experts, top_k, context_size: int | None = None, **options):
         context_size = int(context_size or hidden_size)
         super().__init__(hidden_size, num_experts, top_k, context_size=context_size, **options)

@@ -14,6 +14,7 @@ from zoo.layout import moe_layers, replace_blocks
 from zoo.moe import SparseMoE
 from zoo_multimodal.hierarchical_modality import HierarchicalModality
 from zoo_multimodal.modality_groups import ModalityGroupExperts
+from zoo.demo_controls import Control
 
 SCORES = ("reap", "frequency")
 
@@ -26,6 +27,26 @@ class PruneGroup(Compressor):
     card = "cards/prune-group.md"
     space = "multimodal-digits"
     needs_calibration = True
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [Control("group", "choice", "vision", choices=("text", "vision", "audio"), help="the modality group"),
+                Control("num_experts", "int", 2, low=1, high=64, step=1, help="experts kept in that group"),
+                Control("score", "choice", "reap", choices=SCORES, help="expert saliency")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {"group": "vision", "num_experts": 3}, "strong": {"group": "vision", "num_experts": 2}}
+
+    @classmethod
+    def demo_unfit(cls, model):
+        from zoo.layout import moe_layers
+
+        kinds = {moe.experts.name for _, moe in moe_layers(model)}
+        if kinds == {"modality-groups"}:
+            return ""
+        return (f"prune-group prunes one modality group of modality-groups experts; this model's experts are "
+                f"{', '.join(sorted(kinds)) or 'none'} (see the multimodal-digits Space)")
 
     def __init__(self, group: str, num_experts: int, score: str = "reap"):
         if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from zoo.moe import Router, Routing
+from zoo.demo_controls import Control, layer_experts
 
 
 class ExpertChoice(Router):
@@ -14,6 +15,15 @@ class ExpertChoice(Router):
     paper = "Zhou et al., Mixture-of-Experts with Expert Choice Routing, NeurIPS 2022. arXiv:2202.09368"
     card = "cards/expert-choice.md"
     space = "router-explorer"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [Control("capacity_factor", "float", None, low=0.25, high=float(layer_experts(model) or 8), step=0.25,
+                        optional=True, help="experts per token on average (empty: the layer's k)")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {}, "strong": {"capacity_factor": 1.0}}
 
     def __init__(self, hidden_size, num_experts, top_k, capacity_factor: float | None = None, **options):
         if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (

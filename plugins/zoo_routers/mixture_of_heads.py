@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from zoo.layout import decoder_layers
+from zoo.demo_controls import Control
 
 
 class HeadRouting(NamedTuple):
@@ -58,6 +59,18 @@ class MixtureOfHeads(nn.Module):
     card = "cards/mixture-of-heads.md"
     space = "router-explorer"
     target = "attention"  # zoo.apply: wraps self-attention, not the SparseMoE routers
+
+    # Attention heads are its experts: a Space's top-k is heads_per_token here (no zoo.Router base: declared here).
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [Control("heads_per_token", "float", 0.75, low=0.125, high=1.0, step=0.125,
+                        help="share of the heads each token keeps"),
+                Control("shared_heads", "float", None, low=0.125, high=1.0, step=0.125, optional=True,
+                        help="share of the heads always on (empty: none)")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {"heads_per_token": 0.75}, "strong": {"heads_per_token": 0.5}}
 
     def __init__(self, hidden_size: int, num_experts: int, heads_per_token: float = 0.75,
                  shared_heads: float | None = None):

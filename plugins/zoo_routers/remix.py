@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from zoo.moe import Router, Routing
+from zoo.demo_controls import Control
 
 
 class Remix(Router):
@@ -26,6 +27,11 @@ class Remix(Router):
              "arXiv:2603.10160; Kool et al., Buy 4 REINFORCE Samples, Get a Baseline for Free!, 2019 (RLOO)")
     card = "cards/remix.md"
     space = "router-explorer"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [*super().demo_controls(model)[:1],
+                Control("num_samples", "int", 4, low=2, high=16, step=1, help="policy samples per token (training)")]
 
     def __init__(self, hidden_size, num_experts, top_k, num_samples: int = 4, **options):
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 2:

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import initialization as init
 
 from zoo.moe import Router, Routing
+from zoo.demo_controls import Control, layer_top_k
 
 
 def softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -41,6 +42,21 @@ class ScoredTopK(Router):
              "Load Balancing, 2024, arXiv:2408.15664 (selection bias)")
     card = "cards/scored-topk.md"
     space = "router-explorer"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [*super().demo_controls(model)[:1],
+                Control("score", "choice", "softmax", choices=SCORES, help="gate score function"),
+                Control("norm_topk_prob", "bool", True, help="renormalise the kept scores"),
+                Control("routed_scaling_factor", "float", 1.0, low=0.1, high=4.0, step=0.1,
+                        help="scale of the routed output"),
+                Control("logit_softcap", "float", 0.0, low=0.0, high=50.0, step=1.0, help="tanh cap of the logits (0: off)")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        k = layer_top_k(model) or 2
+        return {"mild": {"top_k": k, "score": "sigmoid"}, "strong": {"top_k": k, "score": "sqrtsoftplus",
+                                                                     "norm_topk_prob": False}}
 
     def __init__(self, hidden_size, num_experts, top_k, score: str = "softmax", norm_topk_prob: bool = True,
                  routed_scaling_factor: float = 1.0, selection_bias: bool = False, n_group: int = 1,

@@ -6,6 +6,7 @@ from torch import nn
 from transformers import initialization as init
 
 from zoo.moe import Router, Routing
+from zoo.demo_controls import Control, layer_top_k
 
 
 class SigmoidBias(Router):
@@ -14,6 +15,18 @@ class SigmoidBias(Router):
     paper = "DeepSeek-AI, DeepSeek-V3 Technical Report, 2024. arXiv:2412.19437"
     card = "cards/sigmoid-bias.md"
     space = "router-explorer"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [*super().demo_controls(model)[:1],
+                Control("norm_topk_prob", "bool", True, help="renormalise the kept scores"),
+                Control("routed_scaling_factor", "float", 1.0, low=0.1, high=4.0, step=0.1,
+                        help="scale of the routed output")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        k = layer_top_k(model) or 2
+        return {"mild": {"top_k": k}, "strong": {"top_k": k, "norm_topk_prob": False}}
 
     def __init__(self, hidden_size, num_experts, top_k, n_group: int | None = 1, topk_group: int | None = 1,
                  norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, **options):

@@ -4,6 +4,7 @@ the winner is then masked out for the next pick."""
 import torch
 
 from zoo.moe import Router, Routing
+from zoo.demo_controls import Control
 
 
 class SparseMixer(Router):
@@ -13,6 +14,11 @@ class SparseMixer(Router):
     paper = "Liu et al., GRIN: GRadient-INformed MoE, 2024. arXiv:2409.12136"
     card = "cards/sparsemixer.md"
     space = "router-explorer"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [*super().demo_controls(model)[:1],
+                Control("jitter_eps", "float", 0.01, low=0.0, high=1.0, step=0.01, help="sampling jitter (training)")]
 
     def __init__(self, hidden_size, num_experts, top_k, jitter_eps: float = 0.01, **options):
         if isinstance(jitter_eps, bool) or not jitter_eps >= 0:

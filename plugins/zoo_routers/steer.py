@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.moe import Router, Routing
+from zoo.demo_controls import Control
 
 BASES = ("topk-softmax", "sigmoid-bias")
 
@@ -40,6 +41,25 @@ class Steer(Router):
              "Time, 2025. arXiv:2502.11096")
     card = "cards/steer.md"
     space = "router-explorer"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [*super().demo_controls(model)[:1],
+                Control("disable", "json", cls.demo_presets(model)["mild"]["disable"],
+                        help='experts switched off, per MoE layer: {"layer": [experts]}'),
+                Control("force", "json", None, optional=True,
+                        help='experts always on, per MoE layer: {"layer": [experts]}')]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        """mild: the first quarter of each MoE layer's experts off; strong: the first half (always leaving k)."""
+        from zoo.layout import moe_layers
+
+        layers = [(i, moe.num_experts, moe.top_k) for i, moe in moe_layers(model)] if model is not None else \
+            [(0, 8, 2)]
+        return {strength: {"disable": {str(i): list(range(min(max(1, round(n * share)), n - k)))
+                                       for i, n, k in layers if n > k}}
+                for strength, share in (("mild", 0.25), ("strong", 0.5))}
 
     def __init__(self, hidden_size, num_experts, top_k, disable=None, force=None, layer: int | None = None,
                  base: str = "topk-softmax", norm_topk_prob: bool = True, n_group: int | None = None,

@@ -20,6 +20,7 @@ from transformers import initialization as init
 
 from zoo.moe import Router, Routing
 from zoo_routers.scored_topk import SCORE_FUNCTIONS, SCORES
+from zoo.demo_controls import Control, layer_top_k
 
 GOLDEN = (math.sqrt(5) - 1) / 2
 
@@ -48,6 +49,19 @@ class TokenHash(Router):
     card = "cards/token-hash.md"
     space = "router-explorer"
     uses_context = True
+
+    @classmethod
+    def demo_controls(cls, model=None):  # vocab_size and table_experts are facts of the model: zoo.apply fills them
+        return [*super().demo_controls(model)[:1],
+                Control("score", "choice", "softmax", choices=SCORES, help="how the gate scores the picked experts"),
+                Control("norm_topk_prob", "bool", True, help="renormalise the picked scores"),
+                Control("routed_scaling_factor", "float", 1.0, low=0.1, high=4.0, step=0.1,
+                        help="scale of the routed output")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        k = layer_top_k(model) or 2
+        return {"mild": {"top_k": k}, "strong": {"top_k": 1, "score": "sigmoid"}}
 
     def __init__(self, hidden_size, num_experts, top_k, vocab_size: int, score: str = "softmax",
                  norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, table_experts: int | None = None,

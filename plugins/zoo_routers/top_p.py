@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from zoo.moe import Router, Routing
+from zoo.demo_controls import Control, layer_experts
 
 
 class TopP(Router):
@@ -17,6 +18,17 @@ class TopP(Router):
              "(online top-any pruning), 2025, arXiv:2510.10962")
     card = "cards/top-p.md"
     space = "router-explorer"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        n = layer_experts(model)
+        return [Control("p", "float", 0.5, low=0.05, high=1.0, step=0.05, help="probability mass to reach"),
+                Control("max_k", "int", None, low=1, high=n or 8, step=1, optional=True,
+                        help="at most this many experts (empty: all)")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {"p": 0.8}, "strong": {"p": 0.3}}   # more, then fewer, experts than top-k on peaked tokens
 
     def __init__(self, hidden_size, num_experts, top_k, p: float = 0.5, max_k: int | None = None, **options):
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1 or math.isnan(p):

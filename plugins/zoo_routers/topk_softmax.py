@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from zoo.moe import Router, Routing
+from zoo.demo_controls import Control
 
 
 class TopKSoftmax(Router):
@@ -12,6 +13,11 @@ class TopKSoftmax(Router):
              "2021, arXiv:2101.03961 (balance loss)")
     card = "cards/topk-softmax.md"
     space = "router-explorer"
+
+    @classmethod
+    def demo_controls(cls, model=None):
+        return [*super().demo_controls(model)[:1],
+                Control("norm_topk_prob", "bool", True, help="renormalise the kept weights to sum to 1")]
 
     def __init__(self, hidden_size, num_experts, top_k, norm_topk_prob: bool = True, **options):
         super().__init__(hidden_size, num_experts, top_k, norm_topk_prob=bool(norm_topk_prob), **options)

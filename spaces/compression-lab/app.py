@@ -1,8 +1,11 @@
-"""compression-lab: compress the embedded model with any compressor at a chosen strength and see what it
-costs: expert bytes against perplexity for every run so far (the Pareto view), and per-expert saliency.
+"""compression-lab: compress the embedded model with any registered compressor, with the options it declares
+(``zoo.demo_controls``: a mild and a strong preset, and each option), and see what it costs: expert bytes
+against perplexity for every run so far (the Pareto view), and per-expert saliency with the experts the last
+run pruned or merged marked.
 
 Each run applies the compressor with ``zoo.apply`` to a fresh copy of the base model, calibrated on a
-small slice of the corpus' training split, and evaluates on a few held-out windows per domain.
+small slice of the corpus' training split, and evaluates on a few held-out windows per domain
+(``MOE_ZOO_LAB_WINDOWS``, ``MOE_ZOO_LAB_TOKENS``: smaller is faster).
 """
 import copy
 import functools
@@ -17,16 +20,16 @@ import torch  # noqa: E402
 
 import zoo  # noqa: E402
 from zoo import calibration  # noqa: E402
+from zoo.apply import NoChange  # noqa: E402
 from zoo.eval import evaluate  # noqa: E402
 from zoo.layout import moe_layers  # noqa: E402
 from zoo.stats import collect  # noqa: E402
-from zoo.spaces import MAX_FILE_SIZE  # noqa: E402
+from zoo.spaces import MAX_FILE_SIZE, ControlPanel, apply_component, integer_ticks  # noqa: E402
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
 WINDOWS = int(os.environ.get("MOE_ZOO_LAB_WINDOWS", "4"))
-CALIBRATION = calibration.corpus("mixed", tokens=4096)
-# strength -> options, per compressor (fewer experts, or fewer bits)
-STRENGTHS = {"mild": {"experts": 0.75, "bits": 8}, "strong": {"experts": 0.5, "bits": 4}}
+CALIBRATION = calibration.corpus("mixed", tokens=int(os.environ.get("MOE_ZOO_LAB_TOKENS", "4096")))
+PANEL: ControlPanel | None = None  # the compressor dropdown and each compressor's declared controls (build_demo)
 
 
 @functools.cache
@@ -45,24 +48,33 @@ def base_result():
             "perplexity": evaluate(model, max_windows=WINDOWS, measure_speed=False)["perplexity"]}
 
 
-def options_for(method: str, strength: str) -> dict:
-    s = STRENGTHS[strength]
-    if method == "quantize":
-        return {"bits": s["bits"]}
-    n = max(1, round(moe_layers(base())[0][1].num_experts * s["experts"]))
-    return {"num_experts": n}
+def label(method: str, options: dict) -> str:
+    return f"{method} " + ", ".join(f"{k}={v}" for k, v in options.items())
 
 
-def run(method: str, strength: str, history: list):
-    options = options_for(method, strength)
+def run(method: str, options: dict | None, history: list):
+    """Compress a copy of the base model; the Pareto plot, the table of runs, the history, the saliency map."""
+    _, options = PANEL.resolve(method, options)
     try:
-        model = zoo.apply(copy.deepcopy(base()), method, calibration=CALIBRATION, **options)
-    except (ValueError, TypeError) as exc:
-        raise gr.Error(f"{method} {options}: {exc}") from None
-    result = {"label": f"{method} {strength}", "expert_bytes": expert_bytes(model),
-              "perplexity": evaluate(model, max_windows=WINDOWS, measure_speed=False)["perplexity"]}
+        model = apply_component(copy.deepcopy(base()), method, options, calibration=CALIBRATION)
+    except NoChange as exc:
+        raise gr.Error(str(exc)) from None
+    step = model.config.zoo_recipe[-1]
+    result = {"label": label(method, options), "expert_bytes": expert_bytes(model),
+              "perplexity": evaluate(model, max_windows=WINDOWS, measure_speed=False)["perplexity"],
+              "removed": removed_experts(step.get("results") or {})}
     history = [r for r in history if r["label"] != result["label"]] + [result]
-    return pareto(history), table(history), history
+    return pareto(history), gr.update(value=table(history), visible=True), history, saliency(result)
+
+
+def removed_experts(results: dict) -> dict[int, list[int]]:
+    """``{layer: [experts]}`` a step pruned (not ``kept``) or merged into another (``clusters`` past the first)."""
+    n = {i: moe.num_experts for i, moe in moe_layers(base())}
+    if "kept" in results:
+        return {int(i): sorted(set(range(n[int(i)])) - set(kept)) for i, kept in results["kept"].items()}
+    if "clusters" in results:
+        return {int(i): sorted(e for group in groups for e in group[1:]) for i, groups in results["clusters"].items()}
+    return {}
 
 
 def pareto(history: list):
@@ -86,40 +98,62 @@ def table(history: list):
     return {"headers": ["run", "expert MB"] + [f"ppl {d}" for d in base_result()["perplexity"]], "data": rows}
 
 
+@functools.cache
 @torch.no_grad()
-def saliency():
-    """Per layer and expert: routing frequency and REAP saliency on the calibration slice."""
-    model = base()
-    stats = collect(model, calibration.batches(CALIBRATION, zoo.load_tokenizer(MODEL)), desc="saliency")
-    fig, axes = plt.subplots(1, 2, figsize=(9, 2.2 + 0.4 * len(stats)), squeeze=False)
-    for ax, (title, values) in zip(axes[0], [("routing frequency", [s.frequency for s in stats]),
-                                             ("REAP saliency", [s.reap for s in stats])]):
+def expert_stats():
+    """Per layer and expert of the base model: routing frequency and REAP saliency on the calibration slice."""
+    stats = collect(base(), calibration.batches(CALIBRATION, zoo.load_tokenizer(MODEL)), desc="saliency")
+    return [("routing frequency", [s.frequency for s in stats]), ("REAP saliency", [s.reap for s in stats])]
+
+
+def saliency(result: dict | None = None):
+    """The base model's per-expert saliency; the experts ``result`` pruned or merged away are crossed out."""
+    panels = expert_stats()
+    layers = [i for i, _ in moe_layers(base())]
+    removed = (result or {}).get("removed") or {}
+    fig, axes = plt.subplots(1, 2, figsize=(9, 2.2 + 0.4 * len(layers)), squeeze=False)
+    for ax, (title, values) in zip(axes[0], panels):
         im = ax.imshow(torch.stack([v.float() for v in values]).numpy(), cmap="magma", aspect="auto")
+        for row, layer in enumerate(layers):
+            gone = removed.get(layer, [])
+            ax.scatter(gone, [row] * len(gone), marker="x", s=60, c="cyan", linewidths=2,
+                       label="removed by the last run" if row == 0 and gone else None)
         ax.set_title(title)
         ax.set_xlabel("expert")
         ax.set_ylabel("layer")
+        ax.set_yticks(range(len(layers)), [str(i) for i in layers])
+        integer_ticks(ax, "x")
         fig.colorbar(im, ax=ax)
+    if removed:
+        axes[0][0].legend(loc="upper center", bbox_to_anchor=(1.1, -0.25), fontsize=8, frameon=False)
+        fig.suptitle(f"{result['label']}: x = experts removed")
     fig.tight_layout()
     return fig
 
 
+def expert_kinds_note() -> str:
+    kinds = [c for c in zoo.list_components("experts") if c["space"] == "compression-lab"]
+    return "Expert kinds the compressors here produce: " + "; ".join(f"`{c['name']}` ({c['summary']})" for c in kinds)
+
+
 def build_demo() -> gr.Blocks:
-    methods = [c["name"] for c in zoo.list_components("compressor")]
-    kinds = [c["name"] for c in zoo.list_components("experts") if c["space"] == "compression-lab"]
+    global PANEL
     with gr.Blocks(title="MoE compression lab", analytics_enabled=False) as demo:
-        gr.Markdown(f"# MoE compression lab\nCompress `{MODEL}` and compare expert bytes with perplexity "
-                    "on held-out text. Mild = 25% fewer experts or 8 bits; strong = 50% fewer experts or 4 bits. ")
-        gr.Dropdown(kinds, value=kinds[0] if kinds else None, label="expert kinds the compressors produce",
-                    interactive=False)
+        gr.Markdown(f"# MoE compression lab\nCompress `{MODEL}` with any compressor and compare expert bytes with "
+                    f"perplexity on held-out text ({WINDOWS} windows per domain). Pick a compressor and a preset "
+                    "(mild or strong), adjust its options, and run.")
         history = gr.State([])
-        with gr.Row():
-            method = gr.Dropdown(methods, value=methods[0], label="compressor")
-            strength = gr.Radio(list(STRENGTHS), value="mild", label="strength")
-            go = gr.Button("Compress and evaluate", variant="primary", elem_id="compress")
+        PANEL = ControlPanel("compressor", lambda cls: base(), default="prune-reap")
+        go = gr.Button("Compress and evaluate", variant="primary", elem_id="compress")
         plot = gr.Plot(label="size vs quality", format="png", elem_id="pareto")
-        results = gr.Dataframe(label="runs", elem_id="runs")
-        sal = gr.Plot(label="per-expert saliency", format="png", elem_id="saliency")
-        go.click(run, [method, strength, history], [plot, results, history], api_name="compress")
+        results = gr.Dataframe(label="runs: expert MB and held-out perplexity per domain", elem_id="runs",
+                               visible=False)  # shown with the first run
+        sal = gr.Plot(label="per-expert saliency of the base model (x: removed by the last run)", format="png",
+                      elem_id="saliency")
+        with gr.Accordion("expert kinds", open=False):
+            gr.Markdown(expert_kinds_note())
+        go.click(run, [PANEL.name, PANEL.options, history], [plot, results, history, sal], api_name="compress")
+        PANEL.on_select([demo.load, PANEL.name.input, PANEL.preset.input])
         demo.load(saliency, None, sal, api_name="saliency")
     return demo
 

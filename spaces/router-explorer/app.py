@@ -1,7 +1,9 @@
-"""router-explorer: which experts fire for each token, in each MoE layer, under any router and top-k.
+"""router-explorer: which experts fire for each token, in each MoE layer, under any registered router and
+the options it declares (``zoo.demo_controls``: top-k, p, the experts steer switches off, ...).
 
 Every analysis applies the chosen router (``zoo.apply``, gate weights kept) to a fresh copy of the base
-model, so nothing accumulates between runs. Set ``MOE_ZOO_MODEL`` to explore another model.
+model, so nothing accumulates between runs. A router that cannot run on the model says why instead of showing
+a result. Set ``MOE_ZOO_MODEL`` to explore another model.
 """
 import copy
 import functools
@@ -16,13 +18,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import zoo  # noqa: E402
-from zoo.apply import NoChange, find  # noqa: E402
+from zoo.apply import NoChange  # noqa: E402
 from zoo.layout import moe_layers  # noqa: E402
-from zoo.spaces import MAX_FILE_SIZE, MAX_PROMPT_CHARS, check_number, cut_text  # noqa: E402
+from zoo.spaces import MAX_FILE_SIZE, MAX_PROMPT_CHARS, ControlPanel, apply_component, cut_text  # noqa: E402
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
 MAX_TOKENS = 48
-MAX_TOP_K = 64  # the router refuses k beyond the model's expert (or head) count anyway
 EXAMPLE = "To be, or not to be, that is the question.\ndef question(x):\n    return not x"
 
 
@@ -32,29 +33,31 @@ def base():
     return zoo.load(MODEL).eval(), zoo.load_tokenizer(MODEL)
 
 
-def model_defaults():
-    """The base model's own router and k, and its expert count as the slider's maximum."""
-    blocks = [moe for _, moe in moe_layers(base()[0])]
-    return (gr.Dropdown(value=blocks[0].router.name),
-            gr.Slider(maximum=max(b.num_experts for b in blocks), value=blocks[0].top_k))
+def model_router() -> str:
+    """The name of the base model's own router (the dropdown's value on page load)."""
+    return moe_layers(base()[0])[0][1].router.name
+
+
+PANEL: ControlPanel | None = None  # the router dropdown and each router's declared controls (build_demo)
+
+
+def panel() -> ControlPanel:
+    if PANEL is None:
+        raise RuntimeError("build_demo() builds the router controls first")
+    return PANEL
 
 
 @torch.no_grad()
-def route(text: str, router: str, k: int):
-    """Apply ``router`` with top-``k``; return token labels, per-layer [T, E] routing weights, perplexity."""
+def route(text: str, router: str, options: dict | None = None):
+    """Apply ``router`` with ``options``; return token labels, per-layer [T, E] routing weights, perplexity."""
     text = cut_text(text, MAX_PROMPT_CHARS)  # only the first MAX_TOKENS tokens are used: never tokenise more
-    k = int(check_number(k, "top-k", 1, MAX_TOP_K))
+    _, options = panel().resolve(router, options)  # bounded, and a router that does not fit the model says so
     model, tok = base()
-    # attention routers (mixture-of-heads) pick heads, not experts: the slider gives heads per token there
-    cls = find(router).obj
-    options = {"heads_per_token": int(k)} if cls.target == "attention" else {"top_k": int(k)}
     fresh = copy.deepcopy(model)
     try:
-        model = zoo.apply(fresh, router, **options)
-    except NoChange:  # the model's own router and k: analyse it as it is (apply left the copy untouched)
+        model = apply_component(fresh, router, options)
+    except NoChange:  # the model's own router and options: analyse it as it is (apply left the copy untouched)
         model = fresh
-    except (ValueError, TypeError) as exc:
-        raise gr.Error(f"{router} with top-k {int(k)}: {exc}") from None
     ids = torch.tensor([[tok.bos_token_id] + tok(text, add_special_tokens=False).input_ids[:MAX_TOKENS]])
     if ids.shape[1] < 2:
         raise gr.Error("Type some text first.")
@@ -83,7 +86,7 @@ def heatmap(labels, grids, title):
         im = ax.imshow(g.numpy(), cmap="Blues", vmin=0, vmax=vmax, aspect="auto", interpolation="nearest")
         ax.set_title(f"layer {i}")
         ax.set_xlabel("expert")
-        ax.set_xticks(range(g.shape[1]))
+        ax.set_xticks(range(g.shape[1]))  # integer expert ticks
         ax.tick_params(axis="x", labelsize=7)
     axes[0][0].set_yticks(range(len(labels)), labels, fontsize=8)
     fig.colorbar(im, ax=axes[0].tolist(), label="routing weight", shrink=0.8)
@@ -91,10 +94,11 @@ def heatmap(labels, grids, title):
     return fig
 
 
-def analyze(text: str, router: str, k: int):
+def analyze(text: str, router: str, options: dict | None = None):
     """Heatmap, perplexity and the per-token expert assignment (one column per layer)."""
-    labels, grids, ppl = route(text, router, k)
-    fig = heatmap(labels, grids, f"{router}, top-{int(k)}: perplexity {ppl:.2f}")
+    labels, grids, ppl = route(text, router, options)
+    shown = ", ".join(f"{k}={v}" for k, v in (options or {}).items())
+    fig = heatmap(labels, grids, f"{router}" + (f" ({shown})" if shown else "")[:80] + f": perplexity {ppl:.2f}")
     rows = [[t] + [", ".join(str(e) for e in g[n].nonzero().flatten().tolist()) for g in grids.values()]
             for n, t in enumerate(labels)]
     table = {"headers": ["token"] + [f"layer {i}" for i in grids], "data": rows}
@@ -102,25 +106,25 @@ def analyze(text: str, router: str, k: int):
 
 
 def build_demo() -> gr.Blocks:
-    routers = [c["name"] for c in zoo.list_components("router")]
+    global PANEL
     with gr.Blocks(title="MoE router explorer", analytics_enabled=False) as demo:
         gr.Markdown(f"# MoE router explorer\nWhich experts does each token go to? Model: `{MODEL}`. "
-                    f"Change the router or top-k and watch the assignment and the perplexity change "
-                    f"(first {MAX_TOKENS} tokens of at most {MAX_PROMPT_CHARS:,} characters).")
+                    f"Pick a router and a preset, change its options, and watch the assignment and the perplexity "
+                    f"change (first {MAX_TOKENS} tokens of at most {MAX_PROMPT_CHARS:,} characters).")
         with gr.Row():
             text = gr.Textbox(EXAMPLE, label="text", lines=4, scale=3, elem_id="text", max_length=MAX_PROMPT_CHARS)
-            with gr.Column(scale=1):
-                router = gr.Dropdown(routers, value="topk-softmax" if "topk-softmax" in routers else routers[0],
-                                     label="router")
-                k = gr.Slider(1, 8, value=2, step=1, label="top-k")  # set from the model on page load
+            with gr.Column(scale=2):
+                PANEL = ControlPanel("router", lambda cls: base()[0], default="topk-softmax")
                 ppl = gr.Number(label="perplexity of the text", precision=2, elem_id="perplexity")
                 run = gr.Button("Analyze", variant="primary", elem_id="analyze")
         plot = gr.Plot(label="expert assignment", format="png", elem_id="heatmap")
         table = gr.Dataframe(label="experts per token and layer", wrap=True, elem_id="assignment")
-        inputs, outputs = [text, router, k], [plot, ppl, table]
-        gr.on([run.click, text.submit, router.input, k.release], analyze, inputs, outputs, api_name="analyze",
-              trigger_mode="always_last")
-        demo.load(model_defaults, None, [router, k], api_name="defaults").then(
+        inputs, outputs = [text, PANEL.name, PANEL.options], [plot, ppl, table]
+        gr.on([run.click, text.submit], analyze, inputs, outputs, api_name="analyze", trigger_mode="always_last")
+        demo.load(model_router, None, PANEL.name, api_name="defaults").then(
+            PANEL.select, [PANEL.name, PANEL.preset], PANEL.outputs(), api_visibility="private").then(
+            analyze, inputs, outputs, api_visibility="undocumented")
+        PANEL.on_select([PANEL.name.input, PANEL.preset.input]).then(
             analyze, inputs, outputs, api_visibility="undocumented")
     return demo
 

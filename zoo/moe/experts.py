@@ -10,6 +10,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 
 from zoo.moe.dispatch import gather_rows, run_sorted
+from zoo.demo_controls import DemoControls
 from zoo.moe.routing import Routing
 from zoo.options import check_options
 
@@ -29,7 +30,7 @@ def _accepts_native_call(forward):
     return wrapper
 
 
-class Experts(nn.Module):
+class Experts(nn.Module, DemoControls):
     """Base class of expert kinds. ``forward(hidden [T, H], routing) -> [T, H]``.
 
     Every kind states its size honestly: ``num_parameters()`` counts stored elements, ``nbytes()`` counts
@@ -47,6 +48,8 @@ class Experts(nn.Module):
     # ``forward`` (same signature, same result). ``zoo.testing.check_component`` compares the two, outputs and
     # gradients, on random inputs.
     reference = None
+    # demo controls (zoo.demo_controls): the options of __init__ but the layer's shape, which the layer fixes
+    demo_skip = ("num_experts", "hidden_size", "intermediate_size")
 
     def __init_subclass__(cls, **kwargs):
         # Every kind, plugins' included, takes both calls: ``(hidden, routing)`` from the zoo block, and

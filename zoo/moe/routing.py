@@ -8,6 +8,8 @@ from torch import nn
 import torch.nn.functional as F
 from transformers import initialization as init
 
+from zoo.demo_controls import (Control, DemoControls, controls_from_signature, defaults_of, layer_experts,
+                                layer_top_k)
 from zoo.options import check_options
 
 
@@ -24,7 +26,7 @@ class Routing(NamedTuple):
     logits: torch.Tensor | None = None  # [T, E]
 
 
-class Router(nn.Module):
+class Router(nn.Module, DemoControls):
     """Base class of routers: a linear gate ``weight [E, H]`` (optionally with ``bias [E]``) plus a
     selection rule implemented by ``forward``. Subclasses pass all their options up so the layout can
     record and rebuild them.
@@ -34,6 +36,8 @@ class Router(nn.Module):
     positions, attention mask, modality tags; see ``zoo.moe.context``), or None outside a model call.
     ``target``: "experts" (the MoE block's router) or "attention" (the router wraps self-attention heads and
     is put in place by a classmethod ``attach(model, layers=None, **options)``).
+    Demo controls (``zoo.demo_controls``): ``demo_controls(model)`` defaults to a top-k slider plus the options
+    of ``__init__``; ``demo_presets(model)`` and ``demo_unfit(model)`` as for every component.
     """
 
     name: str = ""
@@ -57,6 +61,22 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
+
+    demo_skip = ("hidden_size", "num_experts", "top_k", "bias", "layer", "base")  # the last two: zoo.apply's
+
+
+    @classmethod
+    def demo_controls(cls, model=None) -> list[Control]:
+        """A top-k slider (the model's k, up to its expert count), then the ``__init__`` options."""
+        top_k = Control("top_k", "int", layer_top_k(model) or 2, low=1, high=layer_experts(model) or 8, step=1,
+                        help="experts per token")
+        return [top_k] + controls_from_signature(cls, cls.demo_skip, model)
+
+    @classmethod
+    def demo_presets(cls, model=None) -> dict[str, dict]:
+        """mild: the controls' defaults (the model's k); strong: the same with one expert per token."""
+        mild = defaults_of(cls.demo_controls(model))
+        return {"mild": mild, "strong": {**mild, "top_k": 1} if "top_k" in mild else mild}
 
     @classmethod
     def check_layers(cls, layers: list[int], options: dict) -> None:
