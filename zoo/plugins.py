@@ -1,11 +1,11 @@
 """Plugin loading (llm style): first-party plugins by dotted path, third-party ones by entry point.
 
-Nothing loads at ``import zoo``. The registry (``zoo.registry``) runs ``load_plugins`` before its first lookup;
-transformers' first lookup of a ``zoo_`` model type runs it too (``auto_classes_at_first_need``), so the
-``zoo_<family>`` model types, plugin architectures' included, join the Auto classes before
-``AutoConfig`` / ``AutoModelForCausalLM.from_pretrained`` needs them. ``moe-zoo`` imports the plugins (cheap: a
-plugin's ``__init__`` imports its components inside its hooks) and runs only their ``register_commands`` hooks
-(``commands_hook``), so ``moe-zoo --help`` lists plugin commands without loading torch.
+Nothing loads at ``import zoo``. The registry (``zoo.registry``) runs ``load_plugins`` before its first lookup,
+and so does transformers' first lookup of a model type it does not ship, e.g. ``zoo_<family>``
+(``auto_classes_at_first_need``): the ``zoo_<family>`` model types, plugin architectures' included, join the Auto
+classes just before ``AutoConfig`` / ``AutoModelForCausalLM.from_pretrained`` needs them. ``moe-zoo`` imports the
+plugins (cheap: a plugin's ``__init__`` imports its components inside its hooks) and runs only their
+``register_commands`` hooks (``commands_hook``), so ``moe-zoo --help`` lists plugin commands without torch.
 
 Plugins cannot take the zoo down: every import, hook call and registration of a plugin is isolated. A failure
 (``SystemExit`` included) is recorded in ``errors`` as one line, reported by ``plugin_report`` / ``moe-zoo
@@ -226,10 +226,11 @@ def load_new_plugins() -> None:
 # ``import zoo`` must not import transformers (seconds), yet ``AutoModelForCausalLM.from_pretrained(zoo_folder)``
 # must find the zoo_<family> model types. transformers resolves every model type through one mapping,
 # ``configuration_auto.CONFIG_MAPPING``: once that module has run (now, or later through the import hook below),
-# the mapping is armed; its first lookup of a ``zoo_`` model type (or a listing of them all) loads the plugins,
-# which registers every architecture's Auto classes, and disarms it. Registering right when a transformers module
-# runs could not work: configuration_auto is imported half-way through transformers.modeling_utils, which the
-# family modules need themselves.
+# the mapping is armed; its first lookup of a model type transformers does not ship (``zoo_<family>``, or a native
+# type a plugin architecture registers), or a listing of them all, loads the plugins, which registers every
+# architecture's Auto classes, and disarms it. transformers' own types pass through untouched. Registering right
+# when configuration_auto runs could not work: it is imported half-way through transformers.modeling_utils, which
+# the family modules need themselves.
 
 _AUTO_CONFIG = "transformers.models.auto.configuration_auto"
 _armed_classes: dict[type, type] = {}
@@ -251,8 +252,8 @@ def _armed_class(own: type) -> type:
     if own not in _armed_classes:
         def lookup(method):
             def wrapper(self, *args):
-                if not args or isinstance(args[0], str) and args[0].startswith("zoo_"):
-                    _disarm_and_load(self)
+                if not args or args[0] not in getattr(self, "_mapping", ()) and args[0] not in self._extra_content:
+                    _disarm_and_load(self)  # a listing, or a model type transformers lacks: maybe a plugin's
                 return getattr(own, method)(self, *args)
             wrapper.__name__ = method
             return wrapper
