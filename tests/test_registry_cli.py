@@ -154,3 +154,16 @@ def test_components_columns_align_and_name_the_distribution():
     for line, r in zip(lines, rows):
         assert line.startswith(r["kind"] + " ") and line[at[0]:].startswith(r["name"] + " ")
         assert line[at[1]:].startswith(r["distribution"] + " ") and line[at[2]:] == r["summary"]
+
+
+def test_info_asks_which_kind_when_two_kinds_share_a_name():
+    runner = CliRunner()
+    res = runner.invoke(cli, ["info", "channel-topk"])
+    assert res.exit_code != 0 and "experts:channel-topk or compressor:channel-topk" in res.output
+    assert "Traceback" not in res.output
+    for kind in ("experts", "compressor"):
+        res = runner.invoke(cli, ["info", f"{kind}:channel-topk"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.output)["kind"] == kind
+    res = runner.invoke(cli, ["info", "compresor:prune-reap"])
+    assert res.exit_code != 0 and "did you mean 'compressor'" in res.output

@@ -73,15 +73,23 @@ ROUTER_FILLED = {"top_k": "experts per token; default: the layer's own top_k",
 @click.argument("name")
 def info(name):
     """Everything known about a component or a model NAME (a full name or its tag, e.g. zoo-tiny-moe), as JSON.
-    A component's options come with their type, default, whether they are required and a line of help."""
+    A component's options come with their type, default, whether they are required and a line of help. A name two
+    kinds share is written KIND:NAME (experts:channel-topk, compressor:channel-topk)."""
     from zoo.options import describe_options, suggest
     from zoo.registry import get_model, registry
 
     by_kind = registry.by_kind
     if name in by_kind["model"]:
         return _json(by_kind["model"][name].obj.info())
+    kind, _, bare = name.rpartition(":")
+    kinds = [k for k in by_kind if k != "model" and bare in by_kind[k]]
+    if kind and kind not in by_kind:
+        raise click.ClickException(f"no kind {kind!r}{suggest(kind, sorted(by_kind))} (write KIND:NAME)")
+    if not kind and len(kinds) > 1:
+        raise click.ClickException(f"{bare!r} names components of {len(kinds)} kinds ({', '.join(kinds)}): write "
+                                   + " or ".join(f"{k}:{bare}" for k in kinds))
     try:
-        reg = registry.get(None, name)
+        reg = registry.get(kind or None, bare)
     except KeyError:
         try:
             return _json(get_model(name).info())
