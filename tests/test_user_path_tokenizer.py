@@ -203,3 +203,22 @@ def test_a_hub_id_in_the_local_cache_gives_its_tokenizer_files(paths, tmp_path, 
     assert not (dest / "tokenizer.json").is_symlink()
     assert (dest / "tokenizer.json").read_bytes() == (paths["src"] / "tokenizer.json").read_bytes()
     assert source_folder("someone/not-cached") is None and copy_side_files("someone/not-cached", dest) == []
+
+
+def test_upcycle_hidden_gate_tokenizes_the_corpus_with_the_dense_models_own_tokenizer(tmp_path, one_thread):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tok = own_tokenizer()
+    torch.manual_seed(0)
+    config = MistralConfig(**{**COMMON, "vocab_size": len(tok), "max_position_embeddings": 512},
+                           intermediate_size=96, num_hidden_layers=2)
+    MistralForCausalLM(config).save_pretrained(tmp_path / "dense")
+    tok.save_pretrained(tmp_path / "dense")
+    dense = MistralForCausalLM.from_pretrained(tmp_path / "dense")
+    moe = zoo.apply(dense, "upcycle", num_experts=4, top_k=2, gate="hidden")
+    assert "zoo corpus" in moe.config.zoo_recipe[-1]["results"]["router_prompts"]
+    shutil.rmtree(tmp_path / "dense")  # no tokenizer now, and a vocabulary that is not the zoo's: one clear error
+    MistralForCausalLM(config).save_pretrained(tmp_path / "dense")
+    bare = MistralForCausalLM.from_pretrained(tmp_path / "dense")
+    with pytest.raises(ValueError, match="no tokenizer found"):
+        zoo.apply(bare, "upcycle", num_experts=4, top_k=2, gate="hidden")

@@ -92,7 +92,7 @@ class Upcycle(Adapter):
     @classmethod
     def demo_controls(cls, model=None):
         return [Control("num_experts", "int", 8, low=2, high=16, step=1, help="copies of the dense FFN"),
-                Control("top_k", "int", 2, low=1, high=16, step=1, help="experts per token (at most num_experts)"),
+                Control("top_k", "int", 2, low=1, high=8, step=1, help="experts per token (at most num_experts)"),
                 Control("gate", "choice", "random", choices=GATES, help="how the new router starts"),
                 Control("noise", "float", 0.0, low=0.0, high=0.1, step=0.005, help="noise added to each copy")]
 
@@ -173,12 +173,11 @@ class Upcycle(Adapter):
             return out, f"{len(out)} user prompt sets"
         from zoo import calibration
         from zoo.data.corpus import DOMAINS
-        from zoo.data.tokenizer import load_tokenizer
 
-        tok = load_tokenizer()
-        if model.config.vocab_size != len(tok):
-            raise ValueError("gate='hidden' without prompts uses the zoo corpus, tokenized for the zoo's own "
-                             f"models (vocab {len(tok)}); this model's vocab is {model.config.vocab_size}: pass prompts")
+        try:
+            tok = tokenizer_for(model, required=True)  # the model's own (checked to fit), or the zoo's for its models
+        except ValueError as exc:
+            raise ValueError(f"gate='hidden' without prompts tokenizes the zoo corpus: {exc}; or pass prompts") from None
         out = []
         for e in range(self.num_experts):
             spec = calibration.corpus(DOMAINS[e % len(DOMAINS)], PROMPT_WINDOWS * PROMPT_LEN, PROMPT_LEN, self.seed + e)
