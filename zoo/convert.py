@@ -22,6 +22,9 @@ def family_of(model):
     from zoo.architectures.families import EXCEPTIONS
     from zoo.architectures.family import NotConvertible
 
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        raise TypeError(f"{type(model).__name__} carries a PEFT adapter: fold it in first "
+                        "(model = model.merge_and_unload(), or moe-zoo merge ADAPTER OUT)")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in EXCEPTIONS:
         raise NotConvertible(f"{type(model).__name__} ({model_type}) is not converted: {EXCEPTIONS[model_type]}")
