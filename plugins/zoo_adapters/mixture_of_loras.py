@@ -107,12 +107,12 @@ class MixtureOfLoras(Adapter):
                 Control("r", "int", 8, low=1, high=64, step=1, help="rank of each LoRA"),
                 Control("alpha", "float", 16.0, low=1.0, high=128.0, step=1.0, help="LoRA scale numerator"),
                 Control("router", "choice", "remix", choices=tuple(ROUTERS), help="how LoRAs are picked"),
-                Control("top_k", "int", 2, low=1, high=16, step=1, help="LoRAs per token (at most num_loras)"),
+                Control("top_k", "int", 2, low=1, high=8, step=1, help="LoRAs per token (at most num_loras)"),
                 Control("target", "text", ATTENTION, help="linear layers adapted (comma list)")]
 
     @classmethod
     def demo_presets(cls, model=None):
-        return {"mild": {"num_loras": 4, "r": 4, "top_k": 2}, "strong": {"num_loras": 8, "r": 8, "top_k": 2,
+        return {"mild": {"num_loras": 8, "r": 4, "top_k": 2}, "strong": {"num_loras": 8, "r": 8, "top_k": 2,
                                                                       "router": "learned"}}
 
     def __init__(self, num_loras: int = 8, r: int = 8, alpha: float = 16.0, router: str = "remix", top_k: int = 2,

@@ -30,12 +30,12 @@ class Moefy(Adapter):
     @classmethod
     def demo_controls(cls, model=None):
         return [Control("num_experts", "choice", 8, choices=(2, 4, 8, 16), help="experts the FFN is split into"),
-                Control("top_k", "int", None, low=1, high=16, step=1, optional=True,
+                Control("top_k", "int", None, low=1, high=2, step=1, optional=True,
                         help="experts per token (empty: all)")]
 
     @classmethod
     def demo_presets(cls, model=None):
-        return {"mild": {"num_experts": 4, "top_k": 3}, "strong": {"num_experts": 8, "top_k": 2}}
+        return {"mild": {"num_experts": 4, "top_k": 2}, "strong": {"num_experts": 8, "top_k": 2}}
 
     def __init__(self, num_experts: int = 8, top_k: int | None = None, seed: int = 0,
                  router_aux_loss_coef: float = 0.01):

@@ -92,7 +92,7 @@ class Upcycle(Adapter):
     @classmethod
     def demo_controls(cls, model=None):
         return [Control("num_experts", "int", 8, low=2, high=16, step=1, help="copies of the dense FFN"),
-                Control("top_k", "int", 2, low=1, high=8, step=1, help="experts per token (at most num_experts)"),
+                Control("top_k", "int", 2, low=1, high=4, step=1, help="experts per token (at most num_experts)"),
                 Control("gate", "choice", "random", choices=GATES, help="how the new router starts"),
                 Control("noise", "float", 0.0, low=0.0, high=0.1, step=0.005, help="noise added to each copy")]
 

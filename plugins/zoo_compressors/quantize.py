@@ -40,15 +40,27 @@ class Quantize(Compressor):
 
     @classmethod
     def demo_controls(cls, model=None):
+        group, choices = cls.demo_group_sizes(model)
         return [Control("bits", "float", 8, low=WIDTHS[0], high=WIDTHS[-1], step=0.5,
                         help=f"bits per expert weight: one of {list(BITS)} (uniform), or an average (pmq, alphaq)"),
                 Control("allocation", "choice", "uniform", choices=ALLOCATIONS,
                         help="uniform, or mixed precision per expert: pmq (usage), alphaq (weight spectra), random"),
-                Control("group_size", "choice", 64, choices=(32, 64, 128), help="weights per quantization scale")]
+                Control("group_size", "choice", group, choices=choices, help="weights per quantization scale")]
+
+    @staticmethod
+    def demo_group_sizes(model) -> tuple:
+        """(default, choices): the group sizes of 32, 64, 128 that divide every layer's widths (64 if it does)."""
+        from zoo.layout import moe_layers
+
+        sizes = {s for _, moe in (moe_layers(model) if model is not None else [])
+                 for s in (getattr(moe.experts, "hidden_size", 0), getattr(moe.experts, "intermediate_size", 0))}
+        choices = tuple(g for g in (32, 64, 128) if all(s % g == 0 for s in sizes)) or (64,)
+        return (64 if 64 in choices else choices[0]), choices
 
     @classmethod
     def demo_presets(cls, model=None):
-        return {"mild": {"bits": 8}, "strong": {"bits": 3.5, "allocation": "pmq"}}
+        group = {"group_size": cls.demo_group_sizes(model)[0]}
+        return {"mild": {"bits": 8, **group}, "strong": {"bits": 3.5, "allocation": "pmq", **group}}
 
     def __init__(self, bits: float = 8, allocation: str = "uniform", group_size: int = 64, widths=WIDTHS):
         if allocation not in ALLOCATIONS:

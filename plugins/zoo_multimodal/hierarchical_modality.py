@@ -28,10 +28,11 @@ class HierarchicalModality(Router):
 
     @classmethod
     def demo_controls(cls, model=None):
-        return [*super().demo_controls(model)[:1],
+        top_k = super().demo_controls(model)[0]  # at most the experts of a half (the mild preset's groups)
+        return [top_k.with_range(high=max(1, (layer_experts(model) or 8) // 2)),
                 Control("group_sizes", "json", None, optional=True,
                         help="experts per group, summing to the layer's experts (empty: one group)"),
-                Control("top_groups", "int", 1, low=1, high=4, step=1, help="groups kept per token (divides top-k)")]
+                Control("top_groups", "int", 1, low=1, high=2, step=1, help="groups kept per token (divides top-k)")]
 
     @classmethod
     def demo_presets(cls, model=None):

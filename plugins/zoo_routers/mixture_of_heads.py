@@ -63,10 +63,12 @@ class MixtureOfHeads(nn.Module):
     # Attention heads are its experts: a Space's top-k is heads_per_token here (no zoo.Router base: declared here).
     @classmethod
     def demo_controls(cls, model=None):
-        return [Control("heads_per_token", "float", 0.75, low=0.125, high=1.0, step=0.125,
+        heads = getattr(model.config.get_text_config(), "num_attention_heads", None) if model is not None else None
+        unit = 1 / heads if heads else 0.125  # one head
+        return [Control("heads_per_token", "float", 0.75, low=max(unit, 0.125), high=1.0, step=unit,
                         help="share of the heads each token keeps"),
-                Control("shared_heads", "float", None, low=0.125, high=1.0, step=0.125, optional=True,
-                        help="share of the heads always on (empty: none)")]
+                Control("shared_heads", "float", None, low=max(unit, 0.125), high=0.5, step=unit, optional=True,
+                        help="share of the heads always on, fewer than those kept (empty: half of them)")]
 
     @classmethod
     def demo_presets(cls, model=None):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.moe import Router, Routing
-from zoo.demo_controls import Control
+from zoo.demo_controls import Control, layer_experts
 
 BASES = ("topk-softmax", "sigmoid-bias")
 
@@ -44,8 +44,10 @@ class Steer(Router):
 
     @classmethod
     def demo_controls(cls, model=None):
-        return [*super().demo_controls(model)[:1],
-                Control("disable", "json", cls.demo_presets(model)["mild"]["disable"],
+        mild = cls.demo_presets(model)["mild"]["disable"]
+        top_k = super().demo_controls(model)[0]  # k + disabled experts fit in the layer
+        return [top_k.with_range(high=max(1, (layer_experts(model) or 8) - max(map(len, mild.values()), default=0))),
+                Control("disable", "json", mild,
                         help='experts switched off, per MoE layer: {"layer": [experts]}'),
                 Control("force", "json", None, optional=True,
                         help='experts always on, per MoE layer: {"layer": [experts]}')]

@@ -1,8 +1,10 @@
-"""adapter-lab: fine-tune the embedded model live with any adapter, on one domain, for a few steps, and see
+"""adapter-lab: fine-tune the embedded model live with any registered adapter, with the options it declares
+(``zoo.demo_controls``: mild and strong presets, and each option), on one domain, for a few steps, and see
 held-out perplexity per domain before/after, the training loss, and expert usage before/after.
 
 Each run attaches the adapter (``zoo.apply``) to a fresh copy of the base model and trains it with
-``zoo.finetune.finetune``, the code behind ``moe-zoo finetune``. Models load lazily, on first use.
+``zoo.finetune.finetune``, the code behind ``moe-zoo finetune``. An adapter that builds an MoE from a dense model
+(``accepts_dense``: upcycle, moefy) starts from ``zoo-tiny-dense``. Models load lazily, on first use.
 """
 import copy
 import functools
@@ -16,20 +18,17 @@ import matplotlib.pyplot as plt
 import torch
 
 import zoo
-from zoo.apply import find
-from zoo.options import parse_step
 from zoo.data.corpus import DOMAINS
 from zoo.finetune import finetune
-from zoo.options import accepted_options
 from zoo.registry import get_model
-from zoo.spaces import MAX_FILE_SIZE, MAX_OPTION_VALUE, MAX_OPTIONS_CHARS, check_number, check_options, check_text
+from zoo.spaces import MAX_FILE_SIZE, MAX_OPTION_VALUE, ControlPanel, check_number, integer_ticks
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
 DENSE = "zoo-tiny-dense"  # for adapters that build an MoE from a dense model (upcycle, moefy)
 WINDOWS = int(os.environ.get("MOE_ZOO_LAB_WINDOWS", "4"))
 BATCH, SEQ_LEN, MAX_STEPS = 4, 128, 60
 MAX_LR = 1.0
-DEFAULT_OPTIONS = {"lora-experts": "r=8,alpha=16"}
+PANEL: ControlPanel | None = None  # the adapter dropdown and each adapter's declared controls (build_demo)
 
 
 def models() -> list[str]:
@@ -37,37 +36,31 @@ def models() -> list[str]:
     return [MODEL] + ([DENSE] if dense and os.path.isfile(os.path.join(dense, "config.json")) else [])
 
 
+def model_name(cls) -> str:
+    """The model an adapter trains: the dense one for adapters that build an MoE from it (when it is here)."""
+    return DENSE if cls.accepts_dense and DENSE in models() else MODEL
+
+
 @functools.cache
 def base(name: str):
     return zoo.load(name, dtype=torch.float32).eval()
 
 
-def adapter_info(adapter: str):
-    """Default options and the model that suits the adapter (a dense one for dense -> MoE adapters)."""
-    cls = find(adapter).obj
-    dense = cls.accepts_dense and DENSE in models()
-    hint = f"`{adapter}` options: {', '.join(accepted_options(cls)) or 'none'}. {cls.summary}"
-    return gr.Textbox(value=DEFAULT_OPTIONS.get(adapter, "")), gr.Dropdown(value=DENSE if dense else MODEL), hint
-
-
-def run(model: str, adapter: str, options: str, domain: str, steps: int, lr: float):
-    options = check_text(options, "options", MAX_OPTIONS_CHARS)
+def run(adapter: str, options: dict | None, domain: str, steps: int, lr: float):
     steps = int(check_number(steps, "steps", 1, MAX_STEPS))
     lr = check_number(lr, "learning rate", 0, MAX_LR)
+    if domain not in DOMAINS:
+        raise gr.Error(f"domain must be one of {', '.join(DOMAINS)}; got {domain!r}")
+    cls, options = PANEL.resolve(adapter, options)
     try:
-        name, opts = parse_step(f"{adapter}:{options}")
-    except ValueError as exc:
-        raise gr.Error(str(exc)) from None
-    check_options(opts, adapter)
-    try:
-        result = finetune(copy.deepcopy(base(model)), name, opts, domain=domain, steps=steps, lr=lr,
+        result = finetune(copy.deepcopy(base(model_name(cls))), adapter, options, domain=domain, steps=steps, lr=lr,
                           batch_size=BATCH, seq_len=SEQ_LEN, windows=WINDOWS, progress=False)
     except (ValueError, TypeError, KeyError) as exc:
-        raise gr.Error(f"{adapter} {opts}: {exc}") from None
+        raise gr.Error(f"{adapter} {options}: {exc}") from None
     rows = [[d, round(result.before["perplexity"][d], 2), round(result.after["perplexity"][d], 2),
              f"{100 * (result.after['perplexity'][d] / result.before['perplexity'][d] - 1):+.1f}%"] for d in DOMAINS]
     table = {"headers": ["domain", "ppl before", "ppl after", "change"], "data": rows}
-    return table, plot(result, domain, f"{adapter} on {domain}, {steps} steps")
+    return gr.update(value=table, visible=True), plot(result, domain, f"{adapter} on {domain}, {steps} steps")
 
 
 def shares(result: dict, domain: str):
@@ -91,6 +84,7 @@ def plot(result, domain: str, title: str):
         ax.set_title(f"expert usage {label} ({domain}, ppl {res['perplexity'][domain]:.1f})")
         ax.set_xlabel("expert")
         ax.set_ylabel("layer")
+        integer_ticks(ax)
         fig.colorbar(im, ax=ax, label="share of routed tokens")
     steps, losses = zip(*result.history)
     axes[2].plot(steps, losses)
@@ -102,29 +96,23 @@ def plot(result, domain: str, title: str):
 
 
 def build_demo() -> gr.Blocks:
-    adapters = [c["name"] for c in zoo.list_components("adapter")]
-    first = "lora-experts" if "lora-experts" in adapters else adapters[0]
+    global PANEL
     with gr.Blocks(title="MoE adapter lab", analytics_enabled=False) as demo:
         gr.Markdown(f"# MoE adapter lab\nFine-tune `{MODEL}` live with any adapter on one domain and compare "
                     f"held-out perplexity before and after (batches of {BATCH} x {SEQ_LEN} tokens, "
-                    f"{WINDOWS} held-out windows per domain). Limits: options up to {MAX_OPTIONS_CHARS} "
-                    f"characters with numbers up to {MAX_OPTION_VALUE}, {MAX_STEPS} steps, learning rate "
-                    f"up to {MAX_LR:g}.")
-        with gr.Row():
-            adapter = gr.Dropdown(adapters, value=first, label="adapter")
-            options = gr.Textbox(DEFAULT_OPTIONS.get(first, ""), label="options (k=v,...)",
-                                 max_length=MAX_OPTIONS_CHARS)
-            model = gr.Dropdown(models(), value=MODEL, label="model")
-        hint = gr.Markdown()
+                    f"{WINDOWS} held-out windows per domain). Adapters that build an MoE from a dense model start "
+                    f"from `{DENSE}`. Limits: numbers in options up to {MAX_OPTION_VALUE}, {MAX_STEPS} steps, "
+                    f"learning rate up to {MAX_LR:g}.")
+        PANEL = ControlPanel("adapter", lambda cls: base(model_name(cls)), default="lora-experts")
         with gr.Row():
             domain = gr.Radio(list(DOMAINS), value="code", label="train on")
             steps = gr.Slider(1, MAX_STEPS, value=10, step=1, label="steps")
             lr = gr.Number(2e-3, label="learning rate", minimum=0, maximum=MAX_LR)
             go = gr.Button("Fine-tune", variant="primary", elem_id="finetune")
-        table = gr.Dataframe(label="held-out perplexity", elem_id="perplexity")
+        table = gr.Dataframe(label="held-out perplexity", elem_id="perplexity", visible=False)  # shown with a run
         usage = gr.Plot(label="expert usage and loss", format="png", elem_id="usage")
-        adapter.change(adapter_info, adapter, [options, model, hint], api_name="adapter_info")
-        go.click(run, [model, adapter, options, domain, steps, lr], [table, usage], api_name="finetune")
+        PANEL.on_select([demo.load, PANEL.name.input, PANEL.preset.input])
+        go.click(run, [PANEL.name, PANEL.options, domain, steps, lr], [table, usage], api_name="finetune")
     return demo
 
 

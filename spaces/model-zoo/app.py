@@ -1,7 +1,8 @@
 """model-zoo: browse the registered models and components, and read their cards.
 
-Model cards are rendered with ``zoo.card`` from the shipped checkpoints (loaded on first request);
-set ``MOE_ZOO_MODEL`` to add another local model to the card list.
+A model's card is its own README.md where its folder has one (the shipped checkpoints carry theirs), else
+``zoo.card`` of the loaded model; either way the text is shown as markdown, without its YAML metadata. Set
+``MOE_ZOO_MODEL`` to add another local model to the card list.
 """
 import functools
 import os
@@ -41,14 +42,29 @@ def component_card(name: str) -> str:
     return render_component_card(reg.obj, context)
 
 
+def model_folder(name: str) -> str | None:
+    """The local folder of a registered model or of a path (None for a hub model not on disk)."""
+    entries = zoo.list_models(name) or zoo.list_models(f"*.{name}")
+    folder = entries[0].local_path if entries and entries[0].local_path else name
+    return folder if os.path.isdir(folder) else None
+
+
 @functools.cache
 def model_card(name: str) -> str:
-    """``zoo.card`` of a model: its metadata as YAML, then the card text."""
+    """A model's card as markdown, without its YAML front matter: the README.md its folder ships, else
+    ``zoo.card`` of the loaded model."""
+    from huggingface_hub import ModelCard
+
+    folder = model_folder(name)
+    if folder and os.path.isfile(os.path.join(folder, "README.md")):
+        return ModelCard.load(os.path.join(folder, "README.md")).text.strip()
     try:
         card = zoo.card(zoo.load(name), model_name=name.rsplit("/", 1)[-1])
     except (TypeError, ValueError, OSError) as exc:
-        return f"**No card for `{name}`:** {exc}"
-    return f"```yaml\n{card.data.to_yaml()}\n```\n\n{card.text}"
+        entries = zoo.list_models(name) or zoo.list_models(f"*.{name}")
+        summary = f"{entries[0].summary}\n\n" if entries else ""
+        return f"# {name}\n\n{summary}*No model card: {exc}*"
+    return card.text.strip()
 
 
 def build_demo() -> gr.Blocks:

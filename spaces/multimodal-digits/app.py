@@ -14,7 +14,6 @@ import zoo  # noqa: F401  (loads the plugins: zoo_mm, its processor and componen
 from zoo.spaces import MAX_AUDIO_SECONDS, MAX_FILE_SIZE, MAX_IMAGE_PIXELS, check_audio, check_number, check_text
 
 MODEL = os.environ.get("MOE_ZOO_MM_MODEL", "zoo-tiny-mm")
-COMPONENTS = ["zoo_mm", "modality-groups", "hierarchical-modality", "language-conditioned", "prune-group"]
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 MODALITIES = ("text", "vision", "audio")
 MAX_PROMPT_CHARS = 200  # the model was trained on short questions ("which digit ?")
@@ -27,11 +26,16 @@ def base():
     return load_model(MODEL)
 
 
+def components() -> list[str]:
+    """Every registered component that names this Space (zoo_mm and its parts, plugins' included)."""
+    return [c["name"] for c in zoo.list_components() if c["space"] == "multimodal-digits"]
+
+
 def card(name):
     from zoo.cards import render_component_card
     from zoo.registry import registry
 
-    kind = next(k for k in ("architecture", "experts", "router", "compressor") if name in registry.by_kind[k])
+    kind = next(c["kind"] for c in zoo.list_components() if c["name"] == name and c["space"] == "multimodal-digits")
     return render_component_card(registry.get(kind, name).obj, {"family": "zoo_mm", "layout_summary": "see the model",
                                                                   "recipe": []})
 
@@ -140,9 +144,10 @@ def build_demo() -> gr.Blocks:
             plot = gr.Plot(label="expert groups", elem_id="groups")
         table = gr.Dataframe(headers=["tokens", "text group", "vision group", "audio group"], label="group usage")
         with gr.Accordion("components", open=False):
-            component = gr.Dropdown(COMPONENTS, value=COMPONENTS[0], label="component")
+            names = components()
+            component = gr.Dropdown(names, value=names[0], label="component")
             text = gr.Markdown()
-            component.change(card, component, text)
+            gr.on([demo.load, component.change], card, component, text, api_name="component_card")
         go.click(answer, [image, audio, prompt, snr], [label, plot, table], api_name="answer")
     return demo
 
