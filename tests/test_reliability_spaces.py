@@ -41,19 +41,25 @@ class SpyTokenizer:
 
 def test_explorer_cuts_huge_text_before_tokenising(default_model, monkeypatch):  # noqa: F811
     app = load_app("router-explorer")
+    app.build_demo()  # the router controls
     model, tok = app.base()
     spy = SpyTokenizer(tok)
     monkeypatch.setattr(app, "base", lambda: (model, spy))
-    labels, grids, ppl = app.route(HUGE, "topk-softmax", 2)
+    labels, grids, ppl = app.route(HUGE, "topk-softmax", {"top_k": 2})
     assert spy.lengths and max(spy.lengths) <= MAX_PROMPT_CHARS < len(HUGE)
     assert len(labels) == app.MAX_TOKENS and all(g.shape[0] == app.MAX_TOKENS for g in grids.values())
 
 
-def test_explorer_refuses_huge_top_k_before_loading():
+def test_explorer_refuses_huge_options_before_loading():
     app = load_app("router-explorer")
+    app.build_demo()
     app.base = never
-    with pytest.raises(gr.Error, match="top-k must be a number from 1 to 64"):
-        app.route("some text", "topk-softmax", 10**9)
+    with pytest.raises(gr.Error, match="topk-softmax: top_k must be a number from -256 to 256"):
+        app.route("some text", "topk-softmax", {"top_k": 10**9})
+    with pytest.raises(gr.Error, match="options is too long"):
+        app.route("some text", "steer", {"disable": {"0": list(range(MAX_OPTIONS_CHARS))}})
+    with pytest.raises(gr.Error, match="no router named 'topk-sofmax'; did you mean 'topk-softmax'"):
+        app.route("some text", "topk-sofmax", {})
 
 
 # ---- adapter-lab ----------------------------------------------------------------------------------------
@@ -61,20 +67,22 @@ def test_explorer_refuses_huge_top_k_before_loading():
 @pytest.fixture
 def adapter_lab():
     app = load_app("adapter-lab")
+    app.build_demo()  # the adapter controls
     app.base = lambda name: object()  # no model: nothing past the checks may run
     app.finetune = never
     return app
 
 
 @pytest.mark.parametrize("options, message", [
-    ("r=100000", "lora-experts: r must be a number from -256 to 256"),
-    ("r=4,alpha=1e300", "alpha must be a number"),
-    ("r=4,alpha=NaN", "alpha must be a number"),
-    ("r=" + "9" * (MAX_OPTIONS_CHARS + 1), f"options is too long: .* at most {MAX_OPTIONS_CHARS}"),
-], ids=["huge-r", "huge-alpha", "nan", "long"])
+    ({"r": 100000}, "lora-experts: r must be a number from -256 to 256"),
+    ({"r": 4, "alpha": 1e300}, "alpha must be a number"),
+    ({"r": 4, "alpha": float("nan")}, "alpha must be a number"),
+    ({"targets": "x" * (MAX_OPTIONS_CHARS + 1)}, f"options is too long: .* at most {MAX_OPTIONS_CHARS}"),
+    ("r=4", "options must be a mapping"),
+], ids=["huge-r", "huge-alpha", "nan", "long", "not-a-mapping"])
 def test_adapter_lab_refuses_oversized_options(adapter_lab, options, message):
     with pytest.raises(gr.Error, match=message):
-        adapter_lab.run("zoo-tiny-moe", "lora-experts", options, "code", 2, 1e-3)
+        adapter_lab.run("lora-experts", options, "code", 2, 1e-3)
 
 
 @pytest.mark.parametrize("steps, lr, message", [(10**6, 1e-3, "steps must be a number from 1 to 60"),
@@ -82,7 +90,7 @@ def test_adapter_lab_refuses_oversized_options(adapter_lab, options, message):
                          ids=["steps", "lr"])
 def test_adapter_lab_refuses_oversized_steps_and_lr(adapter_lab, steps, lr, message):
     with pytest.raises(gr.Error, match=message):
-        adapter_lab.run("zoo-tiny-moe", "lora-experts", "r=2", "code", steps, lr)
+        adapter_lab.run("lora-experts", {"r": 2}, "code", steps, lr)
 
 
 def test_adapter_lab_passes_inputs_within_limits(adapter_lab):
@@ -95,7 +103,7 @@ def test_adapter_lab_passes_inputs_within_limits(adapter_lab):
 
     adapter_lab.finetune = finetune
     with pytest.raises(gr.Error, match="stop here"):
-        adapter_lab.run("zoo-tiny-moe", "lora-experts", "r=8,alpha=16", "code", 60, 1e-3)
+        adapter_lab.run("lora-experts", {"r": 8, "alpha": 16}, "code", 60, 1e-3)
     assert seen["opts"] == {"r": 8, "alpha": 16} and seen["steps"] == 60 and seen["lr"] == 1e-3
 
 

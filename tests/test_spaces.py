@@ -97,8 +97,9 @@ def model_zoo(default_model):
 TEXT = "To be, or not to be, that is the question.\nimport os\nprint(os.getcwd())"
 
 
-def analyze(client, router, k, text=TEXT):
-    plot, ppl, table = client.predict(text, router, k, api_name="/analyze")
+def analyze(client, router, k, text=TEXT, **options):
+    """router-explorer's /analyze with ``top_k=k`` and any other ``options`` of the router."""
+    plot, ppl, table = client.predict(text, router, {"top_k": k, **options}, api_name="/analyze")
     experts = [[[int(e) for e in cell.split(", ")] for cell in row[1:]] for row in table["data"]]
     return plot, ppl, table, experts  # experts[token][layer] = the expert indices picked
 
@@ -134,16 +135,34 @@ def test_explorer_top1_changes_assignment_and_perplexity(explorer):
 
 
 def test_explorer_lists_every_router(explorer):
-    router, k = explorer.predict(api_name="/defaults")
-    assert router["value"] == "topk-softmax" and k["value"] == 2 and k["maximum"] >= 2
+    assert explorer.predict(api_name="/defaults") == "topk-softmax"  # the model's own router
+    assert explorer.predict("topk-softmax", "mild", api_name="/router_preset") == {"top_k": 2, "norm_topk_prob": True}
     info = explorer.view_api(print_info=False, return_format="dict")
     params = info["named_endpoints"]["/analyze"]["parameters"]
     choices = next(p for p in params if p["parameter_name"] == "router")["type"]["enum"]
     assert set(choices) == {c["name"] for c in zoo.list_components("router")}
     _, ppl, _, _ = analyze(explorer, "sigmoid-bias", 2)
     assert math.isfinite(ppl)
-    _, _, _, experts = analyze(explorer, "topk-softmax", k["maximum"])
-    assert all(sorted(layer) == list(range(k["maximum"])) for row in experts for layer in row)
+    _, _, _, experts = analyze(explorer, "topk-softmax", 8)
+    assert all(sorted(layer) == list(range(8)) for row in experts for layer in row)
+
+
+def test_explorer_options_reach_the_router(explorer):
+    """Options beyond top-k: top-p's p and steer's disabled experts change the assignment."""
+    _, _, _, plain = analyze(explorer, "topk-softmax", 2)
+    _, _, table = explorer.predict(TEXT, "top-p", {"p": 0.95}, api_name="/analyze")
+    wide = [[[int(e) for e in cell.split(", ")] for cell in row[1:]] for row in table["data"]]
+    assert max(len(layer) for row in wide for layer in row) > 2  # p=0.95 needs more than two experts somewhere
+    off = {str(i): [e for e in range(8) if e not in (2, 5)] for i in range(len(plain[0]))}
+    _, _, _, steered = analyze(explorer, "steer", 2, disable=off)
+    assert all(sorted(layer) == [2, 5] for row in steered for layer in row)
+
+
+def test_explorer_refuses_a_router_that_does_not_fit(explorer):
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="language-conditioned does not fit this model"):
+        analyze(explorer, "language-conditioned", 2)
 
 
 # ---- model-zoo ------------------------------------------------------------------------------------------
@@ -163,7 +182,11 @@ def test_model_zoo_renders_component_and_model_cards(model_zoo, default_model):
     assert model_zoo.predict("mixtral", api_name="/component_card").startswith("### Architecture: mixtral")
     name = "mixtral.zoo-tiny-moe" if default_model == "zoo-tiny-moe" else default_model
     card = model_zoo.predict(name, api_name="/model_card")
-    assert "library_name: moe-zoo" in card and "## Recipe" in card and "### Router: topk-softmax" in card
+    assert "## Recipe" in card and "### Router: topk-softmax" in card
+    assert "library_name" not in card and "```yaml" not in card and not card.startswith("---")  # no YAML
+    if default_model == "zoo-tiny-moe":  # the shipped model's own card, from its folder, rendered as markdown
+        shipped = open(os.path.join(get_model("zoo-tiny-moe").local_path, "README.md")).read()
+        assert card.startswith("# zoo-tiny-moe") and card in shipped
 
 
 # ---- zoo.spaces and the CLI -----------------------------------------------------------------------------
@@ -199,15 +222,31 @@ def lab(default_model):
 
 
 def test_lab_compresses_and_compares_with_the_base(lab):
-    _plot, table = lab.predict("prune-reap", "strong", api_name="/compress")
-    rows = {r[0]: r for r in table["data"]}
-    assert set(rows) == {"base", "prune-reap strong"}
-    base_mb, pruned_mb = rows["base"][1], rows["prune-reap strong"][1]
+    strong = lab.predict("prune-reap", "strong", api_name="/compressor_preset")
+    assert strong == {"num_experts": 4}  # half of the layer's 8 experts
+    _plot, table, _saliency = lab.predict("prune-reap", strong, api_name="/compress")
+    assert table["visible"] is True  # hidden until the first run
+    rows = {r[0]: r for r in table["value"]["data"]}
+    assert set(rows) == {"base", "prune-reap num_experts=4"}
+    base_mb, pruned_mb = rows["base"][1], rows["prune-reap num_experts=4"][1]
     assert pruned_mb == pytest.approx(base_mb / 2, rel=0.01)  # half the experts, half the expert bytes
-    assert all(math.isfinite(v) and v > 1 for v in rows["prune-reap strong"][2:])
-    _plot, table = lab.predict("quantize", "mild", api_name="/compress")
-    rows = {r[0]: r for r in table["data"]}
-    assert rows["quantize mild"][1] < 0.6 * rows["base"][1]  # int8 codes vs 16- or 32-bit floats
+    assert all(math.isfinite(v) and v > 1 for v in rows["prune-reap num_experts=4"][2:])
+    _plot, table, _saliency = lab.predict("quantize", {"bits": 8}, api_name="/compress")
+    rows = {r[0]: r for r in table["value"]["data"]}
+    assert rows["quantize bits=8"][1] < 0.6 * rows["base"][1]  # int8 codes vs 16- or 32-bit floats
+
+
+def test_lab_saliency_marks_the_pruned_experts(lab):
+    """The saliency map crosses out the experts the last run removed (from its recipe step's results)."""
+    from zoo.spaces import load_app
+
+    app = load_app("compression-lab")
+    result = {"label": "prune-reap num_experts=6", "removed": {0: [1, 5], 1: [0, 7]}}
+    fig = app.saliency(result)
+    marks = [c for ax in fig.axes for c in ax.collections if c.get_offsets().shape[0]]
+    assert {tuple(map(tuple, m.get_offsets().tolist())) for m in marks} >= {((1, 0), (5, 0)), ((0, 1), (7, 1))}
+    for ax in fig.axes[:1]:
+        assert all(float(t).is_integer() for t in ax.get_yticks())
 
 
 # ---- moe-zoo demo by component name: the zoo's components and a plugin's ----------------------------------
