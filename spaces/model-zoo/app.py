@@ -75,7 +75,7 @@ def build_demo() -> gr.Blocks:
         with gr.Tab("Models"):
             models_df = gr.Dataframe(label="registered models", wrap=True)
             model = gr.Dropdown(models, value=models[0], label="model card (shipped checkpoints)")
-            model_md = gr.Markdown(label="model card")
+            model_md = gr.Markdown(label="model card", elem_id="model-card")
         with gr.Tab("Components"):
             components_df = gr.Dataframe(label="registered components (plugins included)", wrap=True)
             component = gr.Dropdown(components, value=components[0], label="component card")

@@ -140,7 +140,7 @@ def build_demo() -> gr.Blocks:
                 snr = gr.Slider(-10, 40, value=40, step=5, label="add white noise to the speech: SNR in dB (40 = none)")
                 go = gr.Button("Answer", variant="primary", elem_id="answer")
         with gr.Row():
-            label = gr.Label(num_top_classes=3, label="answer")
+            label = gr.Label(num_top_classes=3, label="answer", elem_id="answer-label")
             plot = gr.Plot(label="expert groups", elem_id="groups")
         table = gr.Dataframe(headers=["tokens", "text group", "vision group", "audio group"], label="group usage")
         with gr.Accordion("components", open=False):
