@@ -46,4 +46,5 @@ def register_models(register):
 @hookspec
 def register_commands(cli):
     """Add click commands to ``cli`` (a click group); they join ``moe-zoo`` unless the name is taken by a
-    built-in command or an earlier plugin's (such a command is refused and reported as this plugin's error)."""
+    built-in command or an earlier plugin's (such a command is refused and reported as this plugin's error).
+    ``moe-zoo`` calls it before any other hook, to list the commands: import heavy libraries inside the commands."""
