@@ -158,3 +158,44 @@ def test_generate_says_it_compiles(monkeypatch):
     res = CliRunner().invoke(cli, [*args, "--no-compile"])
     assert res.exit_code == 0 and "compiling the decode step" not in res.stderr
     assert calls == [True, False]
+
+
+PLUGIN = '''
+import zoo
+
+class ToyArchitecture:
+    name = "toy_native"
+    summary = "a plugin architecture that registers a native model type of its own"
+
+    def register_auto_classes(self):
+        from transformers import AutoConfig, PretrainedConfig
+
+        class ToyNativeConfig(PretrainedConfig):
+            model_type = "toy_native"
+
+        AutoConfig.register("toy_native", ToyNativeConfig)
+
+@zoo.hookimpl
+def register_architectures(register):
+    register(ToyArchitecture())
+'''
+
+
+def test_a_plugin_architectures_native_type_loads_after_a_bare_import(tmp_path):
+    """A model type transformers does not ship, registered by a plugin architecture, loads too: transformers' first
+    lookup of it loads the plugins."""
+    (tmp_path / "toy_plugin.py").write_text(PLUGIN)
+    info = tmp_path / "toy_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[moe_zoo]\ntoy_plugin = toy_plugin\n")
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "config.json").write_text(json.dumps({"model_type": "toy_native"}))
+    found = last_json(python(f"""
+        import json, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import zoo
+        from transformers import AutoConfig
+        print(json.dumps(type(AutoConfig.from_pretrained({str(tmp_path / "saved")!r})).__name__))
+    """))
+    assert found == "ToyNativeConfig"
