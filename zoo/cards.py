@@ -120,8 +120,9 @@ def tidy(text: str) -> str:
 
 
 def render_component_card(component, context: dict | None = None, missing_ok: bool = False) -> str:
-    """A component's own card section (its ``card`` template), rendered with ``context``. ``missing_ok``: a
-    template its package does not ship is warned about and left out (a save never fails for a card)."""
+    """A component's own card section (its ``card`` template), rendered with ``context``, then its verdicts on
+    its paper's claims (``zoo.claims``). ``missing_ok``: a template its package does not ship is warned about and
+    left out (a save never fails for a card)."""
     try:
         text = resource_path(component.card, owner=component).read_text()
     except FileNotFoundError as exc:
@@ -129,4 +130,8 @@ def render_component_card(component, context: dict | None = None, missing_ok: bo
             raise
         warnings.warn(f"{component.name}: its card section is left out ({exc})", stacklevel=2)
         return ""
-    return jinja2.Template(text).render(**(context or {}))
+    from zoo.claims import card_section
+
+    rendered = jinja2.Template(text).render(**(context or {})).rstrip("\n")
+    verdicts = card_section(component)
+    return f"{rendered}\n\n{verdicts}" if verdicts else rendered + "\n"

@@ -1,0 +1,120 @@
+"""Verdicts on the papers' claims, measured on the zoo's own models: ``docs/claims/<component>.json``.
+
+A claim benchmark calls ``record`` with what it measured; the file keeps one entry per claim (a second run of
+the same claim replaces it) with the numbers, the verdict, the command that measured it, the model, the commit
+and the date. Component cards render the entries as "Does the paper's claim hold here?", and
+``python -m zoo.claims`` prints the README's table of every claim.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+
+VERDICTS = ("holds", "holds in part", "does not hold", "untestable here")
+FOLDER = "docs/claims"
+FIELDS = ("claim", "verdict", "summary", "numbers", "command", "model", "commit", "date")
+
+
+def claims_path(component: str, root: str | os.PathLike | None = None) -> Path:
+    """Where ``component``'s claims live: ``docs/claims/<component>.json`` of the checkout (or ``root``)."""
+    base = Path(root) if root is not None else Path(__file__).resolve().parent.parent
+    return base / FOLDER / f"{component}.json"
+
+
+def _commit(root: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def record(component: str, claim: str, verdict: str, summary: str, numbers, command: str, model: str,
+           root: str | os.PathLike | None = None) -> Path:
+    """Write (or replace) the entry for ``claim`` in ``component``'s claims file. ``numbers``: what was measured,
+    JSON-able (a table as a list of row dicts reads best in the card). Returns the file's path."""
+    if verdict not in VERDICTS:
+        raise ValueError(f"verdict must be one of {VERDICTS}, got {verdict!r}")
+    for name, value in (("component", component), ("claim", claim), ("summary", summary), ("command", command),
+                        ("model", model)):
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    json.dumps(numbers)  # JSON-able, or a TypeError before anything is written
+    path = claims_path(component, root)
+    entries = [e for e in load(component, root if root is not None else path.parent.parent.parent)
+               if e["claim"] != claim]
+    entries.append({"claim": claim, "verdict": verdict, "summary": summary, "numbers": numbers, "command": command,
+                    "model": model, "commit": _commit(path.parent), "date": datetime.date.today().isoformat()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"component": component, "claims": entries}, indent=1) + "\n")
+    os.replace(tmp, path)  # a reader never sees half a file
+    return path
+
+
+def find(component: str, owner: object | None = None, root: str | os.PathLike | None = None) -> Path | None:
+    """The claims file of ``component``: ``root``'s, else in its plugin's package (``claims/<name>.json``), the
+    checkout's ``docs/claims/``, or the installed zoo's copy of it; None when there is none."""
+    if root is not None:
+        candidates = [claims_path(component, root)]
+    else:
+        from zoo.resources import package_dirs
+
+        candidates = [folder / "claims" / f"{component}.json" for folder in package_dirs(owner)] if owner else []
+        candidates += [claims_path(component), Path(__file__).resolve().parent / "_claims" / f"{component}.json"]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def load(component: str, root: str | os.PathLike | None = None, owner: object | None = None) -> list[dict]:
+    """``component``'s recorded claims (``[]`` when none were measured)."""
+    path = find(component, owner, root)
+    if path is None:
+        return []
+    data = json.loads(path.read_text())
+    entries = data.get("claims") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and set(FIELDS) <= set(e) for e in entries):
+        raise ValueError(f"{path}: expected {{'component': ..., 'claims': [{{{', '.join(FIELDS)}}}, ...]}}")
+    return entries
+
+
+def card_section(component) -> str:
+    """The "Does the paper's claim hold here?" section of a component's card: every recorded verdict, or, for a
+    component that cites a paper, that it has not been measured here."""
+    entries = load(component.name, owner=component) if getattr(component, "name", "") else []
+    if not entries:
+        if not getattr(component, "paper", ""):
+            return ""
+        return "#### Does the paper's claim hold here?\nNot measured on the zoo's models yet.\n"
+    lines = ["#### Does the paper's claim hold here?"]
+    for e in entries:
+        lines.append(f"- **{e['claim']}**: **{e['verdict']}**. {e['summary']} ({e['model']}; `{e['command']}`"
+                     + (f", commit {e['commit']}" if e.get("commit") else "") + f", {e['date']})")
+        rows = e["numbers"] if isinstance(e["numbers"], list) else []
+        if rows and all(isinstance(r, dict) for r in rows):
+            keys = list(dict.fromkeys(k for r in rows for k in r))
+            lines += ["", "  | " + " | ".join(keys) + " |", "  |" + "---|" * len(keys)]
+            lines += ["  | " + " | ".join(_cell(r.get(k, "")) for k in keys) + " |" for r in rows]
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _cell(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def readme_table(root: str | os.PathLike | None = None) -> str:
+    """One Markdown table of every recorded claim: component, claim, verdict, model."""
+    folder = claims_path("x", root).parent
+    rows = ["| component | claim | verdict | model |", "|---|---|---|---|"]
+    for path in sorted(folder.glob("*.json")):
+        for e in load(path.stem, root):
+            rows.append(f"| `{path.stem}` | {e['claim']} | {e['verdict']} | {e['model']} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(readme_table(), end="")
