@@ -1,6 +1,7 @@
 """Routing: which experts each token goes to, and with what weight. No compute happens here."""
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -67,9 +68,11 @@ class Router(nn.Module, DemoControls):
 
     @classmethod
     def demo_controls(cls, model=None) -> list[Control]:
-        """A top-k slider (the model's k, up to its expert count), then the ``__init__`` options."""
-        top_k = Control("top_k", "int", layer_top_k(model) or 2, low=1, high=layer_experts(model) or 8, step=1,
-                        help="experts per token")
+        """A top-k slider (the class's own default k, else the model's; up to its expert count), then the
+        ``__init__`` options."""
+        own = inspect.signature(cls.__init__).parameters.get("top_k")
+        k = own.default if own is not None and isinstance(own.default, int) else layer_top_k(model) or 2
+        top_k = Control("top_k", "int", k, low=1, high=layer_experts(model) or 8, step=1, help="experts per token")
         return [top_k] + controls_from_signature(cls, cls.demo_skip, model)
 
     @classmethod
