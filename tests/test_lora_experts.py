@@ -199,9 +199,11 @@ def test_adapter_lab_runs_a_short_finetune(tiny_folder, monkeypatch):
     monkeypatch.setenv("MOE_ZOO_MODEL", tiny_folder)
     monkeypatch.setenv("MOE_ZOO_LAB_WINDOWS", "1")
     app = load_app("adapter-lab")
-    table, fig = app.run(tiny_folder, "lora-experts", "r=2", "code", 2, 1e-3)  # code: tokenized above
+    app.build_demo()  # the adapter controls the handler checks options with
+    update, fig = app.run("lora-experts", {"r": 2}, "code", 2, 1e-3)  # code: tokenized above
+    table = update["value"]  # the table, shown with the first run
     assert [row[0] for row in table["data"]] == ["english", "code"]
     assert all(row[1] > 1 and row[2] > 1 for row in table["data"])
     assert len(fig.axes) >= 3
     with pytest.raises(Exception, match="r must be a positive integer"):
-        app.run(tiny_folder, "lora-experts", "r=0", "code", 1, 1e-3)
+        app.run("lora-experts", {"r": 0}, "code", 1, 1e-3)
