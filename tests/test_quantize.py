@@ -140,7 +140,7 @@ def test_prune_then_quantize_compose(tmp_path):
     ({"bits": 1}, r"must be in \[2, 8\]"), ({"bits": 6}, "uniform allocation needs"),
     ({"bits": 3, "allocation": "pmq", "widths": [4, 8]}, r"must be in \[4, 8\]"), ({"widths": [5]}, "widths must be"),
     ({"allocation": "gptq"}, "allocation must be one of"), ({"group_size": 48}, "multiple of 32"),
-    ({"group_size": 64}, "does not divide"), ({"bitz": 4}, "did you mean 'bits'"),
+    ({"bits": 4, "group_size": 64}, "does not divide"), ({"bitz": 4}, "did you mean 'bits'"),
 ])
 def test_bad_options_leave_the_model_untouched(options, message):
     model = zoo.convert(tiny_native("mixtral"))
@@ -161,3 +161,96 @@ def test_quantizing_changes_bytes_not_parameter_counts(bits):
     after = sizes(zoo.apply(model, "quantize", bits=bits, group_size=32))
     assert (after["params"], after["active_params"]) == (before["params"], before["active_params"])
     assert after["bytes"] < before["bytes"]
+
+
+def hidden96(seed: int = 0):
+    """A tiny Mixtral with a hidden size of 96 (64 does not divide it) and an intermediate size of 160."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(vocab_size=128, hidden_size=96, intermediate_size=160, num_attention_heads=4,
+                           num_key_value_heads=2, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=128)
+    return zoo.convert(MixtralForCausalLM(config).eval())
+
+
+def test_int8_has_no_groups_so_any_hidden_size_works(tmp_path):
+    """int8 is per output channel: a hidden size of 96 used to fail with 'group_size=64 does not divide 96'."""
+    model = hidden96()
+    ids = CAL[0][:2]
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    zoo.apply(model, "quantize", bits=8)
+    assert all(isinstance(m.experts, QuantizedExperts) and m.experts.bits == [8] * 4 for _, m in moe_layers(model))
+    assert "group_size" not in model.config.zoo_recipe[-1]["results"]  # no groups at 8 bits
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert (logits - ref).abs().max() < 0.05 * ref.abs().max()  # int8 stays close to the float model
+    model.save_pretrained(tmp_path / "q")
+    with torch.no_grad():
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()(input_ids=ids).logits
+    assert torch.equal(again, logits)
+
+
+@pytest.mark.parametrize("bits,allocation", [(4, "uniform"), (3, "uniform"), (6, "alphaq")])
+def test_low_bits_pick_a_group_size_that_divides_and_say_so(bits, allocation):
+    model = hidden96()
+    extra = {"widths": [4, 8]} if allocation != "uniform" else {}
+    zoo.apply(model, "quantize", bits=bits, allocation=allocation, **extra)
+    res = model.config.zoo_recipe[-1]["results"]
+    low = [i for i, b in res["bits"].items() if min(b) < 8]
+    assert low and all(res["group_size"][i] == 32 for i in low)  # 96 = 3 x 32; 64 and 128 do not divide it
+    assert all("group size 32" in res["group_size_note"][i] for i in low)
+    for _, m in moe_layers(model):
+        if min(m.experts.bits) < 8:
+            assert m.experts.group_size == 32
+
+
+def test_the_automatic_group_size_prefers_64_then_128_then_32():
+    model = zoo.convert(tiny_native("qwen3_moe"))  # hidden 64, experts of 32: 64 does not divide 32 -> 32
+    zoo.apply(model, "quantize", bits=4)
+    assert set(model.config.zoo_recipe[-1]["results"]["group_size"].values()) == {32}
+    from zoo_compressors.quantize import auto_group_size
+
+    assert auto_group_size((128, 256)) == 64 and auto_group_size((96, 160)) == 32 and auto_group_size((80,)) is None
+
+
+def test_an_explicit_group_size_that_does_not_divide_is_refused_below_8_bits_only():
+    model = hidden96()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="group_size=64 does not divide layer 0's size 96"):
+        zoo.apply(model, "quantize", bits=4, group_size=64)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    zoo.apply(model, "quantize", bits=8, group_size=64)  # int8 ignores groups
+    assert all(m.experts.bits == [8] * 4 for _, m in moe_layers(model))
+
+
+def test_int8_experts_on_a_hidden_size_of_96_match_their_reference():
+    torch.manual_seed(0)
+    dense = SwiGLUExperts(4, 96, 160)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.normal_(0, 0.1)
+    q = QuantizedExperts.from_dense(dense, 8, group_size=64)  # group_size is irrelevant at 8 bits
+    x = torch.randn(10, 96, requires_grad=True)
+    routing = Routing(torch.rand(10, 2), torch.randint(0, 4, (10, 2)))
+    out = q(x, routing)
+    ref_dense = SwiGLUExperts(4, 96, 160)
+    with torch.no_grad():
+        for e in range(4):
+            ref_dense.gate_up_proj[e], ref_dense.down_proj[e] = q.dequantized(e)
+    xr = x.detach().clone().requires_grad_(True)
+    ref = ref_dense(xr, routing)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    out.pow(2).sum().backward()
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="dividing hidden_size=96"):
+        QuantizedExperts.from_dense(dense, 4, group_size=64)
+
+
+def test_check_component_quantize_8_bits_end_to_end():
+    from zoo.testing import check_component
+
+    report = check_component("quantize", bits=8, families=["mixtral"])
+    assert report["families"] == ["mixtral"]

@@ -17,6 +17,16 @@ from zoo_compressors.allocation import WIDTHS, allocate, alphaq, esd_alpha, pmq
 from zoo.demo_controls import Control
 
 ALLOCATIONS = ("uniform", "pmq", "alphaq", "random")  # random: the same budget spent blindly (a baseline)
+GROUP_SIZES = (256, 128, 64, 32)  # what torch's int4 pack takes; the automatic choice prefers 64, then larger
+
+
+def auto_group_size(sizes) -> int | None:
+    """The group size for layers whose input widths are ``sizes``: 64 when it divides them all (the default),
+    else the largest of 128, 32 that does (256 is never picked: coarser groups lose accuracy); None if none."""
+    for g in (64, 128, 32):
+        if all(s % g == 0 for s in sizes):
+            return g
+    return None
 
 
 def relative_error(w: torch.Tensor, bits: int, group_size: int) -> float:
@@ -45,7 +55,8 @@ class Quantize(Compressor):
                         help=f"bits per expert weight: one of {list(BITS)} (uniform), or an average (pmq, alphaq)"),
                 Control("allocation", "choice", "uniform", choices=ALLOCATIONS,
                         help="uniform, or mixed precision per expert: pmq (usage), alphaq (weight spectra), random"),
-                Control("group_size", "choice", group, choices=choices, help="weights per quantization scale")]
+                Control("group_size", "choice", group, choices=choices,
+                        help="weights per quantization scale below 8 bits (int8 is per output channel)")]
 
     @staticmethod
     def demo_group_sizes(model) -> tuple:
@@ -62,7 +73,7 @@ class Quantize(Compressor):
         group = {"group_size": cls.demo_group_sizes(model)[0]}
         return {"mild": {"bits": 8, **group}, "strong": {"bits": 3.5, "allocation": "pmq", **group}}
 
-    def __init__(self, bits: float = 8, allocation: str = "uniform", group_size: int = 64, widths=WIDTHS):
+    def __init__(self, bits: float = 8, allocation: str = "uniform", group_size: int | None = None, widths=WIDTHS):
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
         if not isinstance(widths, (list, tuple)) or not widths or any(w not in BITS for w in widths):
@@ -73,8 +84,10 @@ class Quantize(Compressor):
                              f"(the widths {list(widths)}); got {bits!r}")
         if allocation == "uniform" and bits not in BITS:
             raise ValueError(f"uniform allocation needs bits in {BITS}; use pmq or alphaq for an average of {bits}")
-        if not isinstance(group_size, int) or group_size < 32 or group_size % 32:
-            raise ValueError(f"group_size must be a positive multiple of 32, got {group_size!r}")
+        if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool)
+                                       or group_size < 32 or group_size % 32):
+            raise ValueError(f"group_size must be a positive multiple of 32 (or None: chosen per layer), "
+                             f"got {group_size!r}")
         super().__init__(bits=bits, allocation=allocation, group_size=group_size, widths=list(widths))
         self.bits, self.allocation, self.group_size, self.widths = bits, allocation, group_size, widths
         self.needs_calibration = allocation == "pmq"
@@ -84,14 +97,34 @@ class Quantize(Compressor):
         self._experts: list[tuple[int, int]] = []  # (layer, expert), in the order observed
         self._sizes, self._errors, self._importance = [], [], []
         self._planned: dict[int, list[int]] = {}
+        self._groups: dict[int, int] = {}  # layer -> the group size its sub-8-bit experts use
 
     def check_layer(self, index, block):
         if type(block.experts) is not SwiGLUExperts:
             raise ValueError(f"layer {index} has {block.experts.name!r} experts; quantize needs dense gated "
                              "(swiglu) experts")
-        for size in (block.experts.hidden_size, block.experts.intermediate_size):
-            if size % self.group_size:
-                raise ValueError(f"group_size={self.group_size} does not divide layer {index}'s size {size}")
+        sizes = (block.experts.hidden_size, block.experts.intermediate_size)
+        grouped = self.allocation != "uniform" or self.bits < 8  # int8 is per output channel: no groups
+        if self.group_size is not None:
+            bad = [s for s in sizes if s % self.group_size]
+            if grouped and bad:
+                raise ValueError(f"group_size={self.group_size} does not divide layer {index}'s size {bad[0]} "
+                                 f"(leave group_size unset to pick one that divides, or use bits=8)")
+            self._groups[index] = self.group_size
+        else:
+            g = auto_group_size(sizes)
+            if grouped and g is None:
+                raise ValueError(f"no group size of {sorted(GROUP_SIZES)} divides layer {index}'s sizes {sizes}: "
+                                 f"below 8 bits the int4 kernel needs one; bits=8 (per-channel) works")
+            self._groups[index] = g or 64  # unused by all-int8 experts
+        if self.group_size is not None or not grouped:
+            return
+        if self._groups[index] != 64:
+            self.results.setdefault("group_size_note", {})[str(index)] = (
+                f"64 does not divide {sizes}; group size {self._groups[index]}")
+
+    def group_for(self, index) -> int:
+        return self._groups.get(index, self.group_size or 64)
 
     def observe(self, index, block, inputs):
         """One layer's share of the global program: sizes, errors at each width and the importance input."""
@@ -102,7 +135,8 @@ class Quantize(Compressor):
         if self.allocation == "random":
             return
         weights = [(ex.gate_up_proj[e].detach(), ex.down_proj[e].detach()) for e in range(block.num_experts)]
-        self._errors += [[sum(relative_error(w, b, self.group_size) for w in pair) for b in self.widths]
+        g = self.group_for(index)
+        self._errors += [[sum(relative_error(w, b, g) for w in pair) for b in self.widths]
                          for pair in weights]
         if self.allocation == "alphaq":
             self._importance += [float(np.mean([esd_alpha(w) for w in pair])) for pair in weights]
@@ -129,6 +163,9 @@ class Quantize(Compressor):
 
     def compress_layer(self, index, block, inputs):
         widths = [int(self.bits)] * block.num_experts if self.allocation == "uniform" else self._planned[index]
-        experts = QuantizedExperts.from_dense(block.experts, widths, self.group_size)
+        group = self.group_for(index) if min(widths) < 8 else (self.group_size or 64)
+        experts = QuantizedExperts.from_dense(block.experts, widths, group)
         self.results.setdefault("bits", {})[str(index)] = list(map(int, widths))
+        if min(widths) < 8:
+            self.results.setdefault("group_size", {})[str(index)] = group
         return block.with_parts(experts=experts)

@@ -130,8 +130,10 @@ class QuantizedExperts(SwiGLUExperts):
         bits = [int(b) for b in (bits if isinstance(bits, (list, tuple)) else [bits] * num_experts)]
         if len(bits) != num_experts or any(b not in BITS for b in bits):
             raise ValueError(f"bits must be {num_experts} values from {BITS}, got {bits}")
+        if group_size % 32 or group_size < 32:
+            raise ValueError(f"group_size must be a positive multiple of 32, got {group_size}")
         for name, k in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if k % group_size or group_size % 32 or group_size < 32:
+            if k % group_size and min(bits) < 8:  # int8 is per output channel: only 2/3/4 bits have groups
                 raise ValueError(f"group_size must be a multiple of 32 dividing {name}={k}, got {group_size}")
         from zoo.moe.experts import ACTIVATIONS
 
