@@ -131,9 +131,10 @@ def saliency(result: dict | None = None):
     return fig
 
 
-def expert_kinds_note() -> str:
-    kinds = [c for c in zoo.list_components("experts") if c["space"] == "compression-lab"]
-    return "Expert kinds the compressors here produce: " + "; ".join(f"`{c['name']}` ({c['summary']})" for c in kinds)
+def expert_kinds() -> dict:
+    """The expert kinds shown with this Space (what quantize, moe-svd and channel-topk turn experts into)."""
+    rows = [[c["name"], c["summary"]] for c in zoo.list_components("experts") if c["space"] == "compression-lab"]
+    return {"headers": ["expert kind", "what it stores"], "data": rows}
 
 
 def build_demo() -> gr.Blocks:
@@ -150,8 +151,8 @@ def build_demo() -> gr.Blocks:
                                visible=False)  # shown with the first run
         sal = gr.Plot(label="per-expert saliency of the base model (x: removed by the last run)", format="png",
                       elem_id="saliency")
-        with gr.Accordion("expert kinds", open=False):
-            gr.Markdown(expert_kinds_note())
+        with gr.Accordion("expert kinds the compressors produce", open=False):
+            gr.Dataframe(expert_kinds(), interactive=False, wrap=True, show_label=False)
         go.click(run, [PANEL.name, PANEL.options, history], [plot, results, history, sal], api_name="compress")
         PANEL.on_select([demo.load, PANEL.name.input, PANEL.preset.input])
         demo.load(saliency, None, sal, api_name="saliency")
