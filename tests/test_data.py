@@ -47,8 +47,8 @@ def test_splits_are_disjoint_whole_documents(domain):
 def test_both_domains_are_substantial_and_what_they_claim():
     for domain in DOMAINS:
         assert len(TEXT[domain, "train"]) > 3_000_000 and len(TEXT[domain, "val"]) > 100_000
-    english = {d["name"] for s in SPLITS for d in MANIFEST["splits"][f"english/{s}"]["documents"]}
-    code = {d["name"] for s in SPLITS for d in MANIFEST["splits"][f"code/{s}"]["documents"]}
+    english = {d["name"] for s in ("train", "val") for d in MANIFEST["splits"][f"english/{s}"]["documents"]}
+    code = {d["name"] for s in ("train", "val") for d in MANIFEST["splits"][f"code/{s}"]["documents"]}
     assert len(english) == 42 and {"hamlet", "sonnets", "tempest"} <= english
     assert all(n.endswith(".py") and not n.startswith(("test/", "idlelib/", "site-packages/")) for n in code)
     assert "Project Gutenberg" not in TEXT["english", "train"] + TEXT["english", "val"]
@@ -116,3 +116,23 @@ def test_tokenizer_round_trips_val_text_and_compresses(tok, domain):
     per_byte = len(ids) / len(text.encode("utf-8"))
     print(f"{domain} val: {len(ids):,} tokens / {len(text.encode()):,} bytes = {per_byte:.3f} tokens per byte")
     assert 0.15 < per_byte < 0.5  # bytes alone would be 1.0; a sane 8k BPE lands near 0.25-0.35
+
+
+def test_the_out_of_domain_splits_are_text_of_other_origins():
+    """Modern English (a licence, Python's language reference) and third-party Python (pluggy, click): nothing of
+    the training sources, a different register, and enough of it for 24 windows of 256 tokens per domain."""
+    english, code = TEXT["english", "ood"], TEXT["code", "ood"]
+    names = {d: [e["name"] for e in MANIFEST["splits"][f"{d}/ood"]["documents"]] for d in DOMAINS}
+    assert names["english"][0] == "apache-2.0-licence" and all(n.startswith("python-reference/")
+                                                                for n in names["english"][1:])
+    assert {n.split("/")[0] for n in names["code"]} == {"pluggy", "click"}
+    trained = TEXT["english", "train"] + TEXT["english", "val"] + TEXT["code", "train"] + TEXT["code", "val"]
+    for d in DOMAINS:
+        for doc in load_split(d, "ood"):
+            assert doc[:2000] not in trained  # no document of the training sources
+    assert "Apache License" in english and "thou" not in english.lower().split()
+    assert code.count("def ") > 200 and "import pluggy" not in TEXT["code", "train"]
+    assert min(len(english), len(code)) > 150_000
+    for package in ("pluggy", "click"):
+        assert package in MANIFEST["sources"]["ood"]["code"]
+        assert f"### {package}:" in (CORPUS_DIR / "ATTRIBUTION.md").read_text()  # its licence notice travels

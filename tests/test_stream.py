@@ -121,9 +121,13 @@ def test_streamed_eval_matches_in_memory_eval(one_thread):
 
     memory = evaluate(zoo.load("zoo-tiny-moe").eval(), max_windows=2, measure_speed=False)
     streamed = stream.evaluate("zoo-tiny-moe", max_windows=2)
-    for d, v in memory["perplexity"].items():
-        assert abs(streamed["perplexity"][d] - v) <= 1e-4 * v
+    for split in ("perplexity", "perplexity_ood"):  # held-out and out-of-domain text
+        assert list(streamed[split]) == list(memory[split]) == ["english", "code"]
+        for d, v in memory[split].items():
+            assert abs(streamed[split][d] - v) <= 1e-4 * v
+    assert memory["perplexity_ood"] != memory["perplexity"]
     assert streamed["usage"] == memory["usage"] and streamed["size"] == memory["size"]
+    assert "perplexity_ood" not in stream.evaluate("zoo-tiny-moe", max_windows=1, ood=False)
 
 
 def test_only_one_layer_is_ever_materialised(native, tmp_path, monkeypatch, one_thread):

@@ -95,6 +95,11 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
                        dataset_config=d, dataset_split="validation", metric_type="perplexity", metric_value=v)
             for d, v in eval_result["perplexity"].items()]
         results = [(f"perplexity ({d})", f"{v:.2f}") for d, v in eval_result["perplexity"].items()]
+        for d, v in (eval_result.get("perplexity_ood") or {}).items():
+            data.eval_results.append(EvalResult(
+                task_type="text-generation", dataset_type="moe-zoo-corpus", dataset_name=f"moe-zoo corpus ({d})",
+                dataset_config=d, dataset_split="out-of-domain", metric_type="perplexity", metric_value=v))
+            results.append((f"perplexity ({d}, out of domain)", f"{v:.2f}"))
         size = eval_result.get("size")
         if size:
             results += [("parameters", f"{size['params'] / 1e6:.2f} M"),
@@ -109,7 +114,8 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
         summary=summary or f"A {fam.name} Mixture-of-Experts model built with moe-zoo.", recipe=recipe,
         results=results, sections=sections, repo_id=target, load_from=json.dumps(target, ensure_ascii=False),
         family=fam.name, exportable=exportable, export_reason=reason, citations=citations, packages=packages,
-        adapter_base=adapter_base, auto_loads=arch is None or arch.distribution == "moe-zoo")
+        adapter_base=adapter_base, ood=bool(eval_result and eval_result.get("perplexity_ood")),
+        auto_loads=arch is None or arch.distribution == "moe-zoo")
     return ModelCard(tidy(rendered.content))
 
 

@@ -232,8 +232,9 @@ def eval_command(model, as_json, plot, windows, no_speed, stream, max_memory):
             plot_usage(result, plot, title=model)
     if as_json:
         return _json(result)
-    click.echo(f"held-out perplexity over {windows} windows of 256 tokens per domain (another window count or "
-               "length measures other text: compare like with like)")
+    click.echo(f"perplexity over {windows} windows of 256 tokens per domain, on held-out documents of the training "
+               "sources and on out-of-domain text (modern English, third-party Python); another window count or "
+               "length measures other text: compare like with like")
     click.echo(format_table({model: result}))
     for domain, layers in result["usage"].items():
         for layer in layers:

@@ -76,11 +76,13 @@ def entropy_bits(counts: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def perplexity_and_usage(model, tokenizer, seq_len=256, max_windows=24, batch=8) -> tuple[dict, dict]:
+def perplexity_and_usage(model, tokenizer, seq_len=256, max_windows=24, batch=8, split="val") -> tuple[dict, dict]:
+    """Perplexity per domain of ``split`` (``val``: the held-out documents; ``ood``: text of other origins) and
+    the experts each layer routed those tokens to."""
     ppl, usage = {}, {}
     model.eval()
     for domain in DOMAINS:
-        windows = eval_windows(token_stream(domain, "val", tokenizer), seq_len, max_windows)
+        windows = eval_windows(token_stream(domain, split, tokenizer), seq_len, max_windows)
         total = count = 0.0
         with UsageRecorder(model) as rec:
             for i in range(0, len(windows), batch):
@@ -115,9 +117,11 @@ def speed(model, tokenizer, prompt_tokens=256, new_tokens=32, repeats=3) -> dict
             "decode_tok_s": round(1 / statistics.median(dec), 1), "threads": torch.get_num_threads()}
 
 
-def evaluate(model, tokenizer=None, seq_len=256, max_windows=24, measure_speed=True) -> dict:
-    """Everything the zoo reports about a model, as one JSON-able dict. ``tokenizer``: the model's own by default
-    (``zoo.loading.tokenizer_for``); one whose vocabulary does not fit the model is refused."""
+def evaluate(model, tokenizer=None, seq_len=256, max_windows=24, measure_speed=True, ood=True) -> dict:
+    """Everything the zoo reports about a model, as one JSON-able dict: perplexity per domain on the held-out
+    split (``perplexity``) and, with ``ood``, on text of other origins (``perplexity_ood``: modern English and
+    third-party Python, see the corpus' ATTRIBUTION.md), expert usage, size, speed. ``tokenizer``: the model's own
+    by default (``zoo.loading.tokenizer_for``); one whose vocabulary does not fit the model is refused."""
     check_int("seq_len", seq_len, 2)
     check_int("max_windows", max_windows, 1)
     check_positions(model, seq_len, f"seq_len {seq_len}")
@@ -127,6 +131,9 @@ def evaluate(model, tokenizer=None, seq_len=256, max_windows=24, measure_speed=T
         check_tokenizer(tokenizer, model, "the tokenizer given")
     ppl, usage = perplexity_and_usage(model, tokenizer, seq_len, max_windows)
     result = {"perplexity": {d: round(v, 3) for d, v in ppl.items()}, "usage": usage, "size": sizes(model)}
+    if ood:
+        ppl_ood, _ = perplexity_and_usage(model, tokenizer, seq_len, max_windows, split="ood")
+        result["perplexity_ood"] = {d: round(v, 3) for d, v in ppl_ood.items()}
     if measure_speed:
         result["speed"] = speed(model, tokenizer)
     return result
@@ -138,6 +145,9 @@ def format_table(results: dict[str, dict]) -> str:
     rows = []
     for d in DOMAINS:
         rows.append((f"ppl {d}", [f"{results[n]['perplexity'][d]:.2f}" for n in names]))
+    if all("perplexity_ood" in results[n] for n in names):
+        for d in DOMAINS:
+            rows.append((f"ppl {d} (out of domain)", [f"{results[n]['perplexity_ood'][d]:.2f}" for n in names]))
     rows.append(("params (M)", [f"{results[n]['size']['params'] / 1e6:.2f}" for n in names]))
     rows.append(("active params (M)", [f"{results[n]['size']['active_params'] / 1e6:.2f}" for n in names]))
     rows.append(("bytes (MB)", [f"{results[n]['size']['bytes'] / 1e6:.1f}" for n in names]))

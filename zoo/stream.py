@@ -232,9 +232,10 @@ def export(src, out) -> str:
 
 
 @torch.no_grad()
-def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8) -> dict:
-    """Perplexity per domain and expert usage (``zoo.eval.evaluate``'s numbers, without speed), every window
-    carried through each layer together so each layer's weights are read once."""
+def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8, ood: bool = True) -> dict:
+    """Perplexity per domain (held-out and, with ``ood``, out-of-domain) and expert usage (``zoo.eval.evaluate``'s
+    numbers, without speed), every window carried through each layer together so each layer's weights are read
+    once."""
     from zoo.data.corpus import DOMAINS
     from zoo.data.tokens import eval_windows
     from zoo.eval import entropy_bits, sizes
@@ -244,12 +245,13 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8) -> 
     ckpt = open_checkpoint(src)
     model = ckpt.model
     tok = tokenizer_for(model, required=True)
-    batches, domains = [], []
-    for d in DOMAINS:
-        windows = eval_windows(token_stream(d, "val", tok), seq_len, max_windows)
-        for i in range(0, len(windows), batch):
-            batches.append(windows[i:i + batch])
-            domains.append(d)
+    batches, domains = [], []  # domains: (domain, split) of each batch
+    for split in ("val", "ood") if ood else ("val",):
+        for d in DOMAINS:
+            windows = eval_windows(token_stream(d, split, tok), seq_len, max_windows)
+            for i in range(0, len(windows), batch):
+                batches.append(windows[i:i + batch])
+                domains.append((d, split))
     inputs = LayerInputs.capture(model, batches)
     ckpt.release_outer(keep=(model.lm_head, model.model.norm))  # the input embeddings have done their part
     usage = {d: [] for d in DOMAINS}
@@ -273,15 +275,17 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8) -> 
             ckpt.release(i)
         if calls:
             for d in DOMAINS:
-                c = sum(c for c, dom in zip(calls, domains) if dom == d)
+                c = sum(c for c, dom in zip(calls, domains) if dom == (d, "val"))
                 usage[d].append({"layer": i, "counts": c.tolist(), "entropy_bits": round(entropy_bits(c), 4),
                                  "max_entropy_bits": round(math.log2(len(c)), 4)})
-    totals = {d: [0.0, 0.0] for d in DOMAINS}
+    totals = {d: [0.0, 0.0] for d in set(domains)}
     for h, ids, d in zip(inputs.hidden, batches, domains):
         logits = model.lm_head(model.model.norm(h))
         loss = model.loss_function(logits=logits, labels=ids, vocab_size=model.config.vocab_size).float().item()
         n = ids.numel() - ids.shape[0]
         totals[d][0] += loss * n
         totals[d][1] += n
-    ppl = {d: round(math.exp(t / c), 3) for d, (t, c) in totals.items()}
-    return {"perplexity": ppl, "usage": usage, "size": sizes(model)}
+    ppl = {split: {d: round(math.exp(totals[d, split][0] / totals[d, split][1]), 3) for d in DOMAINS
+                   if (d, split) in totals} for split in ("val", "ood")}
+    result = {"perplexity": ppl["val"], "usage": usage, "size": sizes(model)}
+    return {**result, "perplexity_ood": ppl["ood"]} if ood else result

