@@ -1,5 +1,6 @@
-"""Structure adapters: upcycle and moefy (dense Mistral -> zoo Mixtral) and ewa (expert averaging, collapse),
-each against a naive reference."""
+"""Structure adapters: upcycle and moefy (a dense decoder -> the zoo model of its MoE sibling: Llama/Mistral ->
+Mixtral, Qwen2 -> Qwen2-MoE, Qwen3 -> Qwen3-MoE, OLMo 2 -> FlexOlmo) and ewa (random uniform partition routing,
+expert averaging, collapse), each against a naive reference."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,9 @@ def swiglu(x, gate_up, down):
     ("upcycle", {"num_experts": 3, "top_k": 1}),
     ("upcycle", {"num_experts": 4, "top_k": 2, "gate": "hidden", "prompts": [[5, 6, 7], [9, 10], [[3, 4], [8]], [60]]}),
     ("moefy", {"num_experts": 4}),
-    ("moefy", {"num_experts": 3}),
+    ("moefy", {"num_experts": 8, "top_k": 2}),
+    ("moefy", {"num_experts": 3, "top_k": 1}),
+    ("moefy", {"num_experts": 3, "top_k": None, "init": "split"}),
 ])
 def test_dense_to_moe_reproduces_the_dense_model(name, options):
     dense = tiny_dense()
@@ -87,14 +90,82 @@ def test_upcycle_copies_the_ffn_into_every_expert_and_hidden_rows_are_unit():
     assert not torch.equal(ex.gate_up_proj[0], ex.gate_up_proj[1])
 
 
-def test_moefy_experts_are_channel_slices_that_sum_to_the_ffn():
+def test_moefy_split_experts_are_channel_slices_that_sum_to_the_ffn():
     dense = tiny_dense()
-    moe = zoo.apply(dense, "moefy", num_experts=4, top_k=2)
+    moe = zoo.apply(dense, "moefy", num_experts=4, top_k=2, init="split")
     block, mlp = moe_layers(moe)[0][1], dense.model.layers[0].mlp
     assert block.top_k == 2 and block.experts.intermediate_size == 24
     x = torch.randn(5, 64)
     parts = sum(block.experts.expert(e, x) for e in range(4)) / 4  # down_proj carries a factor E
     assert torch.allclose(parts, mlp(x), atol=1e-6)
+
+
+def test_moefy_grouped_is_lossless_with_top_k_below_num_experts_and_split_is_not():
+    """The paper's allocation: E/k copies of a k-way split, one tied router row per copy, so the top-k is always
+    one whole copy of the FFN. The old split (E slices) with top-k < E is not the dense model at init."""
+    dense = tiny_dense()
+    ref = logits(dense)
+    moe = zoo.apply(dense, "moefy", num_experts=8, top_k=2)
+    block, mlp = moe_layers(moe)[0][1], dense.model.layers[0].mlp
+    assert block.experts.intermediate_size == 48 and moe.config.zoo_recipe[-1]["results"]["groups"] == 4
+    w = block.router.weight
+    assert all(torch.equal(w[2 * g], w[2 * g + 1]) for g in range(4)) and not torch.equal(w[0], w[2])
+    x = torch.randn(7, 64)
+    naive = sum(block.experts.expert(e, x) for e in range(2)) / 2  # one group, weights 1/2 each
+    assert torch.allclose(naive, mlp(x), atol=1e-6)
+    with torch.no_grad():
+        routing = block.route(x)
+    assert ((routing.indices // 2)[:, 0] == (routing.indices // 2)[:, 1]).all()  # both picks from one group
+    assert (logits(moe) - ref).abs().max() < 1e-5
+    old = zoo.apply(tiny_dense(), "moefy", num_experts=8, top_k=2, init="split")
+    assert (logits(old) - ref).abs().max() > 1e-2  # the failure the grouped init fixes
+
+
+DENSE_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "olmo2"]
+SIBLING = {"llama": "mixtral", "mistral": "mixtral", "qwen2": "qwen2_moe", "qwen3": "qwen3_moe", "olmo2": "flex_olmo"}
+
+
+def tiny_dense_of(family: str, seed: int = 0):
+    """A tiny random dense decoder of ``family`` with non-trivial norms and biases."""
+    import transformers
+
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "olmo": "Olmo"}
+    config = getattr(transformers, names[family] + "Config")(**COMMON, intermediate_size=96, num_hidden_layers=2,
+                                                             **({"head_dim": 16} if family == "qwen3" else {}))
+    torch.manual_seed(seed)
+    model = getattr(transformers, names[family] + "ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or "bias" in n:
+                p.normal_(1.0 if "norm" in n else 0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+@pytest.mark.parametrize("name, options", [("upcycle", {"num_experts": 4, "top_k": 2}),
+                                           ("upcycle", {"num_experts": 4, "top_k": 2, "gate": "hidden",
+                                                        "prompts": [[5, 6], [7], [8, 9], [10]]}),
+                                           ("moefy", {"num_experts": 4, "top_k": 2}),
+                                           ("moefy", {"num_experts": 4, "top_k": None, "init": "split"})])
+def test_every_dense_family_becomes_its_moe_sibling_with_the_dense_logits(family, name, options, tmp_path):
+    dense = tiny_dense_of(family)
+    before, ref = snapshot(dense), logits(dense)
+    moe = zoo.apply(dense, name, **options)
+    assert moe.config.model_type == "zoo_" + SIBLING[family]
+    assert [m.num_experts for _, m in moe_layers(moe)] == [4, 4]
+    assert all(m.shared_experts is None for _, m in moe_layers(moe))
+    assert (logits(moe) - ref).abs().max() < 1e-5
+    assert same(before, dense.state_dict())
+    assert all(torch.equal(moe.state_dict()[k], before[k]) for k in before if ".mlp." not in k)
+    assert reload_max_diff(moe, IDS, tmp_path / "m") < 1e-6
+
+
+def test_olmo_1_is_refused_with_the_reason():
+    dense = tiny_dense_of("olmo")
+    before = snapshot(dense)
+    with pytest.raises(TypeError, match="OLMo 1 uses parameter-free LayerNorm"):
+        zoo.apply(dense, "upcycle")
+    assert same(before, dense.state_dict())
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
@@ -151,7 +222,9 @@ def test_ewa_train_step_and_optimizer_hook_match_the_naive_formula():
     ("upcycle", {"num_expert": 4}, ValueError, "did you mean 'num_experts'"),
     ("upcycle", {"num_experts": 2, "gate": "hidden", "prompts": [[5], [500]]}, ValueError, "token ids in"),
     ("moefy", {"num_experts": 5}, ValueError, "must divide"),
+    ("moefy", {"num_experts": 5, "top_k": None, "init": "split"}, ValueError, "must divide"),
     ("moefy", {"num_experts": 4, "top_k": 0}, ValueError, "top_k must be"),
+    ("moefy", {"init": "slices"}, ValueError, "init must be one of"),
     ("ewa", {"beta": 1.5}, ValueError, "beta must be"),
     ("ewa", {"collapse": "yes"}, ValueError, "collapse.* must be"),
     ("ewa", {}, TypeError, "not a supported MoE family"),
@@ -168,7 +241,7 @@ def test_bad_options_leave_the_model_unchanged(name, options, error, message):
 def test_upcycle_refuses_an_moe_model():
     model = zoo.convert(tiny_native("mixtral"))
     before = snapshot(model)
-    with pytest.raises(TypeError, match="needs a dense Mistral model"):
+    with pytest.raises(TypeError, match="needs a dense decoder of a family with an MoE sibling"):
         zoo.apply(model, "upcycle")
     assert same(before, model.state_dict()) and model.config.zoo_recipe == []
 

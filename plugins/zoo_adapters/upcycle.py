@@ -1,8 +1,9 @@
-"""upcycle: Sparse Upcycling. A dense Mistral model becomes a zoo Mixtral model: every layer's FFN is copied
+"""upcycle: Sparse Upcycling. A dense decoder becomes the zoo model of its family's MoE sibling (Llama and
+Mistral -> Mixtral, Qwen2 -> Qwen2-MoE, Qwen3 -> Qwen3-MoE, OLMo 2 -> FlexOlmo): every layer's FFN is copied
 into ``num_experts`` experts (optionally perturbed) behind a new router; attention, norms and embeddings are
 copied unchanged.
 
-Identical experts and renormalised top-k weights (Mixtral's router) make the upcycled model compute the dense
+Identical experts and renormalised top-k weights (the sibling's router with ``norm_topk_prob``) make the upcycled model compute the dense
 model's function at init, whatever the router picks; training then lets the experts drift apart, because each
 one only gets the gradient of the tokens routed to it.
 
@@ -25,37 +26,88 @@ GATES = ("random", "hidden")
 PROMPT_WINDOWS, PROMPT_LEN = 4, 128  # default prompts: per expert, 4 corpus windows of 128 tokens
 
 
-def dense_mlps(model, who: str):
-    """The FFNs of a dense Mistral model, or a TypeError saying what ``who`` accepts."""
-    from transformers import MistralForCausalLM
+# Each dense family transformers ships with an MoE sibling that computes the same layer around its FFN:
+# dense model class -> (sibling model_type, how the sibling's config names the expert settings).
+SIBLINGS = {
+    "MistralForCausalLM": "mixtral",
+    "LlamaForCausalLM": "mixtral",     # Mixtral is Mistral's (= Llama's) layer with an MoE FFN
+    "Qwen2ForCausalLM": "qwen2_moe",   # the shared expert is left out (None): routed experts only
+    "Qwen3ForCausalLM": "qwen3_moe",
+    "Olmo2ForCausalLM": "flex_olmo",   # FlexOlmo is OLMo-2's post-norm layer with an MoE FFN; OLMoE is pre-norm
+}
+REFUSED = {
+    "OlmoForCausalLM": "OLMo 1 uses parameter-free LayerNorm and no q/k norms, while transformers' OLMoE has "
+                       "RMSNorm weights and q/k RMSNorm: no MoE family of transformers computes OLMo 1's layer "
+                       "(OLMo 2 upcycles to FlexOlmo)",
+}
 
-    if not isinstance(model, MistralForCausalLM):
-        raise TypeError(f"{who} needs a dense Mistral model (e.g. zoo.load('zoo-tiny-dense')), "
-                        f"got {type(model).__name__}")
-    if model.config.hidden_act != "silu":
-        raise TypeError(f"{who} needs SwiGLU FFNs (hidden_act='silu'), got {model.config.hidden_act!r}")
+
+def dense_mlps(model, who: str):
+    """The FFNs of a dense decoder of a family with an MoE sibling (see ``SIBLINGS``), or a TypeError saying
+    what ``who`` accepts."""
+    kind = type(model).__name__
+    if kind in REFUSED:
+        raise TypeError(f"{who}: {REFUSED[kind]}")
+    if kind not in SIBLINGS:
+        raise TypeError(f"{who} needs a dense decoder of a family with an MoE sibling ("
+                        + ", ".join(f"{k.removesuffix('ForCausalLM')} -> {v}" for k, v in SIBLINGS.items())
+                        + f"), e.g. zoo.load('zoo-tiny-dense'); got {kind}")
+    cfg = model.config
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise TypeError(f"{who} needs SwiGLU FFNs (hidden_act='silu'), got {cfg.hidden_act!r}")
+    if getattr(cfg, "mlp_bias", False):
+        raise TypeError(f"{who}: the FFNs have biases (mlp_bias=True); the MoE siblings' experts have none")
+    if SIBLINGS[kind] == "mixtral" and getattr(cfg, "attention_bias", False):
+        raise TypeError(f"{who}: attention_bias=True has no place in Mixtral's attention (no biases)")
     return [layer.mlp for layer in model.model.layers]
 
 
+def sibling_config(dense, num_experts: int, top_k: int, intermediate: int, router_aux_loss_coef: float):
+    """The MoE sibling's config: every field the dense config shares with it, then the expert settings, every
+    layer sparse, routing weights renormalised over the top-k (what keeps identical experts lossless)."""
+    from transformers import CONFIG_MAPPING
+
+    target = SIBLINGS[type(dense).__name__]
+    cls = CONFIG_MAPPING[target]
+    fields = set(getattr(cls, "__dataclass_fields__", {})) or set(cls().to_dict())
+    skip = {"model_type", "transformers_version", "architectures", "auto_map"}
+    values = {k: v for k, v in dense.config.to_dict().items() if k in fields and k not in skip}
+    values["router_aux_loss_coef"] = router_aux_loss_coef
+    values["num_experts_per_tok"] = top_k
+    if target == "mixtral":
+        values.update(num_local_experts=num_experts, intermediate_size=intermediate)
+        if values.get("head_dim") is None:
+            values["head_dim"] = dense.config.hidden_size // dense.config.num_attention_heads
+    elif target in ("qwen2_moe", "qwen3_moe"):
+        values.update(num_experts=num_experts, moe_intermediate_size=intermediate, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[])
+        if target == "qwen2_moe":
+            values.update(shared_expert_intermediate_size=0, qkv_bias=True)  # Qwen2's q/k/v have biases
+    elif target == "flex_olmo":
+        values.update(num_experts=num_experts, intermediate_size=intermediate, norm_topk_prob=True)
+    return cls(**values)
+
+
 @torch.no_grad()
-def to_mixtral(dense, blocks: list[tuple], top_k: int, router_aux_loss_coef: float):
-    """A zoo Mixtral holding a copy of ``dense``'s attention, norm and embedding weights, and per layer the
-    given ``(router [E, H], gate_up_proj [E, 2I, H], down_proj [E, H, I])``. The dense model is left as it was."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+def to_sibling(dense, blocks: list[tuple], top_k: int, router_aux_loss_coef: float):
+    """The zoo model of ``dense``'s MoE sibling family holding a copy of ``dense``'s attention, norm and embedding
+    weights, and per layer the given ``(router [E, H], gate_up_proj [E, 2I, H], down_proj [E, H, I])``. The
+    dense model is left as it was."""
+    from transformers import AutoModelForCausalLM
 
     from zoo.convert import convert
+    from zoo.layout import moe_layers
 
     _, gate_up, down = blocks[0]
-    skip = {"model_type", "transformers_version", "architectures"}
-    values = {k: v for k, v in dense.config.to_dict().items()
-              if k in MixtralConfig.__dataclass_fields__ and k not in skip}
-    values.update(num_local_experts=gate_up.shape[0], num_experts_per_tok=top_k, intermediate_size=down.shape[2],
-                  router_aux_loss_coef=router_aux_loss_coef)
-    config = MixtralConfig(**values)
+    config = sibling_config(dense, gate_up.shape[0], top_k, down.shape[2], router_aux_loss_coef)
     config._attn_implementation = dense.config._attn_implementation
     config._name_or_path = dense.config._name_or_path
-    with torch.device("meta"):
-        model = convert(MixtralForCausalLM(config))
+    # families of the zoo's generic adapter (FlexOlmo) are read by running their block once: build those for real
+    generic = SIBLINGS[type(dense).__name__] == "flex_olmo"
+    with torch.device("cpu" if generic else "meta"):
+        model = convert(AutoModelForCausalLM.from_config(config))
+    for _, moe in moe_layers(model):
+        moe.shared_experts = None  # Qwen2-MoE's always-on shared expert: the dense FFN is all in the experts
     state = {k: v.clone() for k, v in dense.state_dict().items() if ".mlp." not in k}
     for i, (router, gate_up, down) in enumerate(blocks):
         prefix = f"model.layers.{i}.mlp."
@@ -66,12 +118,15 @@ def to_mixtral(dense, blocks: list[tuple], top_k: int, router_aux_loss_coef: flo
         model.tie_weights()
     buffers = dict(dense.named_buffers())
     for name, buf in list(model.named_buffers()):  # non-persistent buffers (rotary inv_freq) are not in the state
-        if buf.is_meta:
+        if buf.is_meta or (generic and name in buffers and "." in name and not name.endswith(("weight", "bias"))):
             owner, _, leaf = name.rpartition(".")
             model.get_submodule(owner)._buffers[leaf] = buffers[name].clone()
     model.generation_config = dense.generation_config
     model.train(dense.training)
     return model
+
+
+to_mixtral = to_sibling  # the name it had when only Mistral was accepted
 
 
 def ffn_weights(mlp) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +138,7 @@ class Upcycle(Adapter):
     name = "upcycle"
     summary = "Sparse Upcycling: copy each dense FFN into E experts behind a new router (random or hidden-state init)."
     paper = ("Komatsuzaki et al., Sparse Upcycling: Training Mixture-of-Experts from Dense Checkpoints, ICLR 2023, "
-             "arXiv:2212.05055; Liew et al., Scaling Laws for Upcycling Mixture-of-Experts Language Models, "
-             "ICML 2025, arXiv:2502.03009")
+             "arXiv:2212.05055")
     card = "cards/upcycle.md"
     space = "model-zoo"
     accepts_dense = True  # zoo.apply passes the dense model as it is (no zoo.convert first)
@@ -135,7 +189,7 @@ class Upcycle(Adapter):
                 for w in (gate_up, down):
                     w += self.noise * w.float().std() * torch.randn(w.shape, generator=g).to(w.dtype)
             blocks.append((router.to(gate_up.dtype), gate_up, down))
-        return to_mixtral(model, blocks, self.top_k, self.router_aux_loss_coef)
+        return to_sibling(model, blocks, self.top_k, self.router_aux_loss_coef)
 
     def router_rows(self, model, mlps, g) -> list[torch.Tensor]:
         H, E = model.config.hidden_size, self.num_experts
