@@ -194,6 +194,7 @@ def test_ewa_train_step_and_optimizer_hook_match_the_naive_formula():
     model = zoo.convert(tiny_native("mixtral"))
     zoo.apply(model, "ewa", beta=0.25)
     ewa = Ewa.from_model(model)
+    ewa.routing = "router"  # the averaging alone, against the formula
     assert ewa.beta == 0.25 and not ewa.collapse
     ex = moe_layers(model)[0][1].experts
     w = ex.down_proj.detach().clone()
@@ -212,6 +213,66 @@ def test_ewa_train_step_and_optimizer_hook_match_the_naive_formula():
     assert torch.allclose(ex.gate_up_proj, w - 0.1 * ex.gate_up_proj.grad, atol=1e-7)
 
 
+def test_ewa_partition_routing_is_a_random_uniform_partition_and_the_block_matches_a_naive_loop():
+    from zoo_adapters.ewa import Ewa, partition_routing
+
+    r = partition_routing(10, 4, torch.Generator().manual_seed(0))
+    assert r.indices.shape == (10, 1) and torch.equal(r.weights, torch.ones(10, 1))
+    assert sorted(torch.bincount(r.indices[:, 0], minlength=4).tolist()) == [2, 2, 3, 3]  # equal within one
+    again = partition_routing(10, 4, torch.Generator().manual_seed(1))
+    assert not torch.equal(r.indices, again.indices)  # random, not a fixed table
+
+    model = zoo.convert(tiny_native("mixtral"))
+    zoo.apply(model, "ewa", beta=0.5)
+    ewa = Ewa.from_model(model)
+    assert ewa.routing == "random-partition"  # the paper's routing is the default
+    handle = ewa.route_by_partition(model)
+    block = moe_layers(model)[0][1]
+    x = torch.randn(1, 9, 64)
+    seen = []
+    h2 = block.router.register_forward_hook(lambda m, a, out: seen.append(out))
+    block.train()
+    with torch.no_grad():
+        out = block(x)
+    routing = seen[-1]
+    counts = torch.bincount(routing.indices[:, 0], minlength=4)
+    assert routing.indices.shape == (9, 1) and counts.max() - counts.min() <= 1
+    naive = torch.stack([swiglu(x[0, t], block.experts.gate_up_proj[e], block.experts.down_proj[e])
+                         for t, e in enumerate(routing.indices[:, 0].tolist())])
+    assert torch.allclose(out[0], naive, atol=1e-5)
+    block.eval()
+    with torch.no_grad():
+        block(x)
+    assert seen[-1].indices.shape == (9, 2)  # eval mode: the model's own top-2 router
+    handle.remove()
+    h2.remove()
+    block.train()
+    with torch.no_grad():
+        block(x)
+    assert block.router(x[0]).indices.shape == (9, 2)
+
+
+def test_ewa_register_trains_with_partition_routing_and_averaging():
+    from zoo_adapters.ewa import Ewa
+
+    model = zoo.convert(tiny_native("mixtral"))
+    zoo.apply(model, "ewa", beta=0.25)
+    ewa = Ewa.from_model(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = ewa.register(opt, model)
+    model.train()
+    router = moe_layers(model)[0][1].router
+    w0 = router.weight.detach().clone()
+    out = model(input_ids=IDS, attention_mask=MASK, labels=IDS, output_router_logits=True)
+    out.loss.backward()
+    assert router.weight.grad is None or router.weight.grad.abs().max() == 0  # no router decides
+    opt.step()
+    assert torch.equal(router.weight, w0)
+    handle.remove()
+    old = Ewa(beta=0.25, routing="router")
+    assert len(old.register(opt, model).handles) == 1  # the zoo's variant: averaging only
+
+
 @pytest.mark.parametrize("name, options, error, message", [
     ("upcycle", {"num_experts": 4, "top_k": 5}, ValueError, "top_k must be"),
     ("upcycle", {"num_experts": 0}, ValueError, "num_experts must be"),
@@ -227,6 +288,7 @@ def test_ewa_train_step_and_optimizer_hook_match_the_naive_formula():
     ("moefy", {"init": "slices"}, ValueError, "init must be one of"),
     ("ewa", {"beta": 1.5}, ValueError, "beta must be"),
     ("ewa", {"collapse": "yes"}, ValueError, "collapse.* must be"),
+    ("ewa", {"routing": "hash"}, ValueError, "routing must be one of"),
     ("ewa", {}, TypeError, "not a supported MoE family"),
 ])
 def test_bad_options_leave_the_model_unchanged(name, options, error, message):

@@ -1,9 +1,13 @@
-"""ewa: Experts Weights Averaging. While training, after every optimizer step each expert's weights move toward
-the mean of the layer's experts, ``W_e <- (1 - beta) W_e + beta * mean_j W_j``; at the end the MoE collapses
-into one FFN per layer whose weights are the experts' plain average.
+"""ewa: Experts Weights Averaging. While training, tokens are assigned to experts by a random uniform partition
+(``routing="random-partition"``, the paper's: each layer splits the batch's tokens, in a fresh random order,
+into E equal groups, one expert each, weight 1; no router decides), and after every optimizer step each
+expert's weights move toward the mean of the layer's experts, ``W_e <- (1 - beta) W_e + beta * mean_j W_j``;
+at the end the MoE collapses into one FFN per layer whose weights are the experts' plain average.
+``routing="router"`` (the zoo's variant) keeps the model's own router while training.
 
 ``zoo.apply(model, "ewa", beta=0.1)`` records the step; ``Ewa.from_model(model).register(optimizer, model)``
-then averages after every ``optimizer.step()`` (or call ``train_step(model)`` yourself).
+then routes by random partition in training mode and averages after every ``optimizer.step()`` (or call
+``train_step(model)`` yourself, and ``route_by_partition(model)`` for the routing).
 ``zoo.apply(model, "ewa", collapse=True)`` collapses: each layer keeps one expert (the average), with top-1
 routing over that single expert. It stays a zoo model of the same family (saves, reloads and keeps its
 recipe; a Mixtral exports as a native Mixtral with one expert), and computes a dense FFN: a one-expert
@@ -15,9 +19,35 @@ import torch
 
 from zoo import Adapter
 from zoo.layout import moe_layers, replace_blocks
+from zoo.moe import Routing
 from zoo.moe.surgery import merge_experts
 from zoo.options import check_float
 from zoo.demo_controls import Control
+
+
+ROUTINGS = ("random-partition", "router")
+
+
+def partition_routing(tokens: int, num_experts: int, generator: torch.Generator | None = None,
+                      device=None, dtype=torch.float32) -> Routing:
+    """A random uniform partition of ``tokens`` tokens over ``num_experts`` experts: a random permutation of the
+    tokens dealt out in turn, so every expert gets ``tokens // E`` or one more; one expert per token, weight 1."""
+    order = torch.randperm(tokens, generator=generator)
+    indices = torch.empty(tokens, dtype=torch.long)
+    indices[order] = torch.arange(tokens) % num_experts
+    return Routing(weights=torch.ones(tokens, 1, dtype=dtype, device=device), indices=indices[:, None].to(device))
+
+
+class _Handles:
+    """Several hook handles removed together."""
+
+    def __init__(self, handles):
+        self.handles = list(handles)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 def _averaged_rows(state: dict, mix: torch.Tensor) -> dict:
@@ -38,15 +68,22 @@ class Ewa(Adapter):
     @classmethod
     def demo_controls(cls, model=None):
         return [Control("beta", "float", 0.1, low=0.0, high=1.0, step=0.05, help="weight of the expert average"),
+                Control("routing", "choice", "random-partition", choices=ROUTINGS,
+                        help="training routing: random uniform partition (the paper's) or the model's router"),
                 Control("collapse", "bool", False, help="end with every expert equal to the average")]
 
     @classmethod
     def demo_presets(cls, model=None):
         return {"mild": {"beta": 0.1}, "strong": {"beta": 0.5}}
 
-    def __init__(self, beta: float = 0.1, collapse: bool = False):
-        super().__init__(beta=beta, collapse=collapse)
+    def __init__(self, beta: float = 0.1, collapse: bool = False, routing: str = "random-partition", seed: int = 0):
+        super().__init__(beta=beta, collapse=collapse, routing=routing, seed=seed)
         self.beta = check_float("beta", beta, 0.0, 1.0)
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self.routing, self.seed = routing, seed
         if collapse is not True and collapse is not False:
             raise ValueError(f"collapse must be true or false, got {collapse!r}")
         self.collapse = collapse
@@ -74,9 +111,28 @@ class Ewa(Adapter):
             for p in moe.experts.parameters():  # gate_up_proj, down_proj (and biases): experts on dim 0
                 p.lerp_(p.float().mean(0, keepdim=True).to(p.dtype), self.beta)
 
+    def route_by_partition(self, model):
+        """While a block is in training mode, its router's choice is replaced by a random uniform partition of the
+        tokens (``partition_routing``; the router logits, where a balance loss reads them, become zeros: nothing to
+        balance, no gradient to the router). Eval mode keeps the router. Returns a handle (``.remove()``)."""
+        generator = torch.Generator().manual_seed(self.seed)
+
+        def hook(router, args, out):
+            if not router.training:
+                return out
+            x = args[0]
+            new = partition_routing(x.shape[0], router.num_experts, generator, x.device, out.weights.dtype)
+            return new._replace(logits=None if out.logits is None else torch.zeros_like(out.logits))
+
+        return _Handles(moe.router.register_forward_hook(hook) for _, moe in self.check_model(model))
+
     def register(self, optimizer, model):
-        """Average after every ``optimizer.step()``; returns the hook handle (``.remove()`` to stop)."""
-        return optimizer.register_step_post_hook(lambda opt, args, kwargs: self.train_step(model))
+        """Train the paper's way: random-partition routing in training mode (unless ``routing="router"``) and the
+        averaging after every ``optimizer.step()``; returns one handle (``.remove()`` stops both)."""
+        handles = [optimizer.register_step_post_hook(lambda opt, args, kwargs: self.train_step(model))]
+        if self.routing == "random-partition":
+            handles.append(self.route_by_partition(model))
+        return _Handles(handles)
 
     @classmethod
     def from_model(cls, model) -> Ewa:
@@ -85,4 +141,5 @@ class Ewa(Adapter):
                  and not s["options"].get("collapse", False)]
         if not steps:
             raise ValueError("no training-time ewa step in this model's recipe: zoo.apply(model, 'ewa', beta=...)")
-        return cls(beta=steps[-1]["options"].get("beta", 0.1))
+        opts = steps[-1]["options"]
+        return cls(beta=opts.get("beta", 0.1), routing=opts.get("routing", "random-partition"), seed=opts.get("seed", 0))
