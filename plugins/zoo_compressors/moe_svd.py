@@ -7,9 +7,14 @@
    the layer; each expert's ``U_e`` is the best left factor for that shared V in the scaled metric.
 4. U-matrix trimming: only the ``u_keep`` fraction of U matrices of the most frequent experts is kept;
    every other expert reuses the kept U that reconstructs it best.
-Selective decomposition: layers are ranked by a sensitivity score (routing-frequency-weighted share of
-scaled spectral energy lost at the layer's rank) and the least sensitive are decomposed, until the
-expert parameters kept reach ``ratio``.
+Selective decomposition: layers are ranked by a sensitivity score and the least sensitive are decomposed,
+until the expert parameters kept reach ``ratio``. ``sensitivity="paper"`` (the default) is MoE-SVD's score
+from weight singular values and activation statistics, S_L = sum_i f_i * r_i * a_i over the layer's experts:
+f_i the expert's sampling (routing) frequency, r_i its principal rank (the share of its rank needed to hold
+``energy`` of the squared singular values of its weights, mean over gate/up/down), a_i the outlier ratio of the
+activations routed to it (entries above ``OUTLIER`` times the token's mean magnitude). The thresholds are ours.
+``sensitivity="energy"`` is the zoo's own score: the frequency-weighted share of scaled spectral energy lost
+at the rank the layer would get.
 """
 import math
 
@@ -19,6 +24,10 @@ from zoo import Compressor
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.factored import FactoredExperts
 from zoo.demo_controls import Control
+
+SENSITIVITIES = ("paper", "energy")
+ENERGY = 0.9  # principal rank: the singular values that hold this share of the squared spectrum
+OUTLIER = 5.0  # an activation entry is an outlier above this multiple of its token's mean magnitude
 
 
 def cholesky_scale(gram: torch.Tensor) -> torch.Tensor:
@@ -35,7 +44,8 @@ def layer_grams(moe, x: torch.Tensor, chunk: int = 4096) -> dict:
     ex = moe.experts
     st = {"input": torch.zeros(moe.router.hidden_size, moe.router.hidden_size, dtype=torch.float64),
           "inter": torch.zeros(moe.num_experts, ex.intermediate_size, ex.intermediate_size, dtype=torch.float64),
-          "counts": torch.zeros(moe.num_experts, dtype=torch.float64)}
+          "counts": torch.zeros(moe.num_experts, dtype=torch.float64),
+          "outliers": torch.zeros(moe.num_experts, dtype=torch.float64)}
     for part in x.split(chunk):
         routing = moe.route(part)
         xd = part.double()
@@ -46,7 +56,30 @@ def layer_grams(moe, x: torch.Tensor, chunk: int = 4096) -> dict:
                 h = ex.glu(torch.nn.functional.linear(part[tok], ex.gate_up_proj[e])).double()
                 st["inter"][e] += h.T @ h
                 st["counts"][e] += len(tok)
+                a = part[tok].double().abs()
+                st["outliers"][e] += (a > OUTLIER * a.mean(-1, keepdim=True)).sum()
     return st
+
+
+def principal_rank(w: torch.Tensor, energy: float = ENERGY) -> float:
+    """The share of ``w``'s rank needed to hold ``energy`` of its squared singular values."""
+    sv2 = torch.linalg.svdvals(w.double()).pow(2)
+    cum = sv2.cumsum(0) / sv2.sum().clamp(min=1e-300)
+    return float(int((cum < energy).sum()) + 1) / len(sv2)
+
+
+def paper_sensitivity(ex, st: dict) -> float:
+    """MoE-SVD's S_L = sum_i f_i * r_i * a_i (see the module docstring)."""
+    freq = st["counts"] / st["counts"].sum().clamp(min=1)
+    total = 0.0
+    for e in range(ex.num_experts):
+        if not st["counts"][e]:
+            continue
+        gate, up = ex.gate_up_proj[e].chunk(2)
+        r = sum(principal_rank(w) for w in (gate, up, ex.down_proj[e])) / 3
+        a = float(st["outliers"][e] / (st["counts"][e] * ex.hidden_size))
+        total += float(freq[e]) * r * a
+    return total
 
 
 def fit_shared(weights, scales, anchor: int, rank: int):
@@ -81,17 +114,22 @@ class MoeSvd(Compressor):
         return [Control(key, "float", default, low=0.05, high=1.0, step=0.05, help=text) for key, default, text in (
             ("ratio", 0.75, "share of the expert parameters kept"),
             ("layer_ratio", 0.5, "share of the layers factored"),
-            ("u_keep", 1.0, "share of the U bases kept"))]
+            ("u_keep", 1.0, "share of the U bases kept"))] + [
+            Control("sensitivity", "choice", "paper", choices=SENSITIVITIES,
+                    help="layer ranking: the paper's f x rank x outliers, or the zoo's energy lost")]
 
     @classmethod
     def demo_presets(cls, model=None):
         return {"mild": {"ratio": 0.75}, "strong": {"ratio": 0.5, "layer_ratio": 1.0}}
 
-    def __init__(self, ratio: float = 0.75, layer_ratio: float = 0.5, u_keep: float = 1.0):
+    def __init__(self, ratio: float = 0.75, layer_ratio: float = 0.5, u_keep: float = 1.0, sensitivity: str = "paper"):
         for key, value in (("ratio", ratio), ("layer_ratio", layer_ratio), ("u_keep", u_keep)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
                 raise ValueError(f"{key} must be in (0, 1], got {value!r}")
-        super().__init__(ratio=ratio, layer_ratio=layer_ratio, u_keep=u_keep)
+        if sensitivity not in SENSITIVITIES:
+            raise ValueError(f"sensitivity must be one of {SENSITIVITIES}, got {sensitivity!r}")
+        super().__init__(ratio=ratio, layer_ratio=layer_ratio, u_keep=u_keep, sensitivity=sensitivity)
+        self.sensitivity = sensitivity
         self.ratio, self.layer_ratio, self.u_keep = float(ratio), float(layer_ratio), float(u_keep)
         self.results: dict = {}
         self._layers: list[int] = []
@@ -119,16 +157,21 @@ class MoeSvd(Compressor):
 
     @torch.no_grad()
     def observe(self, index, block, inputs):
-        """Sensitivity of layer ``index`` at the rank a decomposed layer would get."""
+        """Sensitivity of layer ``index``: the paper's score, or the energy lost at the rank a decomposed layer
+        would get."""
+        st = layer_grams(block, inputs)
+        if self.sensitivity == "paper":
+            self._sensitivity[index] = paper_sensitivity(block.experts, st)
+            return
         _, keep = self.plan_counts(len(self._layers))
-        self._sensitivity[index] = self.factor_layer(block.experts, layer_grams(block, inputs), keep)[1]
+        self._sensitivity[index] = self.factor_layer(block.experts, st, keep)[1]
 
     def plan(self):
         m, self._keep = self.plan_counts(len(self._layers))
         order = sorted(self._sensitivity, key=self._sensitivity.get)  # least sensitive first
         self._chosen = sorted(order[:m])
-        self.results = {"decomposed": self._chosen,
-                        "sensitivity": {str(i): round(v, 5) for i, v in sorted(self._sensitivity.items())},
+        self.results = {"decomposed": self._chosen, "sensitivity_score": self.sensitivity,
+                        "sensitivity": {str(i): float(f"{v:.5g}") for i, v in sorted(self._sensitivity.items())},
                         "rank": {}}
 
     @torch.no_grad()
