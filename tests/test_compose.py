@@ -39,7 +39,7 @@ def test_hc_smoe_then_moe_svd_compose_and_roundtrip(tmp_path):
 
 def test_merged_uniform_layout_exports_natively(tmp_path):
     model = zoo.convert(tiny_native("mixtral"))
-    zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=3)
+    zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=3, router="cut")  # one router row per expert
     with torch.no_grad():
         logits = model(input_ids=CAL[0]).logits
     zoo.export(model, tmp_path / "native")

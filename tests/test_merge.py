@@ -1,4 +1,5 @@
-"""hc-smoe against an independent reference: mean outputs, clustering, frequency-weighted merge, router rows."""
+"""hc-smoe and sub-moe against independent references: mean outputs and output cosine similarity, clustering,
+frequency-weighted and subspace merges, the expert map (all router rows kept) and the cut router."""
 import copy
 
 import pytest
@@ -26,7 +27,8 @@ def reference(model):
                 for t in range(x.shape[0]):
                     out[i]["sum"][e] += moe.experts.expert(e, x[t:t + 1])[0].double()
             for e in routing.indices.reshape(-1).tolist():
-                out[i]["count"][e] += 1
+                if e < moe.num_experts:  # not an empty slot (a merged layer's two picks of one expert)
+                    out[i]["count"][e] += 1
         handles.append(moe.router.register_forward_hook(hook))
     with torch.no_grad():
         for ids in CAL:
@@ -44,13 +46,15 @@ def test_cluster_experts_gives_exactly_n_groups():
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
-@pytest.mark.parametrize("router_rows", ["dominant", "average"])
+@pytest.mark.parametrize("router_rows", ["map", "dominant", "average"])
 def test_hc_smoe_merges_like_the_reference(family, router_rows, tmp_path):
     model = zoo.convert(tiny_native(family))
     original = copy.deepcopy(model)
     old = {i: {k: v.clone() for k, v in moe.state_dict().items()} for i, moe in moe_layers(model)}
-    n = moe_layers(model)[0][1].num_experts // 2
-    zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=n, router_rows=router_rows)
+    E = moe_layers(model)[0][1].num_experts
+    n = E // 2
+    options = {} if router_rows == "map" else {"router": "cut", "router_rows": router_rows}
+    zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=n, **options)
     ref = sequential(original, model, reference)  # each layer calibrated behind the merged layers before it
     clusters = model.config.zoo_recipe[-1]["results"]["clusters"]
     for i, moe in moe_layers(model):
@@ -64,9 +68,16 @@ def test_hc_smoe_merges_like_the_reference(family, router_rows, tmp_path):
             for name in ("gate_up_proj", "down_proj"):
                 expect = (old[i][f"experts.{name}"][members].double() * w.view(-1, 1, 1)).sum(0)
                 torch.testing.assert_close(getattr(moe.experts, name)[g].double(), expect, rtol=1e-5, atol=1e-7)
+            if router_rows == "map":  # every router row kept; each member served by its cluster's expert
+                assert all(moe.expert_map[m] == g for m in members)
+                continue
             rows = old[i]["router.weight"][members].double()
             expect_row = rows[int(count[members].argmax())] if router_rows == "dominant" else (rows * w[:, None]).sum(0)
             torch.testing.assert_close(moe.router.weight[g].double(), expect_row, rtol=1e-5, atol=1e-7)
+        if router_rows == "map":
+            assert moe.router.num_experts == E and torch.equal(moe.router.weight, old[i]["router.weight"])
+        else:
+            assert moe.router.num_experts == n and moe.expert_map is None
     assert reload_max_diff(model, CAL[0], tmp_path / "m") < 1e-6
 
 
@@ -91,17 +102,218 @@ def test_subspace_merge_at_full_rank_is_the_frequency_weighted_average():
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_sub_moe_uses_kmeans_clusters_and_roundtrips(family, tmp_path):
+def test_sub_moe_old_settings_use_euclidean_kmeans_and_roundtrip(family, tmp_path):
     from sklearn.cluster import KMeans
 
     model = zoo.convert(tiny_native(family))
     original = copy.deepcopy(model)
     n = moe_layers(model)[0][1].num_experts // 2
-    zoo.apply(model, "sub-moe", calibration=CAL, num_experts=n, rank_ratio=0.75)
+    zoo.apply(model, "sub-moe", calibration=CAL, num_experts=n, rank_ratio=0.75, clustering="euclidean",
+              router="cut")
     ref = sequential(original, model, reference)
     clusters = model.config.zoo_recipe[-1]["results"]["clusters"]
     for i, moe in moe_layers(model):
         labels = KMeans(n_clusters=n, n_init=10, random_state=0).fit(ref[i][0].float().numpy()).labels_
         expect = sorted(sorted(int(j) for j in (labels == c).nonzero()[0]) for c in range(n))
-        assert sorted(clusters[str(i)]) == expect and moe.num_experts == n
+        assert sorted(clusters[str(i)]) == expect and moe.num_experts == n and moe.router.num_experts == n
     assert reload_max_diff(model, CAL[0], tmp_path / "m") < 1e-6
+
+
+def reference_similarity(model):
+    """Per layer: the cosine of two experts' outputs on the same token, averaged over tokens (naive loops)."""
+    out, handles = {}, []
+    for i, moe in moe_layers(model):
+        out[i] = {"sum": torch.zeros(moe.num_experts, moe.num_experts, dtype=torch.float64), "tokens": 0}
+
+        def hook(router, args, routing, i=i, moe=moe):
+            x = args[0]
+            for t in range(x.shape[0]):
+                ys = [moe.experts.expert(e, x[t:t + 1])[0].double() for e in range(moe.num_experts)]
+                for a in range(moe.num_experts):
+                    for b in range(moe.num_experts):
+                        out[i]["sum"][a, b] += torch.dot(ys[a], ys[b]) / (ys[a].norm() * ys[b].norm())
+            out[i]["tokens"] += x.shape[0]
+        handles.append(moe.router.register_forward_hook(hook))
+    with torch.no_grad():
+        for ids in CAL:
+            model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    return {i: v["sum"] / v["tokens"] for i, v in out.items()}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_sub_moe_default_clusters_by_output_cosine_and_truncates(family, tmp_path):
+    from sklearn.cluster import KMeans
+
+    model = zoo.convert(tiny_native(family))
+    original = copy.deepcopy(model)
+    E = moe_layers(model)[0][1].num_experts
+    n = E // 2
+    zoo.apply(model, "sub-moe", calibration=CAL, num_experts=n)
+    ref = sequential(original, model, reference_similarity)
+    step = model.config.zoo_recipe[-1]
+    for i, moe in moe_layers(model):
+        labels = KMeans(n_clusters=n, n_init=10, random_state=0).fit(ref[i].float().numpy()).labels_
+        expect = sorted(sorted(int(j) for j in (labels == c).nonzero()[0]) for c in range(n))
+        assert sorted(step["results"]["clusters"][str(i)]) == expect
+        assert moe.num_experts == n and moe.router.num_experts == E  # the router keeps its rows
+        params = step["results"]["parameters"][str(i)]
+        assert params["factored_at_rank"] < params["dense"]  # the default truncates: intra-expert compression
+    assert reload_max_diff(model, CAL[0], tmp_path / "m") < 1e-6
+
+
+def test_sub_moe_default_rank_is_not_plain_averaging():
+    model = zoo.convert(tiny_native("mixtral"))
+    a = zoo.apply(copy.deepcopy(model), "sub-moe", calibration=CAL, num_experts=2)
+    b = zoo.apply(copy.deepcopy(model), "sub-moe", calibration=CAL, num_experts=2, rank_ratio=1.0)
+    # the first layer sees the same tokens in both: same clusters, different weights (later layers see different
+    # tokens, as each comes after its own compressed layers)
+    assert a.config.zoo_recipe[-1]["results"]["clusters"]["0"] == b.config.zoo_recipe[-1]["results"]["clusters"]["0"]
+    x, y = moe_layers(a)[0][1], moe_layers(b)[0][1]
+    assert (x.experts.gate_up_proj - y.experts.gate_up_proj).abs().max().item() > 1e-4
+
+
+# ---- the expert map ---------------------------------------------------------------------------------------------
+
+def mapped_block(E=6, N=3, k=3, H=8, I=5, seed=0, expert_map=(0, 1, 2, 0, 1, 0)):
+    from zoo.moe import SparseMoE, SwiGLUExperts
+    from zoo_routers.topk_softmax import TopKSoftmax
+
+    g = torch.Generator().manual_seed(seed)
+    experts = SwiGLUExperts(N, H, I)
+    router = TopKSoftmax(H, E, k)
+    with torch.no_grad():
+        for p in [*experts.parameters(), *router.parameters()]:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return SparseMoE(router, experts, expert_map=list(expert_map))
+
+
+def naive_mapped(block, x):
+    """Each token: the router's top-k among its E original experts, each pick run through the merged expert that
+    serves it (one at a time), weighted and summed."""
+    logits = x @ block.router.weight.T
+    probs = logits.softmax(-1)
+    w, idx = probs.topk(block.top_k, dim=-1)
+    w = w / w.sum(-1, keepdim=True)  # norm_topk_prob
+    rows = []
+    for t in range(x.shape[0]):
+        row = x.new_zeros(x.shape[-1])
+        for slot in range(block.top_k):
+            merged = block.expert_map[int(idx[t, slot])]
+            row = row + w[t, slot] * block.experts.expert(merged, x[t:t + 1])[0]
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def test_mapped_block_equals_the_naive_loop_outputs_and_gradients():
+    block = mapped_block()
+    x = torch.randn(40, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    ref_block = copy.deepcopy(block)
+    x2 = x.detach().clone().requires_grad_(True)
+    out = block(x[None])[0]
+    ref = naive_mapped(ref_block, x2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    # some token picked two originals served by one merged expert (the weights summed into one slot)
+    routing = block.route(x.detach())
+    assert (routing.indices == block.num_experts).any()
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    (ref * g).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(block.named_parameters(), ref_block.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_expert_map_is_checked():
+    from zoo.moe import SparseMoE, SwiGLUExperts
+    from zoo_routers.topk_softmax import TopKSoftmax
+
+    with pytest.raises(ValueError, match="entries but the router has"):
+        SparseMoE(TopKSoftmax(8, 4, 2), SwiGLUExperts(2, 8, 4), expert_map=[0, 1, 0])
+    with pytest.raises(ValueError, match="each of the 2 experts"):
+        SparseMoE(TopKSoftmax(8, 4, 2), SwiGLUExperts(2, 8, 4), expert_map=[0, 0, 0, 0])
+
+
+def duplicated(family):
+    """A converted tiny model whose experts come in identical pairs (2j and 2j+1), router rows left distinct."""
+    model = zoo.convert(tiny_native(family)).eval()
+    with torch.no_grad():
+        for _, moe in moe_layers(model):
+            for p in moe.experts.parameters():
+                p[1::2] = p[0::2]
+    return model
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name,options", [("hc-smoe", {}), ("sub-moe", {"rank_ratio": 1.0})])
+def test_merging_exact_duplicates_is_lossless(family, name, options, tmp_path):
+    model = duplicated(family)
+    n = moe_layers(model)[0][1].num_experts // 2
+    with torch.no_grad():
+        before = model(input_ids=CAL[0]).logits
+    merged = zoo.apply(copy.deepcopy(model), name, calibration=CAL, num_experts=n, **options)
+    for i, moe in moe_layers(merged):
+        assert sorted(map(sorted, merged.config.zoo_recipe[-1]["results"]["clusters"][str(i)])) == \
+            [[2 * j, 2 * j + 1] for j in range(n)]
+    with torch.no_grad():
+        assert (merged(input_ids=CAL[0]).logits - before).abs().max() < 1e-4
+    # the zoo's cut router (the old default) loses the router's choice between the two copies' rows
+    cut = zoo.apply(copy.deepcopy(model), name, calibration=CAL, num_experts=n, router="cut", **options)
+    with torch.no_grad():
+        assert (cut(input_ids=CAL[0]).logits - before).abs().max() > 1e-3
+    assert reload_max_diff(merged, CAL[0], tmp_path / "m") < 1e-6
+
+
+def test_expert_map_survives_pruning_merging_and_exports_natively(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = zoo.convert(tiny_native("qwen3_moe")).eval()
+    zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=4)
+    with torch.no_grad():
+        logits = model(input_ids=CAL[0]).logits
+    zoo.export(model, tmp_path / "native")  # each merged expert written once per router row it serves
+    native = AutoModelForCausalLM.from_pretrained(tmp_path / "native").eval()
+    assert native.config.num_experts == 8
+    with torch.no_grad():
+        assert (native(input_ids=CAL[0]).logits - logits).abs().max() < 1e-5
+    maps = [moe.expert_map for _, moe in moe_layers(model)]
+    zoo.apply(model, "prune-reap", calibration=CAL, num_experts=3)  # the map follows the kept experts
+    kept = model.config.zoo_recipe[-1]["results"]["kept"]
+    for (i, moe), old in zip(moe_layers(model), maps):
+        rows = [e for e, m in enumerate(old) if m in kept[str(i)]]  # the router rows of the kept merged experts
+        assert moe.num_experts == 3 and moe.router.num_experts == len(rows)
+        expect = [kept[str(i)].index(old[e]) for e in rows]
+        assert list(moe.expert_map or range(3)) == expect
+    zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=2)  # maps compose
+    assert [m.num_experts for _, m in moe_layers(model)] == [2, 2]
+    assert reload_max_diff(model, CAL[0], tmp_path / "m") < 1e-6
+    with pytest.raises(ValueError, match="router='cut' needs one row per expert"):
+        zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=1, router="cut")
+
+
+def test_a_bad_expert_map_in_a_saved_layout_is_refused(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model = zoo.convert(tiny_native("mixtral"))
+    zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=2)
+    model.save_pretrained(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["zoo_layout"][0]["expert_map"] = [0, 0, 0, 5]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match=r"zoo_layout\[0\]\.expert_map"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+
+
+def test_hc_smoe_router_rows_needs_the_cut_router():
+    model = zoo.convert(tiny_native("mixtral"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="router_rows chooses the cut router"):
+        zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=2, router_rows="average")
+    with pytest.raises(ValueError, match="router must be one of"):
+        zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=2, router="rows")
+    with pytest.raises(ValueError, match="clustering must be one of"):
+        zoo.apply(model, "sub-moe", calibration=CAL, num_experts=2, clustering="manhattan")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

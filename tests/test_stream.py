@@ -54,7 +54,8 @@ def test_streamed_convert_writes_what_convert_and_save_write(family, native, tmp
 STEPS = [
     ("prune-frequency", {"num_experts": 2}),
     ("prune-reap", {"num_experts": 2}),
-    ("hc-smoe", {"num_experts": 2, "router_rows": "average"}),
+    ("hc-smoe", {"num_experts": 2}),
+    ("hc-smoe", {"num_experts": 2, "router": "cut", "router_rows": "average"}),
     ("sub-moe", {"num_experts": 2, "rank_ratio": 0.5}),
     ("moe-svd", {"ratio": 0.5}),
     ("quantize", {"bits": 4, "group_size": 32}),

@@ -72,7 +72,7 @@ def hook_new_routers(model, routers=None):
         install_output_capuring_hook(router, "router_logits", 2)
 
 
-def native_config(model):
+def native_config(model, expand_maps: bool = False):
     """The family's native config for ``model``'s layout, or ``NotExportable`` with the reason (a model in memory,
     or a streamed checkpoint's skeleton on the meta device)."""
     from zoo.architectures.family import NotExportable
@@ -81,7 +81,16 @@ def native_config(model):
     for i, moe in moe_layers(model):
         if type(moe.experts).__name__ not in ("SwiGLUExperts", "MLPExperts"):
             raise NotExportable(f"layer {i} has {moe.experts.name!r} experts; native {fam.name} needs dense experts")
-    native_cfg = fam.native_config(model.config, read_layout(model))
+        if moe.expert_map is not None and not expand_maps:
+            raise NotExportable(f"layer {i} serves its router's {moe.router.num_experts} experts with "
+                                f"{moe.num_experts} merged ones (an expert map, hc-smoe's default): a native "
+                                f"{fam.name} block has one expert per router row; export it from memory "
+                                "(--no-stream), which writes each merged expert once per row it serves")
+    layout = read_layout(model)
+    for i, moe in moe_layers(model):
+        if moe.expert_map is not None:
+            layout[i] = moe.unmapped().layout()  # one expert per router row
+    native_cfg = fam.native_config(model.config, layout)
     native_cfg.architectures = [fam.model_class.__name__]
     return native_cfg
 
@@ -93,13 +102,13 @@ def export(model, path) -> str:
     from zoo.loading import copy_side_files
 
     fam = family_of(model)
-    native_cfg = native_config(model)
+    native_cfg = native_config(model, expand_maps=True)
     state = dict(model.state_dict())
     for i, moe in moe_layers(model):
         prefix = block_prefix(model, i)
         for key in [k for k in state if k.startswith(prefix)]:
             del state[key]
-        for key, value in fam.to_native_state(moe.state_dict()).items():
+        for key, value in fam.to_native_state(moe.unmapped().state_dict()).items():
             state[prefix + key] = value
     import torch
 

@@ -159,11 +159,12 @@ def build_block(entry: dict, provided_by: dict | None = None) -> SparseMoE:
     router_cls = component_class("router", entry["router"], provided_by)
     experts_cls = component_class("experts", entry["experts"], provided_by)
     experts = experts_cls(**entry["experts_options"])
-    router = router_cls(experts.hidden_size, entry["num_experts"], entry["num_experts_per_tok"],
-                        **entry["router_options"])
+    expert_map = entry.get("expert_map")  # merged experts behind the router's original rows (hc-smoe)
+    router = router_cls(experts.hidden_size, len(expert_map) if expert_map else entry["num_experts"],
+                        entry["num_experts_per_tok"], **entry["router_options"])
     shared = SharedMLP(**entry["shared_experts"]) if entry.get("shared_experts") else None
     return SparseMoE(router, experts, shared, returns_router_scores=entry.get("returns_router_scores", False),
-                     weights_scale_input=entry.get("weights_scale_input", False))
+                     weights_scale_input=entry.get("weights_scale_input", False), expert_map=expert_map)
 
 
 class LayoutError(ValueError):
@@ -211,9 +212,20 @@ def _entry_problems(entry, hidden_size: int, provided_by: dict | None) -> list[s
             except KeyError as exc:
                 problems.append(f".{kind}: {exc.args[0]} (is the plugin that provides it installed?)"
                                 if not isinstance(exc, MissingComponent) else f".{kind}: {exc}")
-    if not problems and not 1 <= entry["num_experts_per_tok"] <= entry["num_experts"]:
-        problems.append(f".num_experts_per_tok: must be in [1, num_experts={entry['num_experts']}], "
-                        f"got {entry['num_experts_per_tok']}")
+    expert_map = entry.get("expert_map")
+    if expert_map is not None and not problems:
+        from zoo.moe.block import check_expert_map
+
+        try:
+            if not isinstance(expert_map, list):
+                raise ValueError(f"must be a list of integers, got {expert_map!r}")
+            check_expert_map(expert_map, len(expert_map), entry["num_experts"])
+        except ValueError as exc:
+            problems.append(f".expert_map: {exc}")
+    rows = len(expert_map) if isinstance(expert_map, list) and expert_map else entry.get("num_experts")
+    if not problems and not 1 <= entry["num_experts_per_tok"] <= rows:
+        problems.append(f".num_experts_per_tok: must be in [1, {'router rows' if expert_map else 'num_experts'}"
+                        f"={rows}], got {entry['num_experts_per_tok']}")
     if problems:
         return problems
     with torch.device("meta"):
@@ -236,7 +248,8 @@ def _failing_part(entry) -> str:
     except Exception:
         return "experts_options"
     try:
-        component_class("router", entry["router"])(experts.hidden_size, entry["num_experts"],
+        component_class("router", entry["router"])(experts.hidden_size,
+                                                    len(entry.get("expert_map") or []) or entry["num_experts"],
                                                     entry["num_experts_per_tok"], **entry["router_options"])
     except Exception:
         return "router_options"

@@ -1,22 +1,41 @@
 """sub-moe: Sub-MoE, subspace expert merging.
 
-Experts are clustered with K-means on their outputs over the calibration tokens. For each cluster and
-projection, one SVD of the members' weights concatenated along the input dimension,
-``[W_1 ... W_m] = U S [V_1^T ... V_m^T]``, gives a left subspace ``U`` shared by the cluster; the members'
-right parts ``S V_e^T`` are merged by routing frequency, and the cluster's expert is ``U (sum_e f_e S V_e^T)``
-at the kept rank (``rank_ratio`` of the full rank: below 1 the shared subspace is truncated).
+Adaptive expert clustering (the paper's, ``clustering="cosine"``): the similarity of two experts is the cosine of
+their outputs on the same calibration token, averaged over the tokens; K-means on each expert's row of that
+similarity matrix groups the experts. ``clustering="euclidean"`` is the zoo's earlier variant: K-means on the
+experts' mean outputs.
+
+Subspace merging: for each cluster and projection, one SVD of the members' weights concatenated along the input
+dimension, ``[W_1 ... W_m] = U S [V_1^T ... V_m^T]``, gives a left subspace ``U`` shared by the cluster; the members'
+right parts ``S V_e^T`` are merged by routing frequency, and the cluster's expert is ``U (sum_e f_e S V_e^T)``.
+Intra-expert compression keeps ``rank_ratio`` of the joint rank (default 0.5): at 1.0 the shared basis is complete
+and the merge is exactly the frequency-weighted average of the members. The merged weight is stored dense; the
+results record what its factored form (``U`` and the merged ``V`` at the kept rank) would hold.
+
+The router keeps all its rows, each original expert served by its cluster's merged expert (``router="map"``, as
+hc-smoe); ``router="cut"`` keeps one row per cluster (its most routed member's).
 """
 import torch
 
 from zoo.moe.experts import SwiGLUExperts
-from zoo.moe.surgery import router_like, place_like
+from zoo.moe.surgery import merge_experts
+from zoo.stats import expert_output, layer_stats
 
 from zoo_compressors.base import ExpertCountCompressor
 from zoo.demo_controls import Control
 
+CLUSTERINGS = ("cosine", "euclidean")
+ROUTERS = ("map", "cut")
+
 
 def subspace_merge(weights: list[torch.Tensor], freq: torch.Tensor, rank_ratio: float) -> torch.Tensor:
     """Merge same-shape weights [out, in] through their shared left singular subspace."""
+    u, parts, r = subspace_parts(weights, freq, rank_ratio)
+    return u @ parts
+
+
+def subspace_parts(weights: list[torch.Tensor], freq: torch.Tensor, rank_ratio: float):
+    """(shared U [out, r], merged V part [r, in], r): the factored form of ``subspace_merge``."""
     out_dim, in_dim = weights[0].shape
     joint = torch.cat([w.double() for w in weights], dim=1)  # [out, m * in]
     u, s, vh = torch.linalg.svd(joint, full_matrices=False)
@@ -24,56 +43,100 @@ def subspace_merge(weights: list[torch.Tensor], freq: torch.Tensor, rank_ratio: 
     u, s, vh = u[:, :r], s[:r], vh[:r]
     parts = (s[:, None] * vh).view(r, len(weights), in_dim)  # S V_e^T for each member e
     f = (freq.double() / freq.double().sum()).view(1, -1, 1)
-    return u @ (parts * f).sum(1)
+    return u, (parts * f).sum(1), r
+
+
+@torch.no_grad()
+def output_similarity(moe, x: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """[E, E]: the cosine of experts i and j's outputs on the same token, averaged over the tokens ``x [T, H]``."""
+    n = moe.num_experts
+    total = torch.zeros(n, n, dtype=torch.float64)
+    for part in x.split(chunk):
+        outs = torch.stack([expert_output(moe.experts, e, part) for e in range(n)])  # [E, t, H]
+        unit = outs / outs.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+        total += torch.einsum("ith,jth->ij", unit, unit)
+    return total / max(1, x.shape[0])
 
 
 class SubMoe(ExpertCountCompressor):
     name = "sub-moe"
-    summary = "Sub-MoE: K-means clusters of experts, one joint SVD per cluster (shared U), frequency-merged V."
+    summary = ("Sub-MoE: K-means clusters of experts by output cosine similarity, one joint SVD per cluster "
+               "(shared U), frequency-merged V at a truncated rank.")
     paper = "Li et al., Sub-MoE: Efficient Mixture-of-Expert LLMs Compression via Subspace Expert Merging, 2025, arXiv:2506.23266"
     card = "cards/sub-moe.md"
     space = "compression-lab"
-    all_outputs = True
+    all_outputs = False
     experts_kinds = (SwiGLUExperts,)  # the joint SVD works on the fused gate/up projections
 
     @classmethod
     def demo_controls(cls, model=None):
         return [*super().demo_controls(model),
-                Control("rank_ratio", "float", 1.0, low=0.05, high=1.0, step=0.05, help="rank kept of the shared basis")]
+                Control("rank_ratio", "float", 0.5, low=0.05, high=1.0, step=0.05,
+                        help="rank kept of the shared basis (1.0: plain frequency-weighted averaging)"),
+                Control("clustering", "choice", "cosine", choices=CLUSTERINGS,
+                        help="cosine: K-means on output cosine similarity (the paper's); euclidean: on mean outputs"),
+                Control("router", "choice", "map", choices=ROUTERS,
+                        help="map: the router keeps every row; cut: one row per merged expert")]
 
-    def __init__(self, num_experts: int, rank_ratio: float = 1.0, seed: int = 0):
-        if not isinstance(rank_ratio, (int, float)) or not 0 < rank_ratio <= 1:
+    def __init__(self, num_experts: int, rank_ratio: float = 0.5, clustering: str = "cosine", router: str = "map",
+                 seed: int = 0):
+        if isinstance(rank_ratio, bool) or not isinstance(rank_ratio, (int, float)) or not 0 < rank_ratio <= 1:
             raise ValueError(f"rank_ratio must be in (0, 1], got {rank_ratio!r}")
-        super().__init__(num_experts=num_experts, rank_ratio=rank_ratio, seed=seed)
-        self.rank_ratio, self.seed = float(rank_ratio), int(seed)
+        if clustering not in CLUSTERINGS:
+            raise ValueError(f"clustering must be one of {CLUSTERINGS}, got {clustering!r}")
+        if router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        super().__init__(num_experts=num_experts, rank_ratio=rank_ratio, clustering=clustering, router=router,
+                         seed=seed)
+        self.rank_ratio, self.clustering, self.router, self.seed = float(rank_ratio), clustering, router, int(seed)
 
-    def clusters(self, stats) -> list[list[int]]:
+    def check_layer(self, index, block) -> None:
+        super().check_layer(index, block)
+        if self.router == "cut" and block.expert_map is not None:
+            raise ValueError(f"layer {index} already serves its router's {block.router.num_experts} rows with "
+                             f"{block.num_experts} merged experts: router='cut' needs one row per expert")
+
+    def compress_layer(self, index, block, inputs):
+        stats = layer_stats(index, block, inputs, all_outputs=self.clustering == "euclidean")
+        features = (output_similarity(block, inputs) if self.clustering == "cosine" else stats.mean_output)
+        return self.rebuild(block, stats, features)
+
+    def clusters(self, features: torch.Tensor) -> list[list[int]]:
         from sklearn.cluster import KMeans  # imported on use: scikit-learn is heavy for `import zoo`
 
-        features = stats.mean_output.float().numpy()
-        labels = KMeans(n_clusters=self.num_experts, n_init=10, random_state=self.seed).fit(features).labels_
+        if self.num_experts >= len(features):
+            return [[i] for i in range(len(features))]
+        labels = KMeans(n_clusters=self.num_experts, n_init=10, random_state=self.seed).fit(
+            features.float().numpy()).labels_
         return [sorted(int(i) for i in (labels == c).nonzero()[0]) for c in range(self.num_experts)]
 
     @torch.no_grad()
-    def rebuild(self, moe, stats):
-        groups = self.clusters(stats)
-        self.results.setdefault("clusters", {})[str(stats.layer)] = groups
+    def rebuild(self, moe, stats, features):
+        groups = self.clusters(features)
+        layer = str(stats.layer)
+        self.results.setdefault("clusters", {})[layer] = groups
         freq = stats.counts.double() + 1e-9
         old = moe.experts
         experts = SwiGLUExperts(**{**old.options(), "num_experts": len(groups)}).to(old.gate_up_proj.device)
+        dense = factored = 0
         for g, members in enumerate(groups):
             for name in ("gate_up_proj", "down_proj"):
                 w = getattr(old, name)
-                merged = subspace_merge([w[m] for m in members], freq[members], self.rank_ratio)
-                getattr(experts, name)[g] = merged.to(w.dtype)
+                u, v, r = subspace_parts([w[m] for m in members], freq[members], self.rank_ratio)
+                getattr(experts, name)[g] = (u @ v).to(w.dtype)
+                dense += w[0].numel()
+                factored += min(u.numel() + v.numel(), w[0].numel())
             for name in ("gate_up_proj_bias", "down_proj_bias"):
                 if getattr(old, name) is not None:
                     f = (freq[members] / freq[members].sum()).to(torch.float32)
                     getattr(experts, name)[g] = (getattr(old, name)[members].float() * f[:, None]).sum(0)
         experts.to(old.gate_up_proj.dtype)
-        router = router_like(moe.router, len(groups))
+        self.results.setdefault("parameters", {})[layer] = {"dense": dense, "factored_at_rank": factored}
+        weights = [[float(freq[m]) for m in g] for g in groups]
+        if self.router == "map":
+            return merge_experts(moe, groups, weights, experts=experts)
         dominant = [max(g, key=lambda m: float(freq[m])) for g in groups]
-        router.load_state_dict({k: (v[dominant] if v.dim() and v.shape[0] == moe.num_experts else v)
-                                for k, v in moe.router.state_dict().items()})
-        place_like(router, moe.router)
-        return moe.with_parts(router, experts)
+        return merge_experts(moe, groups, weights, experts=experts, router_rows=lambda state, mix: {
+            k: (v[dominant] if v.dim() and v.shape[0] == moe.num_experts else v) for k, v in state.items()})

@@ -55,27 +55,63 @@ class SparseMoE(nn.Module):
     ``returns_router_scores`` makes it return ``(out, weights)`` for families whose decoder layer
     unpacks a tuple (GPT-OSS). Router logits reach ``output_router_logits`` through a recorder on
     ``Router`` outputs (see ``zoo.architectures.factory``).
+
+    ``expert_map`` (HC-SMoE's merged experts behind an unchanged router): the router keeps its E rows and picks
+    among the original experts; original expert e is served by merged expert ``expert_map[e]`` (the router's
+    output is mapped, see ``zoo.moe.routing.map_routing``). ``num_experts`` is then the merged count.
     """
 
     def __init__(self, router: Router, experts: Experts, shared_experts: nn.Module | None = None,
-                 returns_router_scores: bool = False, weights_scale_input: bool = False):
+                 returns_router_scores: bool = False, weights_scale_input: bool = False, expert_map=None):
         super().__init__()
-        if router.num_experts != experts.num_experts:
+        self._expert_map = None if expert_map is None else check_expert_map(expert_map, router.num_experts,
+                                                                            experts.num_experts)
+        if self._expert_map is None and router.num_experts != experts.num_experts:
             raise ValueError(f"router has {router.num_experts} experts but experts has {experts.num_experts}")
         self.router, self.experts, self.shared_experts = router, experts, shared_experts
         self.returns_router_scores = returns_router_scores
         # Llama 4: the routing weight scales each expert's input, not its output (not the same through SwiGLU)
         self.weights_scale_input = weights_scale_input
 
-    def with_parts(self, router: Router | None = None, experts: Experts | None = None) -> SparseMoE:
-        """A block like this one (shared experts, flags) with a new router and/or new experts."""
+    def __setattr__(self, name, value):
+        if name == "router" and isinstance(value, Router):  # a swapped-in router keeps the block's map
+            value.expert_map = self.__dict__.get("_expert_map")
+        super().__setattr__(name, value)
+
+    def with_parts(self, router: Router | None = None, experts: Experts | None = None,
+                   expert_map=...) -> SparseMoE:
+        """A block like this one (shared experts, flags, expert map unless ``expert_map`` is given: None drops
+        it) with a new router and/or new experts."""
         return SparseMoE(self.router if router is None else router, self.experts if experts is None else experts,
-                         self.shared_experts, self.returns_router_scores, self.weights_scale_input)
+                         self.shared_experts, self.returns_router_scores, self.weights_scale_input,
+                         self._expert_map if expert_map is ... else expert_map)
+
+    @property
+    def expert_map(self) -> tuple[int, ...] | None:
+        """Original expert -> merged expert that serves it (None: every router row has its own expert)."""
+        return self._expert_map
 
     @property
     def num_experts(self) -> int:
-        # the router's count: expert parallelism leaves ``experts.num_experts`` at the experts this rank holds
-        return self.router.num_experts
+        # the router's count: expert parallelism leaves ``experts.num_experts`` at the experts this rank holds;
+        # behind an expert map, the merged experts the router's rows are served by
+        return self.router.num_experts if self._expert_map is None else max(self._expert_map) + 1
+
+    def unmapped(self) -> SparseMoE:
+        """The same function without the map: each of the router's E experts gets its own copy of the merged
+        expert that serves it (what a native checkpoint can hold; as large as before merging)."""
+        if self._expert_map is None:
+            return self
+        import copy
+
+        index = torch.tensor(self._expert_map, dtype=torch.long)
+        opts = {**self.experts.options(), "num_experts": len(index)}
+        with torch.device("meta"):
+            experts = type(self.experts)(**opts)
+        experts.load_state_dict({k: v.index_select(0, index.to(v.device))
+                                 for k, v in self.experts.state_dict().items()}, assign=True)
+        router = copy.deepcopy(self.router)
+        return self.with_parts(router, experts, expert_map=None)
 
     @property
     def top_k(self) -> int:
@@ -137,4 +173,19 @@ class SparseMoE(nn.Module):
             "shared_experts": None if self.shared_experts is None else self.shared_experts.options(),
             "returns_router_scores": self.returns_router_scores,
             **({"weights_scale_input": True} if self.weights_scale_input else {}),
+            **({"expert_map": list(self._expert_map)} if self._expert_map is not None else {}),
         }
+
+
+def check_expert_map(expert_map, router_experts: int, num_merged: int) -> tuple[int, ...]:
+    """An expert map as a tuple, or ValueError: one entry per router row, each naming a merged expert, every
+    merged expert named at least once."""
+    values = list(expert_map) if isinstance(expert_map, (list, tuple)) else None
+    if values is None or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"expert_map must be a list of integers, got {expert_map!r}")
+    if len(values) != router_experts:
+        raise ValueError(f"expert_map has {len(values)} entries but the router has {router_experts} experts")
+    if sorted(set(values)) != list(range(num_merged)):
+        raise ValueError(f"expert_map must name each of the {num_merged} experts (0..{num_merged - 1}) at least "
+                         f"once, got {values}")
+    return tuple(values)

@@ -56,7 +56,7 @@ def family_aux_loss(family, router_logits, blocks, attention_mask=None) -> torch
     same per-layer quantity (k times ``load_balancing_loss``)."""
     import sys
 
-    shapes = {(moe.num_experts, moe.top_k) for moe in blocks}
+    shapes = {(moe.router.num_experts, moe.top_k) for moe in blocks}  # the logits' width (an expert map keeps E rows)
     native = getattr(sys.modules[family.model_class.__module__], "load_balancing_loss_func", None)
     if len(shapes) == 1 and native is not None:
         (num_experts, top_k), = shapes

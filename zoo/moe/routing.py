@@ -1,6 +1,7 @@
 """Routing: which experts each token goes to, and with what weight. No compute happens here."""
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import NamedTuple
 
@@ -27,6 +28,40 @@ class Routing(NamedTuple):
     logits: torch.Tensor | None = None  # [T, E]
 
 
+def map_routing(routing: Routing, expert_map, num_merged: int) -> Routing:
+    """A choice among the router's E experts, served by merged experts: ``expert_map [E]`` (a sequence or a long
+    tensor) sends original expert e to merged expert ``expert_map[e]`` in ``[0, num_merged)``. Two slots of a token
+    that land on the same merged expert become one slot with their weights summed (the other slot is left empty,
+    index ``num_merged``, weight 0): the same output as running that expert once per slot. Empty input slots
+    (index E) stay empty. The logits stay the router's [T, E]."""
+    idx, w = routing.indices, routing.weights
+    table = torch.as_tensor(list(expert_map) + [num_merged], dtype=torch.long, device=idx.device)
+    empty = idx >= len(table) - 1
+    w = w.masked_fill(empty, 0)
+    mapped = table[idx.clamp(max=len(table) - 1)]
+    same = mapped[:, :, None] == mapped[:, None, :]  # [T, k, k]
+    k = idx.shape[-1]
+    earlier = torch.ones(k, k, dtype=torch.bool, device=idx.device).tril(-1)  # slot j < slot i
+    repeat = (same & earlier).any(-1)  # a slot whose merged expert an earlier slot already has
+    summed = (same.to(w.dtype) * w[:, None, :]).sum(-1)
+    return Routing(summed.masked_fill(repeat, 0), mapped.masked_fill(repeat, num_merged), routing.logits)
+
+
+def _mapped_forward(forward):
+    """``forward`` followed by the block's expert map, when one is set (``Router.expert_map``)."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        routing = forward(self, *args, **kwargs)
+        # mapped once, by the class's own forward (not by a parent's forward it calls through super())
+        if self.expert_map is None or type(self).forward is not wrapper or not isinstance(routing, Routing):
+            return routing
+        return map_routing(routing, self.expert_map, max(self.expert_map) + 1)
+
+    wrapper._zoo_mapped = True
+    return wrapper
+
+
 class Router(nn.Module, DemoControls):
     """Base class of routers: a linear gate ``weight [E, H]`` (optionally with ``bias [E]``) plus a
     selection rule implemented by ``forward``. Subclasses pass all their options up so the layout can
@@ -51,6 +86,16 @@ class Router(nn.Module, DemoControls):
     # A router may define ``reference(self, hidden, context=None) -> Routing``: a plain, obviously correct version
     # of ``forward``; ``zoo.testing.check_component`` compares the two, outputs and gradients.
     reference = None
+    # Set by ``SparseMoE`` when merged experts serve the router's E experts (HC-SMoE's expert map): ``forward``'s
+    # choice among the E experts is then mapped to the merged ones (``map_routing``), so every reader of the
+    # router's output (the block, statistics, usage hooks) sees the experts that run. None: no map.
+    expert_map: tuple[int, ...] | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        if forward is not None and not getattr(forward, "_zoo_mapped", False):
+            cls.forward = _mapped_forward(forward)
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, bias: bool = False, **options):
         super().__init__()

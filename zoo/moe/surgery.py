@@ -1,6 +1,8 @@
 """Structural edits of a SparseMoE: keep a subset of experts, or replace experts by merged ones.
 
-The router keeps one row per remaining expert, so routing among the survivors is unchanged.
+Pruning keeps one router row per remaining expert, so routing among the survivors is unchanged. Merging either
+keeps every router row and serves each original expert by its group's merged expert (an expert map, HC-SMoE's
+code), or cuts the router to one row per group (``router_rows``).
 """
 from __future__ import annotations
 
@@ -45,30 +47,62 @@ def _slice_experts(experts, rows: torch.Tensor, weights: torch.Tensor | None = N
     return new
 
 
+def _router_rows(old, rows: torch.Tensor):
+    """A router like ``old`` with only its rows ``rows`` (all of them: a copy)."""
+    router = router_like(old, len(rows))
+    state = {k: (v.index_select(0, rows.to(v.device)) if v.dim() and v.shape[0] == old.num_experts else v)
+             for k, v in old.state_dict().items()}
+    router.load_state_dict(state)
+    return place_like(router, old)
+
+
 @torch.no_grad()
 def keep_experts(moe: SparseMoE, keep) -> SparseMoE:
-    """A SparseMoE with only the experts ``keep`` (in that order); their router rows come along."""
+    """A SparseMoE with only the experts ``keep`` (in that order); their router rows come along (behind an expert
+    map: the rows of every original expert a kept merged expert serves)."""
     keep = torch.as_tensor(sorted(int(i) for i in keep), dtype=torch.long)
     if len(keep) < 1 or len(set(keep.tolist())) != len(keep):
         raise ValueError("keep must name at least one expert, without repeats")
-    router = router_like(moe.router, len(keep))
-    state = {k: (v.index_select(0, keep) if v.dim() and v.shape[0] == moe.num_experts else v)
-             for k, v in moe.router.state_dict().items()}
-    router.load_state_dict(state)
-    place_like(router, moe.router)
-    return moe.with_parts(router, _slice_experts(moe.experts, keep))
+    if moe.expert_map is None:
+        return moe.with_parts(_router_rows(moe.router, keep), _slice_experts(moe.experts, keep))
+    new_id = {int(m): j for j, m in enumerate(keep)}
+    rows = [e for e, m in enumerate(moe.expert_map) if m in new_id]
+    new_map = [new_id[moe.expert_map[e]] for e in rows]
+    return moe.with_parts(_router_rows(moe.router, torch.tensor(rows)), _slice_experts(moe.experts, keep),
+                          expert_map=None if new_map == list(range(len(keep))) else new_map)
+
+
+def merge_map(moe: SparseMoE, groups: list[list[int]]) -> list[int]:
+    """Original expert (router row) -> group, for ``groups`` of the block's experts (composed with the block's
+    own map when it already has one)."""
+    group_of = {m: g for g, members in enumerate(groups) for m in members}
+    if sorted(group_of) != list(range(moe.num_experts)) or sum(map(len, groups)) != moe.num_experts:
+        raise ValueError(f"groups must split the {moe.num_experts} experts, each in exactly one group")
+    served = moe.expert_map if moe.expert_map is not None else range(moe.num_experts)
+    return [group_of[m] for m in served]
 
 
 @torch.no_grad()
-def merge_experts(moe: SparseMoE, groups: list[list[int]], weights: list[list[float]], router_rows) -> SparseMoE:
-    """One expert per group: the weighted average of its members' weights; ``router_rows`` [N, ...] gives
-    the router state for the merged experts (a function of the old state, chosen by the method)."""
+def merge_experts(moe: SparseMoE, groups: list[list[int]], weights: list[list[float]],
+                  router_rows=None, experts=None) -> SparseMoE:
+    """One expert per group: the weighted average of its members' weights (or the ``experts`` given, one per
+    group). ``router_rows`` None (HC-SMoE's code): the router keeps all its rows and an expert map sends each
+    original expert to its group's merged expert, so routing picks exactly as before. ``router_rows``, a function
+    ``(old router state, mix [N, E]) -> state with N rows``: the router is cut to one row per group."""
+    expert_map = merge_map(moe, groups)
     mix = torch.zeros(len(groups), moe.num_experts)
     for g, (members, w) in enumerate(zip(groups, weights)):
         total = float(sum(w))
         for m, x in zip(members, w):
             mix[g, m] = x / total
+    merged = _slice_experts(moe.experts, None, mix) if experts is None else experts
+    if router_rows is None:
+        return moe.with_parts(_router_rows(moe.router, torch.arange(moe.router.num_experts)), merged,
+                              expert_map=None if expert_map == list(range(moe.router.num_experts)) else expert_map)
+    if moe.expert_map is not None:
+        raise ValueError("a cut router needs one router row per expert, but this block already serves its router's "
+                         f"{moe.router.num_experts} rows with {moe.num_experts} merged experts (an expert map)")
     router = router_like(moe.router, len(groups))
     router.load_state_dict(router_rows(moe.router.state_dict(), mix))
     place_like(router, moe.router)
-    return moe.with_parts(router, _slice_experts(moe.experts, None, mix))
+    return moe.with_parts(router, merged)
