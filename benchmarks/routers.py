@@ -6,8 +6,17 @@ token and held-out perplexity per domain, with ratios to the base model.
   experts found are disabled, and code vs English perplexity is compared with the base; controls: as many
   random experts disabled (same layers), and the experts found the other way round (English vs code).
 
+- ``--claim top-p``: the claim of Huang et al. 2024 (harder tokens get more experts; fewer experts on average at
+  similar quality): per held-out token, the experts top-p gives it (mean over layers) against its difficulty (the
+  base model's loss on the next token), and perplexity against base top-2 and top-1; recorded in
+  docs/claims/top-p.json;
+- ``--claim otp``: MC#'s online top-any pruning, fine-tuned with ``zoo.finetune`` (only the pruner trains), then
+  average experts per token and perplexity against base top-2 and top-1; recorded in docs/claims/otp.json.
+
     python benchmarks/routers.py                 # full table (a few minutes on one thread)
     python benchmarks/routers.py --windows 4     # fewer held-out windows, faster
+    python benchmarks/routers.py --claim top-p --windows 8
+    python benchmarks/routers.py --claim otp --windows 8 --otp-steps 200
 """
 from __future__ import annotations
 
@@ -43,8 +52,153 @@ def random_like(found: dict, num_experts: int, seed: int) -> dict:
     return {i: sorted(rng.sample(range(num_experts), len(es))) for i, es in found.items()}
 
 
+@torch.no_grad()
+def per_token(model, tok, windows: int, batch: int = 4) -> dict:
+    """Per domain: each held-out token's next-token loss and the experts it got (mean over MoE layers), from one
+    pass; ``ppl`` is exp of the mean loss."""
+    layers = [m for _, m in moe_layers(model)]
+    counts = []
+    hooks = [m.experts.register_forward_hook(
+        lambda mod, args, out: counts.append((args[1].indices < mod.num_experts).sum(-1).float())) for m in layers]
+    out = {}
+    try:
+        for d in DOMAINS:
+            ids = eval_windows(token_stream(d, "val", tok), SEQ_LEN, windows)
+            losses, experts = [], []
+            for start in range(0, len(ids), batch):
+                x = ids[start:start + batch]
+                counts.clear()
+                logits = model(input_ids=x).logits.float()
+                nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none")
+                k = torch.stack(counts).mean(0).view(x.shape)  # [B, L], mean over layers
+                losses.append(nll.reshape(-1))
+                experts.append(k[:, :-1].reshape(-1))  # the routing at position t serves the prediction of t+1
+            loss, k = torch.cat(losses), torch.cat(experts)
+            out[d] = {"loss": loss, "experts": k, "ppl": float(loss.mean().exp()), "active": float(k.mean())}
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def quartile_experts(k: torch.Tensor, difficulty: torch.Tensor) -> tuple[float, float]:
+    """Mean experts of the easiest and the hardest quarter of tokens (by ``difficulty``)."""
+    order = difficulty.argsort()
+    q = len(order) // 4
+    return float(k[order[:q]].mean()), float(k[order[-q:]].mean())
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    ra, rb = a.argsort().argsort().double(), b.argsort().argsort().double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def claim_top_p(args, base, tok) -> None:
+    from zoo.claims import record
+
+    ref = per_token(base, tok, args.windows)
+    top1 = per_token(zoo.apply(copy.deepcopy(base), "topk-softmax", top_k=1), tok, args.windows)
+    rows = [row("base top-2", ref, ref), row("top-1", top1, ref)]
+    hard_more, cheap = [], []
+    for p in args.p:
+        r = per_token(zoo.apply(copy.deepcopy(base), "top-p", p=p), tok, args.windows)
+        extra = {}
+        for d in DOMAINS:
+            easy, hard = quartile_experts(r[d]["experts"], ref[d]["loss"])
+            rho = spearman(r[d]["experts"], ref[d]["loss"])
+            extra.update({f"k easy-q {d}": round(easy, 3), f"k hard-q {d}": round(hard, 3), f"rho {d}": round(rho, 3)})
+            hard_more.append(hard > easy and rho > 0)
+        rows.append({**row(f"top-p p={p:g}", r, ref), **extra})
+        active = sum(r[d]["active"] for d in DOMAINS) / len(DOMAINS)
+        worst = max(r[d]["ppl"] / ref[d]["ppl"] for d in DOMAINS)
+        cheap.append(active < 2 and worst <= 1 + args.tolerance)
+    print_rows(rows)
+    harder = all(hard_more)
+    fewer = any(cheap)
+    verdict = "holds" if harder and fewer else "holds in part" if harder or fewer else "does not hold"
+    summary = (f"zoo-tiny-moe (trained with top-2) with its router swapped for top-p at p in {list(args.p)}; "
+               f"{args.windows} held-out windows of {SEQ_LEN} tokens per domain, one thread. A token's difficulty "
+               "is the base model's loss on the next token; 'k easy-q'/'k hard-q' are the mean experts top-p gives "
+               "the easiest/hardest quarter of tokens, rho the rank correlation of experts with difficulty. "
+               f"Harder tokens get more experts at every p: {harder}. Some p uses fewer than 2 experts on average "
+               f"with perplexity within {100 * args.tolerance:g}% of top-2 on both domains: {fewer}. No dynamic "
+               "(entropy) loss was trained here: the router is the top-2-trained one.")
+    path = record("top-p", "harder tokens get more experts; fewer experts on average at similar quality", verdict,
+                  summary, rows, f"python benchmarks/routers.py --claim top-p --windows {args.windows}", args.model)
+    print(f"{verdict}: recorded in {path}")
+
+
+def claim_otp(args, base, tok) -> None:
+    from zoo.claims import record
+    from zoo.finetune import finetune
+
+    ref = per_token(base, tok, args.windows)
+    top1 = per_token(zoo.apply(copy.deepcopy(base), "topk-softmax", top_k=1), tok, args.windows)
+    rows = [row("base top-2", ref, ref), row("top-1", top1, ref)]
+    untrained = per_token(zoo.apply(copy.deepcopy(base), "otp").eval(), tok, args.windows)
+    rows.append(row("otp untrained", untrained, ref))
+    results = []
+    for sparsity in args.sparsity:
+        tuned = finetune(copy.deepcopy(base), "otp", {"sparsity": sparsity}, domain=args.otp_domain,
+                         steps=args.otp_steps, lr=args.otp_lr, batch_size=args.otp_batch, seq_len=SEQ_LEN, windows=2,
+                         threads=1, progress=False).model.eval()
+        r = per_token(tuned, tok, args.windows)
+        rows.append(row(f"otp sparsity={sparsity:g}", r, ref))
+        results.append(r)
+    print_rows(rows)
+    base_k = sum(ref[d]["active"] for d in DOMAINS) / len(DOMAINS)
+    one_k = sum(top1[d]["active"] for d in DOMAINS) / len(DOMAINS)
+    verdicts = []
+    for r in results:
+        k = sum(r[d]["active"] for d in DOMAINS) / len(DOMAINS)
+        cut = 1 - k / base_k
+        loss = max(r[d]["ppl"] / ref[d]["ppl"] for d in DOMAINS) - 1
+        # the straight line from top-2 to top-1 at this expert count: what removing experts blindly would cost
+        line = max((top1[d]["ppl"] / ref[d]["ppl"] - 1) * (base_k - k) / (base_k - one_k) for d in DOMAINS)
+        verdicts.append("holds" if cut >= 0.2 and loss <= 0.01 else
+                        "holds in part" if cut >= 0.2 and loss < line else "does not hold")
+    verdict = next((v for v in ("holds", "holds in part") if v in verdicts), "does not hold")
+    summary = (f"zoo-tiny-moe (top-2) with otp fine-tuned by zoo.finetune for {args.otp_steps} steps of "
+               f"{args.otp_batch}x{SEQ_LEN} tokens on the {args.otp_domain} train split (only the pruner trains; "
+               f"lr {args.otp_lr:g}, Gumbel temperature 1, sparsity weights {list(args.sparsity)}), one thread; "
+               f"{args.windows} held-out windows of {SEQ_LEN} tokens per domain. The paper's claim: over 20% fewer "
+               "experts with under 1% loss. 'holds in part': at least 20% fewer experts, with a perplexity cost "
+               "below the straight line from top-2 to top-1 at the same expert count, but over 1%.")
+    path = record("otp", "over 20% fewer experts activated with under 1% performance loss", verdict, summary, rows,
+                  f"python benchmarks/routers.py --claim otp --windows {args.windows} --otp-steps {args.otp_steps}",
+                  args.model)
+    print(f"{verdict}: recorded in {path}")
+
+
+def row(label: str, r: dict, ref: dict) -> dict:
+    out = {"run": label}
+    for d in DOMAINS:
+        out[f"k {d}"] = round(r[d]["active"], 3)
+    for d in DOMAINS:
+        out[f"ppl {d}"] = round(r[d]["ppl"], 2)
+    for d in DOMAINS:
+        out[f"x {d}"] = round(r[d]["ppl"] / ref[d]["ppl"], 4)
+    return out
+
+
+def print_rows(rows: list[dict]) -> None:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print("  ".join(f"{k:>14}" for k in keys))
+    for r in rows:
+        print("  ".join(f"{r.get(k, ''):>14}" if isinstance(r.get(k, ""), str) else f"{r[k]:>14.4g}" for k in keys))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--claim", choices=["top-p", "otp"], help="measure and record one paper's claim instead")
+    ap.add_argument("--p", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.9], help="top-p masses (--claim top-p)")
+    ap.add_argument("--tolerance", type=float, default=0.02, help="'similar quality': perplexity within this ratio")
+    ap.add_argument("--sparsity", type=float, nargs="+", default=[0.05, 0.2], help="otp sparsity weights")
+    ap.add_argument("--otp-steps", type=int, default=200)
+    ap.add_argument("--otp-batch", type=int, default=4)
+    ap.add_argument("--otp-lr", type=float, default=1e-2)
+    ap.add_argument("--otp-domain", default="english", choices=list(DOMAINS))
     ap.add_argument("--model", default="zoo-tiny-moe")
     ap.add_argument("--windows", type=int, default=24, help="held-out windows of 256 tokens per domain")
     ap.add_argument("--calibration-tokens", type=int, default=16384, help="tokens per set for find_experts")
@@ -53,6 +207,8 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     base, tok = zoo.load(args.model).eval(), zoo.load_tokenizer(args.model)
+    if args.claim:
+        return (claim_top_p if args.claim == "top-p" else claim_otp)(args, base, tok)
     num_experts = max(m.num_experts for _, m in moe_layers(base))
 
     runs = [("base top-2", None, {})]

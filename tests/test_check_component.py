@@ -17,6 +17,7 @@ OPTIONS = {
     "router:hierarchical-modality": {"top_groups": 1},
     "router:language-conditioned": {"context_size": 16},
     "router:mixture-of-heads": {"heads_per_token": 0.5},
+    "router:otp": {"keep_threshold": 0.9},
     "router:remix": {"num_samples": 2},
     "router:scored-topk": {"score": "sigmoid"},
     "router:sigmoid-bias": {"routed_scaling_factor": 2.0},

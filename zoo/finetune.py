@@ -5,6 +5,9 @@ adapter freezes the base, a structural one like upcycle may train everything) on
 *train* split, with the load-balancing loss when the model has MoE layers. Held-out perplexity per domain (the
 ``zoo.eval`` harness) is measured before and after. An adapter class that defines ``train_step(model)`` has it
 called after every optimizer step (on an instance built with the same options), and ``merge(model)`` on request.
+A router that defines ``train_loss()`` and ``trainable_parameters()`` (``otp``) is trained the same way: applied
+with its options, everything but its ``trainable_parameters`` frozen, and the mean of its layers' ``train_loss()``
+added to the language-model loss; the result is a plain zoo model with the trained router.
 """
 from __future__ import annotations
 
@@ -81,8 +84,11 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
     if domain not in DOMAINS:
         raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
     reg = find(adapter)
-    if reg.kind != "adapter":
-        raise ValueError(f"{adapter!r} is a {reg.kind}, not an adapter")
+    # a router that declares ``train_loss`` (otp's learned pruner) trains too: its ``trainable_parameters`` only
+    trains_router = reg.kind == "router" and callable(getattr(reg.obj, "train_loss", None))
+    if reg.kind != "adapter" and not trains_router:
+        raise ValueError(f"{adapter!r} is a {reg.kind}, not an adapter"
+                         + (" (nor a router with a train_loss)" if reg.kind == "router" else ""))
     for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1), ("seq_len", seq_len, 2),
                              ("windows", windows, 1)):
         check_int(name, value, low)
@@ -104,7 +110,16 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
     model = zoo.apply(model, adapter, **options)
     # an adapter may own its training loss (mixture-of-loras with remix: the RLOO policy-gradient loss that
     # trains its non-differentiable router) and a per-step update (ewa's averaging)
-    helper = reg.obj(**options) if reg.obj.train_step is not None or reg.obj.loss is not None else None
+    helper = None
+    routers = []
+    if trains_router:
+        routers = [m for m in base_of(model).modules() if isinstance(m, reg.obj)]
+        model.requires_grad_(False)
+        for router in routers:
+            for p in router.trainable_parameters():
+                p.requires_grad_(True)
+    elif reg.obj.train_step is not None or reg.obj.loss is not None:
+        helper = reg.obj(**options)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{adapter} left no parameter to train")
@@ -126,6 +141,10 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
             else:
                 result = model(input_ids=ids, labels=ids, **({"output_router_logits": True} if aux else {}))
                 loss, lm_loss = result.loss, None
+                extra = [r.train_loss() for r in routers]
+                extra = [e for e in extra if e is not None]
+                if extra:  # the routers' own objective (otp: sparsity x mean keep probability), averaged
+                    loss = loss + torch.stack(extra).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()

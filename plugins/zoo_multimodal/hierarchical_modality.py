@@ -6,6 +6,13 @@ top ``top_k // top_groups`` experts (softmax within the group, renormalised). A 
 group weight x in-group weight. ``logits`` are the log-probabilities of the full two-level distribution,
 ``log p(group) + log p(expert | group)``, so the balance loss and statistics see one [T, E] distribution.
 No host syncs: every shape is fixed by the options.
+
+Group-load biasing (MoHAVE's training objective for the group gate): ``modalities`` binds each group to the
+modality it serves ("text", "vision", "audio"). In training mode, with a routing context that tags each token's
+modality, the router keeps ``group_load_loss``: for every modality m present among the real tokens, the soft load
+of m's own group over m's tokens, ``L_m = mean_t p(group(m) | x_t)``, and the loss ``mean_m -log L_m``; it pulls
+each modality's group load toward the group that serves it (``train_mm.train`` adds it, weighted, to the
+language-model loss). Routing itself is unchanged by the binding: the group gate still decides per token.
 """
 from __future__ import annotations
 
@@ -15,7 +22,10 @@ from torch import nn
 from transformers import initialization as init
 
 from zoo.moe import Router, Routing
+from zoo.moe.context import AUDIO, TEXT, VISION
 from zoo.demo_controls import Control, layer_experts, layer_top_k
+
+MODALITY_TAGS = {"text": TEXT, "vision": VISION, "audio": AUDIO}
 
 
 class HierarchicalModality(Router):
@@ -25,6 +35,7 @@ class HierarchicalModality(Router):
              "ICML 2025, arXiv:2502.10447")
     card = "cards/hierarchical-modality.md"
     space = "multimodal-digits"
+    uses_context = True  # the token modalities, for the group-load biasing loss while training
 
     @classmethod
     def demo_controls(cls, model=None):
@@ -45,17 +56,26 @@ class HierarchicalModality(Router):
         return presets
 
     def __init__(self, hidden_size, num_experts, top_k, group_sizes: list[int] | None = None, top_groups: int = 1,
-                 **options):
+                 modalities: list[str] | None = None, **options):
         group_sizes = [int(n) for n in (group_sizes or [num_experts])]
         top_groups = int(top_groups)
+        if modalities is not None:
+            if (not isinstance(modalities, (list, tuple)) or len(modalities) != len(group_sizes)
+                    or any(m not in MODALITY_TAGS for m in modalities) or len(set(modalities)) != len(modalities)):
+                raise ValueError(f"modalities must name, for each of the {len(group_sizes)} groups, a distinct modality "
+                                 f"among {sorted(MODALITY_TAGS)} (or be None: no binding), got {modalities!r}")
+            modalities = [str(m) for m in modalities]
         if sum(group_sizes) != num_experts or min(group_sizes) < 1:
             raise ValueError(f"group_sizes {group_sizes} must be positive and sum to num_experts={num_experts}")
         if not 1 <= top_groups <= len(group_sizes) or top_k % top_groups:
             raise ValueError(f"top_groups={top_groups} must be in [1, {len(group_sizes)}] and divide top_k={top_k}")
         if top_k // top_groups > min(group_sizes):
             raise ValueError(f"{top_k // top_groups} experts per group but the smallest group has {min(group_sizes)}")
-        super().__init__(hidden_size, num_experts, top_k, group_sizes=group_sizes, top_groups=top_groups, **options)
-        self.group_sizes, self.top_groups = group_sizes, top_groups
+        bound = {"modalities": modalities} if modalities is not None else {}  # unbound: the options as before
+        super().__init__(hidden_size, num_experts, top_k, group_sizes=group_sizes, top_groups=top_groups, **bound,
+                         **options)
+        self.group_sizes, self.top_groups, self.modalities = group_sizes, top_groups, modalities
+        self.group_load_loss: torch.Tensor | None = None  # the last training forward's group-load biasing loss
         self.group_weight = nn.Parameter(torch.empty(len(group_sizes), hidden_size))
         nn.init.normal_(self.group_weight, std=0.02)
         self.group_of = [g for g, n in enumerate(group_sizes) for _ in range(n)]  # plain list: no meta buffers
@@ -72,9 +92,35 @@ class HierarchicalModality(Router):
     def group_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.group_weight)
 
-    def forward(self, hidden: torch.Tensor) -> Routing:
+    def bind(self, modalities: list[str]) -> "HierarchicalModality":
+        """Bind group g to ``modalities[g]`` (recorded in the options, so a save keeps it); checked as in __init__."""
+        checked = type(self)(self.hidden_size, self.num_experts, self.top_k, group_sizes=self.group_sizes,
+                             top_groups=self.top_groups, modalities=list(modalities))
+        self.modalities = checked.modalities
+        self.options = {**self.options, "modalities": checked.modalities}
+        return self
+
+    def biasing_loss(self, g_logits: torch.Tensor, modality: torch.Tensor, real: torch.Tensor | None = None):
+        """MoHAVE's group-load biasing: ``mean_m -log(mean over m's real tokens of p(group(m)))`` over the bound
+        modalities present; None when no bound modality is present. ``modality`` [T] tags, ``real`` [T] bool."""
+        probs = g_logits.float().softmax(-1)
+        terms = []
+        for g, name in enumerate(self.modalities or []):
+            rows = modality == MODALITY_TAGS[name]
+            if real is not None:
+                rows = rows & real
+            if bool(rows.any()):
+                terms.append(-torch.log(probs[rows, g].mean().clamp_min(1e-9)))
+        return torch.stack(terms).mean() if terms else None
+
+    def forward(self, hidden: torch.Tensor, context=None) -> Routing:
         tokens, member = hidden.shape[0], self.membership(hidden.device)
         g_logits = self.group_logits(hidden).float()  # [T, G]
+        self.group_load_loss = None
+        if self.training and self.modalities and context is not None and context.modality is not None:
+            real = None if context.attention_mask is None else context.rows("attention_mask", tokens).bool()
+            self.group_load_loss = self.biasing_loss(g_logits, context.rows("modality", tokens).to(hidden.device),
+                                                     None if real is None else real.to(hidden.device))
         e_logits = self.gate_logits(hidden).float()  # [T, E]
         in_group = e_logits[:, None, :].masked_fill(~member, float("-inf")).log_softmax(-1)  # [T, G, E]
         g_top, g_idx = g_logits.topk(self.top_groups, dim=-1)  # [T, g]
@@ -89,3 +135,24 @@ class HierarchicalModality(Router):
     def group_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, G] the group gate's softmax (what the usage plots show)."""
         return self.group_logits(hidden).float().softmax(-1)
+
+
+def bind_groups(model) -> list[HierarchicalModality]:
+    """Bind every ``hierarchical-modality`` router of a zoo_mm model to its experts' group names (modality-groups:
+    text, vision, audio); returns the routers."""
+    from zoo.layout import moe_layers
+
+    routers = []
+    for _, moe in moe_layers(model):
+        if isinstance(moe.router, HierarchicalModality):
+            groups = getattr(moe.experts, "groups", None)
+            if groups is None:
+                raise ValueError("bind_groups needs modality-groups experts (they name each group's modality)")
+            routers.append(moe.router.bind(groups))
+    return routers
+
+
+def group_load_loss(routers) -> torch.Tensor | None:
+    """The mean over ``routers`` of their last training forward's group-load biasing loss (None if none has one)."""
+    terms = [r.group_load_loss for r in routers if r.group_load_loss is not None]
+    return torch.stack(terms).mean() if terms else None

@@ -6,6 +6,7 @@ from zoo import hookimpl
 def register_routers(register):
     from zoo_routers.expert_choice import ExpertChoice
     from zoo_routers.mixture_of_heads import MixtureOfHeads
+    from zoo_routers.otp import OnlineTopAnyPruning
     from zoo_routers.remix import Remix
     from zoo_routers.scored_topk import ScoredTopK
     from zoo_routers.sigmoid_bias import SigmoidBias
@@ -19,6 +20,7 @@ def register_routers(register):
     register(SigmoidBias)
     register(ExpertChoice)
     register(TopP)
+    register(OnlineTopAnyPruning)
     register(Steer)
     register(MixtureOfHeads)
     register(Remix)

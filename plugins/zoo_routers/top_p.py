@@ -1,6 +1,8 @@
-"""top-p: per token, the smallest set of experts (most probable first) whose softmax mass reaches p, at most
-``max_k`` of them, weights renormalised over the kept set. Fixed [T, max_k] output, empty slots marked E,
-and no host syncs, so it compiles with fullgraph=True."""
+"""top-p: dynamic routing of Huang et al. 2024 ("Harder Tasks Need More Experts"): per token, the smallest set of
+experts (most probable first) whose softmax mass reaches p; ``max_k`` (default: all experts, the paper's rule) is
+the zoo's optional cap. Weights are renormalised over the kept set. Fixed [T, max_k] output, empty slots marked
+E, and no host syncs, so it compiles with fullgraph=True. The paper's dynamic (entropy) loss is a training
+objective and is not part of this router."""
 import math
 
 import torch
@@ -12,10 +14,9 @@ from zoo.demo_controls import Control, layer_experts
 
 class TopP(Router):
     name = "top-p"
-    summary = "Top-p (top-any) routing: the fewest experts whose softmax mass reaches p, capped at max_k."
+    summary = "Dynamic top-p routing: per token, the fewest experts whose softmax mass reaches p (optionally capped)."
     paper = ("Huang et al., Harder Tasks Need More Experts: Dynamic Routing in MoE Models, ACL 2024, "
-             "arXiv:2403.07652; Huang et al., MC#: Mixture Compressor for Mixture-of-Experts Large Models "
-             "(online top-any pruning), 2025, arXiv:2510.10962")
+             "arXiv:2403.07652")
     card = "cards/top-p.md"
     space = "router-explorer"
 
