@@ -167,6 +167,77 @@ def test_hierarchical_routing_shapes_and_group_constraint(top_groups, top_k):
         HierarchicalModality(16, 8, 2, group_sizes=sizes)
 
 
+def naive_group_load_loss(group_probs, modality, real, modalities):
+    """MoHAVE's group-load biasing, written out: per bound modality present, -log(mean own-group probability)."""
+    tags = {"text": 0, "vision": 1, "audio": 2}
+    terms = []
+    for g, name in enumerate(modalities):
+        own = [group_probs[t, g] for t in range(len(modality)) if modality[t] == tags[name] and real[t]]
+        if own:
+            terms.append(-torch.log(sum(own) / len(own)))
+    return sum(terms) / len(terms)
+
+
+def test_group_load_biasing_loss_matches_a_naive_sum_and_leaves_routing_alone():
+    torch.manual_seed(4)
+    sizes = [2, 3, 3]
+    bound = HierarchicalModality(16, 8, 2, group_sizes=sizes, modalities=["text", "vision", "audio"])
+    plain = HierarchicalModality(16, 8, 2, group_sizes=sizes)
+    plain.load_state_dict(bound.state_dict())
+    with torch.no_grad():
+        bound.group_weight.normal_(0, 1)
+        plain.group_weight.copy_(bound.group_weight)
+    x = torch.randn(2 * 10, 16)
+    modality = torch.tensor([[1] * 4 + [2] * 3 + [0] * 3, [2] * 6 + [0] * 4])  # [B, S] vision/audio/text tags
+    mask = torch.ones(2, 10)
+    mask[1, :2] = 0  # two padded audio tokens do not count
+    context = RoutingContext(modality=modality, attention_mask=mask)
+    bound.train()
+    r_bound, r_plain = bound(x, context), plain(x, context)
+    assert torch.equal(r_bound.indices, r_plain.indices) and torch.equal(r_bound.weights, r_plain.weights)
+    assert plain.group_load_loss is None  # unbound: no loss
+    expect = naive_group_load_loss(bound.group_probs(x), modality.reshape(-1), mask.reshape(-1).bool(),
+                                   bound.modalities)
+    torch.testing.assert_close(bound.group_load_loss, expect)
+    bound.eval()
+    bound(x, context)
+    assert bound.group_load_loss is None  # a training objective only
+    # it pulls each modality's tokens toward its own group
+    bound.train()
+    opt = torch.optim.SGD([bound.group_weight], lr=0.5)
+    own = lambda: float(torch.stack([bound.group_probs(x).detach()[modality.reshape(-1) == g, g].mean() for g in range(3)]).mean())
+    before = own()
+    for _ in range(30):
+        opt.zero_grad()
+        bound(x, context)
+        bound.group_load_loss.backward()
+        opt.step()
+    assert own() > before + 0.15
+    with pytest.raises(ValueError, match="modalities must name"):
+        HierarchicalModality(16, 8, 2, group_sizes=sizes, modalities=["text", "vision"])
+    with pytest.raises(ValueError, match="modalities must name"):
+        HierarchicalModality(16, 8, 2, group_sizes=sizes, modalities=["text", "audio", "audio"])
+    assert "modalities" not in plain.options and bound.options["modalities"] == ["text", "vision", "audio"]
+
+
+def test_training_binds_groups_to_modalities_and_saves_the_binding(tmp_path):
+    from zoo_multimodal.hierarchical_modality import bind_groups, group_load_loss
+
+    config = ZooMMConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, moe_intermediate_size=16,
+                         group_sizes=[2, 2, 2], vision_experts=0)
+    model = ZooMMForCausalLM(config)
+    routers = bind_groups(model)
+    assert [r.modalities for r in routers] == [["text", "vision", "audio"]]
+    model.train()
+    ids = torch.randint(3, 32, (2, 5))
+    model(input_ids=ids, pixel_values=torch.randn(2, 16, 4), audio_features=torch.randn(2, 16, 32))
+    assert group_load_loss(routers) is not None and group_load_loss(routers).requires_grad
+    model.eval()
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert again.model.layers[0].mlp.router.modalities == ["text", "vision", "audio"]
+
+
 def test_language_conditioned_routing_matches_naive_cross_attention():
     torch.manual_seed(2)
     router = LanguageConditioned(16, 5, 2, context_size=12)
