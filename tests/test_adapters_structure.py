@@ -343,3 +343,15 @@ def test_upcycled_model_trains_and_its_experts_drift_apart():
     assert losses[-1] < losses[0] - 0.5, losses
     ex = moe_layers(model)[0][1].experts
     assert not torch.equal(ex.gate_up_proj[0], ex.gate_up_proj[1])
+
+
+def test_check_component_end_to_end_for_the_new_options():
+    """moefy's grouped init, ewa's routing option and moe-svd's paper sensitivity through zoo.testing's full check
+    (bad options, apply, recipe, save, reload in a fresh process, card)."""
+    from zoo.testing import check_components
+
+    reports = check_components([("moefy", {"num_experts": 4, "top_k": 2}),
+                                ("ewa", {"beta": 0.2, "routing": "random-partition"}),
+                                ("moe-svd", {"ratio": 0.75, "sensitivity": "paper"})], families=["mistral", "mixtral"])
+    assert [r["name"] for r in reports] == ["moefy", "ewa", "moe-svd"]
+    assert all(r["families"] for r in reports)
