@@ -180,11 +180,17 @@ def test_multimodal_digits_in_chromium(browser, tmp_path):
         wait = WebDriverWait(browser, 120, poll_frequency=0.5)
         upload = wait.until(lambda d: d.find_element("css selector", "#speech input[type=file]"))
         upload.send_keys(str(clip))
-        wait.until(lambda d: d.find_elements("css selector", "#speech audio, #speech canvas, #speech .waveform"),
+        wait.until(lambda d: d.find_elements("css selector", "#speech audio, #speech button[aria-label=Clear]"),
                    "the clip did not load")
         browser.find_element("css selector", "#answer").click()
-        answer = wait.until(lambda d: (t := shown_text(d, "#answer-label")) and any(
-            w in t for w in ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")) and t,
-            "no answer")
+
+        def answered(d):
+            errors = [e.text for e in d.find_elements("css selector", ".toast-body") if e.text.strip()]
+            assert not errors, f"the Space answered with an error: {errors}"
+            text = shown_text(d, "#answer-label")
+            return any(w in text for w in ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight",
+                                            "nine")) and text
+
+        answer = WebDriverWait(browser, 240, poll_frequency=0.5).until(answered, "no answer")
         assert "%" in answer
         wait.until(lambda d: image_src(d, "#groups"), "the expert-group plot never rendered")
