@@ -7,6 +7,7 @@ Which group a token reaches is the router's decision (``hierarchical-modality``)
 """
 from __future__ import annotations
 
+from zoo.demo_controls import Control
 from zoo.moe import SwiGLUExperts
 
 MODALITIES = ("text", "vision", "audio")
@@ -19,6 +20,15 @@ class ModalityGroupExperts(SwiGLUExperts):
              "ICML 2025, arXiv:2502.10447")
     card = "cards/modality-groups.md"
     space = "multimodal-digits"
+
+    @classmethod
+    def demo_controls(cls, model=None):  # the partition; the expert shapes are the layer's
+        return [Control("group_sizes", "json", [2, 2, 2], help="experts per modality group, in the order of groups"),
+                Control("groups", "json", list(MODALITIES), help="the modalities, in order")]
+
+    @classmethod
+    def demo_presets(cls, model=None):
+        return {"mild": {"group_sizes": [2, 2, 2]}, "strong": {"group_sizes": [4, 2, 2]}}
 
     def __init__(self, group_sizes: list[int], hidden_size: int, intermediate_size: int,
                  groups: list[str] = MODALITIES, num_experts: int | None = None, **options):
