@@ -75,7 +75,7 @@ class SparseMoE(nn.Module):
 
     def __setattr__(self, name, value):
         if name == "router" and isinstance(value, Router):  # a swapped-in router keeps the block's map
-            value.expert_map = self.__dict__.get("_expert_map")
+            value.serving_map = self.__dict__.get("_expert_map")
         super().__setattr__(name, value)
 
     def with_parts(self, router: Router | None = None, experts: Experts | None = None,

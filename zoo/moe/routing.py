@@ -48,15 +48,15 @@ def map_routing(routing: Routing, expert_map, num_merged: int) -> Routing:
 
 
 def _mapped_forward(forward):
-    """``forward`` followed by the block's expert map, when one is set (``Router.expert_map``)."""
+    """``forward`` followed by the block's expert map, when one is set (``Router.serving_map``)."""
 
     @functools.wraps(forward)
     def wrapper(self, *args, **kwargs):
         routing = forward(self, *args, **kwargs)
         # mapped once, by the class's own forward (not by a parent's forward it calls through super())
-        if self.expert_map is None or type(self).forward is not wrapper or not isinstance(routing, Routing):
+        if self.serving_map is None or type(self).forward is not wrapper or not isinstance(routing, Routing):
             return routing
-        return map_routing(routing, self.expert_map, max(self.expert_map) + 1)
+        return map_routing(routing, self.serving_map, max(self.serving_map) + 1)
 
     wrapper._zoo_mapped = True
     return wrapper
@@ -89,7 +89,7 @@ class Router(nn.Module, DemoControls):
     # Set by ``SparseMoE`` when merged experts serve the router's E experts (HC-SMoE's expert map): ``forward``'s
     # choice among the E experts is then mapped to the merged ones (``map_routing``), so every reader of the
     # router's output (the block, statistics, usage hooks) sees the experts that run. None: no map.
-    expert_map: tuple[int, ...] | None = None
+    serving_map: tuple[int, ...] | None = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
