@@ -5,7 +5,8 @@ best (their softmax weights renormalised); inside each kept group the expert gat
 top ``top_k // top_groups`` experts (softmax within the group, renormalised). A slot's weight is
 group weight x in-group weight. ``logits`` are the log-probabilities of the full two-level distribution,
 ``log p(group) + log p(expert | group)``, so the balance loss and statistics see one [T, E] distribution.
-No host syncs: every shape is fixed by the options.
+No host syncs at inference: every shape is fixed by the options (the training-only loss below checks which
+modalities are present).
 
 Group-load biasing (MoHAVE's training objective for the group gate): ``modalities`` binds each group to the
 modality it serves ("text", "vision", "audio"). In training mode, with a routing context that tags each token's
