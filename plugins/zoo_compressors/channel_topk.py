@@ -28,6 +28,12 @@ class ChannelTopK(Compressor):
         return {"mild": {"budget": 0.75}, "strong": {"budget": 0.4}}
 
     def __init__(self, budget: float = 0.5, selector: str = "sketch", rule: str = "topk", rank: int | None = None):
+        """
+        budget: fraction of each expert weight matrix a token reads, in (0, 1]
+        selector: sketch (the paper's weight-only reader), wina (WINA's input-side scores), down (gate and up read whole)
+        rule: topk (the paper's: a fixed count per token, no calibration) or threshold (calibrated baseline)
+        rank: rank of the sketch's low-rank recovery map (default 8; 0: none; sketch selector only)
+        """
         resolved = check_options(budget, selector, rule, rank)
         super().__init__(budget=budget, selector=selector, rule=rule, rank=rank)
         self.budget, self.selector, self.rule, self.rank = float(budget), selector, rule, resolved

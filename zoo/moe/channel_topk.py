@@ -138,6 +138,14 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class ChannelTopKExperts(SwiGLUExperts):
+    """Dense SwiGLU weights, read per (token, expert) only where the selector says (see the module docstring).
+
+    budget: fraction of each expert weight matrix a token reads, in (0, 1]
+    selector: sketch (the paper's weight-only reader), wina (WINA's input-side scores), down (gate and up read whole)
+    rule: topk (the paper's: a fixed count per token, no calibration) or threshold (calibrated baseline)
+    rank: rank of the sketch's low-rank recovery map (default 8; 0: none; sketch selector only)
+    """
+
     name = "channel-topk"
     summary = ("SwiGLU experts that read, per token, only the channels a selector picks before reading: a ternary "
                "sketch of the weights with low-rank recovery (default), WINA's input-side scores, or down-only.")
