@@ -116,13 +116,20 @@ def claim_top_p(args, base, tok) -> None:
     print_rows(rows)
     harder = all(hard_more)
     fewer = any(cheap)
+    # task level: does the domain with the higher base perplexity get more experts?
+    hard_domain = max(DOMAINS, key=lambda d: ref[d]["ppl"])
+    easy_domain = min(DOMAINS, key=lambda d: ref[d]["ppl"])
+    task = [r[f"k {hard_domain}"] > r[f"k {easy_domain}"] for r in rows[2:]]
     verdict = "holds" if harder and fewer else "holds in part" if harder or fewer else "does not hold"
     summary = (f"zoo-tiny-moe (trained with top-2) with its router swapped for top-p at p in {list(args.p)}; "
                f"{args.windows} held-out windows of {SEQ_LEN} tokens per domain, one thread. A token's difficulty "
                "is the base model's loss on the next token; 'k easy-q'/'k hard-q' are the mean experts top-p gives "
                "the easiest/hardest quarter of tokens, rho the rank correlation of experts with difficulty. "
                f"Harder tokens get more experts at every p: {harder}. Some p uses fewer than 2 experts on average "
-               f"with perplexity within {100 * args.tolerance:g}% of top-2 on both domains: {fewer}. No dynamic "
+               f"with perplexity within {100 * args.tolerance:g}% of top-2 on both domains: {fewer}. Task level: "
+               f"the harder domain ({hard_domain}, base perplexity {ref[hard_domain]['ppl']:.1f} vs "
+               f"{ref[easy_domain]['ppl']:.1f}) gets more experts than {easy_domain} at {sum(task)} of {len(task)} "
+               "p values (not part of the verdict: the two domains differ in more than difficulty). No dynamic "
                "(entropy) loss was trained here: the router is the top-2-trained one.")
     path = record("top-p", "harder tokens get more experts; fewer experts on average at similar quality", verdict,
                   summary, rows, f"python benchmarks/routers.py --claim top-p --windows {args.windows}", args.model)
