@@ -90,12 +90,16 @@ def main(argv=None):
     cals = {d: calibration.corpus(d, tokens=args.calibration_tokens) for d in ("mixed", "code")}
     cosine = expert_cosine(base)
     rows = [{"method": "base", "experts": 8, **measure(base, tok, args.windows)}]
-    by = {}
+    by, factored = {}, {}
     for n in args.sizes:
         for label, name, options, cal in runs(n):
             t = time.perf_counter()
             model = zoo.apply(copy.deepcopy(base), name, calibration=cals[cal], **options)
             row = {"method": label, "experts": n, **measure(model, tok, args.windows)}
+            params = model.config.zoo_recipe[-1].get("results", {}).get("parameters")
+            if params:  # sub-moe: its merged experts' parameters, dense and in factored form at the kept rank
+                factored[label] = sum(p["factored_at_rank"] for p in params.values()) / sum(
+                    p["dense"] for p in params.values())
             rows.append(row)
             by[label] = row
             print(f"  {label}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
@@ -117,25 +121,34 @@ def main(argv=None):
     def pick(*labels):
         return [by[f"{lab} {n}/8"] for n in args.sizes for lab in labels]
 
-    orth = (f"zoo-tiny-moe was trained from scratch and its experts are nearly orthogonal (mean |cosine| of two "
-            f"experts' weights {cosine:.3f}), the least favourable case for merging; settings: {settings}.")
+    if args.model == "zoo-tiny-moe":
+        orth = (f"zoo-tiny-moe was trained from scratch and its experts are nearly orthogonal (mean |cosine| of two "
+                f"experts' weights {cosine:.3f}), the least favourable case for merging; settings: {settings}.")
+    else:
+        orth = f"Mean |cosine| of two experts' weights in a layer: {cosine:.3f}; settings: {settings}."
+    record = claims.record
+
+    def claim_on(component, claim, *rest):  # one entry per model: a second model's run keeps the first's
+        record(component, claim if args.model == "zoo-tiny-moe" else f"{claim} (on {args.model})", *rest)
     base_row = rows[0]
     # HC-SMoE: merging (its expert map, the paper's router) beats pruning at equal expert count
     wins = [score(by[f"hc-smoe map {n}/8"]) < min(score(by[f"prune-frequency {n}/8"]), score(by[f"prune-reap {n}/8"]))
             for n in args.sizes]
     wins_freq = [score(by[f"hc-smoe map {n}/8"]) < score(by[f"prune-frequency {n}/8"]) for n in args.sizes]
-    claims.record(
+    map_vs_cut = [score(by[f"hc-smoe map {n}/8"]) < score(by[f"hc-smoe cut {n}/8"]) for n in args.sizes]
+    claim_on(
         "hc-smoe", "merging experts (hierarchical clustering, frequency-weighted) beats pruning at equal expert count",
         verdict(wins),
         f"hc-smoe (expert map, the paper's) against prune-frequency and prune-reap at {args.sizes} of 8 experts: "
         f"beats both at {sum(wins)} of {len(wins)} sizes, frequency pruning (the paper's baseline) at "
-        f"{sum(wins_freq)} of {len(wins_freq)} (mean log perplexity over the held-out domains). The cut router "
-        f"(the zoo's old default) is the row 'hc-smoe cut'. " + orth,
+        f"{sum(wins_freq)} of {len(wins_freq)} (mean log perplexity over the held-out domains). The paper's router "
+        f"(all rows kept, expert map) beats the zoo's old cut router (row 'hc-smoe cut') at {sum(map_vs_cut)} of "
+        f"{len(map_vs_cut)} sizes; neither beats pruning. " + orth,
         [base_row, *pick("prune-frequency", "prune-reap", "hc-smoe map", "hc-smoe cut")], command, args.model)
     # REAP: pruning beats merging on generative quality (perplexity)
     merges = ("hc-smoe map", "hc-smoe cut", "sub-moe")
     wins = [score(by[f"prune-reap {n}/8"]) < min(score(by[f"{m} {n}/8"]) for m in merges) for n in args.sizes]
-    claims.record(
+    claim_on(
         "prune-reap", "pruning (REAP saliency) beats merging on generative quality at equal expert count",
         verdict(wins),
         f"prune-reap against hc-smoe (map and cut) and sub-moe at {args.sizes} of 8 experts, perplexity being "
@@ -145,7 +158,7 @@ def main(argv=None):
     wins = [by[f"prune-reap code-cal {n}/8"]["code"] < by[f"prune-reap {n}/8"]["code"] for n in args.sizes]
     cost = [round(by[f"prune-reap code-cal {n}/8"]["english"] / by[f"prune-reap {n}/8"]["english"], 3)
             for n in args.sizes]
-    claims.record(
+    claim_on(
         "prune-reap", "Half the Experts, All the Code: pruning calibrated on one domain (code) keeps that domain's "
         "quality better than general (mixed) calibration", verdict(wins),
         f"prune-reap calibrated on code only against mixed calibration at {args.sizes} of 8 experts: lower code "
@@ -153,21 +166,23 @@ def main(argv=None):
         [base_row, *pick("prune-reap", "prune-reap code-cal")], command, args.model)
     # Sub-MoE: subspace merging beats plain averaging and other merges at equal size
     wins_avg = [score(by[f"sub-moe {n}/8"]) < score(by[f"sub-moe rank 1.0 {n}/8"]) for n in args.sizes]
+    saved = ", ".join(f"{factored['sub-moe %d/8' % n]:.0%} at {n}/8" for n in args.sizes)
     wins_hc = [score(by[f"sub-moe {n}/8"]) < score(by[f"hc-smoe map {n}/8"]) for n in args.sizes]
-    claims.record(
+    claim_on(
         "sub-moe", "subspace expert merging (shared U, merged V, truncated rank) beats plain averaging and other "
         "merges at equal expert count", verdict([a and b for a, b in zip(wins_avg, wins_hc)]),
         f"sub-moe (the paper's: cosine clustering, rank_ratio 0.5) against the frequency-weighted average of the "
         f"same clusters (rank_ratio 1.0) better at {sum(wins_avg)} of {len(wins_avg)} sizes, against hc-smoe at "
-        f"{sum(wins_hc)} of {len(wins_hc)}; the truncated form would store fewer parameters than the average "
-        f"(merged weights are kept dense here). 'sub-moe old' is the zoo's previous settings (Euclidean K-means, "
+        f"{sum(wins_hc)} of {len(wins_hc)}; in factored form the truncated merged experts would hold "
+        f"{saved} of the dense merged experts' "
+        f"parameters (kept dense here). 'sub-moe old' is the zoo's previous settings (Euclidean K-means, "
         f"full rank, cut router). " + orth,
         [base_row, *pick("sub-moe", "sub-moe rank 1.0", "sub-moe old", "hc-smoe map")], command, args.model)
     # prune-frequency: a baseline, no claim of its own
     ranks = {n: sorted((score(by[f"{lab} {n}/8"]), lab) for lab in ("prune-frequency", "prune-reap", "hc-smoe map",
                                                                       "sub-moe")) for n in args.sizes}
     place = {n: [lab for _, lab in r].index("prune-frequency") + 1 for n, r in ranks.items()}
-    claims.record(
+    claim_on(
         "prune-frequency", "none of its own: the frequency-pruning baseline of HC-SMoE and NAEE", "untestable here",
         f"No paper claims anything for frequency pruning itself; it is the baseline the merging papers beat. Here "
         f"it ranks {place} (experts: place among prune-frequency, prune-reap, hc-smoe, sub-moe; 1 = best mean log "
