@@ -317,3 +317,15 @@ def test_hc_smoe_router_rows_needs_the_cut_router():
     with pytest.raises(ValueError, match="clustering must be one of"):
         zoo.apply(model, "sub-moe", calibration=CAL, num_experts=2, clustering="manhattan")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_streamed_export_of_an_expert_map_says_why_not(tmp_path):
+    from zoo import stream
+    from zoo.architectures.family import NotExportable
+
+    model = zoo.convert(tiny_native("mixtral"))
+    zoo.apply(model, "hc-smoe", calibration=CAL, num_experts=2)
+    model.save_pretrained(tmp_path / "m")
+    with pytest.raises(NotExportable, match="expert map.*--no-stream"):
+        stream.export(tmp_path / "m", tmp_path / "native")
+    assert not (tmp_path / "native").exists()
