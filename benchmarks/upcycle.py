@@ -161,6 +161,12 @@ def main(argv=None):
          "one FFN beats plain training of the dense model, at the same inference cost", ew_name,
          f"upcycled to 4 copies, beta {args.ewa_beta}, collapsed after training; {settings}"),
     ]
+    base_ppl = rows["base (zoo-tiny-dense)"]["ppl"]
+    worse = all(rows[n]["ppl"][k] > base_ppl[k] for n in (dense_name, up_name, fy_name, ew_name) for k in DOMAINS)
+    caveat = (f"; every trained arm ends above the untrained base (ppl {', '.join(f'{k} {base_ppl[k]:.2f}' for k in DOMAINS)}): "
+              f"{args.steps} steps at a re-warmed lr {args.lr} measure the early transient of continued training, "
+              "not a converged comparison") if worse else ""
+    claims = [(c, t, n, note + caveat) for c, t, n, note in claims]
     command = f"python benchmarks/upcycle.py --steps {args.steps} --batch {args.batch} --windows {args.windows}"
     for component, claim, name, note in claims:
         verdict, text = compare(name)
