@@ -64,7 +64,7 @@ SPECIAL = {
     # on zoo_mm it does not survive a reload: checked apart (KNOWN_BUG)
     "router:mixture-of-heads": {"families": ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"]},
 }
-# Families each check is expected to skip, with the zoo's refusal (the default: the dense Mistral, for MoE steps).
+# Families each check is expected to skip, with the zoo's refusal (the default: the dense model, for MoE steps).
 # Pinned, so that a component that stops fitting a family is noticed rather than skipped in silence.
 MOE = {"mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "zoo_mm"}  # refused by steps that make an MoE of a dense model
 DENSE_EXPERTS = {"mistral", "zoo_mm"}  # no MoE; modality-group experts (zoo_mm)
@@ -181,7 +181,7 @@ def test_a_forward_that_differs_from_its_reference_is_caught(reports):
 
 def test_a_component_that_fits_no_model_fails_with_the_reasons():
     with pytest.raises(AssertionError, match=r"upcycle fits none of the models .*mixtral: TypeError: upcycle needs "
-                                             r"a dense Mistral model"):
+                                             r"a dense decoder of a family with an MoE sibling"):
         check_component("upcycle", families=["mixtral"], num_experts=4)
 
 
