@@ -92,24 +92,24 @@ def naive_hash(router: TokenHash, hidden, ids):
 ])
 def test_token_hash_matches_a_per_token_loop(options):
     torch.manual_seed(0)
-    router = TokenHash(16, 6, 2, vocab_size=50, **options)
+    router = TokenHash(16, 6, 2, vocab_size=50, **options).double()  # float64: no summation-order noise
     with torch.no_grad():
         router.weight.normal_(0, 0.5)
         if router.bias is not None:
             router.bias.normal_(0, 0.5)
         router.tid2eid.copy_(random_table(50, 2, 6))
-    hidden = torch.randn(20, 16)
+    hidden = torch.randn(20, 16, dtype=torch.float64)
     ids = torch.randint(0, 50, (20,))
     ids[3] = -1  # a token without an id (an image patch): the gate's top-k
     got = router(hidden, RoutingContext(input_ids=ids[None]))
     want_indices, want_weights = naive_hash(router, hidden, ids)
     assert torch.equal(got.indices, want_indices)
-    torch.testing.assert_close(got.weights, want_weights, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got.weights, want_weights, rtol=1e-12, atol=1e-14)
     assert got.logits is None  # no balance loss over a fixed selection
-    direction = torch.randn(20, 2)
+    direction = torch.randn(20, 2, dtype=torch.float64)
     grad = torch.autograd.grad((got.weights * direction).sum(), router.weight)[0]
     want_grad = torch.autograd.grad((naive_hash(router, hidden, ids)[1] * direction).sum(), router.weight)[0]
-    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-12)
 
 
 def test_token_hash_after_pruning_and_merging_keeps_the_table_valid():
