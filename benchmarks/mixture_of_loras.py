@@ -17,6 +17,8 @@ least 1% of the weight mass; and held-out perplexity per domain before / after.
     python benchmarks/mixture_of_loras.py                 # 150 steps, batch 4 x 128, 1 thread (~12 min)
     python benchmarks/mixture_of_loras.py --routers learned --steps 600   # learned at remix's compute
     python benchmarks/mixture_of_loras.py --smoke         # a few seconds
+    python benchmarks/mixture_of_loras.py --steps 40 --windows 6 --record   # records remix's verdict
+                                                          # in docs/claims/remix.json (zoo.claims)
 """
 from __future__ import annotations
 
@@ -160,6 +162,8 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--routers", default=",".join(ROUTERS), help="comma list of: remix, learned")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: check that it runs")
+    p.add_argument("--record", action="store_true",
+                   help="record ReMix's claim from this run in docs/claims/remix.json (needs both routers)")
     args = p.parse_args()
     if args.smoke:
         args.steps, args.batch_size, args.seq_len, args.eval_len, args.windows = 2, 2, 32, 32, 2
@@ -171,8 +175,47 @@ def main():
     routers = [r for r in args.routers.split(",") if r]
     if not routers or set(routers) - set(ROUTERS):
         p.error(f"--routers must be a comma list of {', '.join(ROUTERS)}")
+    if args.record and set(routers) != set(ROUTERS):
+        p.error("--record compares remix with learned: run both routers")
     results = {router: run(router, args, tokenizer) for router in routers}
     print(table(results, args))
+    if args.record:
+        record(results, args)
+
+
+def record(results: dict, args) -> None:
+    """ReMix's claim: routing weights of a learned router collapse onto a few LoRAs; RL routing with equal weights
+    keeps them all in use and fine-tunes better. Verdict from the run just measured."""
+    from zoo.claims import record as record_claim
+
+    rows = []
+    for router, r in results.items():
+        row = {"router": router}
+        for d in DOMAINS:
+            row[f"ppl {d} before"] = round(r["before"][d], 2)
+            row[f"ppl {d} after"] = round(r["after"][d], 2)
+        row.update({"weight-mass entropy (bits)": round(r["trained"]["mass_entropy"], 3),
+                    f"LoRAs >= 1% of mass (of {args.num_loras})": round(r["trained"]["in_use"], 2),
+                    "effective LoRAs/token": round(r["trained"]["ess"], 3)})
+        rows.append(row)
+    remix, learned = results["remix"], results["learned"]
+    spread = (remix["trained"]["mass_entropy"] > learned["trained"]["mass_entropy"]
+              and remix["trained"]["in_use"] >= learned["trained"]["in_use"])
+    better = remix["after"][args.domain] < learned["after"][args.domain]
+    verdict = "holds" if spread and better else "holds in part" if spread or better else "does not hold"
+    summary = (f"After {args.steps} steps of {args.batch_size} x {args.seq_len} {args.domain} tokens (same LoRAs, "
+               f"N={args.num_loras}, r={args.r}, top-{args.top_k}, remix num_samples={args.num_samples}, one thread; "
+               f"{args.windows} held-out windows x {args.eval_len} tokens per domain): the remix router "
+               f"{'keeps more LoRAs in use' if spread else 'does not keep more LoRAs in use'} than the learned softmax "
+               f"router (weight-mass entropy {remix['trained']['mass_entropy']:.2f} vs "
+               f"{learned['trained']['mass_entropy']:.2f} bits) and its {args.domain} perplexity is "
+               f"{'lower' if better else 'not lower'} ({remix['after'][args.domain]:.2f} vs "
+               f"{learned['after'][args.domain]:.2f}). Remix costs {args.num_samples} forwards per step.")
+    command = (f"python benchmarks/mixture_of_loras.py --steps {args.steps} --batch-size {args.batch_size} "
+               f"--windows {args.windows} --record")
+    path = record_claim("remix", "RL-trained routing keeps every LoRA in use where a learned router collapses, "
+                        "and fine-tunes better", verdict, summary, rows, command, args.model)
+    print(f"recorded: {verdict} -> {path}")
 
 
 if __name__ == "__main__":
