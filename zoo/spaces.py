@@ -11,10 +11,12 @@ documented in ``spaces/README.md``): text is cut or refused by length, numbers b
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -27,6 +29,21 @@ MAX_OPTIONS_CHARS = 200  # an adapter's "k=v,..." options
 MAX_OPTION_VALUE = 256  # any number in those options (r, alpha, num_experts, top_k, ...), in absolute value
 MAX_AUDIO_SECONDS = 10
 MAX_IMAGE_PIXELS = 4096 * 4096
+
+
+# Gradio runs the handlers of different events in threads at once (a page load's and a click's), and loading a
+# model switches torch's global default dtype for a moment: model work in a Space runs one call at a time.
+WORK_LOCK = threading.RLock()
+
+
+def one_at_a_time(fn):
+    """``fn`` run under ``WORK_LOCK`` (for a Space's handlers that load or run a model)."""
+    @functools.wraps(fn)
+    def locked(*args, **kwargs):
+        with WORK_LOCK:
+            return fn(*args, **kwargs)
+
+    return locked
 
 
 class UnknownSpace(KeyError, ValueError):
@@ -260,6 +277,7 @@ class ControlPanel:
 
         return gr.on(triggers, self.select, [self.name, self.preset], self.outputs(), api_visibility="private")
 
+    @one_at_a_time
     def select(self, name: str, preset: str):
         """The chosen component's group shown, its controls set from the preset (ranges from the model), the
         others hidden and left as they are; the summary, and the reason when it does not fit the model."""
@@ -305,6 +323,7 @@ class ControlPanel:
                 i += 1
         return out
 
+    @one_at_a_time
     def preset_options(self, name: str, preset: str) -> dict:
         """The options of ``name``'s preset (mild or strong) on the Space's model."""
         from zoo.demo_controls import PRESETS, presets_for
@@ -319,6 +338,7 @@ class ControlPanel:
             raise _error(f"no {self.kind} named {name!r}{suggest(str(name), self.classes)}")
         return self.classes[name]
 
+    @one_at_a_time
     def resolve(self, name: str, options) -> tuple[type, dict]:
         """``(class, options)`` for an action, after the checks: a known component, options a mapping of at most
         ``MAX_OPTIONS_CHARS`` characters with numbers bounded, and a component that fits the model (else a

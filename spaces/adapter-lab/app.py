@@ -21,7 +21,8 @@ import zoo
 from zoo.data.corpus import DOMAINS
 from zoo.finetune import finetune
 from zoo.registry import get_model
-from zoo.spaces import MAX_FILE_SIZE, MAX_OPTION_VALUE, ControlPanel, check_number, integer_ticks
+from zoo.spaces import (MAX_FILE_SIZE, MAX_OPTION_VALUE, ControlPanel, check_number, integer_ticks,
+                        one_at_a_time)
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
 DENSE = "zoo-tiny-dense"  # for adapters that build an MoE from a dense model (upcycle, moefy)
@@ -41,11 +42,13 @@ def model_name(cls) -> str:
     return DENSE if cls.accepts_dense and DENSE in models() else MODEL
 
 
+@one_at_a_time
 @functools.cache
 def base(name: str):
     return zoo.load(name, dtype=torch.float32).eval()
 
 
+@one_at_a_time
 def run(adapter: str, options: dict | None, domain: str, steps: int, lr: float):
     steps = int(check_number(steps, "steps", 1, MAX_STEPS))
     lr = check_number(lr, "learning rate", 0, MAX_LR)

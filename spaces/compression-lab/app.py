@@ -24,7 +24,7 @@ from zoo.apply import NoChange  # noqa: E402
 from zoo.eval import evaluate  # noqa: E402
 from zoo.layout import moe_layers  # noqa: E402
 from zoo.stats import collect  # noqa: E402
-from zoo.spaces import MAX_FILE_SIZE, ControlPanel, apply_component, integer_ticks  # noqa: E402
+from zoo.spaces import MAX_FILE_SIZE, ControlPanel, apply_component, integer_ticks, one_at_a_time  # noqa: E402
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
 WINDOWS = int(os.environ.get("MOE_ZOO_LAB_WINDOWS", "4"))
@@ -32,6 +32,7 @@ CALIBRATION = calibration.corpus("mixed", tokens=int(os.environ.get("MOE_ZOO_LAB
 PANEL: ControlPanel | None = None  # the compressor dropdown and each compressor's declared controls (build_demo)
 
 
+@one_at_a_time
 @functools.cache
 def base():
     return zoo.load(MODEL).eval()
@@ -41,6 +42,7 @@ def expert_bytes(model) -> int:
     return sum(moe.experts.nbytes() for _, moe in moe_layers(model))
 
 
+@one_at_a_time
 @functools.cache
 def base_result():
     model = base()
@@ -52,6 +54,7 @@ def label(method: str, options: dict) -> str:
     return f"{method} " + ", ".join(f"{k}={v}" for k, v in options.items())
 
 
+@one_at_a_time
 def run(method: str, options: dict | None, history: list):
     """Compress a copy of the base model; the Pareto plot, the table of runs, the history, the saliency map."""
     _, options = PANEL.resolve(method, options)
@@ -98,6 +101,7 @@ def table(history: list):
     return {"headers": ["run", "expert MB"] + [f"ppl {d}" for d in base_result()["perplexity"]], "data": rows}
 
 
+@one_at_a_time
 @functools.cache
 @torch.no_grad()
 def expert_stats():
@@ -106,6 +110,7 @@ def expert_stats():
     return [("routing frequency", [s.frequency for s in stats]), ("REAP saliency", [s.reap for s in stats])]
 
 
+@one_at_a_time
 def saliency(result: dict | None = None):
     """The base model's per-expert saliency; the experts ``result`` pruned or merged away are crossed out."""
     panels = expert_stats()

@@ -12,7 +12,7 @@ import gradio as gr
 import zoo
 from zoo.cards import render_component_card
 from zoo.registry import registry
-from zoo.spaces import MAX_FILE_SIZE
+from zoo.spaces import MAX_FILE_SIZE, one_at_a_time
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
 
@@ -49,6 +49,7 @@ def model_folder(name: str) -> str | None:
     return folder if os.path.isdir(folder) else None
 
 
+@one_at_a_time
 @functools.cache
 def model_card(name: str) -> str:
     """A model's card as markdown, without its YAML front matter: the README.md its folder ships, else

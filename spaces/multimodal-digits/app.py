@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 import zoo  # noqa: F401  (loads the plugins: zoo_mm, its processor and components)
-from zoo.spaces import MAX_AUDIO_SECONDS, MAX_FILE_SIZE, MAX_IMAGE_PIXELS, check_audio, check_number, check_text
+from zoo.spaces import (MAX_AUDIO_SECONDS, MAX_FILE_SIZE, MAX_IMAGE_PIXELS, check_audio, check_number, check_text,
+                        one_at_a_time)
 
 MODEL = os.environ.get("MOE_ZOO_MM_MODEL", "zoo-tiny-mm")
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -19,6 +20,7 @@ MODALITIES = ("text", "vision", "audio")
 MAX_PROMPT_CHARS = 200  # the model was trained on short questions ("which digit ?")
 
 
+@one_at_a_time
 @functools.cache
 def base():
     from zoo_multimodal.evaluate_mm import load_model
@@ -67,6 +69,7 @@ def crop_digit(image):
     return out * 16
 
 
+@one_at_a_time
 @torch.no_grad()
 def answer(image, audio, prompt, snr):
     prompt = check_text(prompt, "prompt", MAX_PROMPT_CHARS)

@@ -20,13 +20,15 @@ import torch  # noqa: E402
 import zoo  # noqa: E402
 from zoo.apply import NoChange  # noqa: E402
 from zoo.layout import moe_layers  # noqa: E402
-from zoo.spaces import MAX_FILE_SIZE, MAX_PROMPT_CHARS, ControlPanel, apply_component, cut_text  # noqa: E402
+from zoo.spaces import (MAX_FILE_SIZE, MAX_PROMPT_CHARS, ControlPanel, apply_component, cut_text,  # noqa: E402
+                        one_at_a_time)
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
 MAX_TOKENS = 48
 EXAMPLE = "To be, or not to be, that is the question.\ndef question(x):\n    return not x"
 
 
+@one_at_a_time
 @functools.cache
 def base():
     """The base model and its tokenizer, loaded once, on first use."""
@@ -94,6 +96,7 @@ def heatmap(labels, grids, title):
     return fig
 
 
+@one_at_a_time
 def analyze(text: str, router: str, options: dict | None = None):
     """Heatmap, perplexity and the per-token expert assignment (one column per layer)."""
     labels, grids, ppl = route(text, router, options)
