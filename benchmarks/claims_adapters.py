@@ -53,7 +53,7 @@ def full_experts(args, label: str) -> dict:
     torch.manual_seed(0)
     model = zoo.load(MODEL, dtype=torch.float32)
     tok = zoo.load_tokenizer(MODEL)
-    before = held_out(model, tok, 256, args.windows)["perplexity"]
+    before = held_out(model, tok, args.seq_len, args.windows)["perplexity"]
     model.requires_grad_(False)
     for _, m in moe_layers(model):
         m.experts.requires_grad_(True)
@@ -75,7 +75,7 @@ def full_experts(args, label: str) -> dict:
         opt.zero_grad(set_to_none=True)
         history.append(loss.item())
     model.eval()
-    after = held_out(model, tok, 256, args.windows)["perplexity"]
+    after = held_out(model, tok, args.seq_len, args.windows)["perplexity"]
     out = {"arm": label, "steps": args.steps, "trainable params": sum(p.numel() for p in params)}
     for d in DOMAINS:
         out[f"ppl {d} before"] = before[d]
@@ -95,7 +95,7 @@ def show(rows: list[dict]) -> None:
 
 def settings(args, steps=None) -> str:
     return (f"{steps or args.steps} steps x {args.batch} x {args.seq_len} {args.domain} tokens (zoo.finetune's schedule, "
-            f"bf16 autocast), {args.windows} held-out windows x 256 tokens per domain, one thread")
+            f"bf16 autocast), {args.windows} held-out windows x {args.seq_len} tokens per domain, one thread")
 
 
 def command(args, component: str) -> str:

@@ -6,7 +6,7 @@ groups: vision 4 experts, audio 4): each group pruned to 3 and to 2 experts by R
 draws its own multimodal calibration batches), then digit accuracy on the test split (unseen voices, held-out
 images) with the image only, audio only, both, and audio at -5 dB with the image.
 
-    python benchmarks/claims_prune_group.py          # about a minute on one thread
+    python benchmarks/claims_prune_group.py          # a few minutes on one thread
 """
 from __future__ import annotations
 

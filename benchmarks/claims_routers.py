@@ -78,8 +78,10 @@ def tune(model, tok, args, aux: float = 0.0, gamma: float = 0.0) -> list[float]:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 lm = model(input_ids=ids, labels=ids).loss
                 loss = lm
-                if aux:
-                    bal = [load_balancing_loss(seen[i].logits, layers[i][1].router.top_k) for i in seen]
+                # routers without logits (token-hash: the table picks, balanced by construction) take no loss
+                bal = [load_balancing_loss(seen[i].logits, layers[i][1].router.top_k) for i in seen
+                       if seen[i].logits is not None]
+                if aux and bal:
                     loss = lm + aux * torch.stack(bal).mean()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -310,7 +312,8 @@ def main():
         "token-hash": lambda a, t: versus_learned(
             a, t, "token-hash", {}, "fixed hash routing (token id -> experts) is competitive with learned routing "
             "(Hash Layers)", "Hash routing (the zoo's balanced hash of the token id, the gate only weighting) "
-            "against zoo-tiny-moe's learned top-2 router."),
+            "against zoo-tiny-moe's learned top-2 router; the hash arm trains without the balance loss (its routing "
+            "carries no logits; the table is balanced by construction)."),
         "expert-choice": lambda a, t: versus_learned(
             a, t, "expert-choice", {"capacity_factor": 2.0}, "expert choice routing (each expert picks its tokens) "
             "trains at least as well as token-choice top-k at equal compute", "Expert choice at capacity factor 2 "
