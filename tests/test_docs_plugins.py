@@ -100,6 +100,7 @@ def sandbox(folder: Path):
     from zoo.architectures import factory
     from zoo.cli import cli
 
+    P.load_plugins()  # the zoo's own model types join the Auto classes first (lazily), so the snapshot keeps them
     dicts = [(m._extra_content, dict(m._extra_content)) for m in _auto_mappings()]
     commands = dict(cli.commands)
     added = cli.__dict__.get("_zoo_plugin_commands")
