@@ -119,7 +119,9 @@ def show(rows: list[dict]) -> None:
 
 def settings(args) -> str:
     return (f"{args.steps} steps x {args.batch} x {args.seq_len} tokens of both domains, lr {args.lr}, whole model, "
-            f"bf16 autocast; {args.windows} held-out windows x 256 tokens per domain; one thread")
+            f"bf16 autocast; {args.windows} held-out windows x 256 tokens per domain; one thread (so short a tune at "
+            f"this rate raises every arm's perplexity above the shipped model's 84.12 english, 62.76 code: compare "
+            f"the arms with each other)")
 
 
 def command(args, component: str) -> str:
