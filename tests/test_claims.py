@@ -50,3 +50,13 @@ def test_the_readme_table_lists_every_claim(tmp_path):
     table = claims.readme_table(tmp_path)
     assert table.splitlines()[2:] == ["| `a` | claim one | holds | zoo-tiny-moe |",
                                       "| `b` | claim two | does not hold | zoo-tiny-upcycled |"]
+
+
+def test_the_readme_table_is_the_recorded_one():
+    """README.md's table of claims is what docs/claims/ holds (python -m zoo.claims --readme rewrites it)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start, end = (readme.index(marker) for marker in claims.README_MARKERS)
+    assert readme[start + len(claims.README_MARKERS[0]):end].strip() == claims.readme_table().strip()
+    assert len(claims.readme_table().splitlines()) > 20  # the first-party claims are recorded

@@ -3,7 +3,7 @@
 A claim benchmark calls ``record`` with what it measured; the file keeps one entry per claim (a second run of
 the same claim replaces it) with the numbers, the verdict, the command that measured it, the model, the commit
 and the date. Component cards render the entries as "Does the paper's claim hold here?", and
-``python -m zoo.claims`` prints the README's table of every claim.
+``python -m zoo.claims`` prints the README's table of every claim (``--readme`` writes it into README.md).
 """
 from __future__ import annotations
 
@@ -116,5 +116,21 @@ def readme_table(root: str | os.PathLike | None = None) -> str:
     return "\n".join(rows) + "\n"
 
 
+README_MARKERS = ("<!-- claims table: python -m zoo.claims --readme -->", "<!-- end of claims table -->")
+
+
+def write_readme(path: str | os.PathLike | None = None) -> None:
+    """Replace the table between the README's claims markers with ``readme_table()``."""
+    path = Path(path) if path is not None else Path(__file__).resolve().parent.parent / "README.md"
+    text = path.read_text()
+    start, end = (text.index(marker) for marker in README_MARKERS)
+    path.write_text(text[:start + len(README_MARKERS[0])] + "\n" + readme_table() + text[end:])
+
+
 if __name__ == "__main__":
-    print(readme_table(), end="")
+    import sys
+
+    if sys.argv[1:] == ["--readme"]:
+        write_readme()
+    else:
+        print(readme_table(), end="")

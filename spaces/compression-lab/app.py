@@ -47,7 +47,7 @@ def expert_bytes(model) -> int:
 def base_result():
     model = base()
     return {"label": "base", "expert_bytes": expert_bytes(model),
-            "perplexity": evaluate(model, max_windows=WINDOWS, measure_speed=False)["perplexity"]}
+            "perplexity": evaluate(model, max_windows=WINDOWS, measure_speed=False, ood=False)["perplexity"]}
 
 
 def label(method: str, options: dict) -> str:
@@ -64,7 +64,7 @@ def run(method: str, options: dict | None, history: list):
         raise gr.Error(str(exc)) from None
     step = model.config.zoo_recipe[-1]
     result = {"label": label(method, options), "expert_bytes": expert_bytes(model),
-              "perplexity": evaluate(model, max_windows=WINDOWS, measure_speed=False)["perplexity"],
+              "perplexity": evaluate(model, max_windows=WINDOWS, measure_speed=False, ood=False)["perplexity"],
               "removed": removed_experts(step.get("results") or {})}
     history = [r for r in history if r["label"] != result["label"]] + [result]
     return pareto(history), gr.update(value=table(history), visible=True), history, saliency(result)
