@@ -208,7 +208,9 @@ def record(results: dict, args) -> None:
                f"{args.windows} held-out windows x {args.eval_len} tokens per domain): the remix router "
                f"{'keeps more LoRAs in use' if spread else 'does not keep more LoRAs in use'} than the learned softmax "
                f"router (weight-mass entropy {remix['trained']['mass_entropy']:.2f} vs "
-               f"{learned['trained']['mass_entropy']:.2f} bits) and its {args.domain} perplexity is "
+               f"{learned['trained']['mass_entropy']:.2f} bits of {math.log2(args.num_loras):.0f}; LoRAs holding >= 1% of "
+               f"the mass {remix['trained']['in_use']:.2f} vs {learned['trained']['in_use']:.2f}) and its {args.domain} "
+               f"perplexity is "
                f"{'lower' if better else 'not lower'} ({remix['after'][args.domain]:.2f} vs "
                f"{learned['after'][args.domain]:.2f}). Remix costs {args.num_samples} forwards per step.")
     command = (f"python benchmarks/mixture_of_loras.py --steps {args.steps} --batch-size {args.batch_size} "
