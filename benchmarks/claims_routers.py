@@ -8,7 +8,7 @@ Each ``--component`` runs its own small experiment, prints the rows side by side
   balances expert load) by re-initialising the routers and fine-tuning the whole model with and without it;
 - ``sigmoid-bias``: DeepSeek-V3's auxiliary-loss-free balancing: the router swapped to sigmoid-bias, fine-tuned
   with no balancing, with the auxiliary loss, and with the selection-only bias updated by load after every step
-  (``b_e += gamma * sign(mean load - load_e)``; the router ships the bias but not the update: it is done here);
+  (``b_e += gamma * sign(mean load - load_e)``, the router's ``bias_update_speed`` and ``after_step``);
 - ``token-hash``: Hash Layers' claim (fixed hash routing is competitive with learned routing): fine-tuned with
   the hash router and with the learned one for the same steps;
 - ``expert-choice``: expert choice at capacity factor 2 (top-2's compute) against top-2, fine-tuned the same;
@@ -57,10 +57,10 @@ def evaluate(model, tok, windows: int) -> dict:
             "max entropy": usage[DOMAINS[0]][0]["max_entropy_bits"]}
 
 
-def tune(model, tok, args, aux: float = 0.0, gamma: float = 0.0) -> list[float]:
+def tune(model, tok, args, aux: float = 0.0) -> list[float]:
     """Fine-tune every parameter for ``args.steps`` (AdamW, zoo.finetune's schedule, bf16 autocast) on both
-    domains; ``aux``: weight of the Switch balance loss (mean over layers); ``gamma``: DeepSeek-V3's bias update
-    speed for routers with ``e_score_correction_bias``."""
+    domains; ``aux``: weight of the Switch balance loss (mean over layers). Routers with ``after_step`` get it
+    after every optimizer step, as ``moe-zoo finetune`` does."""
     layers = moe_layers(model)
     seen = {}
     handles = [m.router.register_forward_hook(lambda mod, a, r, i=i: seen.__setitem__(i, r))
@@ -87,12 +87,9 @@ def tune(model, tok, args, aux: float = 0.0, gamma: float = 0.0) -> list[float]:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if gamma:
-                with torch.no_grad():
-                    for i, (_, m) in enumerate(layers):
-                        idx = seen[i].indices.reshape(-1)
-                        load = torch.bincount(idx[idx < m.num_experts], minlength=m.num_experts).float()
-                        m.router.e_score_correction_bias += gamma * torch.sign(load.mean() - load)
+            for _, m in layers:  # the router's own per-step update (sigmoid-bias: DeepSeek-V3's bias rule)
+                if callable(getattr(m.router, "after_step", None)):
+                    m.router.after_step()
             losses.append(lm.item())
     finally:
         for h in handles:
@@ -174,9 +171,9 @@ def sigmoid_bias(args, tok) -> None:
     rows = []
     for label, aux, gamma in (("no balancing", 0.0, 0.0), (f"aux loss {args.aux:g}", args.aux, 0.0),
                               (f"bias update gamma {args.gamma:g}", 0.0, args.gamma)):
-        model = zoo.apply(fresh(args), "sigmoid-bias")
+        model = zoo.apply(fresh(args), "sigmoid-bias", **({"bias_update_speed": gamma} if gamma else {}))
         t0 = time.perf_counter()
-        tune(model, tok, args, aux=aux, gamma=gamma)
+        tune(model, tok, args, aux=aux)
         rows.append(row(label, evaluate(model, tok, args.windows), seconds=round(time.perf_counter() - t0)))
         print(rows[-1], flush=True)
     show(rows)
@@ -186,9 +183,9 @@ def sigmoid_bias(args, tok) -> None:
     verdict = "holds" if balances and quality else "holds in part" if balances or quality else "does not hold"
     record("sigmoid-bias", "auxiliary-loss-free balancing (a selection-only bias updated by load) balances load "
            "without the auxiliary loss's cost in quality (DeepSeek-V3)", verdict,
-           f"zoo-tiny-moe's routers swapped to sigmoid-bias (its trained gate kept), then {settings(args)}. The router "
-           f"ships the selection-only bias but not its update rule: this benchmark applies b_e += gamma * sign(mean "
-           f"load - load_e) after every step (gamma {args.gamma:g}, larger than the paper's 0.001 for a short run). "
+           f"zoo-tiny-moe's routers swapped to sigmoid-bias (its trained gate kept), then {settings(args)}. The router's "
+           f"own update rule, b_e += gamma * sign(mean load - load_e) after every step (bias_update_speed gamma "
+           f"{args.gamma:g}, larger than the paper's 0.001 for a short run). "
            f"max/mean load: bias {free['max/mean load']}, aux loss {aux['max/mean load']}, none "
            f"{none['max/mean load']}; perplexity bias vs aux: "
            + ", ".join(f"{d} {free[f'ppl {d}']} vs {aux[f'ppl {d}']}" for d in DOMAINS) + ".",

@@ -123,6 +123,8 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{adapter} left no parameter to train")
+    stepped = [moe.router for _, moe in moe_layers(base_of(model))
+               if callable(getattr(moe.router, "after_step", None))]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     aux = bool(moe_layers(base_of(model)))
     coef = getattr(model.config, "router_aux_loss_coef", 0.0) if aux else 0.0
@@ -149,6 +151,8 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        for router in stepped:  # per-step router updates outside backprop (sigmoid-bias: DeepSeek-V3's bias rule)
+            router.after_step()
         if helper is not None and helper.train_step is not None:
             helper.train_step(model)
         if lm_loss is not None:

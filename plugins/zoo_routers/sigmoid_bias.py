@@ -1,5 +1,10 @@
 """sigmoid-bias: DeepSeek-V3 routing. Sigmoid affinities; a per-expert bias steers *selection only*;
-group-limited top-k; kept affinities renormalised and scaled by ``routed_scaling_factor``."""
+group-limited top-k; kept affinities renormalised and scaled by ``routed_scaling_factor``.
+
+Auxiliary-loss-free balancing, DeepSeek-V3's training rule: with ``bias_update_speed`` gamma > 0, the router counts
+in training how many tokens each expert was picked for, and ``after_step()`` (called after every optimizer step by
+``moe-zoo finetune``, or by your own loop) moves each expert's bias by gamma toward balance:
+``b_e += gamma * sign(mean load - load_e)``. gamma 0 (the default) leaves the bias as loaded, as at inference."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,12 +34,17 @@ class SigmoidBias(Router):
         return {"mild": {"top_k": k}, "strong": {"top_k": k, "norm_topk_prob": False}}
 
     def __init__(self, hidden_size, num_experts, top_k, n_group: int | None = 1, topk_group: int | None = 1,
-                 norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, **options):
+                 norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, bias_update_speed: float = 0.0,
+                 **options):
         for label, value in (("n_group", n_group), ("topk_group", topk_group)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{label} must be a positive integer (0 or None: not set), got {value!r}")
         if isinstance(routed_scaling_factor, bool) or not routed_scaling_factor > 0:
             raise ValueError(f"routed_scaling_factor must be positive, got {routed_scaling_factor!r}")
+        if isinstance(bias_update_speed, bool) or not isinstance(bias_update_speed, (int, float)) \
+                or not 0 <= bias_update_speed < float("inf"):
+            raise ValueError(f"bias_update_speed must be a number >= 0 (DeepSeek-V3 trains with 0.001), "
+                             f"got {bias_update_speed!r}")
         n_group, topk_group = n_group or 1, topk_group or 1
         if num_experts % n_group:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by n_group ({n_group})")
@@ -44,7 +54,10 @@ class SigmoidBias(Router):
             raise ValueError(f"top_k={top_k} exceeds the experts in {topk_group} of {n_group} groups")
         super().__init__(hidden_size, num_experts, top_k, n_group=n_group, topk_group=topk_group,
                          norm_topk_prob=bool(norm_topk_prob), routed_scaling_factor=float(routed_scaling_factor),
-                         **options)
+                         **({"bias_update_speed": float(bias_update_speed)} if bias_update_speed else {}), **options)
+        self.bias_update_speed = float(bias_update_speed)
+        # tokens each expert was picked for since the last after_step (training only; never saved)
+        self.picks = nn.Buffer(torch.zeros(num_experts, dtype=torch.float32), persistent=False)
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = bool(norm_topk_prob), float(routed_scaling_factor)
         # Updated outside backprop (aux-loss-free balancing), so a buffer, kept in fp32; the gate is fp32 too, as
@@ -68,8 +81,19 @@ class SigmoidBias(Router):
             keep = keep.bool().unsqueeze(-1).expand_as(grouped).reshape(-1, self.num_experts)
             choice = choice.masked_fill(~keep, float("-inf"))
         indices = choice.topk(self.top_k, dim=-1).indices
+        if self.training and self.bias_update_speed:
+            with torch.no_grad():
+                self.picks += torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
         weights = scores.gather(1, indices)  # ...while the weights come from the unbiased affinities
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * self.routed_scaling_factor
         return Routing(weights=weights.to(hidden.dtype), indices=indices, logits=logits)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """DeepSeek-V3's bias update after an optimizer step: an overloaded expert's bias goes down by
+        ``bias_update_speed``, an underloaded one's up (loads counted since the last call); then the counts reset."""
+        if self.bias_update_speed and self.picks.sum() > 0:
+            self.e_score_correction_bias += self.bias_update_speed * torch.sign(self.picks.mean() - self.picks)
+        self.picks.zero_()
