@@ -56,8 +56,9 @@ class SigmoidBias(Router):
                          norm_topk_prob=bool(norm_topk_prob), routed_scaling_factor=float(routed_scaling_factor),
                          **({"bias_update_speed": float(bias_update_speed)} if bias_update_speed else {}), **options)
         self.bias_update_speed = float(bias_update_speed)
-        # tokens each expert was picked for since the last after_step (training only; never saved)
-        self.picks = nn.Buffer(torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+        # tokens each expert was picked for since the last after_step: training state, not a buffer (never saved,
+        # never on the meta device of a loading model), made on first use on the device routing runs on
+        self.picks = None
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = bool(norm_topk_prob), float(routed_scaling_factor)
         # Updated outside backprop (aux-loss-free balancing), so a buffer, kept in fp32; the gate is fp32 too, as
@@ -83,7 +84,8 @@ class SigmoidBias(Router):
         indices = choice.topk(self.top_k, dim=-1).indices
         if self.training and self.bias_update_speed:
             with torch.no_grad():
-                self.picks += torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
+                counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
+                self.picks = counts if self.picks is None else self.picks + counts
         weights = scores.gather(1, indices)  # ...while the weights come from the unbiased affinities
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -94,6 +96,7 @@ class SigmoidBias(Router):
     def after_step(self) -> None:
         """DeepSeek-V3's bias update after an optimizer step: an overloaded expert's bias goes down by
         ``bias_update_speed``, an underloaded one's up (loads counted since the last call); then the counts reset."""
-        if self.bias_update_speed and self.picks.sum() > 0:
-            self.e_score_correction_bias += self.bias_update_speed * torch.sign(self.picks.mean() - self.picks)
-        self.picks.zero_()
+        picks, self.picks = self.picks, None
+        if self.bias_update_speed and picks is not None and picks.sum() > 0:
+            picks = picks.to(self.e_score_correction_bias.device)
+            self.e_score_correction_bias += self.bias_update_speed * torch.sign(picks.mean() - picks)
