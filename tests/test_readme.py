@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 import pytest
 
-from test_hub import HubServer
+from test_hub import hub  # noqa: F401  (the local test Hub, started per test)
 from zoo.cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,14 +26,6 @@ def test_the_readme_has_the_blocks_this_file_checks():
     languages = [lang for lang, _ in BLOCK.findall((ROOT / "README.md").read_text())]
     assert set(languages) <= {"", "python", "toml"}, languages  # a new language needs a check here
     assert blocks("python") and blocks("toml") and blocks("")
-
-
-@pytest.fixture
-def hub(tmp_path):
-    pytest.importorskip("olah", reason="the test Hub server needs olah (pip install -e .[test])")
-    server = HubServer(tmp_path / "hub")
-    yield server
-    server.stop()
 
 
 @pytest.mark.parametrize("index", range(len(blocks("python"))))

@@ -6,27 +6,14 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 
 import zoo
 from zoo.cli import cli
-from zoo.data.corpus import load_text
 from tiny import COMMON
+from test_user_path_tokenizer import own_tokenizer
 
 VOCAB = 32000
-
-
-def own_tokenizer():
-    """A byte-level BPE of 32000 tokens trained here on the corpus (not the zoo's 8192-token one)."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>", "<pad>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator([load_text("english", "train")[:1_500_000], load_text("code", "train")[:1_500_000]],
-                            trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<pad>", bos_token="<eos>")
 
 
 def ok(*args):
@@ -38,7 +25,7 @@ def ok(*args):
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
     folder = tmp_path_factory.mktemp("readme-path") / "mixtral-32k"
-    tok = own_tokenizer()
+    tok = own_tokenizer(VOCAB, chars=1_500_000)  # a byte-level BPE of 32000 tokens, trained here on the corpus
     assert len(tok) == VOCAB
     torch.manual_seed(0)
     config = MixtralConfig(**{**COMMON, "vocab_size": VOCAB, "max_position_embeddings": 512, "pad_token_id": 1,
