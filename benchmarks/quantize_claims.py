@@ -12,9 +12,7 @@ The rows are benchmarks/compression.py's quantize rows (3 bits: uniform / random
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import math
 import os
 import sys
 
@@ -23,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compression import RUNS  # noqa: E402  (the quantize rows of the compression table)
 
+from claim_args import claim_parser, geo  # noqa: E402
 import zoo  # noqa: E402
 from zoo import calibration  # noqa: E402
 from zoo.eval import perplexity_and_usage  # noqa: E402
@@ -35,18 +34,8 @@ def quantize_rows():
             if name == "quantize" and label.startswith(keep)]
 
 
-def geo(ppl: dict) -> float:
-    return math.exp(sum(math.log(v) for v in ppl.values()) / len(ppl))
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="zoo-tiny-moe")
-    ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--calibration-tokens", type=int, default=8192)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--no-record", action="store_true")
-    args = ap.parse_args(argv)
+    args = claim_parser(__doc__.splitlines()[0], calibration_tokens=8192).parse_args(argv)
     torch.set_num_threads(args.threads)
     base = zoo.load(args.model).eval()
     tok = zoo.load_tokenizer(args.model)

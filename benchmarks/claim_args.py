@@ -1,0 +1,17 @@
+"""What the compressor claim benchmarks share: their command line and the geometric mean of per-domain perplexity."""
+import argparse
+import math
+
+
+def claim_parser(description: str, calibration_tokens: int) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", default="zoo-tiny-moe")
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--calibration-tokens", type=int, default=calibration_tokens)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-record", action="store_true")
+    return ap
+
+
+def geo(ppl: dict) -> float:
+    return math.exp(sum(math.log(v) for v in ppl.values()) / len(ppl))
