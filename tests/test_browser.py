@@ -17,8 +17,9 @@ SCREENSHOTS = Path(__file__).resolve().parent.parent / "out" / "screenshots"
 TEXT = "def greet(name):\n    return 'Hello, ' + name"
 
 
-@pytest.fixture
-def browser(tmp_path):
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):  # one Chromium for every Space: starting it is the slow part
+    tmp_path = tmp_path_factory.mktemp("chromium")
     missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
     if missing:
         pytest.fail(f"{' and '.join(missing)} not found: install Chromium and its driver "
@@ -41,11 +42,17 @@ def browser(tmp_path):
 
 
 def image_src(driver, selector):
-    """The source of the image rendered in ``selector``, once it has loaded with a non-zero size (else None)."""
-    for img in driver.find_elements("css selector", f"{selector} img"):
-        if driver.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img) and \
-                img.size["width"] > 0 and img.size["height"] > 0:
-            return img.get_attribute("src")
+    """The source of the image rendered in ``selector``, once it has loaded with a non-zero size (else None, also
+    when Gradio replaces the image while it is read: the new one is not rendered yet)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    try:
+        for img in driver.find_elements("css selector", f"{selector} img"):
+            if driver.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img) and \
+                    img.size["width"] > 0 and img.size["height"] > 0:
+                return img.get_attribute("src")
+    except StaleElementReferenceException:
+        return None
     return None
 
 

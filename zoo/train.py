@@ -49,10 +49,17 @@ class TrainConfig:
     bf16: bool = True
     threads: int | None = None
     out: str = "runs/zoo-tiny-moe"
+    # Start from a trained model instead of random weights: ``init`` is a model zoo.load accepts (a name or a
+    # folder), ``init_recipe`` a zoo.apply recipe run on it first (e.g. "upcycle:num_experts=8,top_k=2").
+    # The model's own shape wins over the size fields above; ``arch`` must name what the result is.
+    init: str | None = None
+    init_recipe: str | None = None
 
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.init_recipe and not self.init:
+            raise ValueError("init_recipe needs init (the model the recipe is applied to)")
 
     @classmethod
     def from_json(cls, path: str, **overrides) -> "TrainConfig":
@@ -89,6 +96,32 @@ def build_model(cfg: TrainConfig, tokenizer):
         return Qwen3MoeForCausalLM(conf)
     inter = cfg.dense_intermediate or cfg.experts_per_tok * cfg.expert_intermediate
     return MistralForCausalLM(MistralConfig(**common, intermediate_size=inter))
+
+
+def initial_model(cfg: TrainConfig, tokenizer):
+    """The model training starts from: random weights of ``cfg``'s shape, or ``cfg.init`` after
+    ``cfg.init_recipe``, checked to be the layout ``cfg.arch`` names and to use the zoo's tokenizer."""
+    import zoo
+
+    if not cfg.init:
+        model = build_model(cfg, tokenizer)
+        return zoo.convert(model) if is_moe(cfg) else model  # train the zoo block; export gives the native one
+    from zoo.options import parse_step
+
+    step = parse_step(cfg.init_recipe) if cfg.init_recipe else None
+    model = zoo.load(cfg.init)
+    if step:
+        model = zoo.apply(model, step[0], **step[1])
+    want = {"dense": ("mistral", "llama"), "mixtral": ("zoo_mixtral",), "qwen3_moe": ("zoo_qwen3_moe",)}[cfg.arch]
+    if model.config.model_type not in want:
+        raise ValueError(f"init {cfg.init!r}" + (f" after {cfg.init_recipe!r}" if cfg.init_recipe else "")
+                         + f" is a {model.config.model_type} model; arch {cfg.arch!r} expects {' or '.join(want)}")
+    if model.config.vocab_size != len(tokenizer):
+        raise ValueError(f"init {cfg.init!r} has {model.config.vocab_size} token ids; the zoo's tokenizer "
+                         f"has {len(tokenizer)}")
+    if is_moe(cfg):
+        model.config.router_aux_loss_coef = cfg.aux_loss_coef  # the loss trained is the one the config says
+    return model.float()
 
 
 def is_moe(cfg: TrainConfig) -> bool:
@@ -151,8 +184,6 @@ def load_checkpoint(path: str, optimizer):
 
 def train(cfg: TrainConfig, resume: bool = True, progress: bool = True) -> dict:
     """Train (or resume) and write ``cfg.out/final`` (native checkpoint + tokenizer + history)."""
-    import zoo
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tokenizer = load_tokenizer()
@@ -161,13 +192,12 @@ def train(cfg: TrainConfig, resume: bool = True, progress: bool = True) -> dict:
     ckpt = os.path.join(cfg.out, "checkpoint")
     history = {"train": [], "val": [], "seconds": 0.0, "tokens": 0}
     start = 0
-    model = build_model(cfg, tokenizer)
-    if is_moe(cfg):
-        model = zoo.convert(model)  # train the zoo block itself; export gives the native checkpoint
     opt_state = None
     if resume and os.path.isdir(ckpt):
         model, opt_state, state = load_checkpoint(ckpt, None)
         start, history = state["step"], state["history"]
+    else:
+        model = initial_model(cfg, tokenizer)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
