@@ -61,3 +61,38 @@ def test_moe_result_is_a_native_mixtral_checkpoint(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "MixtralForCausalLM"
+
+
+def test_training_can_start_from_an_upcycled_model(tmp_path):
+    """init + init_recipe: a trained dense model, upcycled, computes what it did (identical experts), then trains
+    on as a native Mixtral of the dense model's FFN size."""
+    from transformers import AutoModelForCausalLM
+
+    from zoo.data.tokenizer import load_tokenizer
+    from zoo.train import initial_model
+
+    tiny = {k: v for k, v in TINY.items() if k != "eval_every"}
+    train(TrainConfig(arch="dense", steps=2, eval_every=2, out=str(tmp_path / "dense"), **tiny), progress=False)
+    dense_dir = str(tmp_path / "dense" / "final")
+    cfg = TrainConfig(arch="mixtral", init=dense_dir, init_recipe="upcycle:num_experts=4,top_k=2", steps=2,
+                      eval_every=2, out=str(tmp_path / "up"), **tiny)
+    dense = AutoModelForCausalLM.from_pretrained(dense_dir).eval()
+    upcycled = initial_model(cfg, load_tokenizer()).eval()
+    ids = torch.randint(0, dense.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(upcycled(ids).logits, dense(ids).logits, atol=1e-4, rtol=1e-4)
+    history = train(cfg, progress=False)
+    assert history["config"]["init"] == dense_dir and len(history["train"]) == 2
+    out = AutoModelForCausalLM.from_pretrained(str(tmp_path / "up" / "final"))
+    assert type(out).__name__ == "MixtralForCausalLM" and out.config.num_local_experts == 4
+    assert out.config.intermediate_size == dense.config.intermediate_size
+
+
+def test_init_options_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="init_recipe needs init"):
+        TrainConfig(init_recipe="upcycle")
+    from zoo.data.tokenizer import load_tokenizer
+    from zoo.train import initial_model
+
+    with pytest.raises(ValueError, match="is a mistral model; arch 'mixtral' expects zoo_mixtral"):
+        initial_model(TrainConfig(arch="mixtral", init="zoo-tiny-dense", out=str(tmp_path)), load_tokenizer())
