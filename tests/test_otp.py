@@ -144,4 +144,4 @@ def test_finetune_refuses_a_router_it_cannot_train():
     from zoo.finetune import finetune
 
     with pytest.raises(ValueError, match="is a router, not an adapter"):
-        finetune("zoo-tiny-moe", "top-p", {}, steps=1)
+        finetune("zoo-tiny-moe", "expert-choice", {}, steps=1)

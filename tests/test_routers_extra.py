@@ -145,6 +145,61 @@ def test_top_p_matches_reference(p, max_k):
         torch.testing.assert_close(a, b)
 
 
+def test_top_p_dynamic_loss_is_the_routing_entropy():
+    torch.manual_seed(3)
+    router = spread_(TopP(H, 8, 2, p=0.5, dynamic_loss_coef=0.01), std=1.0)
+    x = torch.randn(30, H)
+    router.train()
+    router(x)
+    probs = probs_of(router, x)
+    entropy = -(probs * probs.log()).sum(-1).mean()
+    torch.testing.assert_close(router.train_loss(), 0.01 * entropy)
+    (grad,) = torch.autograd.grad(router.train_loss(), [router.weight])
+    assert grad.abs().sum() > 0 and router.trainable_parameters() == [router.weight]
+    router.eval()
+    router(x)
+    assert router.train_loss() is None  # evaluation adds no loss
+    with pytest.raises(ValueError, match="dynamic_loss_coef"):
+        TopP(H, 8, 2, dynamic_loss_coef=-1.0)
+
+
+def test_top_p_finetune_trains_only_the_gates_and_sharpens_them():
+    """moe-zoo finetune with the dynamic loss (a large coefficient, so three steps show it): the gates move, the
+    routing entropy and the experts per token go down, nothing else changes."""
+    import copy
+
+    import zoo
+    from zoo.finetune import finetune
+    from zoo.layout import moe_layers
+
+    base = zoo.load("zoo-tiny-moe", dtype=torch.float32)
+    result = finetune(copy.deepcopy(base), "top-p", {"p": 0.7, "dynamic_loss_coef": 5.0}, domain="code", steps=3,
+                      lr=0.02, batch_size=2, seq_len=32, windows=1, threads=1, bf16=False, progress=False)
+    tuned = result.model.eval()
+    assert result.trainable_params == len(moe_layers(base)) * base.config.num_local_experts * base.config.hidden_size
+    before = zoo.apply(copy.deepcopy(base), "top-p", p=0.7).eval()
+    base_state = base.state_dict()
+    for name, value in tuned.state_dict().items():
+        if not name.endswith("router.weight"):
+            assert torch.equal(value, base_state[name]), name
+    ids = torch.randint(0, base.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    stats = {}
+    for label, model in (("before", before), ("after", tuned)):
+        routers = [m.router for _, m in moe_layers(model)]
+        seen = []
+        hooks = [r.register_forward_hook(lambda mod, args, out: seen.append(((out.indices < 8).sum(-1).float().mean(),
+                                                                             mod.gate_logits(args[0]))))
+                 for r in routers]
+        with torch.no_grad():
+            model(input_ids=ids)
+        for h in hooks:
+            h.remove()
+        probs = [torch.softmax(logits.float(), -1) for _, logits in seen]
+        stats[label] = (torch.stack([k for k, _ in seen]).mean(),
+                        torch.stack([-(q * q.log()).sum(-1).mean() for q in probs]).mean())
+    assert stats["after"][1] < stats["before"][1] and stats["after"][0] < stats["before"][0], stats
+
+
 def test_top_p_compiles_without_graph_breaks():
     torch.manual_seed(2)
     experts = SwiGLUExperts(8, H, 16)
