@@ -172,23 +172,34 @@ def convert(src, out, stream, max_memory):
 
 @cli.command()
 @click.argument("src")
-@click.argument("out", callback=save_folder)
-@click.option("--format", "fmt", type=click.Choice(["native"]), default="native", show_default=True,
-              help="native: the family's own transformers checkpoint (vLLM, TGI, plain transformers).")
+@click.argument("out")
+@click.option("--format", "fmt", type=click.Choice(["native", "gguf"]), default="native", show_default=True,
+              help="native: the family's own transformers checkpoint (vLLM, TGI, plain transformers) in the folder "
+                   "OUT; gguf: one GGUF file OUT (llama.cpp, Ollama).")
 @stream_options
 def export(src, out, fmt, stream, max_memory):
-    """Write SRC (a zoo model folder, registry name or hub id) in its family's native format to OUT. An adapter
-    folder is merged into its base first."""
+    """Write SRC (a zoo model folder, registry name or hub id) in its family's native format, or as GGUF, to OUT.
+    An adapter folder is merged into its base first."""
     import zoo
     from zoo import stream as streaming
 
-    def in_memory():
+    def loaded():
         model = zoo.load(src)
-        if hasattr(model, "merge_and_unload"):
-            model = model.merge_and_unload()
-        zoo.export(model, out)
+        return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
 
-    _either(src, stream, max_memory, lambda: streaming.export(src, out), in_memory)
+    if fmt == "gguf":
+        from zoo.gguf_export import check_target_file, export_gguf, native_folder
+
+        with one_line():
+            check_target_file(out)
+            folder = native_folder(src)  # a native checkpoint is read tensor by tensor: no load, any size
+            report = export_gguf(folder if folder is not None else loaded(), out)
+        if report.max_abs_change:
+            click.echo(f"quantized experts: scales rounded to fp16, largest weight change {report.max_abs_change:.2e}")
+        click.echo(f"exported {src} (gguf) to {out}")
+        return
+    save_folder(click.get_current_context(), None, out)
+    _either(src, stream, max_memory, lambda: streaming.export(src, out), lambda: zoo.export(loaded(), out))
     click.echo(f"exported {src} ({fmt}) to {out}")
 
 

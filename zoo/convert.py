@@ -95,11 +95,24 @@ def native_config(model, expand_maps: bool = False):
     return native_cfg
 
 
-def export(model, path) -> str:
+FORMATS = ("native", "gguf")
+
+
+def export(model, path, format: str = "native") -> str:
     """Write the family's native checkpoint (loadable by plain transformers, vLLM, TGI), with the tokenizer,
     chat template and processor files of the folder the model came from, or raise ``NotExportable`` naming why
-    the layout has no native form."""
+    the layout has no native form. ``format="gguf"``: one GGUF file at ``path`` for llama.cpp and Ollama
+    (``zoo.gguf_export``), quantized experts kept in GGUF's blocks."""
     from zoo.loading import copy_side_files
+
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if format == "gguf":
+        from zoo.gguf_export import check_target_file, export_gguf
+
+        check_target_file(path)
+        export_gguf(model, path)
+        return os.fspath(path)
 
     fam = family_of(model)
     native_cfg = native_config(model, expand_maps=True)

@@ -1,0 +1,375 @@
+"""GGUF export: a zoo model, or a native checkpoint folder, as one GGUF file that llama.cpp and Ollama load.
+
+Written with the ``gguf`` package (maintained by llama.cpp): its tensor-name map, metadata keys, block formats
+and writer. Tensors go to the file one at a time (a spooled temporary file, so the peak is one tensor beside the
+model), and a folder is read tensor by tensor from its shards: a checkpoint larger than memory exports.
+
+What maps where:
+  * families: Mixtral, Mistral and Llama (llama.cpp's ``llama`` architecture, with experts for Mixtral) and
+    Qwen3-MoE (``qwen3moe``); softmax top-k routing renormalised over the chosen experts, as llama.cpp runs it.
+    Query and key rows are reordered for the ``llama`` architecture, whose rotary embedding pairs neighbouring
+    dimensions where transformers rotates the two halves of a head.
+  * float weights keep their precision (bf16 -> BF16, fp32 -> F32, fp16 -> F16); norms and routers are F32.
+  * the zoo's quantized experts keep their codes: int8 (one scale per output row) -> Q8_0 blocks of 32 with that
+    row's scale as the block scale, rounded to fp16; 4-bit groups (asymmetric: ``w = (q - 8) s + z``) -> Q4_1
+    blocks of 32 with ``d = s`` and ``m = z - 8 s`` rounded to fp16, a group of g being g/32 blocks; 2- and 3-bit
+    codes fit Q4_1's 0..15 and go the same way (GGUF has no block format with their layout). The only change is
+    that fp16 rounding of the scales: ``report`` says by how much.
+  * uniform layouts only: every expert of a layer the same width, routers llama.cpp computes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ARCHS = {"mixtral": "llama", "mistral": "llama", "llama": "llama", "qwen3_moe": "qwen3moe"}
+PERMUTED = ("llama",)  # architectures whose rotary embedding interleaves pairs (q/k rows reordered)
+QK = 32  # GGUF's block length for Q8_0 and Q4_1
+
+
+class NotGGUFExportable(ValueError):
+    """The model has a layout llama.cpp does not run (the message says which part)."""
+
+
+@dataclass
+class Report:
+    """What the export did: per GGUF type the tensors written, and the largest change the fp16 rounding of
+    the quantized experts' scales made to a weight (absolute, and relative to that tensor's largest weight)."""
+    path: str
+    types: dict = field(default_factory=dict)
+    max_abs_change: float = 0.0
+    max_rel_change: float = 0.0
+
+    def note(self, kind: str, change: torch.Tensor | None = None, scale: float = 1.0) -> None:
+        self.types[kind] = self.types.get(kind, 0) + 1
+        if change is not None and change.numel():
+            worst = float(change.abs().max())
+            self.max_abs_change = max(self.max_abs_change, worst)
+            self.max_rel_change = max(self.max_rel_change, worst / max(scale, 1e-30))
+
+
+# ------------------------------------------------------------------------------------------------ block formats
+
+def q8_0_blocks(codes: torch.Tensor, scale: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """int8 codes ``[..., N, K]`` with one scale per row ``[..., N]`` as Q8_0 bytes ``[..., N, K/32*34]``, and
+    the weights those bytes stand for (the row scale rounded to fp16)."""
+    *lead, n, k = codes.shape
+    d = scale.to(torch.float16)
+    blocks = codes.reshape(*lead, n, k // QK, QK)
+    d_bytes = d[..., None].expand(*lead, n, k // QK).contiguous().view(torch.uint8).reshape(*lead, n, k // QK, 2)
+    out = torch.cat([d_bytes, blocks.view(torch.uint8)], -1).reshape(*lead, n, k // QK * (QK + 2))
+    return out.numpy(), codes.float() * d.float()[..., None]
+
+
+def q4_1_blocks(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """Codes in 0..15 ``[..., N, K]`` with per-group ``w = codes * scale + low`` (``scale``, ``low``:
+    ``[..., N, K/g]``) as Q4_1 bytes ``[..., N, K/32*20]``, and the weights those bytes stand for."""
+    *lead, n, k = codes.shape
+    per = k // scale.shape[-1] // QK  # Q4_1 blocks per group
+    d = scale.to(torch.float16).repeat_interleave(per, -1)
+    m = low.to(torch.float16).repeat_interleave(per, -1)
+    q = codes.to(torch.uint8).reshape(*lead, n, k // QK, QK)
+    packed = q[..., :QK // 2] | (q[..., QK // 2:] << 4)  # byte j: element j (low nibble), element j + 16 (high)
+    dm = torch.stack([d, m], -1).contiguous().view(torch.uint8).reshape(*lead, n, k // QK, 4)
+    out = torch.cat([dm, packed], -1).reshape(*lead, n, k // QK * (4 + QK // 2))
+    stands_for = q.float() * d.float()[..., None] + m.float()[..., None]
+    return out.numpy(), stands_for.reshape(*lead, n, k)
+
+
+def expert_codes(experts, proj: str) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """One projection of a uniform-width quantized expert stack: (GGUF type, codes ``[E, N, K]``, scale, low
+    (None for int8), the zoo's dequantized weights ``[E, N, K]``)."""
+    from zoo.moe.packing import unpack
+    from zoo.moe.quantized import dequantize
+
+    bits = experts.bits[0]
+    stored, scale = experts.stored(proj, bits)
+    n, k = experts.shapes[proj]
+    ref = torch.stack([dequantize(bits, stored[e], scale[e], (n, k), experts.group_size) for e in range(len(stored))])
+    if bits == 8:
+        return "Q8_0", stored, scale.float(), None, ref
+    s, z = scale.float()[..., 0].transpose(1, 2), scale.float()[..., 1].transpose(1, 2)  # [E, N, K/g]
+    low = z - 8 * s
+    if bits in (2, 3):
+        codes = torch.stack([unpack(w, bits, k) for w in stored])
+    else:  # torch's int4 pack: the codes back from the exact dequantized weights
+        g = experts.group_size
+        codes = ((ref.view(-1, n, k // g, g) - low[..., None]) / s[..., None]).round().clamp(0, 15).view(-1, n, k)
+        again = (codes.view(-1, n, k // g, g) * s[..., None] + low[..., None]).view(-1, n, k)
+        if not torch.allclose(again, ref, rtol=0, atol=1e-6 * float(ref.abs().max())):
+            raise NotGGUFExportable(f"the int4 codes of {proj} could not be read back exactly")
+    return "Q4_1", codes.to(torch.int32), s, low, ref
+
+
+# ----------------------------------------------------------------------------------------------- the sources
+
+def model_tensors(model):
+    """(native name, tensor or quantized expert stack) of an in-memory zoo or native model, layer by layer.
+    A quantized stack comes as ``("experts", QuantizedExperts)`` under the layer's ``mlp.experts`` name."""
+    from zoo.layout import block_prefix, moe_layers
+    from zoo.moe.quantized import QuantizedExperts
+
+    moe = {block_prefix(model, i): block for i, block in moe_layers(model)}
+    for name, tensor in model.state_dict().items():
+        prefix = next((p for p in moe if name.startswith(p)), None)
+        if prefix is None:
+            yield name, tensor
+    for prefix, block in moe.items():
+        check_moe(block, prefix)
+        yield prefix + "gate.weight", block.router.weight
+        if isinstance(block.experts, QuantizedExperts):
+            yield prefix + "experts", block.experts
+        else:
+            yield prefix + "experts.gate_up_proj", block.experts.gate_up_proj
+            yield prefix + "experts.down_proj", block.experts.down_proj
+
+
+def check_moe(block, where: str) -> None:
+    """llama.cpp runs softmax top-k routing over plain (or uniformly quantized) SwiGLU experts."""
+    from zoo.moe.experts import SwiGLUExperts
+    from zoo.moe.quantized import QuantizedExperts
+
+    router = type(block.router).__name__
+    if getattr(block.router, "name", "") != "topk-softmax" or getattr(block.router, "bias", None) is not None:
+        raise NotGGUFExportable(f"{where}: llama.cpp runs softmax top-k routing; this layer's router is {router} "
+                                f"({getattr(block.router, 'name', '?')})")
+    if getattr(block.router, "serving_map", None) is not None:
+        raise NotGGUFExportable(f"{where}: the router maps several rows to one expert (hc-smoe's expert map); "
+                                "export it natively (zoo.export expands the map), then to GGUF from that folder")
+    if getattr(block, "shared_experts", None) is not None:
+        raise NotGGUFExportable(f"{where}: a shared expert has no place in llama.cpp's llama/qwen3moe layers")
+    experts = block.experts
+    if isinstance(experts, QuantizedExperts):
+        if len(set(experts.bits)) > 1:
+            raise NotGGUFExportable(f"{where}: experts of mixed widths {sorted(set(experts.bits))} (one GGUF tensor "
+                                    "holds every expert of a layer, in one type): quantize with allocation='uniform'")
+        if experts.gate_up_proj_bias is not None or experts.down_proj_bias is not None:
+            raise NotGGUFExportable(f"{where}: experts with biases")
+    elif type(experts) is not SwiGLUExperts or experts.activation != "silu":
+        raise NotGGUFExportable(f"{where}: {type(experts).__name__} experts ({getattr(experts, 'name', '?')}) have no "
+                                "GGUF form (plain or quantized SwiGLU experts only)")
+
+
+def folder_tensors(folder: Path):
+    """(name, tensor) of a native checkpoint folder, read one tensor at a time from its safetensors shards."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"]
+    for shard in shards:
+        with safe_open(folder / shard, "pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# ----------------------------------------------------------------------------------------------- the writer
+
+def check_target_file(path) -> Path:
+    """A GGUF file is written at ``path`` only where nothing is: its folder exists and ``path`` does not (an
+    export never replaces a file)."""
+    path = Path(os.path.expanduser(os.fspath(path)))
+    if path.is_dir():
+        raise ValueError(f"{os.fspath(path)!r} is a folder: GGUF export writes one file (e.g. model.gguf)")
+    if path.exists():
+        raise FileExistsError(f"{os.fspath(path)!r} exists: an export does not replace a file (remove it, or "
+                              "name another)")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {os.fspath(path)!r}: there is no folder {os.fspath(path.parent)!r}")
+    return path
+
+
+def native_folder(source: str) -> str | None:
+    """The local folder of ``source`` (a folder, registry name or hub id) when it holds a native checkpoint of a
+    family GGUF export maps, which is then read tensor by tensor; None when the model must be loaded."""
+    from transformers import AutoConfig
+
+    from zoo.loading import resolve_path
+
+    folder = resolve_path(source)
+    if not os.path.isdir(folder):
+        return None
+    config = AutoConfig.from_pretrained(folder)
+    return folder if config.model_type in ARCHS else None
+
+
+def permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a query/key projection from transformers' half rotation to llama.cpp's pairwise rotation: in each
+    head, row ``j`` of the first half and row ``j`` of the second half become rows ``2j`` and ``2j + 1``."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def float_array(t: torch.Tensor, keep: bool = True) -> tuple[np.ndarray, object]:
+    """A float tensor as numpy and its GGUF type: bf16 as BF16 (raw bytes), fp16 as F16, else F32."""
+    import gguf
+
+    t = t.detach().cpu().contiguous()
+    if keep and t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16), gguf.GGMLQuantizationType.BF16
+    if keep and t.dtype == torch.float16:
+        return t.numpy(), gguf.GGMLQuantizationType.F16
+    return t.float().numpy(), gguf.GGMLQuantizationType.F32
+
+
+def check_config(config) -> str:
+    arch = ARCHS.get(config.model_type.removeprefix("zoo_"))
+    if arch is None:
+        raise NotGGUFExportable(f"GGUF export covers {', '.join(sorted(ARCHS))} models, got {config.model_type}")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise NotGGUFExportable(f"rope_type {rope.get('rope_type')!r}: only the default rotary embedding is mapped")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise NotGGUFExportable(f"hidden_act {config.hidden_act!r}: llama.cpp's layers here are SwiGLU")
+    if config.model_type.removeprefix("zoo_") == "qwen3_moe":
+        if not getattr(config, "norm_topk_prob", True):
+            raise NotGGUFExportable("norm_topk_prob=False: llama.cpp's qwen3moe renormalises the top-k weights")
+        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+            raise NotGGUFExportable("dense layers inside a Qwen3-MoE (mlp_only_layers / decoder_sparse_step)")
+    return arch
+
+
+def write_metadata(writer, config, arch: str, experts: int | None, expert_ffn: int | None) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_name(os.path.basename(str(getattr(config, "name_or_path", "") or "moe-zoo model")) or "moe-zoo model")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    rope = getattr(config, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_feed_forward_length(getattr(config, "intermediate_size", expert_ffn))
+        writer.add_expert_feed_forward_length(expert_ffn)
+    else:
+        writer.add_feed_forward_length(config.intermediate_size)
+
+
+def write_tokenizer(writer, folder: Path | None, config) -> bool:
+    """The GPT-2-style byte-level BPE tokenizer of ``folder`` (tokens, merges, special ids), if it has one."""
+    import gguf
+
+    if folder is None or not (folder / "tokenizer.json").is_file():
+        return False
+    try:
+        vocab = gguf.vocab.BpeVocab(folder)
+    except (FileNotFoundError, ValueError):
+        return False  # not a byte-level BPE: the file still loads with token ids
+    tokens, scores, types = zip(*vocab.all_tokens())
+    tokens = [t if isinstance(t, str) else t.decode("utf-8") for t in tokens]
+    pad = config.vocab_size - len(tokens)  # the embedding may be larger than the tokenizer
+    tokens += [f"[PAD{i}]" for i in range(pad)]
+    types = list(types) + [gguf.TokenType.UNUSED] * pad
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")  # the GPT-2 split regex, as a ByteLevel pre-tokenizer with use_regex
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    return True
+
+
+def export_gguf(source, path, progress: bool = True) -> Report:
+    """Write ``source`` (an in-memory model, or the folder of a native checkpoint) to the GGUF file ``path``;
+    the file appears complete or not at all."""
+    import gguf
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig
+
+    if isinstance(source, (str, os.PathLike)):
+        folder = Path(source)
+        config = AutoConfig.from_pretrained(folder)
+        tensors = folder_tensors(folder)
+    else:
+        config = source.config
+        origin = getattr(config, "name_or_path", "")
+        folder = Path(origin) if origin and os.path.isdir(origin) else None
+        tensors = model_tensors(source)
+    arch = check_config(config)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    expert_ffn = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None)
+    tied = getattr(config, "tie_word_embeddings", False)
+    path = Path(path)
+    report, experts = Report(str(path)), None
+    partial = path.with_name(path.name + ".partial")
+    try:
+        writer = gguf.GGUFWriter(partial, arch, use_temp_file=True)
+        for name, value in tqdm(tensors, desc="gguf", disable=not progress, unit=" tensors"):
+            if name == "lm_head.weight" and tied:
+                continue  # llama.cpp reads the output projection from token_embd when there is none
+            for gname, array, kind, change, scale in gguf_tensors(name, value, names, arch, config):
+                writer.add_tensor(gname, array, raw_dtype=kind)
+                report.note(kind.name, change, scale)
+                if gname.endswith("ffn_gate_inp.weight"):
+                    experts = array.shape[0]  # after pruning, fewer than the config says
+        write_metadata(writer, config, arch, experts, expert_ffn)
+        write_tokenizer(writer, folder, config)
+        writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if "BF16" in report.types else gguf.LlamaFileType.ALL_F32)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=False)
+        writer.close()
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return report
+
+
+def gguf_tensors(name: str, value, names, arch: str, config):
+    """(GGUF name, array, GGUF type, change, scale) for one native tensor (two for a fused gate/up stack)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    layer = name.split(".")[2] if name.startswith("model.layers.") else None
+    if isinstance(value, torch.Tensor) and name.endswith("experts.gate_up_proj"):
+        inter = value.shape[1] // 2
+        for part, rows in (("FFN_GATE_EXP", slice(0, inter)), ("FFN_UP_EXP", slice(inter, None))):
+            array, kind = float_array(value[:, rows])
+            yield tensor_name(part, layer), array, kind, None, 1.0
+        return
+    if isinstance(value, torch.Tensor) and name.endswith("experts.down_proj"):
+        array, kind = float_array(value)
+        yield tensor_name("FFN_DOWN_EXP", layer), array, kind, None, 1.0
+        return
+    if not isinstance(value, torch.Tensor):  # a quantized expert stack
+        for proj in ("gate_up", "down"):
+            kind, codes, s, low, ref = expert_codes(value, proj)
+            if proj == "gate_up":
+                inter = codes.shape[1] // 2
+                parts = (("FFN_GATE_EXP", slice(0, inter)), ("FFN_UP_EXP", slice(inter, None)))
+            else:
+                parts = (("FFN_DOWN_EXP", slice(None)),)
+            for part, rows in parts:
+                if kind == "Q8_0":
+                    data, got = q8_0_blocks(codes[:, rows], s[:, rows])
+                else:
+                    data, got = q4_1_blocks(codes[:, rows], s[:, rows], low[:, rows])
+                want = ref[:, rows]
+                yield tensor_name(part, layer), data, T[kind], got - want, float(want.abs().max())
+        return
+    gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+    if gname is None:
+        raise NotGGUFExportable(f"{name}: no GGUF tensor for it in llama.cpp's {arch} architecture")
+    if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+        value = permute_rope(value, heads)
+    small = value.dim() == 1 or gname.endswith("ffn_gate_inp.weight")  # norms and routers: F32, as llama.cpp keeps them
+    array, kind = float_array(value, keep=not small)
+    yield gname, array, kind, None, 1.0
+
+
+def tensor_name(part: str, layer: str) -> str:
+    import gguf
+
+    return gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[part]].format(bid=layer) + ".weight"
