@@ -49,12 +49,23 @@ def rope_pairs(x, positions, base_freq):
     return out
 
 
+def rope_halves(x, positions, base_freq):
+    """llama.cpp's NEOX rotary embedding (qwen3moe): dimension i rotates with i + d/2."""
+    d = x.shape[-1]
+    theta = positions[:, None].float() * base_freq ** (-torch.arange(0, d, 2).float() / d)
+    cos, sin = theta.cos(), theta.sin()
+    a, b = x[..., :d // 2], x[..., d // 2:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
+
+
 def gguf_forward(path, ids):
-    """Logits of a llama-architecture GGUF (with or without experts) for one sequence, from the file alone."""
+    """Logits of a llama or qwen3moe GGUF (with or without experts) for one sequence, from the file alone."""
     W, F, _ = read(path)
-    heads, kv = F["llama.attention.head_count"], F["llama.attention.head_count_kv"]
-    eps, base_freq = F["llama.attention.layer_norm_rms_epsilon"], F["llama.rope.freq_base"]
-    used = F.get("llama.expert_used_count")
+    arch = gguf.GGUFReader(path).fields["general.architecture"].contents()
+    rope = rope_pairs if arch == "llama" else rope_halves
+    heads, kv = F[f"{arch}.attention.head_count"], F[f"{arch}.attention.head_count_kv"]
+    eps, base_freq = F[f"{arch}.attention.layer_norm_rms_epsilon"], F[f"{arch}.rope.freq_base"]
+    used = F.get(f"{arch}.expert_used_count")
 
     def norm(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -62,13 +73,15 @@ def gguf_forward(path, ids):
     x = W["token_embd.weight"][ids]
     T = len(ids)
     pos = torch.arange(T)
-    for i in range(F["llama.block_count"]):
+    for i in range(F[f"{arch}.block_count"]):
         p = f"blk.{i}."
         h = norm(x, W[p + "attn_norm.weight"])
         q = (h @ W[p + "attn_q.weight"].T).view(T, heads, -1)
         k = (h @ W[p + "attn_k.weight"].T).view(T, kv, -1)
         v = (h @ W[p + "attn_v.weight"].T).view(T, kv, -1)
-        q, k = rope_pairs(q.transpose(0, 1), pos, base_freq), rope_pairs(k.transpose(0, 1), pos, base_freq)
+        if p + "attn_q_norm.weight" in W:  # qwen3: RMSNorm of each head's query and key before the rotation
+            q, k = norm(q, W[p + "attn_q_norm.weight"]), norm(k, W[p + "attn_k_norm.weight"])
+        q, k = rope(q.transpose(0, 1), pos, base_freq), rope(k.transpose(0, 1), pos, base_freq)
         k, v = k.repeat_interleave(heads // kv, 0), v.transpose(0, 1).repeat_interleave(heads // kv, 0)
         att = (q @ k.transpose(1, 2)) / math.sqrt(q.shape[-1])
         att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
@@ -111,6 +124,19 @@ def test_float_export_holds_the_weights_and_computes_the_models_logits(base, tmp
               for i in reader.fields["tokenizer.ggml.tokens"].data[:300]]
     tok = zoo.load_tokenizer("zoo-tiny-moe")
     assert tokens == tok.convert_ids_to_tokens(list(range(300)))  # the tokenizer travels, ids unchanged
+
+
+def test_qwen3_moe_exports_as_qwen3moe(tmp_path):
+    from zoo.testing import tiny_model
+
+    model = tiny_model("qwen3_moe").float().eval()
+    export_gguf(model, tmp_path / "q.gguf", progress=False)
+    tensors, fields, _ = read(tmp_path / "q.gguf")
+    assert "blk.0.attn_q_norm.weight" in tensors and fields["qwen3moe.expert_count"] == model.config.num_experts
+    ids = IDS % model.config.vocab_size
+    with torch.no_grad():
+        want = model(ids[None]).logits[0]
+    torch.testing.assert_close(gguf_forward(tmp_path / "q.gguf", ids), want, atol=2e-4, rtol=1e-4)
 
 
 def test_bf16_checkpoint_folder_streams_to_the_same_file_as_the_model(tmp_path):
