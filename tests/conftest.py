@@ -7,6 +7,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TQDM_DISABLE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker per core: one thread each, children too
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
 sys.path.insert(0, os.path.dirname(__file__))
 
 
