@@ -21,7 +21,7 @@ token and held-out perplexity per domain, with ratios to the base model.
   docs/claims/top-p.json.
 
     python benchmarks/routers.py --claim otp --windows 8 --otp-steps 200
-    python benchmarks/routers.py --claim top-p-loss --windows 8 --otp-steps 200
+    python benchmarks/routers.py --claim top-p-loss --windows 8 --otp-steps 200 --otp-lr 1e-3
 """
 from __future__ import annotations
 
@@ -223,7 +223,7 @@ def claim_top_p_loss(args, base, tok) -> None:
                ". The paper trains from scratch; here only the gates of a top-2-trained model move.")
     path = record("top-p", "the dynamic loss makes top-p activate fewer experts at similar quality", verdict, summary,
                   rows, f"python benchmarks/routers.py --claim top-p-loss --windows {args.windows} "
-                  f"--otp-steps {args.otp_steps}", args.model)
+                  f"--otp-steps {args.otp_steps} --otp-lr {args.otp_lr:g}", args.model)
     print(f"{verdict}: recorded in {path}")
 
 
