@@ -137,6 +137,22 @@ def test_auto_config_alone_after_import_zoo(saved):
     assert found == "ZooMixtralConfig"
 
 
+@pytest.mark.parametrize("order", ["zoo-first", "transformers-first"])
+def test_auto_processor_finds_a_plugin_processor_after_import_zoo(order):
+    """AutoProcessor looks a processor up by the class name in its folder, with no model-type lookup: the zoo's
+    lazy registration must answer that lookup too (zoo-tiny-mm's processor, not a bare tokenizer)."""
+    imports = ["import zoo", "from transformers import AutoProcessor"]
+    found = last_json(python(f"""
+        import json
+        {(imports if order == "zoo-first" else imports[::-1])[0]}
+        {(imports if order == "zoo-first" else imports[::-1])[1]}
+        from zoo.registry import get_model
+        path = get_model("zoo-tiny-mm").local_path
+        print(json.dumps(type(AutoProcessor.from_pretrained(path)).__name__))
+    """))
+    assert found == "ZooMMProcessor"
+
+
 def test_generate_says_it_compiles(monkeypatch):
     """The first compiled call takes a while: ``moe-zoo generate`` says so on stderr first (not with --no-compile)."""
     from click.testing import CliRunner

@@ -274,11 +274,38 @@ def _arm(configuration_auto) -> None:
         load_unless_a_plugin_is_importing()
 
 
+_AUTO_PROCESSING = "transformers.models.auto.processing_auto"
+
+
+def _arm_processing(processing_auto) -> None:
+    """``AutoProcessor`` finds a processor by the class name its folder's processor config gives, without a
+    model-type lookup: when the name is not one transformers knows, load the plugins (they register theirs) and
+    look again."""
+    own = getattr(processing_auto, "processor_class_from_name", None)
+    if own is None or getattr(own, "armed_by_zoo", False):
+        return
+
+    def processor_class_from_name(class_name):
+        found = own(class_name)
+        if found is None and not _loaded and not _importing({"transformers"}) and not _plugin_importing():
+            load_plugins()
+            found = own(class_name)
+        return found
+
+    processor_class_from_name.armed_by_zoo = True
+    processing_auto.processor_class_from_name = processor_class_from_name
+
+
+_ARM = {_AUTO_CONFIG: _arm, _AUTO_PROCESSING: _arm_processing}
+
+
 class _ArmAfterImport:
-    """A ``sys.meta_path`` finder that arms ``CONFIG_MAPPING`` right after configuration_auto runs."""
+    """A ``sys.meta_path`` finder that arms ``CONFIG_MAPPING`` (and AutoProcessor's class lookup) right after
+    their modules run."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != _AUTO_CONFIG:
+        arm = _ARM.get(fullname)
+        if arm is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -294,7 +321,7 @@ class _ArmAfterImport:
 
             def exec_module(module):
                 run(module)
-                _arm(module)
+                arm(module)
 
             try:
                 loader.exec_module = exec_module  # this module's loader only
@@ -312,8 +339,9 @@ def auto_classes_at_first_need() -> None:
     with _lock:
         if not any(isinstance(f, _ArmAfterImport) for f in sys.meta_path):
             sys.meta_path.insert(0, _ArmAfterImport())
-        if _AUTO_CONFIG in sys.modules:
-            _arm(sys.modules[_AUTO_CONFIG])
+        for name, arm in _ARM.items():
+            if name in sys.modules:
+                arm(sys.modules[name])
 
 
 @contextlib.contextmanager
