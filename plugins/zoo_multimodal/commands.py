@@ -38,7 +38,9 @@ def generate(out, check):
 @click.option("--lr", type=click.FloatRange(0, min_open=True), default=3e-3, show_default=True)
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True)
 @click.option("--threads", type=click.IntRange(1, os.cpu_count()), default=1, show_default=True)
-def train(out, steps, batch_size, lr, seed, threads):
+@click.option("--group-bias", type=click.FloatRange(0), default=0.1, show_default=True,
+              help="Weight of MoHAVE's group-load biasing loss (0: off, groups not bound to modalities).")
+def train(out, steps, batch_size, lr, seed, threads, group_bias):
     """Train a zoo_mm model with the zoo-tiny-mm recipe and save it (model, processor, training.json)."""
     import torch
 
@@ -46,9 +48,11 @@ def train(out, steps, batch_size, lr, seed, threads):
     from zoo_multimodal.train_mm import train as run
 
     torch.set_num_threads(threads)
-    model, processor, history = run(steps=steps, batch_size=batch_size, lr=lr, seed=seed, **RECIPE)
+    model, processor, history = run(steps=steps, batch_size=batch_size, lr=lr, seed=seed, group_bias=group_bias,
+                                    **RECIPE)
     model.config.zoo_recipe = [{"name": "train", "kind": "training", "options": {
-        "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "noise_snrs": list(TRAIN_SNRS),
+        "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "group_bias": group_bias,
+        "noise_snrs": list(TRAIN_SNRS),
         "data": "moe-zoo digits-mm generate (train voices, train images)"}, "calibration": None}]
     model.save_pretrained(out)
     processor.save_pretrained(out)
