@@ -75,7 +75,8 @@ def engines(model):
 
 
 @torch.no_grad()
-def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int) -> list:
+def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int, loop: bool = True) -> list:
+    """Every engine's row; ``loop=False`` skips the zoo-loop column (a second compilation per engine)."""
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
     rows, reference = [], None
@@ -83,8 +84,8 @@ def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int) -> l
         torch._dynamo.reset()
         r = timed_generate(m, ids, new_tokens, compile=compiled)
         reference = r["tokens"] if reference is None else reference
-        loop = timed_greedy(m, ids, new_tokens, compile=True)["decode_tok_s"] if compiled else None
-        rows.append({"model": name, "engine": label, "decode": r["decode_tok_s"], "loop": loop,
+        lean = timed_greedy(m, ids, new_tokens, compile=True)["decode_tok_s"] if compiled and loop else None
+        rows.append({"model": name, "engine": label, "decode": r["decode_tok_s"], "loop": lean,
                      "prefill": prefill_tok_s(m, prefill, vocab), "compile_s": r["warmup_s"] if compiled else None,
                      "first_ms": r["first_token_s"] * 1e3, "same": bool(torch.equal(r["tokens"], reference))})
         print(f"  {name}: {label} done ({r['decode_tok_s']:.0f} tok/s)", flush=True)
@@ -108,7 +109,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--prefill", type=int, default=256)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes, for the test suite")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes and no zoo-loop column, for the test suite")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-shipped", action="store_true")
     ap.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp folder holding convert_hf_to_gguf.py: add "
@@ -123,7 +124,7 @@ def main(argv=None):
     rows = []
     tokenizer = zoo.load_tokenizer("zoo-tiny-moe")
     for name, model in models:
-        rows += run_model(name, model, args.new_tokens, args.prompt, args.prefill)
+        rows += run_model(name, model, args.new_tokens, args.prompt, args.prefill, loop=not args.smoke)
         if args.llama_cpp:
             from llama_cpp_rows import rows as llama_rows
 
