@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import zoo
@@ -74,3 +75,27 @@ def test_main_job_end_to_end(tmp_path):
     assert "prune-reap" in res.output and "quantize" in res.output and "before" in res.output
     loaded = zoo.load(str(out))
     assert [s["name"] for s in loaded.config.zoo_recipe] == ["prune-reap", "quantize"]
+
+
+def test_upcycled_model_ships_sharded_with_experts_of_one_origin():
+    """zoo-tiny-upcycled: zoo-tiny-dense upcycled and trained on as many tokens as zoo-tiny-moe; a native Mixtral
+    in two shards; its experts, copies of one FFN trained apart, stay far more alike than zoo-tiny-moe's."""
+    upcycled = get_model("zoo-tiny-upcycled")
+    folder = Path(upcycled.local_path)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2  # each shard under 50 MiB
+    log = json.loads((folder / "training.json").read_text())
+    assert log["config"]["init"] == "zoo-tiny-dense" and log["config"]["init_recipe"].startswith("upcycle:")
+    assert log["tokens"] == json.loads((Path(MOE.local_path) / "training.json").read_text())["tokens"]
+
+    @torch.no_grad()
+    def mean_cosine(model):
+        values = []
+        for layer in model.model.layers:
+            w = layer.mlp.experts.gate_up_proj.flatten(1).double()
+            w = w / w.norm(dim=1, keepdim=True)
+            c = w @ w.T
+            values.append(c[~torch.eye(len(c), dtype=torch.bool)].abs().mean())
+        return float(torch.stack(values).mean())
+
+    assert mean_cosine(zoo.load("zoo-tiny-upcycled")) > 0.5 > 0.1 > mean_cosine(zoo.load("zoo-tiny-moe"))

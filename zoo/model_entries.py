@@ -100,6 +100,11 @@ OWN = [
                "Jiang et al., Mistral 7B, 2023. arXiv:2310.06825",
                "dense control of zoo-tiny-moe: same active parameters, same tokens; " + CORPUS,
                str(SHIPPED / "zoo-tiny-dense")),
+    ModelEntry("mixtral.zoo-tiny-upcycled", None, "mixtral", "apache-2.0",
+               "Komatsuzaki et al., Sparse Upcycling: Training Mixture-of-Experts from Dense Checkpoints, ICLR 2023, "
+               "arXiv:2212.05055",
+               "zoo-tiny-dense upcycled (8 copies of its FFN, top-2) and trained 5.3M more tokens: 28.1M params, "
+               "experts of one origin; " + CORPUS, str(SHIPPED / "zoo-tiny-upcycled")),
     ModelEntry("zoo_mm.zoo-tiny-mm", None, "zoo_mm", "apache-2.0",
                "Kim et al., MoHAVE, ICML 2025, arXiv:2502.10447; Sun et al., Parrot, ICML 2025, arXiv:2406.02539",
                "multimodal digits (image, speech, prompt): modality-group experts, hierarchical routing; trained on "

@@ -2,6 +2,8 @@
 training ran under bf16 autocast), the tokenizer, the training history, and a model card with evaluation.
 
     python -m zoo.ship runs/zoo-tiny-moe/final zoo/_data/models/zoo-tiny-moe --name zoo-tiny-moe
+    python -m zoo.ship runs/zoo-tiny-upcycled/final zoo/_data/models/zoo-tiny-upcycled --name zoo-tiny-upcycled \
+        --max-shard-size 30MB       # shards: no file of the repository over 50 MiB
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import shutil
 import torch
 
 
-def ship(src: str, dest: str, name: str, windows: int = 24) -> dict:
+def ship(src: str, dest: str, name: str, windows: int = 24, max_shard_size: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import zoo
@@ -25,7 +27,7 @@ def ship(src: str, dest: str, name: str, windows: int = 24) -> dict:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
         tokenizer = AutoTokenizer.from_pretrained(src)
     with atomic_directory(dest) as tmp:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
         tokenizer.save_pretrained(tmp)
         shutil.copy2(os.path.join(src, "training.json"), tmp)
         try:
@@ -49,8 +51,9 @@ def main(argv=None):
     ap.add_argument("src")
     ap.add_argument("dest")
     ap.add_argument("--name", required=True)
+    ap.add_argument("--max-shard-size", help="split the weights into shards of at most this size (e.g. 30MB)")
     args = ap.parse_args(argv)
-    result = ship(args.src, args.dest, args.name)
+    result = ship(args.src, args.dest, args.name, max_shard_size=args.max_shard_size)
     print(json.dumps({k: v for k, v in result.items() if k != "usage"}, indent=1))
 
 
