@@ -108,8 +108,8 @@ def main(argv=None):
                 f"where named), perplexity on {args.windows} windows x 256 tokens per domain (held-out split"
                 f"{' and out-of-domain split' if any('ood' in k for k in keys) else ''}), one torch thread")
     print(settings)
-    print(f"mean |cosine| between two experts' weights in a layer: {cosine:.4f} (trained from scratch: nearly "
-          "orthogonal experts, the least favourable case for merging)")
+    print(f"mean |cosine| between two experts' weights in a layer: {cosine:.4f} (near 0: experts trained apart from "
+          "scratch, the least favourable case for merging; near 1: copies of one FFN, as after upcycling)")
     head = f"{'method':28} " + " ".join(f"{k:>13}" for k in keys)
     print(head)
     print("-" * len(head))
