@@ -22,3 +22,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# pytest-xdist hands whole files to its workers in collection order: the files that take a minute or more go
+# first, so the two workers end together instead of one finishing a long file alone.
+SLOW_FILES_FIRST = ("test_check_component.py", "test_benchmark_smoke.py", "test_scaffold.py", "test_plugins.py",
+                    "test_install_cli.py", "test_space_components.py", "test_channel_topk.py", "test_meta.py",
+                    "test_browser.py", "test_startup.py", "test_readme.py", "test_readme_path.py", "test_gguf.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: every file stays in one piece
