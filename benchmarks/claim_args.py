@@ -1,4 +1,5 @@
-"""What the compressor claim benchmarks share: their command line and the geometric mean of per-domain perplexity."""
+"""What the claim benchmarks share: the compressors' command line, the geometric mean of per-domain perplexity, and
+the plain table the short-run benchmarks print."""
 import argparse
 import math
 
@@ -15,3 +16,11 @@ def claim_parser(description: str, calibration_tokens: int) -> argparse.Argument
 
 def geo(ppl: dict) -> float:
     return math.exp(sum(math.log(v) for v in ppl.values()) / len(ppl))
+
+
+def show(rows: list[dict]) -> None:
+    """Rows of dicts as one " | "-separated table (every key of any row is a column)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r.get(k, "")) for k in keys))

@@ -27,6 +27,8 @@ from zoo.data.tokens import token_stream, train_batch
 from zoo.finetune import finetune, held_out, lr_at
 from zoo.layout import moe_layers
 
+from claim_args import show  # noqa: E402
+
 MODEL = "zoo-tiny-moe"
 SINGLE_LORA = {"num_loras": 1, "top_k": 1, "router": "learned"}  # one LoRA: a one-way softmax weighs it 1
 
@@ -84,13 +86,6 @@ def full_experts(args, label: str) -> dict:
     out["seconds"] = round(time.perf_counter() - t0)
     print(out, flush=True)
     return out
-
-
-def show(rows: list[dict]) -> None:
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    print(" | ".join(keys))
-    for r in rows:
-        print(" | ".join(str(r.get(k, "")) for k in keys))
 
 
 def settings(args, steps=None) -> str:

@@ -38,6 +38,8 @@ from zoo.finetune import lr_at
 from zoo.layout import moe_layers
 from zoo.moe.losses import load_balancing_loss
 
+from claim_args import show  # noqa: E402
+
 COMPONENTS = ("topk-softmax", "sigmoid-bias", "token-hash", "expert-choice", "scored-topk", "steer", "sparsemixer",
               "language-conditioned")
 MODEL = "zoo-tiny-moe"
@@ -105,13 +107,6 @@ def row(label: str, r: dict, **extra) -> dict:
     out["max/mean load"] = round(r["max/mean load"], 3)
     out["entropy bits"] = round(r["entropy"], 3)
     return out
-
-
-def show(rows: list[dict]) -> None:
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    print(" | ".join(keys))
-    for r in rows:
-        print(" | ".join(str(r.get(k, "")) for k in keys))
 
 
 def settings(args) -> str:
