@@ -124,6 +124,29 @@ def test_float_export_holds_the_weights_and_computes_the_models_logits(base, tmp
               for i in reader.fields["tokenizer.ggml.tokens"].data[:300]]
     tok = zoo.load_tokenizer("zoo-tiny-moe")
     assert tokens == tok.convert_ids_to_tokens(list(range(300)))  # the tokenizer travels, ids unchanged
+    # llama.cpp refuses a file whose pre-tokenizer name it does not know ("gpt2" was refused; it says "gpt-2")
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+
+
+def test_llama_cpp_runs_the_file_and_generates_the_zoos_tokens(base, tmp_path):
+    """Where llama-cpp-python is installed (it builds from source, so not in CI): llama.cpp itself loads the file,
+    its logits match the zoo's and 24 greedy tokens are the same."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (it builds from source)")
+    export_gguf(base, tmp_path / "m.gguf", progress=False)
+    llm = llama_cpp.Llama(str(tmp_path / "m.gguf"), n_ctx=256, logits_all=True, verbose=False, n_threads=1)
+    ids = IDS.tolist()
+    llm.eval(ids)
+    with torch.no_grad():
+        want = base(IDS[None]).logits[0]
+    torch.testing.assert_close(torch.tensor(np.array(llm.scores[:len(ids)])), want, atol=5e-3, rtol=1e-3)
+    tokens, seq = list(ids), IDS[None]
+    for _ in range(24):
+        llm.reset()
+        llm.eval(tokens)
+        tokens.append(int(np.argmax(llm.scores[len(tokens) - 1])))
+        with torch.no_grad():
+            seq = torch.cat([seq, base(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert tokens == seq[0].tolist()
 
 
 def test_qwen3_moe_exports_as_qwen3moe(tmp_path):

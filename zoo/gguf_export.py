@@ -273,7 +273,7 @@ def write_tokenizer(writer, folder: Path | None, config) -> bool:
     tokens += [f"[PAD{i}]" for i in range(pad)]
     types = list(types) + [gguf.TokenType.UNUSED] * pad
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")  # the GPT-2 split regex, as a ByteLevel pre-tokenizer with use_regex
+    writer.add_tokenizer_pre("gpt-2")  # llama.cpp's name for the GPT-2 split regex (ByteLevel with use_regex)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
