@@ -1,0 +1,100 @@
+"""zoo::moe_gemv's read speed against the machine's: GB/s of selected expert weights read per second, for
+every stored form, beside a compiled sum over a large bf16 tensor (the machine's read bandwidth as torch's best
+streaming code reaches it) and torch's own one-row kernels on the same experts, in one run.
+
+    python benchmarks/moe_gemv.py                  # the 304M benchmark model's expert shape, 2 threads
+    python benchmarks/moe_gemv.py --smoke          # small sizes, seconds (the test suite runs this)
+
+Each call reads k=2 experts' gate_up weights [2I, H] for one token; the experts rotate through a stack larger
+than the last-level cache, so the bytes come from memory, as in decode over a model bigger than the cache.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from zoo import kernels
+from zoo.moe.quantized import quantize_grouped, quantize_int8
+
+
+def clock(fn, calls: int, repeats: int = 5) -> float:
+    """Median seconds per call over ``repeats`` runs of ``calls`` calls (after one warm-up run)."""
+    fn(0)
+    runs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        runs.append((time.perf_counter() - t) / calls)
+    return statistics.median(runs)
+
+
+def stacks(S: int, N: int, K: int, group_size: int):
+    """(label, bits, weight stack, scales, bytes of one expert) for every stored form, from one bf16 stack."""
+    g = torch.Generator().manual_seed(0)
+    dense = (torch.randn(S, N, K, generator=g) * 0.02).to(torch.bfloat16)
+    out = [("bf16", 16, dense, None)]
+    q8 = [quantize_int8(w) for w in dense]
+    out.append(("int8", 8, torch.stack([q for q, _ in q8]), torch.stack([s for _, s in q8]).to(torch.bfloat16)))
+    for bits in (4, 3, 2):
+        q = [quantize_grouped(w, group_size, bits)[:2] for w in dense]
+        out.append((f"int{bits}", bits, torch.stack([a for a, _ in q]), torch.stack([b for _, b in q])))
+    return [(label, bits, w, s, w[0].nbytes + (0 if s is None else s[0].nbytes)) for label, bits, w, s in out]
+
+
+def torch_row(label, w, s, group_size):
+    """torch's own one-row kernel on expert e's view (what the zoo used before the kernel)."""
+    if label == "bf16":
+        return lambda x, e: torch.nn.functional.linear(x, w[e])
+    if label == "int8":
+        return lambda x, e: torch.ops.aten._weight_int8pack_mm(x, w[e], s[e])
+    if label == "int4":
+        return lambda x, e: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[e], group_size, s[e])
+    return None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not kernels.load():
+        print(f"zoo::moe_gemv unavailable: {kernels.unavailable_reason()}")
+        return
+    H, I, k, group_size = (128, 256, 2, 64) if args.smoke else (1024, 2816, 2, 64)
+    S = 8 if args.smoke else 64  # 64 bf16 experts of [2I, H]: 738 MB, beyond the 300 MB last-level cache
+    calls = 8 if args.smoke else 64
+    total = (2 ** 20 if args.smoke else 2 ** 29)  # 1 GiB of bf16 for the compiled sum
+    big = torch.randn(total).to(torch.bfloat16)
+    summed = torch.compile(lambda t: t.sum(dtype=torch.float32))
+    sum_s = clock(lambda i: summed(big), 3)
+    sum_gbs = big.nbytes / sum_s / 1e9
+    x = torch.randn(1, H).to(torch.bfloat16)
+    print(f"machine read bandwidth (compiled sum over {big.nbytes / 2**20:.0f} MiB of bf16, {args.threads} threads): "
+          f"{sum_gbs:.1f} GB/s\n")
+    head = f"{'stored form':12} {'MB / call':>9} {'kernel GB/s':>11} {'of sum':>7} {'torch GB/s':>10} {'kernel/torch':>12}"
+    print(head + "\n" + "-" * len(head))
+    for label, bits, w, s, per_expert in stacks(S, 2 * I, H, group_size):
+        pick = lambda i: torch.tensor([[(2 * i) % S, (2 * i + 1) % S]])  # noqa: E731
+        picks = [pick(i) for i in range(calls)]
+        t_kernel = clock(lambda i: kernels.moe_gemv(x, picks[i], w, s, bits, group_size), calls)
+        gbs = k * per_expert / t_kernel / 1e9
+        row = torch_row(label, w, s, group_size)
+        if row is None:
+            t_torch = None
+        else:
+            t_torch = clock(lambda i: [row(x, int(e)) for e in picks[i][0]], calls)
+        torch_gbs = "-" if t_torch is None else f"{k * per_expert / t_torch / 1e9:.1f}"
+        ratio = "-" if t_torch is None else f"{t_torch / t_kernel:.2f}"
+        print(f"{label:12} {k * per_expert / 1e6:9.1f} {gbs:11.1f} {gbs / sum_gbs:7.2f} {torch_gbs:>10} {ratio:>12}")
+    print("\n(GB/s: bytes of the selected experts' stored weights and scales / time per call; 'of sum': the kernel's "
+          "share of the compiled sum's bandwidth; torch: F.linear / _weight_int8pack_mm / _weight_int4pack_mm_for_cpu "
+          "on each selected expert's view; 2/3 bits have no torch kernel)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""zoo::moe_gemv (zoo/kernels): the C++ expert kernel against the dequantised naive reference, for every stored
+form, 1 to 8 tokens, empty slots, experts of another stack, both instruction sets; opcheck; the expert block
+it serves in compiled decode."""
+import pytest
+import torch
+
+from zoo import kernels
+from zoo.moe.quantized import quantize_grouped, quantize_int8
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"kernel unavailable: {kernels.unavailable_reason()}")
+
+ISAS = ["avx512", "avx2"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    before = kernels.isa()
+    try:
+        kernels.isa(request.param)
+    except RuntimeError:
+        pytest.skip(f"this processor lacks {request.param}")
+    yield request.param
+    kernels.isa(before)
+
+
+def stack(bits, S, N, K, group_size=32, dtype=torch.bfloat16, seed=0):
+    """A stack of S experts' [N, K] weights in the stored form of ``bits``: (weight, scale)."""
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(S, N, K, generator=g) * 0.1
+    if bits == 16:
+        return dense.to(dtype), None
+    if bits == 8:
+        q, s = zip(*(quantize_int8(w) for w in dense))
+        return torch.stack(q), torch.stack(s).to(dtype)
+    q, s = zip(*(quantize_grouped(w, group_size, bits)[:2] for w in dense))
+    return torch.stack(q), torch.stack(s)
+
+
+def routing(T, k, E, seed=0, empty=False):
+    g = torch.Generator().manual_seed(seed + 1)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    if empty:
+        idx[0, -1] = E  # an empty slot (the marker is the expert count)
+    return idx
+
+
+KINDS = [(16, torch.float32), (16, torch.bfloat16), (8, torch.bfloat16), (8, torch.float32), (4, torch.bfloat16),
+         (3, torch.bfloat16), (2, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("bits,dtype", KINDS, ids=[f"{b}bit-{str(d)[6:]}" for b, d in KINDS])
+@pytest.mark.parametrize("T", [1, 2, 3, 8])
+def test_matches_reference(isa, bits, dtype, T):
+    # N = 160: two full int4 blocks of 64 and a 32-row tail; K = 96: a vector tail for the 16-lane path
+    S, N, K, k = 6, 160, 96, 2
+    w, s = stack(bits, S, N, K, dtype=dtype)
+    x = torch.randn(T, K).to(dtype)
+    idx = routing(T, k, S, empty=T > 1)
+    got = kernels.moe_gemv(x, idx, w, s, bits, 32)
+    want = kernels.moe_gemv_reference(x, idx, w, s, bits, 32)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == x.dtype and got.shape == (T, k, N)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    if T > 1:
+        assert got[0, -1].abs().max() == 0  # the empty slot
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4, 3, 2])
+def test_per_slot_inputs_and_other_stacks(isa, bits):
+    """x [T, k, K] (the down projection's input) and a stack holding only some experts (mixed widths)."""
+    S, N, K, T, k, E = 3, 64, 128, 4, 3, 6
+    w, s = stack(bits, S, N, K, group_size=64)
+    slot_of = torch.tensor([0, -1, 1, -1, 2, -1])
+    idx = routing(T, k, E, seed=3, empty=True)
+    x = torch.randn(T, k, K)
+    got = kernels.moe_gemv(x, idx, w, s, bits, 64, slot_of)
+    torch.testing.assert_close(got, kernels.moe_gemv_reference(x, idx, w, s, bits, 64, slot_of), rtol=1e-4, atol=1e-4)
+    other = (slot_of[idx.clamp(max=E - 1)] < 0) | (idx >= E)
+    assert other.any() and got[other].abs().max() == 0
+
+
+def test_many_pairs_for_one_expert(isa):
+    """More than eight (token, slot) pairs on one expert: the kernel splits them into groups of eight."""
+    w, s = stack(4, 2, 64, 64)
+    idx = torch.zeros(11, 1, dtype=torch.long)
+    x = torch.randn(11, 64)
+    torch.testing.assert_close(kernels.moe_gemv(x, idx, w, s, 4, 32), kernels.moe_gemv_reference(x, idx, w, s, 4, 32),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_opcheck():
+    w, s = stack(8, 4, 64, 64)
+    x, idx = torch.randn(2, 64), routing(2, 2, 4)
+    torch.library.opcheck(torch.ops.zoo.moe_gemv.default, (x, idx, w, s, 8, 64, None))
+
+
+def test_refuses_bad_input():
+    w, s = stack(4, 2, 64, 64)
+    x, idx = torch.randn(1, 64), torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="last dimension"):
+        kernels.moe_gemv(torch.randn(1, 32), idx, w, s, 4, 32)
+    with pytest.raises(RuntimeError, match="group_size"):
+        kernels.moe_gemv(x, idx, w, s, 4, 48)
+    with pytest.raises(RuntimeError, match="scales"):
+        kernels.moe_gemv(x, idx, w, None, 4, 32)
+    with pytest.raises(RuntimeError, match="slot"):
+        kernels.moe_gemv(x, idx, w, s, 4, 32, torch.tensor([5]))

@@ -1,0 +1,278 @@
+// zoo::moe_gemv: the selected experts' matrix-vector products for a few tokens (decode), reading each selected
+// expert's weights once, in place, in their stored form (fp32, bf16, int8 per channel, torch's int4 pack, the
+// zoo's dense 2/3-bit packs), dequantising in registers, with threads splitting the output rows.
+//
+// y[t, j] = W[slot_of[indices[t, j]]] @ x_t   for every token t and routing slot j (x_t: the token's hidden state,
+// or its own input per slot); empty slots (index >= number of experts) and experts outside this stack give
+// zeros. A SwiGLU expert block is two calls (gate_up, then down on the activated product), with the activation
+// and the weighted sum in torch around them (zoo/kernels/__init__.py).
+//
+// The kernels (moe_gemv_body.h) are compiled for AVX-512 and for AVX2; the instruction set is chosen when the
+// library loads, from what the processor supports (moe_gemv_isa forces one, for tests).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include <immintrin.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+namespace zoo_kernels {
+
+enum class Kind { f32, bf16, int8, int4, int2, int3 };
+
+static inline float bf16_to_float(uint16_t v) {
+  uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Scales of one stack, fp32 or bf16: int8 one per row [S, N]; 2/3/4 bits (scale, zero) per group [S, K/g, N, 2].
+struct Scales {
+  const void* ptr = nullptr;
+  bool bf16 = false;
+  int64_t N = 0, per_slot = 0;
+  float get(int64_t i) const {
+    return bf16 ? bf16_to_float(static_cast<const uint16_t*>(ptr)[i]) : static_cast<const float*>(ptr)[i];
+  }
+  float at(int64_t r) const { return get(r); }
+  float scale(int64_t gi, int64_t n) const { return get((gi * N + n) * 2); }
+  float zero(int64_t gi, int64_t n) const { return get((gi * N + n) * 2 + 1); }
+  Scales of_slot(int64_t s) const {
+    Scales r = *this;
+    if (ptr) r.ptr = static_cast<const char*>(ptr) + s * per_slot * (bf16 ? 2 : 4);
+    return r;
+  }
+};
+
+struct Problem {
+  Kind kind;
+  const void* w;           // the stack [S, N, ...]
+  int64_t expert_bytes;    // bytes of one expert in the stack
+  Scales scales;
+  int64_t N, K, g;         // output rows, inputs, group size (2/3/4 bits)
+  const float* X;          // inputs [rows, K] in fp32 (2/3 bits: permuted per 32-input chunk)
+  const float* SX;         // per-group sums of the inputs [rows, K/g] (2/3/4 bits)
+  float* Y;                // outputs [T * k, N]
+};
+
+struct Item {  // rows [r0, r1) of one expert for up to 8 (token, slot) pairs
+  int64_t slot, r0, r1;
+  int np;
+  int64_t in_row[8], out_row[8];
+};
+
+// int4 rows past the last full block of 64: torch packs them two rows per byte (row 2j low, 2j+1 high) per k.
+// Only small layers have such a tail; plain scalar code.
+static void int4_tail(const uint8_t* w, const Scales& sc, int64_t N, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                      int np, const float* const* xs, const float* const* sxs, float* const* ys) {
+  const int64_t full = N / 64 * 64, tail = N - full;
+  const uint8_t* t = w + full * K / 2;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t j = r - full;
+    for (int p = 0; p < np; ++p) {
+      float total = 0;
+      for (int64_t gi = 0; gi < K / g; ++gi) {
+        float acc = 0;
+        for (int64_t k = gi * g; k < (gi + 1) * g; ++k)
+          acc += float((t[k * (tail / 2) + j / 2] >> (4 * (j & 1))) & 15) * xs[p][k];
+        float s = sc.scale(gi, r);
+        total += s * acc + (sc.zero(gi, r) - 8 * s) * sxs[p][gi];
+      }
+      ys[p][r] = total;
+    }
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+namespace avx512 {
+constexpr int L = 16;
+#define ZOO_LANES 16
+typedef int8_t vi8 __attribute__((vector_size(16)));
+typedef uint8_t vu8 __attribute__((vector_size(16)));
+typedef float vf __attribute__((vector_size(64)));
+// 8-bit lanes to float: GCC's generic conversion of 8-bit vectors comes out scalar, so these two are intrinsics
+static inline vf to_float(vi8 v) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)v)); }
+static inline vf to_float(vu8 v) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)v)); }
+// 16 bytes of int4 codes to floats: each byte widened to a 32-bit lane, then a lookup in a table of 0..15, which
+// reads only the low 4 bits of each lane (no mask, no integer-to-float conversion)
+static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  lo = (vf)_mm512_permutexvar_ps(v, table);
+  hi = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+#include "moe_gemv_body.h"
+#undef ZOO_LANES
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+constexpr int L = 8;
+#define ZOO_LANES 8
+typedef int8_t vi8 __attribute__((vector_size(8)));
+typedef uint8_t vu8 __attribute__((vector_size(8)));
+typedef float vf __attribute__((vector_size(32)));
+static inline vf to_float(vi8 v) { return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)&v))); }
+static inline vf to_float(vu8 v) { return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)&v))); }
+static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
+  __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+  hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+#include "moe_gemv_body.h"
+#undef ZOO_LANES
+}  // namespace avx2
+#pragma GCC pop_options
+
+// 2: AVX-512, 1: AVX2, 0: neither (the op refuses; Python keeps torch's path)
+static int detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+  return 0;
+}
+static int g_isa = detect_isa();
+
+int64_t moe_gemv_isa(int64_t want) {
+  if (want >= 0) {
+    TORCH_CHECK(want <= detect_isa(), "moe_gemv_isa: this processor does not support instruction set ", want);
+    g_isa = int(want);
+  }
+  return g_isa;
+}
+
+// the input order rows_packed reads: chunk c, shift s, lane j <- input 32c + (k of lane j at shift s)
+static void permute_for_packed(const float* x, float* out, int64_t K, int bits) {
+  for (int64_t c = 0; c < K / 32; ++c)
+    for (int s = 0; s < 4; ++s)
+      for (int j = 0; j < 8; ++j) {
+        int k = bits == 2 ? 4 * j + s : 8 * (j % 4) + 4 * (j / 4) + s;
+        out[c * 32 + s * 8 + j] = x[c * 32 + k];
+      }
+}
+
+at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
+                    const std::optional<at::Tensor>& scale, int64_t bits, int64_t group_size,
+                    const std::optional<at::Tensor>& slot_of) {
+  TORCH_CHECK(g_isa > 0, "zoo::moe_gemv needs a processor with AVX2 and FMA");
+  TORCH_CHECK(x.device().is_cpu() && indices.device().is_cpu() && weight.device().is_cpu(),
+              "zoo::moe_gemv runs on CPU tensors");
+  TORCH_CHECK(indices.dim() == 2 && indices.scalar_type() == at::kLong, "indices must be int64 [T, k]");
+  const int64_t T = indices.size(0), k = indices.size(1), K = x.size(-1);
+  const bool per_slot = x.dim() == 3;
+  TORCH_CHECK((x.dim() == 2 && x.size(0) == T) || (per_slot && x.size(0) == T && x.size(1) == k),
+              "x must be [T, K] or [T, k, K] for indices [T, k]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous(), "weight must be a contiguous [S, N, ...] stack");
+  const int64_t S = weight.size(0), N = weight.size(1);
+  Kind kind;
+  int64_t packed_k = K;  // the stored row's last dimension
+  if (bits == 16) {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+                "16-bit weights must be float32 or bfloat16");
+    kind = weight.scalar_type() == at::kFloat ? Kind::f32 : Kind::bf16;
+  } else if (bits == 8) {
+    TORCH_CHECK(weight.scalar_type() == at::kChar, "8-bit weights must be int8");
+    kind = Kind::int8;
+  } else {
+    TORCH_CHECK(bits == 2 || bits == 3 || bits == 4, "bits must be 16, 8, 4, 3 or 2, got ", bits);
+    TORCH_CHECK(weight.scalar_type() == at::kByte, "packed weights must be uint8");
+    TORCH_CHECK(group_size >= 32 && group_size % 32 == 0 && K % group_size == 0,
+                "group_size must be a multiple of 32 dividing K");
+    kind = bits == 4 ? Kind::int4 : bits == 3 ? Kind::int3 : Kind::int2;
+    packed_k = K * bits / 8;
+    if (bits == 4) TORCH_CHECK(N % 16 == 0, "torch's int4 pack needs N divisible by 16");
+  }
+  TORCH_CHECK(weight.size(2) == packed_k, "weight's last dimension is ", weight.size(2), ", expected ", packed_k);
+  Scales sc;
+  if (bits <= 8) {
+    TORCH_CHECK(scale.has_value() && scale->is_contiguous(), "quantized weights need contiguous scales");
+    TORCH_CHECK(scale->scalar_type() == at::kFloat || scale->scalar_type() == at::kBFloat16,
+                "scales must be float32 or bfloat16");
+    const int64_t per_slot_n = bits == 8 ? N : K / group_size * N * 2;
+    TORCH_CHECK(scale->numel() == S * per_slot_n, "scales have ", scale->numel(), " elements, expected ",
+                S * per_slot_n);
+    sc.ptr = scale->data_ptr();
+    sc.bf16 = scale->scalar_type() == at::kBFloat16;
+    sc.N = N;
+    sc.per_slot = per_slot_n;
+  }
+  const int64_t E = slot_of.has_value() ? slot_of->numel() : S;
+  std::vector<int64_t> slot_map(E);
+  if (slot_of.has_value()) {
+    TORCH_CHECK(slot_of->scalar_type() == at::kLong && slot_of->is_contiguous(), "slot_of must be int64");
+    std::memcpy(slot_map.data(), slot_of->data_ptr<int64_t>(), E * sizeof(int64_t));
+    for (int64_t s : slot_map) TORCH_CHECK(s < S, "slot_of names slot ", s, " of a stack of ", S);
+  } else {
+    for (int64_t e = 0; e < E; ++e) slot_map[e] = e;
+  }
+
+  at::Tensor X = x.to(at::kFloat).contiguous().view({-1, K});
+  const int64_t rows = X.size(0);
+  std::vector<float> permuted, sums;
+  const float* Xp = X.data_ptr<float>();
+  if (kind == Kind::int2 || kind == Kind::int3) {
+    permuted.resize(rows * K);
+    for (int64_t r = 0; r < rows; ++r) permute_for_packed(Xp + r * K, permuted.data() + r * K, K, int(bits));
+  }
+  if (bits <= 4) {
+    const int64_t G = K / group_size;
+    sums.assign(rows * G, 0.f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k2 = 0; k2 < K; ++k2) sums[r * G + k2 / group_size] += Xp[r * K + k2];
+  }
+
+  // group the (token, slot) pairs by the stack slot they read, then cut each slot's rows into items
+  std::map<int64_t, std::vector<int64_t>> pairs_of;
+  const int64_t* idx = indices.contiguous().data_ptr<int64_t>();
+  for (int64_t p = 0; p < T * k; ++p) {
+    int64_t e = idx[p];
+    if (e >= 0 && e < E && slot_map[e] >= 0) pairs_of[slot_map[e]].push_back(p);
+  }
+  const int64_t block = 64;
+  std::vector<Item> items;
+  for (auto& [slot, pairs] : pairs_of)
+    for (size_t first = 0; first < pairs.size(); first += 8)
+      for (int64_t r0 = 0; r0 < N; r0 += block) {
+        Item it{slot, r0, std::min(N, r0 + block), int(std::min<size_t>(8, pairs.size() - first)), {}, {}};
+        for (int p = 0; p < it.np; ++p) {
+          it.out_row[p] = pairs[first + p];
+          it.in_row[p] = per_slot ? pairs[first + p] : pairs[first + p] / k;
+        }
+        items.push_back(it);
+      }
+
+  at::Tensor Y = at::zeros({T * k, N}, X.options());
+  Problem pb{kind, weight.data_ptr(), weight.stride(0) * weight.element_size(), sc, N, K, group_size,
+             permuted.empty() ? Xp : permuted.data(), sums.empty() ? nullptr : sums.data(), Y.data_ptr<float>()};
+  if (g_isa == 2)
+    avx512::run_items(pb, items);
+  else
+    avx2::run_items(pb, items);
+  return Y.view({T, k, N}).to(x.scalar_type());
+}
+
+}  // namespace zoo_kernels
+
+TORCH_LIBRARY_FRAGMENT(zoo, m) {
+  m.def("moe_gemv(Tensor x, Tensor indices, Tensor weight, Tensor? scale, int bits, int group_size, "
+        "Tensor? slot_of) -> Tensor");
+  m.def("moe_gemv_isa(int want) -> int");
+}
+
+TORCH_LIBRARY_IMPL(zoo, CPU, m) { m.impl("moe_gemv", &zoo_kernels::moe_gemv); }
+
+TORCH_LIBRARY_IMPL(zoo, CompositeExplicitAutograd, m) { m.impl("moe_gemv_isa", &zoo_kernels::moe_gemv_isa); }

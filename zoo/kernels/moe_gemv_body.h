@@ -1,0 +1,203 @@
+// The kernels of moe_gemv.cpp, written once with GCC vector types and compiled once per instruction set:
+// moe_gemv.cpp includes this file inside a namespace and a `#pragma GCC target` region, with L (the lanes of a
+// float vector there: 16 for AVX-512, 8 for AVX2) defined. Each kernel computes output rows [r0, r1) of one
+// expert's weight for NP inputs at once, so every weight byte is read once per call however many tokens chose it.
+
+// (vf, vi8, vu8 and to_float, the L-lane float vector and the 8-bit conversions, come from moe_gemv.cpp)
+typedef uint16_t vu16 __attribute__((vector_size(2 * L)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * L)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef uint32_t vw8 __attribute__((vector_size(32)));
+typedef int32_t vi32_8 __attribute__((vector_size(32)));
+typedef uint8_t vb8 __attribute__((vector_size(8)));
+
+template <class V> static inline V load(const void* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
+
+// horizontal sums as trees of half-vector adds (a scalar chain of L dependent adds costs as much as a row)
+static inline float hsum(vf8 v) {
+  v4f a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  a += __builtin_shufflevector(a, a, 2, 3, 0, 1);
+  return a[0] + a[1];
+}
+#if ZOO_LANES == 16
+static inline float hsum(vf v) {
+  return hsum(vf8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)));
+}
+#endif
+
+// L consecutive weights as floats, dequantised in registers
+static inline vf widen(const float* p) { return load<vf>(p); }
+static inline vf widen(const uint16_t* p) { return (vf)(__builtin_convertvector(load<vu16>(p), vu32) << 16); }
+static inline vf widen(const int8_t* p) { return to_float(load<vi8>(p)); }
+static inline float one(float v) { return v; }
+static inline float one(uint16_t v) { return bf16_to_float(v); }
+static inline float one(int8_t v) { return float(v); }
+
+// Row-major [N, K] weights (fp32, bf16 or int8 with a per-row scale): a dot product per row and input.
+template <int NP, class W>
+static void rows_dense(const W* w, const Scales& sc, int64_t K, int64_t r0, int64_t r1, const float* const* xs,
+                       float* const* ys) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const W* wr = w + r * K;
+    vf a0[NP], a1[NP];
+    for (int p = 0; p < NP; ++p) a0[p] = a1[p] = vf{};
+    int64_t k = 0;
+    for (; k + 2 * L <= K; k += 2 * L) {  // two accumulators per input: two independent chains
+      vf w0 = widen(wr + k), w1 = widen(wr + k + L);
+      for (int p = 0; p < NP; ++p) {
+        a0[p] += w0 * load<vf>(xs[p] + k);
+        a1[p] += w1 * load<vf>(xs[p] + k + L);
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      float s = hsum(a0[p] + a1[p]);
+      for (int64_t kk = k; kk < K; ++kk) s += one(wr[kk]) * xs[p][kk];
+      ys[p][r] = sc.ptr ? s * sc.at(r) : s;
+    }
+  }
+}
+
+// torch's CPU int4 pack, one block of 64 rows: for each k, 32 bytes; byte j holds row j (low nibble) and row
+// j + 32 (high nibble). Scale and zero per group of g inputs: w = (q - 8) * s + z, so a group contributes
+// s * sum(q x) + (z - 8 s) * sum(x), and sum(x) per group is precomputed (sxs).
+template <int NP>
+static void block_int4(const uint8_t* blk, const Scales& sc, int64_t K, int64_t g, int64_t n0, const float* const* xs,
+                       const float* const* sxs, float* const* ys) {
+  constexpr int C = 32 / L;  // L-byte pieces per k; piece c gives rows c*L.. (low) and 32 + c*L.. (high)
+  vf acc[NP][2 * C];
+  for (int p = 0; p < NP; ++p)
+    for (int c = 0; c < 2 * C; ++c) acc[p][c] = vf{};
+  for (int64_t gi = 0; gi < K / g; ++gi) {
+    vf ga[NP][2 * C];
+    for (int p = 0; p < NP; ++p)
+      for (int c = 0; c < 2 * C; ++c) ga[p][c] = vf{};
+    for (int64_t k = gi * g; k < (gi + 1) * g; ++k) {
+      const uint8_t* b = blk + k * 32;
+      for (int c = 0; c < C; ++c) {
+        vf lo, hi;
+        nibbles_to_float(b + c * L, lo, hi);
+        for (int p = 0; p < NP; ++p) {
+          float x = xs[p][k];
+          ga[p][c] += lo * x;
+          ga[p][C + c] += hi * x;
+        }
+      }
+    }
+    for (int c = 0; c < 2 * C; ++c) {
+      vf s, zm;
+      if (sc.bf16) {  // L (scale, zero) pairs of bf16 as L 32-bit lanes: scale in the low half, zero in the high
+        vu32 sz = load<vu32>(static_cast<const uint16_t*>(sc.ptr) + (gi * sc.N + n0 + c * L) * 2);
+        s = (vf)(sz << 16);
+        zm = (vf)(sz & 0xffff0000u) - 8 * s;
+      } else {
+        for (int i = 0; i < L; ++i) {
+          s[i] = sc.scale(gi, n0 + c * L + i);
+          zm[i] = sc.zero(gi, n0 + c * L + i) - 8 * s[i];
+        }
+      }
+      for (int p = 0; p < NP; ++p) acc[p][c] += ga[p][c] * s + zm * sxs[p][gi];
+    }
+  }
+  for (int p = 0; p < NP; ++p)
+    for (int c = 0; c < 2 * C; ++c) std::memcpy(ys[p] + n0 + c * L, &acc[p][c], sizeof(vf));
+}
+
+// 2- or 3-bit codes packed densely along each row (zoo.moe.packing). 32 codes (4 * BITS bytes) at a time as
+// eight lanes x four shifts; the inputs come permuted to match (permute_for_packed), so each shift's lanes
+// multiply contiguous inputs. Groups are multiples of 32, so a 32-code chunk never straddles two.
+template <int NP, int BITS>
+static void rows_packed(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                        const float* const* xs, const float* const* sxs, float* const* ys) {
+  const int64_t row_bytes = K * BITS / 8;
+  const vw8 base = BITS == 2 ? vw8{0, 0, 0, 0, 0, 0, 0, 0} : vw8{0, 0, 0, 0, 12, 12, 12, 12};
+  const uint32_t mask = (1u << BITS) - 1;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = w + r * row_bytes;
+    vf8 acc[NP];
+    float zterm[NP];
+    for (int p = 0; p < NP; ++p) acc[p] = vf8{}, zterm[p] = 0;
+    for (int64_t gi = 0; gi < K / g; ++gi) {
+      vf8 ga[NP];
+      for (int p = 0; p < NP; ++p) ga[p] = vf8{};
+      for (int64_t c = gi * g / 32; c < (gi + 1) * g / 32; ++c) {
+        const uint8_t* b = wr + c * 4 * BITS;
+        vw8 words;
+        if (BITS == 2) {
+          words = __builtin_convertvector(load<vb8>(b), vw8);  // lane i: codes 4i..4i+3
+        } else {
+          uint32_t u[4];
+          for (int i = 0; i < 4; ++i) u[i] = b[3 * i] | (b[3 * i + 1] << 8) | (b[3 * i + 2] << 16);
+          words = vw8{u[0], u[1], u[2], u[3], u[0], u[1], u[2], u[3]};  // lanes 4..7 read the upper half-words
+        }
+        for (int s = 0; s < 4; ++s) {
+          vf8 q = __builtin_convertvector(vi32_8((words >> (base + BITS * s)) & mask), vf8);
+          for (int p = 0; p < NP; ++p) ga[p] += q * load<vf8>(xs[p] + c * 32 + s * 8);
+        }
+      }
+      float s = sc.scale(gi, r), zm = sc.zero(gi, r) - 8 * s;
+      for (int p = 0; p < NP; ++p) {
+        acc[p] += ga[p] * s;
+        zterm[p] += zm * sxs[p][gi];
+      }
+    }
+    for (int p = 0; p < NP; ++p) ys[p][r] = hsum(acc[p]) + zterm[p];
+  }
+}
+
+// One work item: rows [r0, r1) of one expert, for np inputs (1..8).
+static void run_item(const Problem& pb, const Item& it) {
+  const float* xs[8];
+  const float* sxs[8];
+  float* ys[8];
+  for (int p = 0; p < it.np; ++p) {
+    xs[p] = pb.X + it.in_row[p] * pb.K;
+    sxs[p] = pb.SX ? pb.SX + it.in_row[p] * (pb.K / pb.g) : nullptr;
+    ys[p] = pb.Y + it.out_row[p] * pb.N;
+  }
+  const uint8_t* w = static_cast<const uint8_t*>(pb.w) + it.slot * pb.expert_bytes;
+  Scales sc = pb.scales.of_slot(it.slot);
+#define ZOO_NP(CALL)                                   \
+  switch (it.np) {                                     \
+    case 1: { constexpr int NP = 1; CALL; break; }     \
+    case 2: { constexpr int NP = 2; CALL; break; }     \
+    case 3: { constexpr int NP = 3; CALL; break; }     \
+    case 4: { constexpr int NP = 4; CALL; break; }     \
+    case 5: { constexpr int NP = 5; CALL; break; }     \
+    case 6: { constexpr int NP = 6; CALL; break; }     \
+    case 7: { constexpr int NP = 7; CALL; break; }     \
+    default: { constexpr int NP = 8; CALL; break; }    \
+  }
+  switch (pb.kind) {
+    case Kind::f32:
+      ZOO_NP((rows_dense<NP>(reinterpret_cast<const float*>(w), sc, pb.K, it.r0, it.r1, xs, ys)));
+      break;
+    case Kind::bf16:
+      ZOO_NP((rows_dense<NP>(reinterpret_cast<const uint16_t*>(w), sc, pb.K, it.r0, it.r1, xs, ys)));
+      break;
+    case Kind::int8:
+      ZOO_NP((rows_dense<NP>(reinterpret_cast<const int8_t*>(w), sc, pb.K, it.r0, it.r1, xs, ys)));
+      break;
+    case Kind::int4:
+      if (it.r1 - it.r0 == 64 && it.r0 + 64 <= pb.N / 64 * 64) {
+        ZOO_NP((block_int4<NP>(w + it.r0 * pb.K / 2, sc, pb.K, pb.g, it.r0, xs, sxs, ys)));
+      } else {
+        int4_tail(w, sc, pb.N, pb.K, pb.g, it.r0, it.r1, it.np, xs, sxs, ys);
+      }
+      break;
+    case Kind::int2:
+      ZOO_NP((rows_packed<NP, 2>(w, sc, pb.K, pb.g, it.r0, it.r1, xs, sxs, ys)));
+      break;
+    case Kind::int3:
+      ZOO_NP((rows_packed<NP, 3>(w, sc, pb.K, pb.g, it.r0, it.r1, xs, sxs, ys)));
+      break;
+  }
+#undef ZOO_NP
+}
+
+static void run_items(const Problem& pb, const std::vector<Item>& items) {
+  at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) run_item(pb, items[i]);
+  });
+}
