@@ -16,6 +16,7 @@ import os
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # compile times are cold, not cached
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
@@ -24,6 +25,7 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import zoo
+from zoo import kernels
 from zoo.decode import greedy, timed_generate, timed_greedy
 
 
@@ -64,14 +66,19 @@ def prefill_tok_s(model, tokens: int, vocab: int, repeats: int = 3) -> float:
 
 
 def engines(model):
-    """(label, model, compile) for every engine, from one native model: the weights are the same in all."""
+    """(label, model, compile, kernel) for every engine, from one native model: the weights are the same in all.
+    kernel: whether the compiled step may use zoo::moe_gemv (the "torch kernels" rows are the path without it)."""
     base = zoo.convert(copy.deepcopy(model)).eval()
     # every copy is made before anything compiles (a deepcopy would carry transformers' cached compiled call)
     quantized = {bits: zoo.apply(copy.deepcopy(base), "quantize", bits=bits) for bits in (8, 4)}
-    return [("transformers eager", native(model, "eager"), False),
-            ("transformers grouped_mm", native(model, "grouped_mm"), False),
-            ("zoo bf16 eager", base, False), ("zoo bf16 compiled", base, True),
-            *((f"zoo int{bits} compiled", m, True) for bits, m in quantized.items())]
+    torch_rows = {bits: copy.deepcopy(m) for bits, m in [("bf16", base), *((f"int{b}", m) for b, m in quantized.items())]}
+    rows = [("transformers eager", native(model, "eager"), False, False),
+            ("transformers grouped_mm", native(model, "grouped_mm"), False, False),
+            ("zoo bf16 eager", base, False, False), ("zoo bf16 compiled", base, True, True),
+            *((f"zoo int{bits} compiled", m, True, True) for bits, m in quantized.items())]
+    if kernels.load():
+        rows += [(f"zoo {label} torch kernels", m, True, False) for label, m in torch_rows.items()]
+    return rows
 
 
 @torch.no_grad()
@@ -80,11 +87,12 @@ def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int, loop
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
     rows, reference = [], None
-    for label, m, compiled in engines(model):
+    for label, m, compiled, kernel in engines(model):
         torch._dynamo.reset()
-        r = timed_generate(m, ids, new_tokens, compile=compiled)
+        with contextlib.nullcontext() if kernel else kernels.turned_off():
+            r = timed_generate(m, ids, new_tokens, compile=compiled)
+            lean = timed_greedy(m, ids, new_tokens, compile=True)["decode_tok_s"] if compiled and loop else None
         reference = r["tokens"] if reference is None else reference
-        lean = timed_greedy(m, ids, new_tokens, compile=True)["decode_tok_s"] if compiled and loop else None
         rows.append({"model": name, "engine": label, "decode": r["decode_tok_s"], "loop": lean,
                      "prefill": prefill_tok_s(m, prefill, vocab), "compile_s": r["warmup_s"] if compiled else None,
                      "first_ms": r["first_token_s"] * 1e3, "same": bool(torch.equal(r["tokens"], reference))})
@@ -112,8 +120,9 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny sizes and no zoo-loop column, for the test suite")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-shipped", action="store_true")
-    ap.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp folder holding convert_hf_to_gguf.py: add "
-                    "llama.cpp bf16 / q8_0 / Q4_0 rows (needs llama_cpp installed)")
+    ap.add_argument("--llama-cpp", action="store_true", help="add llama.cpp rows: the same weights as GGUF files "
+                    "the zoo writes, bf16, q8_0 / Q4_0 of every matrix, and the zoo's int8 / int4 experts (needs "
+                    "llama_cpp importable)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.smoke:
@@ -132,7 +141,9 @@ def main(argv=None):
             vocab = model.config.vocab_size
             prompt = torch.randint(3, vocab, (args.prompt,), generator=g).tolist()
             prefill = torch.randint(3, vocab, (args.prefill,), generator=torch.Generator().manual_seed(1)).tolist()
-            rows += llama_rows(name, model, tokenizer, args.llama_cpp, prompt, prefill, args.new_tokens, args.threads)
+            base = zoo.convert(copy.deepcopy(model)).eval()
+            same = {"bf16": base, **{f"int{b}": zoo.apply(copy.deepcopy(base), "quantize", bits=b) for b in (8, 4)}}
+            rows += llama_rows(name, same, tokenizer, prompt, prefill, args.new_tokens, args.threads)
     print(f"\n{args.new_tokens} greedy tokens after a {args.prompt}-token prompt, batch 1; prefill {args.prefill} "
           f"tokens; torch threads {args.threads}; ratios to transformers eager bf16 of the same model")
     head = (f"{'model':14} {'engine':24} {'decode tok/s':>12} {'ratio':>6} {'zoo loop':>8} {'ratio':>6} "
@@ -147,19 +158,23 @@ def main(argv=None):
               f"{loop[0]:>8} {loop[1]:>6} {r['prefill']:13.0f} {r['prefill'] / ref['prefill']:6.2f} {compile_s:>9} {r['first_ms']:12.1f} "
               f"{same:>11}")
     print("(same tokens: equal to the first engine's greedy tokens; quantized experts may differ by design;\n"
-          " zoo loop: the same compiled step driven by zoo.decode.greedy instead of generate)")
+          " zoo loop: the same compiled step driven by zoo.decode.greedy instead of generate;\n"
+          " compiled rows read the experts with zoo::moe_gemv, 'torch kernels' rows are the same step without it:\n"
+          f" {'kernel ' + kernels.isa() if kernels.ready() else 'kernel unavailable: ' + str(kernels.unavailable_reason())})")
     if not args.llama_cpp:
-        print("llama.cpp: not measured in this run (pass --llama-cpp DIR with llama_cpp installed)")
+        print("llama.cpp: not measured in this run (pass --llama-cpp with llama_cpp importable)")
     else:
         print("llama.cpp rows: decode ratios at the same precision (generate; zoo loop in brackets): zoo bf16 "
-              "compiled / llama.cpp bf16, zoo int8 / q8_0, zoo int4 / Q4_0:")
+              "compiled / llama.cpp bf16; zoo int8 / llama.cpp Q8_0 experts (the same codes) and / q8_0 of every "
+              "matrix; zoo int4 / Q4_1 experts and / Q4_0 of every matrix:")
         for name in dict.fromkeys(r["model"] for r in rows):
             get = {r["engine"]: r for r in rows if r["model"] == name}
-            pairs = [("zoo bf16 compiled", "llama.cpp bf16"), ("zoo int8 compiled", "llama.cpp q8_0"),
-                     ("zoo int4 compiled", "llama.cpp Q4_0")]
-            print(f"  {name}: " + ", ".join(f"{a.split()[1]} {get[a]['decode'] / get[b]['decode']:.2f} "
+            pairs = [("zoo bf16 compiled", "llama.cpp bf16"), ("zoo int8 compiled", "llama.cpp Q8_0 experts"),
+                     ("zoo int8 compiled", "llama.cpp q8_0 all"), ("zoo int4 compiled", "llama.cpp Q4_1 experts"),
+                     ("zoo int4 compiled", "llama.cpp Q4_0 all")]
+            print(f"  {name}: " + ", ".join(f"{a.split()[1]}/{b[10:]} {get[a]['decode'] / get[b]['decode']:.2f} "
                                             f"({get[a]['loop'] / get[b]['decode']:.2f})"
-                                            for a, b in pairs if a in get and b in get))
+                                            for a, b in pairs if a in get and b in get and get[a]["loop"]))
     if args.profile:
         model = zoo.convert(copy.deepcopy(models[0][1])).eval()
         quantized = zoo.apply(copy.deepcopy(model), "quantize", bits=4)  # copied before anything compiles

@@ -1,56 +1,42 @@
-"""llama.cpp rows for benchmarks/decode.py: the same weights converted to GGUF (bf16, q8_0, then Q4_0 by
-llama.cpp's own quantizer) and timed through llama-cpp-python. Needs ``llama_cpp`` installed (built from
-its source distribution) and llama.cpp's ``convert_hf_to_gguf.py`` folder (``--llama-cpp DIR``). Never in CI.
+"""llama.cpp rows for benchmarks/decode.py: the same weights as the zoo rows, as GGUF files the zoo writes itself
+(``zoo.export(..., format="gguf")``), timed through llama-cpp-python. Needs ``llama_cpp`` importable (built from
+its source distribution; never in CI).
 
-The zoo's tokenizer is a fresh byte-level BPE with GPT-2's pre-tokenization, which the converter cannot
-recognise by its token hash; this module tells it so ("gpt-2"), and sends the Llama-family converter
-(Mixtral's) straight to its GPT-2-style vocabulary path instead of trying SentencePiece first."""
+Files: the bf16 model; llama.cpp's own q8_0 and Q4_0 of it (every matrix quantized, as llama.cpp's presets do);
+and the zoo's int8 / int4 quantized models as exported (experts only, Q8_0 / Q4_1 blocks holding the zoo's own
+codes; attention and LM head stay bf16): like for like with the zoo's quantized rows.
+"""
 from __future__ import annotations
 
+import copy
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-CONVERT = """
-import sys
-sys.path.insert(0, {dir!r}); sys.path.insert(1, {dir!r} + "/gguf-py")
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-def not_sentencepiece(self):
-    raise FileNotFoundError("byte-level BPE")
-TextModel._set_vocab_sentencepiece = TextModel._set_vocab_llama_hf = not_sentencepiece
-sys.argv = ["convert_hf_to_gguf.py"] + {args!r}
-import runpy
-runpy.run_path({dir!r} + "/convert_hf_to_gguf.py", run_name="__main__")
-"""
 
-
-def convert(model, tokenizer, converter_dir: str, out: Path) -> dict[str, Path]:
-    """GGUF files of ``model`` (a native transformers model) at bf16, q8_0 and Q4_0."""
+def gguf_files(models: dict, tokenizer, out: Path) -> dict[str, Path]:
+    """``models``: {"bf16": zoo model, "int8": ..., "int4": ...} -> {row label: GGUF file}."""
     import llama_cpp
 
-    src = out / "hf"
-    # save under transformers' default (per-expert) Mixtral names, which the converter maps, whatever names
-    # the model was loaded from (the shipped checkpoint stores fused experts)
-    model._weight_conversions = None
-    model.save_pretrained(src)
-    tokenizer.save_pretrained(src)
+    from zoo.gguf_export import export_gguf
+
+    tokenizer.save_pretrained(out / "tokenizer")
     files = {}
-    for outtype in ("bf16", "q8_0"):
-        files[outtype] = out / f"model-{outtype}.gguf"
-        args = [str(src), "--outtype", outtype, "--outfile", str(files[outtype])]
-        run = subprocess.run([sys.executable, "-c", CONVERT.format(dir=converter_dir, args=args)],
-                             capture_output=True, text=True)
-        if run.returncode:
-            raise RuntimeError(f"GGUF conversion ({outtype}) failed:\n{run.stderr[-2000:]}")
-    files["Q4_0"] = out / "model-Q4_0.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
-    if llama_cpp.llama_model_quantize(str(files["bf16"]).encode(), str(files["Q4_0"]).encode(), params):
-        raise RuntimeError("llama.cpp Q4_0 quantization failed")
+    for key, label in (("bf16", "bf16"), ("int8", "Q8_0 experts"), ("int4", "Q4_1 experts")):
+        if key not in models:
+            continue
+        m = copy.copy(models[key])  # the tokenizer travels through config.name_or_path
+        m.config = copy.deepcopy(models[key].config)
+        m.config.name_or_path = str(out / "tokenizer")
+        files[label] = out / f"{key}.gguf"
+        export_gguf(m, files[label], progress=False)
+    for label, ftype in (("q8_0 all", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0), ("Q4_0 all", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0)):
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        files[label] = out / f"{label.split()[0]}.gguf"
+        if llama_cpp.llama_model_quantize(str(files["bf16"]).encode(), str(files[label]).encode(), params):
+            raise RuntimeError(f"llama.cpp {label} quantization failed")
     return files
 
 
@@ -86,11 +72,10 @@ def time_gguf(path: Path, prompt: list[int], new_tokens: int, prefill: list[int]
     return {"decode": decode, "prefill": prefill_tok_s, "first_ms": first * 1e3, "tokens": tokens}
 
 
-def rows(name: str, model, tokenizer, converter_dir: str, prompt, prefill, new_tokens: int, threads: int) -> list:
+def rows(name: str, models: dict, tokenizer, prompt, prefill, new_tokens: int, threads: int) -> list:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        files = convert(model, tokenizer, converter_dir, Path(tmp))
-        for label, path in files.items():
+        for label, path in gguf_files(models, tokenizer, Path(tmp)).items():
             r = time_gguf(path, prompt, new_tokens, prefill, threads)
             out.append({"model": name, "engine": f"llama.cpp {label}", "decode": r["decode"],
                         "prefill": r["prefill"], "compile_s": None, "first_ms": r["first_ms"], "same": None, "loop": None})

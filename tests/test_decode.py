@@ -96,10 +96,19 @@ def _quantized_experts(bits):
 
 @pytest.mark.parametrize("bits", [[8, 8, 8, 8], [4, 4, 4, 4], [2, 3, 4, 8]])
 @torch.no_grad()
-def test_compiled_quantized_experts_read_in_place_and_match_the_dequantized_reference(bits):
-    """Compiled inference runs the packed experts through zoo::lowbit_experts (views of the selected
-    experts, no gather): one graph, and the dequantized reference's output, empty slots included."""
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_compiled_quantized_experts_read_in_place_and_match_the_dequantized_reference(bits, path):
+    """Compiled inference runs the packed experts through the zoo's kernel (zoo::moe_gemv) or, without it,
+    zoo::lowbit_experts (views of the selected experts for torch's kernels); no gather either way: one graph,
+    and the dequantized reference's output, empty slots included."""
+    import contextlib
+
+    from zoo import kernels
     from zoo.moe import Routing
+
+    if path == "kernel" and not kernels.load():
+        pytest.skip(f"kernel unavailable: {kernels.unavailable_reason()}")
+    torch._dynamo.reset()
 
     q = _quantized_experts(bits)
     x = torch.randn(3, 64)
@@ -111,8 +120,10 @@ def test_compiled_quantized_experts_read_in_place_and_match_the_dequantized_refe
         ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return gm
 
-    out = torch.compile(lambda x, w, i: q(x, Routing(w, i)), fullgraph=True, backend=backend)(x, weights, indices)
-    assert "zoo.lowbit_experts.default" in ops and not any("index_select" in o for o in ops), ops
+    with kernels.turned_off() if path == "torch" else contextlib.nullcontext():
+        out = torch.compile(lambda x, w, i: q(x, Routing(w, i)), fullgraph=True, backend=backend)(x, weights, indices)
+    op = "zoo.moe_gemv.default" if path == "kernel" else "zoo.lowbit_experts.default"
+    assert op in ops and not any("index_select" in o for o in ops), ops
     ref = torch.zeros_like(x)
     for t in range(3):
         for e, w in zip(indices[t].tolist(), weights[t].tolist()):

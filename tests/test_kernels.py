@@ -105,3 +105,35 @@ def test_refuses_bad_input():
         kernels.moe_gemv(x, idx, w, None, 4, 32)
     with pytest.raises(RuntimeError, match="slot"):
         kernels.moe_gemv(x, idx, w, s, 4, 32, torch.tensor([5]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_compiled_dense_experts_use_the_kernel(dtype):
+    """Compiled inference on dense experts calls zoo::moe_gemv (no gather of expert weights) and gives the eager
+    sorted dispatch's output (biases, an empty slot with a NaN weight); with the kernel off, the gather path."""
+    from zoo.moe import Routing
+    from zoo.moe.experts import SwiGLUExperts
+
+    torch.manual_seed(0)
+    experts = SwiGLUExperts(4, 64, 96, bias=True).to(dtype)
+    for p in experts.parameters():
+        p.normal_(0, 0.1)
+    x = torch.randn(2, 64).to(dtype)
+    indices = torch.tensor([[0, 3], [2, 4]])  # T * k <= E: the gather path compiles too, for the kernel-off run
+    weights = torch.tensor([[0.7, 0.3], [1.0, float("nan")]]).to(dtype)
+    eager = experts(x, Routing(weights, indices))
+    for off in (False, True):
+        ops = []
+
+        def backend(gm, inputs):
+            ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm
+
+        torch._dynamo.reset()
+        with kernels.turned_off() if off else torch.no_grad():
+            out = torch.compile(lambda x, w, i: experts(x, Routing(w, i)), fullgraph=True, backend=backend)(
+                x, weights, indices)
+        assert ("zoo.moe_gemv.default" in ops) != off, ops
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out, eager, rtol=tol, atol=tol)

@@ -4,8 +4,10 @@ step, through the standard ``model.generate``.
 transformers compiles the decode step itself when the cache is static and a ``CompileConfig`` is given;
 on CPU it must be told to (``_compile_all_devices``). Prefill runs eagerly (many tokens: the sorted
 dispatch); each decode step (one token per sequence) runs compiled as one graph (``fullgraph=True``
-enforces it): dense experts gather the selected experts' weights (no host sync), quantized experts read
-theirs in place through an op the compiler does not trace (``zoo.moe.in_place``).
+enforces it): experts read the selected experts' weights in place through the zoo's own kernel, an op the
+compiler does not trace (``zoo.kernels``: ``zoo::moe_gemv``, built on first use). Where it cannot be built,
+dense experts gather the selected weights (no host sync) and quantized ones call torch's low-bit kernels on
+views (``zoo.moe.in_place``).
 """
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ import time
 import torch
 from transformers import CompileConfig, StaticCache
 
+from zoo import kernels
+
 
 def compile_config(backend: str = "inductor", fullgraph: bool = True) -> CompileConfig:
     """A CompileConfig for CPU decode: one graph per step (no CUDA graphs, static shapes). Inductor also
     turns one-row matmuls with small weights (attention projections) into its own fused reductions
     (``decompose_mm_pass``), which read the weights faster than the library matmul for one row."""
+    kernels.load()  # the zoo's expert kernel (built on first use), which the compiled step then calls
     options = {"post_grad_fusion_options": {"decompose_mm_pass": {}}} if backend == "inductor" else None
     # mode=None: torch.compile takes a mode or options, not both ("default" is what no mode means)
     config = CompileConfig(fullgraph=fullgraph, dynamic=False, backend=backend, mode=None, options=options)

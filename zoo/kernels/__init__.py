@@ -9,6 +9,7 @@ path and ``unavailable_reason()`` says why.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shutil
@@ -21,7 +22,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("moe_gemv.cpp")
 MAX_TOKENS = 8  # the kernel serves few tokens (decode); prefill stays on the sorted dispatch
-_state: dict = {"tried": False, "reason": "not loaded yet (zoo.kernels.load())"}
+_state: dict = {"tried": False, "reason": "not loaded yet (zoo.kernels.load())", "off": False}
 
 
 def _build() -> Optional[str]:
@@ -65,8 +66,20 @@ def load() -> bool:
 
 
 def ready() -> bool:
-    """Whether ``load()`` succeeded (never builds: safe to call inside a compiled step)."""
-    return _state["reason"] is None
+    """Whether ``load()`` succeeded and the kernels are on (never builds: safe to call inside a compiled step)."""
+    return _state["reason"] is None and not _state["off"]
+
+
+@contextlib.contextmanager
+def turned_off():
+    """The kernels off for a while: torch's path runs instead (its tests, and the benchmarks' before/after rows).
+    Code compiled inside sees it (the compiler guards on it and recompiles)."""
+    before = _state["off"]
+    _state["off"] = True
+    try:
+        yield
+    finally:
+        _state["off"] = before
 
 
 def unavailable_reason() -> Optional[str]:
@@ -88,7 +101,7 @@ def moe_gemv(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor, scale
     ``[S, N, K*bits/8]``; below 8 bits with ``(scale, zero)`` pairs ``[S, K/g, N, 2]`` (w = (q - 8) s + z).
     ``slot_of[e]`` is expert e's slot in the stack, -1 for experts stored elsewhere (their outputs are zeros, as
     are empty slots, index >= number of experts). No autograd: inference only."""
-    return torch.ops.zoo.moe_gemv(x, indices, weight, scale, bits, group_size, slot_of)
+    return torch.ops.zoo.moe_gemv.default(x, indices, weight, scale, bits, group_size, slot_of)
 
 
 def moe_gemv_reference(x, indices, weight, scale, bits, group_size=64, slot_of=None):

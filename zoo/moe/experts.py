@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 
+from zoo import kernels
 from zoo.moe.dispatch import gather_rows, run_sorted
 from zoo.demo_controls import DemoControls
 from zoo.moe.routing import Routing
@@ -125,6 +126,15 @@ ACTIVATIONS = {"silu": _silu_glu, "clamped-swiglu": _clamped_glu, "clamped-silu"
 _TP_METHODS = ("forward", "expert", "glu", "_forward_sorted", "_forward_gather")
 
 
+def use_kernel(hidden: torch.Tensor, routing, *stored: torch.Tensor) -> bool:
+    """Whether a few-token inference step can run on ``zoo::moe_gemv`` (loaded by ``zoo.decode``'s compile
+    config): no gradients, at most ``kernels.MAX_TOKENS`` tokens, CPU tensors of float32/bfloat16 activations and
+    contiguous stored weights."""
+    return (kernels.ready() and not torch.is_grad_enabled() and routing.indices.shape[0] <= kernels.MAX_TOKENS
+            and hidden.device.type == "cpu" and hidden.dtype in (torch.float32, torch.bfloat16)
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in stored))
+
+
 def naive_experts(module, hidden: torch.Tensor, routing) -> torch.Tensor:
     """Every (token, slot) pair through ``module.expert`` alone, weighted and summed: the reference of the sorted
     and gathered dispatch (kinds that define ``expert(e, x)`` inherit it)."""
@@ -208,18 +218,28 @@ class SwiGLUExperts(Experts):
 
     def forward(self, hidden: torch.Tensor, routing) -> torch.Tensor:
         tokens, k = routing.indices.shape
-        # Compiled decode: gather the selected experts' weights (static shapes, no host sync). Eager code
+        # Compiled decode: the zoo's kernel reads the selected experts in place (inference, where it is
+        # loaded); otherwise gather the selected experts' weights (static shapes, no host sync). Eager code
         # takes the sorted path even for one token: slicing experts by Python index reads weights in place,
-        # where the gather would copy whole expert matrices. (Reading them in place inside the compiled
-        # step, as the quantized experts do, measured slower here: torch's eager one-row bf16/fp32 matmul
-        # is slower than inductor's batched matmul over the gathered weights.)
-        if torch.compiler.is_compiling() and tokens * k <= self.num_experts:
-            return self._forward_gather(hidden, routing)
+        # where the gather would copy whole expert matrices. (Reading them in place with torch's eager one-row
+        # bf16/fp32 matmul measured slower than inductor's batched matmul over the gathered weights.)
+        if torch.compiler.is_compiling():
+            if use_kernel(hidden, routing, self.gate_up_proj, self.down_proj):
+                return self._forward_kernel(hidden, routing)
+            if tokens * k <= self.num_experts:
+                return self._forward_gather(hidden, routing)
         return self._forward_sorted(hidden, routing)
 
     def _forward_sorted(self, hidden, routing):
         """Prefill: sort (token, slot) pairs by expert, run each expert on its contiguous slice."""
         return run_sorted(hidden, routing.indices, routing.weights, self.num_experts, self.expert)
+
+    def _forward_kernel(self, hidden, routing):
+        """Compiled inference on few tokens: the selected experts read in place by the zoo's kernel
+        (``zoo::moe_gemv``, opaque to the compiler), each selected weight row once."""
+        stack = (self.gate_up_proj, None, self.down_proj, None, 16, 64, None)
+        return kernels.expert_block(hidden, routing.indices, routing.weights, [stack], self.num_experts, self.glu,
+                                    self.gate_up_proj_bias, self.down_proj_bias)
 
     def _forward_gather(self, hidden, routing):
         """Decode: few tokens meet few experts, so gather the selected experts' weights (no host sync)."""

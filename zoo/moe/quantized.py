@@ -16,7 +16,8 @@ import torch
 from transformers import initialization as init
 
 from zoo.moe.dispatch import gather_rows
-from zoo.moe.experts import SwiGLUExperts
+from zoo import kernels
+from zoo.moe.experts import SwiGLUExperts, use_kernel
 from zoo.moe.init import refuse_missing
 from zoo.moe.in_place import kernel_linear, lowbit_experts
 from zoo.moe.packing import pack, unpack
@@ -246,9 +247,22 @@ class QuantizedExperts(SwiGLUExperts):
         return self._forward_sorted(hidden, routing)
 
     def _forward_in_place(self, hidden, routing):
-        """The routed tokens through ``zoo::lowbit_experts``, which slices each selected expert's packed
-        weights as views; opaque to the compiler, so the compiled step stays one graph."""
+        """The routed tokens through the zoo's kernel (``zoo::moe_gemv``, every width read in its stored form)
+        where it is loaded, else ``zoo::lowbit_experts``, which slices each selected expert's packed weights
+        as views for torch's kernels; both are opaque to the compiler, so the compiled step stays one graph."""
+        stacks = [self.stored("gate_up", b) + self.stored("down", b) for b in self.widths]
+        if use_kernel(hidden, routing, *(t for pair in stacks for t in pair)):
+            maps = self.slot_maps()
+            stacks = [(*st, b, self.group_size, maps[b]) for st, b in zip(stacks, self.widths)]
+            return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self.glu,
+                                        self.gate_up_proj_bias, self.down_proj_bias)
         return lowbit_experts(*self.in_place_args(hidden, routing))
+
+    def slot_maps(self) -> dict:
+        """Per width, expert -> slot in that width's stack (-1: stored at another width); None for one width."""
+        if len(self.widths) == 1:
+            return {self.widths[0]: None}
+        return {b: torch.where(self.width_of == b, self.slot_of, -1) for b in self.widths}
 
     def in_place_args(self, hidden, routing) -> tuple:
         """The arguments of ``zoo::lowbit_experts`` for these experts and this routing."""
