@@ -65,9 +65,10 @@ def prefill_tok_s(model, tokens: int, vocab: int, repeats: int = 3) -> float:
     return tokens / statistics.median(times)
 
 
-def engines(model):
+def engines(model, without_kernel: bool = True):
     """(label, model, compile, kernel) for every engine, from one native model: the weights are the same in all.
-    kernel: whether the compiled step may use zoo::moe_gemv (the "torch kernels" rows are the path without it)."""
+    kernel: whether the compiled step may use zoo::moe_gemv (the "torch kernels" rows, with ``without_kernel``,
+    are the same step without it)."""
     base = zoo.convert(copy.deepcopy(model)).eval()
     # every copy is made before anything compiles (a deepcopy would carry transformers' cached compiled call)
     quantized = {bits: zoo.apply(copy.deepcopy(base), "quantize", bits=bits) for bits in (8, 4)}
@@ -76,18 +77,19 @@ def engines(model):
             ("transformers grouped_mm", native(model, "grouped_mm"), False, False),
             ("zoo bf16 eager", base, False, False), ("zoo bf16 compiled", base, True, True),
             *((f"zoo int{bits} compiled", m, True, True) for bits, m in quantized.items())]
-    if kernels.load():
+    if without_kernel and kernels.load():
         rows += [(f"zoo {label} torch kernels", m, True, False) for label, m in torch_rows.items()]
     return rows
 
 
 @torch.no_grad()
 def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int, loop: bool = True) -> list:
-    """Every engine's row; ``loop=False`` skips the zoo-loop column (a second compilation per engine)."""
+    """Every engine's row; ``loop=False`` skips the zoo-loop column and the rows without the zoo's kernel (more
+    compilations; the smoke run)."""
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
     rows, reference = [], None
-    for label, m, compiled, kernel in engines(model):
+    for label, m, compiled, kernel in engines(model, without_kernel=loop):
         torch._dynamo.reset()
         with contextlib.nullcontext() if kernel else kernels.turned_off():
             r = timed_generate(m, ids, new_tokens, compile=compiled)

@@ -24,3 +24,18 @@ def test_decode_benchmark_smoke():
                "zoo int8 compiled", "zoo int4 compiled"]
     assert [e for e in engines if any(e in r for r in rows)] == engines, run.stdout
     assert all(r.split()[-1] == "yes" for r in rows[:4]), run.stdout  # bf16 engines: same greedy tokens
+
+
+def test_moe_gemv_benchmark_smoke():
+    """The kernel's bandwidth table: a row per stored form beside the compiled sum (or the reason it is absent)."""
+    from zoo import kernels
+
+    run = subprocess.run([sys.executable, str(SCRIPT.parent / "moe_gemv.py"), "--smoke", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    if not kernels.load():
+        assert "unavailable" in run.stdout
+        return
+    assert "compiled sum" in run.stdout
+    forms = [line.split()[0] for line in run.stdout.splitlines() if line.startswith(("bf16 ", "int"))]
+    assert forms == ["bf16", "int8", "int4", "int3", "int2"], run.stdout

@@ -18,8 +18,16 @@ from zoo.moe.dispatch import run_each, run_sorted
 from zoo.moe.experts import ACTIVATIONS
 
 
+PREFILL_ROWS = 16  # from this many rows, an int8 weight converted to the activations' dtype multiplies faster
+
+
 def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:
-    """x [n, K] @ W.T on torch's kernel for an int8 or int4-packed W (no autograd)."""
+    """x [n, K] @ W.T on torch's kernel for an int8 or int4-packed W (no autograd). Many rows of int8 (prefill):
+    the weight converted to x's dtype and torch's dense matmul, which is compute-efficient where the int8 kernel
+    is not (256-token prefill on the 304M benchmark model: 347 -> see benchmarks/decode.py)."""
+    if bits == 8 and x.shape[0] >= PREFILL_ROWS:
+        # int8 codes are exact in bf16/fp32, so the per-row scale can wait for the output: one pass over W
+        return torch.nn.functional.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
     if bits == 8:
         return torch.ops.aten._weight_int8pack_mm(x, q, scale.to(x.dtype))
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, group_size, scale.to(x.dtype))

@@ -19,7 +19,7 @@ from zoo.moe.dispatch import gather_rows
 from zoo import kernels
 from zoo.moe.experts import SwiGLUExperts, use_kernel
 from zoo.moe.init import refuse_missing
-from zoo.moe.in_place import kernel_linear, lowbit_experts
+from zoo.moe.in_place import PREFILL_ROWS, kernel_linear, lowbit_experts
 from zoo.moe.packing import pack, unpack
 
 BITS = (2, 3, 4, 8)
@@ -88,7 +88,7 @@ class _LowBitLinear(torch.autograd.Function):
     def forward(ctx, x, q, scale, bits, group_size, shape):
         ctx.save_for_backward(q, scale)
         ctx.meta = (bits, group_size, shape)
-        if bits == 8:  # the opaque op, which inductor calls as it is (see int8_weight_mm)
+        if bits == 8 and x.shape[0] < PREFILL_ROWS:  # the opaque op, which inductor calls as it is (int8_weight_mm)
             return int8_weight_mm(x, q, scale)
         return kernel_linear(x, q, scale, bits, group_size)
 
