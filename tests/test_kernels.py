@@ -137,3 +137,15 @@ def test_compiled_dense_experts_use_the_kernel(dtype):
         assert ("zoo.moe_gemv.default" in ops) != off, ops
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out, eager, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_int4_matches_reference(isa, dtype):
+    """Prefill's dequantised int4 weight: the reference's, full blocks of 64 rows and the two-rows-a-byte tail."""
+    from zoo.moe.quantized import dequantize
+
+    w, s = stack(4, 1, 160, 128, group_size=64)
+    got = kernels.dequantize_int4(w[0], s[0].to(dtype), 64, dtype)
+    want = dequantize(4, w[0], s[0].to(dtype), (160, 128), 64)
+    assert got.shape == (160, 128) and got.dtype == dtype and got.t().is_contiguous()
+    torch.testing.assert_close(got.float(), want, rtol=0 if dtype == torch.float32 else 8e-3, atol=1e-6)

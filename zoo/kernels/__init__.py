@@ -47,11 +47,22 @@ def _build() -> Optional[str]:
     if torch.ops.zoo.moe_gemv_isa(-1) == 0:
         return "this processor has neither AVX-512 nor AVX2 with FMA"
     torch.library.register_fake("zoo::moe_gemv")(_fake_moe_gemv)
+    torch.library.register_fake("zoo::dequantize_int4")(_fake_dequantize_int4)
     return None
 
 
 def _fake_moe_gemv(x, indices, weight, scale, bits, group_size, slot_of):
     return x.new_empty(indices.shape[0], indices.shape[1], weight.shape[1])
+
+
+def _fake_dequantize_int4(weight, scale, group_size, dtype):
+    return weight.new_empty(weight.shape[1] * 2, weight.shape[0], dtype=dtype).t()
+
+
+def dequantize_int4(weight: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight ``[N, K]`` (a transposed view of a contiguous ``[K, N]``) of one matrix in torch's CPU int4
+    pack with ``(scale, zero)`` pairs ``[K/g, N, 2]``: for prefill, where a dense matmul on it is faster."""
+    return torch.ops.zoo.dequantize_int4.default(weight, scale, group_size, dtype)
 
 
 def load() -> bool:

@@ -20,6 +20,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -265,14 +266,50 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   return Y.view({T, k, N}).to(x.scalar_type());
 }
 
+// The float weight [N, K] of one int4-packed matrix (torch's CPU pack, scale/zero per group), returned as the
+// transpose of a contiguous [K, N]: prefill multiplies many rows, where a dense matmul on the dequantised weight
+// beats a low-bit kernel, and the transposed view is what the matmul reads best.
+at::Tensor dequantize_int4(const at::Tensor& weight, const at::Tensor& scale, int64_t group_size,
+                           at::ScalarType dtype) {
+  TORCH_CHECK(g_isa > 0, "zoo::dequantize_int4 needs a processor with AVX2 and FMA");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
+              "weight must be a contiguous uint8 [N, K/2] int4 pack");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
+  const int64_t N = weight.size(0), K = weight.size(1) * 2;
+  TORCH_CHECK(N % 16 == 0 && group_size >= 32 && group_size % 32 == 0 && K % group_size == 0,
+              "N must be divisible by 16 and group_size a multiple of 32 dividing K");
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == K / group_size * N * 2 &&
+                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16),
+              "scales must be contiguous float32/bfloat16 [K/g, N, 2]");
+  Scales sc;
+  sc.ptr = scale.data_ptr();
+  sc.bf16 = scale.scalar_type() == at::kBFloat16;
+  sc.N = N;
+  at::Tensor wt = at::empty({K, N}, weight.options().dtype(dtype));
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  if (dtype == at::kFloat) {
+    if (g_isa == 2) avx512::dequant_int4(w, sc, N, K, group_size, wt.data_ptr<float>());
+    else avx2::dequant_int4(w, sc, N, K, group_size, wt.data_ptr<float>());
+  } else {
+    auto* out = reinterpret_cast<uint16_t*>(wt.data_ptr());
+    if (g_isa == 2) avx512::dequant_int4(w, sc, N, K, group_size, out);
+    else avx2::dequant_int4(w, sc, N, K, group_size, out);
+  }
+  return wt.t();
+}
+
 }  // namespace zoo_kernels
 
 TORCH_LIBRARY_FRAGMENT(zoo, m) {
   m.def("moe_gemv(Tensor x, Tensor indices, Tensor weight, Tensor? scale, int bits, int group_size, "
         "Tensor? slot_of) -> Tensor");
   m.def("moe_gemv_isa(int want) -> int");
+  m.def("dequantize_int4(Tensor weight, Tensor scale, int group_size, ScalarType dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(zoo, CPU, m) { m.impl("moe_gemv", &zoo_kernels::moe_gemv); }
+TORCH_LIBRARY_IMPL(zoo, CPU, m) {
+  m.impl("moe_gemv", &zoo_kernels::moe_gemv);
+  m.impl("dequantize_int4", &zoo_kernels::dequantize_int4);
+}
 
 TORCH_LIBRARY_IMPL(zoo, CompositeExplicitAutograd, m) { m.impl("moe_gemv_isa", &zoo_kernels::moe_gemv_isa); }

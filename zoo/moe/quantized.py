@@ -242,6 +242,7 @@ class QuantizedExperts(SwiGLUExperts):
                 return self._forward_in_place(hidden, routing)
             if tokens * k <= self.num_experts:
                 return self._forward_gather(hidden, routing)
+        kernels.load()  # prefill dequantises int4 with the zoo's kernel (built once per machine, then cached)
         for b in self.widths:  # build the 2/3-bit kernel stacks eagerly (prefill), never inside a compiled step
             self.kernel_stack("gate_up", b), self.kernel_stack("down", b)
         return self._forward_sorted(hidden, routing)
