@@ -251,10 +251,14 @@ class QuantizedExperts(SwiGLUExperts):
         """The routed tokens through the zoo's kernel (``zoo::moe_gemv``, every width read in its stored form)
         where it is loaded, else ``zoo::lowbit_experts``, which slices each selected expert's packed weights
         as views for torch's kernels; both are opaque to the compiler, so the compiled step stays one graph."""
-        stacks = [self.stored("gate_up", b) + self.stored("down", b) for b in self.widths]
-        if use_kernel(hidden, routing, *(t for pair in stacks for t in pair)):
+        # 2/3-bit experts read their int4 working copy (built by the eager prefill): the kernel reads 4-bit codes
+        # at memory speed, while unpacking 2/3-bit codes is compute-bound (benchmarks/moe_gemv.py: ~2.3 GB/s of
+        # packed bytes, fewer weights per second than int4's ~11 GB/s)
+        stacks = [self.kernel_stack("gate_up", b)[:2] + self.kernel_stack("down", b) for b in self.widths]
+        if use_kernel(hidden, routing, *(t for st in stacks for t in st[:4])):
             maps = self.slot_maps()
-            stacks = [(*st, b, self.group_size, maps[b]) for st, b in zip(stacks, self.widths)]
+            stacks = [(gq, gs, dq, ds, kb, self.group_size, maps[b])
+                      for (gq, gs, dq, ds, kb), b in zip(stacks, self.widths)]
             return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self.glu,
                                         self.gate_up_proj_bias, self.down_proj_bias)
         return lowbit_experts(*self.in_place_args(hidden, routing))
