@@ -10,6 +10,7 @@ path and ``unavailable_reason()`` says why.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import platform
 import shutil
@@ -21,6 +22,7 @@ from typing import Optional
 import torch
 
 SOURCE = Path(__file__).with_name("moe_gemv.cpp")
+HEADER = Path(__file__).with_name("moe_gemv_body.h")
 MAX_TOKENS = 8  # the kernel serves few tokens (decode); prefill stays on the sorted dispatch
 _state: dict = {"tried": False, "reason": "not loaded yet (zoo.kernels.load())", "off": False}
 
@@ -40,8 +42,11 @@ def _build() -> Optional[str]:
     from torch.utils import cpp_extension
 
     try:
-        cpp_extension.load(name="zoo_moe_gemv", sources=[str(SOURCE)], is_python_module=False,
-                           extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        # the name carries a hash of the source and its header: torch's cache rebuilds on a change to the
+        # listed source only, and the header holds the kernels
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in (SOURCE, HEADER))).hexdigest()[:12]
+        cpp_extension.load(name=f"zoo_moe_gemv_{digest}", sources=[str(SOURCE)], is_python_module=False,
+                           extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # a compiler error, a missing ninja: the fallback serves
         return f"building {SOURCE.name} failed: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}"
     if torch.ops.zoo.moe_gemv_isa(-1) == 0:
