@@ -102,6 +102,18 @@ def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int, loop
     return rows
 
 
+@torch.no_grad()
+def fp32_tokens_equal(model, prompt: int, new_tokens: int) -> dict:
+    """In fp32, the compiled step (zoo::moe_gemv) against the eager reference: equal greedy tokens, per precision."""
+    ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+    base = zoo.convert(copy.deepcopy(model)).float().eval()
+    out = {}
+    for label, m in [("fp32", base), *((f"int{b}", zoo.apply(copy.deepcopy(base), "quantize", bits=b)) for b in (8, 4))]:
+        torch._dynamo.reset()
+        out[label] = bool(torch.equal(greedy(m, ids, new_tokens, compile=False), greedy(m, ids, new_tokens)))
+    return out
+
+
 def profile_step(model, steps: int = 16) -> str:
     """Where the compiled decode step spends its time (CPU profiler over the lean loop's steps)."""
     from torch.profiler import ProfilerActivity, profile
@@ -163,6 +175,10 @@ def main(argv=None):
           " zoo loop: the same compiled step driven by zoo.decode.greedy instead of generate;\n"
           " compiled rows read the experts with zoo::moe_gemv, 'torch kernels' rows are the same step without it:\n"
           f" {'kernel ' + kernels.isa() if kernels.ready() else 'kernel unavailable: ' + str(kernels.unavailable_reason())})")
+    if not args.smoke:
+        same = fp32_tokens_equal(models[0][1], args.prompt, 32)
+        print(f"{models[0][0]} in fp32, compiled step vs eager reference, 32 greedy tokens equal: "
+              + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in same.items()))
     if not args.llama_cpp:
         print("llama.cpp: not measured in this run (pass --llama-cpp with llama_cpp importable)")
     else:

@@ -149,3 +149,34 @@ def test_dequantize_int4_matches_reference(isa, dtype):
     want = dequantize(4, w[0], s[0].to(dtype), (160, 128), 64)
     assert got.shape == (160, 128) and got.dtype == dtype and got.t().is_contiguous()
     torch.testing.assert_close(got.float(), want, rtol=0 if dtype == torch.float32 else 8e-3, atol=1e-6)
+
+
+@torch.no_grad()
+def test_compiled_greedy_reads_linear_layers_with_the_kernel(monkeypatch):
+    """zoo.decode.greedy swaps plain nn.Linear layers to KernelLinear (same state dict, same eager forward); the
+    compiled step then reads them with zoo::moe_gemv and, in fp32, gives the eager greedy tokens."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    import zoo
+    from zoo.decode import greedy
+    from zoo.kernels import linear
+
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)  # the tiny model's layers are far below the real threshold
+    cfg = MixtralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                        num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
+                        max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = zoo.convert(MixtralForCausalLM(cfg)).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    eager = greedy(model, ids, 12, compile=False)
+    calls = []
+    real = kernels.moe_gemv
+    monkeypatch.setattr(kernels, "moe_gemv", lambda *a, **k: calls.append(a[2].shape) or real(*a, **k))
+    torch._dynamo.reset()
+    compiled = greedy(model, ids, 12)
+    assert torch.equal(compiled, eager)
+    assert isinstance(model.lm_head, linear.KernelLinear) and type(model.lm_head).__mro__[1] is torch.nn.Linear
+    assert (1, 128, 64) in calls  # the LM head, as a one-expert stack, traced into the compiled step
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())

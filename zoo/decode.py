@@ -7,7 +7,8 @@ dispatch); each decode step (one token per sequence) runs compiled as one graph 
 enforces it): experts read the selected experts' weights in place through the zoo's own kernel, an op the
 compiler does not trace (``zoo.kernels``: ``zoo::moe_gemv``, built on first use). Where it cannot be built,
 dense experts gather the selected weights (no host sync) and quantized ones call torch's low-bit kernels on
-views (``zoo.moe.in_place``).
+views (``zoo.moe.in_place``). ``generate`` and ``greedy`` also let the kernel read the large plain linear layers
+(attention projections, LM head: ``zoo.kernels.linear``).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from transformers import CompileConfig, StaticCache
 
 from zoo import kernels
+from zoo.kernels.linear import read_linears_with_kernel
 
 
 def compile_config(backend: str = "inductor", fullgraph: bool = True, cpp_wrapper: bool = True) -> CompileConfig:
@@ -60,6 +62,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: 
     compile_config=zoo.decode.compile_config())``."""
     check_decode(model, input_ids, max_new_tokens)
     kwargs.setdefault("do_sample", False)
+    if compile and kernels.load():
+        read_linears_with_kernel(model)
     if compile:
         kwargs.update(cache_implementation="static", compile_config=compile_config(backend))
     return model.generate(input_ids, max_new_tokens=max_new_tokens, **kwargs)
@@ -78,6 +82,8 @@ def greedy(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bo
     (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``): every later step passes inputs of the
     same kinds and shapes, so the guards could only pass, and checking them costs about 0.5 ms a step."""
     check_decode(model, input_ids, max_new_tokens)
+    if compile and kernels.load():
+        read_linears_with_kernel(model)
     prompt = input_ids.shape[1]
     cache = StaticCache(config=model.config, max_cache_len=prompt + max_new_tokens)
     logits = model(input_ids=input_ids, past_key_values=cache, cache_position=torch.arange(prompt),
