@@ -135,8 +135,7 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-shipped", action="store_true")
     ap.add_argument("--llama-cpp", action="store_true", help="add llama.cpp rows: the same weights as GGUF files "
-                    "the zoo writes, bf16, q8_0 / Q4_0 of every matrix, and the zoo's int8 / int4 experts (needs "
-                    "llama_cpp importable)")
+                    "the zoo writes, bf16 and the zoo's int8 / int4 experts as Q8_0 / Q4_1 (needs llama_cpp importable)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.smoke:
@@ -182,14 +181,12 @@ def main(argv=None):
     if not args.llama_cpp:
         print("llama.cpp: not measured in this run (pass --llama-cpp with llama_cpp importable)")
     else:
-        print("llama.cpp rows: decode ratios at the same precision (generate; zoo loop in brackets): zoo bf16 "
-              "compiled / llama.cpp bf16; zoo int8 / llama.cpp Q8_0 experts (the same codes) and / q8_0 of every "
-              "matrix; zoo int4 / Q4_1 experts and / Q4_0 of every matrix:")
+        print("llama.cpp rows: decode ratios on the same weights (generate; zoo loop in brackets): zoo bf16 "
+              "compiled / llama.cpp bf16; zoo int8 / llama.cpp Q8_0 experts; zoo int4 / Q4_1 experts (the same codes):")
         for name in dict.fromkeys(r["model"] for r in rows):
             get = {r["engine"]: r for r in rows if r["model"] == name}
             pairs = [("zoo bf16 compiled", "llama.cpp bf16"), ("zoo int8 compiled", "llama.cpp Q8_0 experts"),
-                     ("zoo int8 compiled", "llama.cpp q8_0 all"), ("zoo int4 compiled", "llama.cpp Q4_1 experts"),
-                     ("zoo int4 compiled", "llama.cpp Q4_0 all")]
+                     ("zoo int4 compiled", "llama.cpp Q4_1 experts")]
             print(f"  {name}: " + ", ".join(f"{a.split()[1]}/{b[10:]} {get[a]['decode'] / get[b]['decode']:.2f} "
                                             f"({get[a]['loop'] / get[b]['decode']:.2f})"
                                             for a, b in pairs if a in get and b in get and get[a]["loop"]))
