@@ -200,6 +200,32 @@ def test_quantized_experts_keep_their_codes(base, tmp_path, bits, kind):
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
+@pytest.mark.parametrize("bits, kind", [(8, "Q8_0"), (4, "Q4_1")])
+def test_quantized_attention_keeps_its_codes(tmp_path, bits, kind):
+    """quantize(targets="all") on a Mixtral with its own LM head: attention projections and the output go to the
+    file in their codes (query/key rows reordered for llama.cpp's rotation, scales with them)."""
+    from tiny import tiny_native
+
+    model = zoo.apply(zoo.convert(tiny_native("mixtral")), "quantize", bits=bits, group_size=32, targets="all")
+    report = export_gguf(model, tmp_path / "q.gguf", progress=False)
+    assert report.types[kind] == 3 * 2 + 4 * 2 + 1  # experts, attention, output
+    tensors, _, _ = read(tmp_path / "q.gguf")
+    attn = model.model.layers[1].self_attn
+    for name, proj in (("attn_v", attn.v_proj), ("attn_output", attn.o_proj), ("attn_k", attn.k_proj),
+                       ("output", model.lm_head)):
+        want = proj.dequantized()
+        if name == "attn_k":
+            from zoo.gguf_export import permute_rope
+            want = permute_rope(want, model.config.num_key_value_heads)
+        got = tensors["output.weight" if name == "output" else f"blk.1.{name}.weight"]
+        assert (got - want).abs().max() <= report.max_abs_change + 1e-7
+    assert report.max_rel_change < 2e-3
+    with torch.no_grad():
+        want = model(IDS[None] % 128).logits[0]
+    got = gguf_forward(tmp_path / "q.gguf", IDS % 128)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
 def test_what_llama_cpp_cannot_run_is_refused_and_no_file_is_left(base, tmp_path):
     cases = {
         "top-p": lambda m: zoo.apply(m, "top-p", p=0.5),

@@ -62,6 +62,8 @@ STEPS = [
     ("quantize", {"bits": 3, "allocation": "pmq", "widths": [2, 4], "group_size": 32}),
     ("quantize", {"bits": 3, "allocation": "alphaq", "widths": [2, 4], "group_size": 32}),
     ("quantize", {"bits": 3, "allocation": "random", "widths": [2, 4], "group_size": 32}),
+    ("quantize", {"bits": 8, "targets": "all"}),
+    ("quantize", {"bits": 4, "group_size": 32, "targets": "all"}),
     ("channel-topk", {"budget": 0.5}),
     ("topk-softmax", {"top_k": 1}),
 ]

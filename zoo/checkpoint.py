@@ -165,8 +165,10 @@ class Checkpoint:
                                   f"{self.family.name} model keeps them at model.{self.family.layers_path}: "
                                   "work on it in memory (--no-stream)")
         self.native = getattr(type(model), "zoo_family", None) is None  # its MoE blocks are the family's own
-        for attr in ("zoo_attention", "zoo_modules"):
-            if getattr(self.config, attr, None):
+        adapters = [p for p, spec in (getattr(self.config, "zoo_modules", None) or {}).items() if "adapter" in spec]
+        for attr, found in (("zoo_attention", any(getattr(self.config, "zoo_attention", None) or [])),
+                            ("zoo_modules", adapters)):
+            if found:  # (a compressor's modules, quantized linears, are plain tensors: they stream)
                 raise CheckpointError(f"{self.path} has {attr.replace('zoo_', '')} adapters outside the MoE blocks; "
                                       "such a model is worked on in memory (--no-stream)")
         self.weight_mapping = get_model_conversion_mapping(model)

@@ -33,6 +33,8 @@ class Compressor(Component):
     needs_calibration = False  # uses calibration data (the CLI and the card say so)
     inputs_for: tuple[str, ...] = ()  # "observe", "compress": the phases that receive the layer's input tokens
     needs_plan = False  # observe every layer, then plan(), before compress_layer
+    targets_linears = False  # also hand it the plain linear layers outside the MoE blocks (compress_linear)
+    build_module = None  # classmethod (replaced, spec) -> the empty module a saved ``zoo_spec()`` describes
 
     @property
     def layerwise(self) -> bool:
@@ -53,6 +55,15 @@ class Compressor(Component):
     def compress_layer(self, index: int, block, inputs):  # pragma: no cover - abstract
         """Return the compressed block of layer ``index`` (a new ``SparseMoE``, or ``block`` unchanged)."""
         raise NotImplementedError
+
+    def check_linear(self, name: str, linear) -> None:
+        """Raise (before anything changes) if the plain linear layer at ``name`` cannot be compressed."""
+
+    def compress_linear(self, name: str, linear):
+        """With ``targets_linears``: the module that replaces the plain ``nn.Linear`` at ``name`` (an attention
+        projection, a dense layer's MLP, the LM head), or ``linear`` itself. A new module records itself in
+        ``config.zoo_modules`` through ``zoo_spec()`` naming this compressor, whose ``build_module`` rebuilds it."""
+        return linear
 
     def compress(self, model, calibration=None):
         from zoo.layerwise import compress_in_memory

@@ -15,6 +15,7 @@ What maps where:
     blocks of 32 with ``d = s`` and ``m = z - 8 s`` rounded to fp16, a group of g being g/32 blocks; 2- and 3-bit
     codes fit Q4_1's 0..15 and go the same way (GGUF has no block format with their layout). The only change is
     that fp16 rounding of the scales: ``report`` says by how much.
+  * quantized linear layers (``quantize(targets="all")``: attention projections, the LM head) go the same way.
   * uniform layouts only: every expert of a layer the same width, routers llama.cpp computes.
 """
 from __future__ import annotations
@@ -81,16 +82,13 @@ def q4_1_blocks(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> 
     return out.numpy(), stands_for.reshape(*lead, n, k)
 
 
-def expert_codes(experts, proj: str) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """One projection of a uniform-width quantized expert stack: (GGUF type, codes ``[E, N, K]``, scale, low
-    (None for int8), the zoo's dequantized weights ``[E, N, K]``)."""
+def matrix_codes(bits: int, stored: torch.Tensor, scale: torch.Tensor, n: int, k: int, group_size: int):
+    """Stacked quantized matrices of one width ``[E, ...]`` as GGUF sees them: (GGUF type, codes ``[E, N, K]``,
+    scale, low (None for int8), the zoo's dequantized weights ``[E, N, K]``)."""
     from zoo.moe.packing import unpack
     from zoo.moe.quantized import dequantize
 
-    bits = experts.bits[0]
-    stored, scale = experts.stored(proj, bits)
-    n, k = experts.shapes[proj]
-    ref = torch.stack([dequantize(bits, stored[e], scale[e], (n, k), experts.group_size) for e in range(len(stored))])
+    ref = torch.stack([dequantize(bits, stored[e], scale[e], (n, k), group_size) for e in range(len(stored))])
     if bits == 8:
         return "Q8_0", stored, scale.float(), None, ref
     s, z = scale.float()[..., 0].transpose(1, 2), scale.float()[..., 1].transpose(1, 2)  # [E, N, K/g]
@@ -98,26 +96,54 @@ def expert_codes(experts, proj: str) -> tuple[str, torch.Tensor, torch.Tensor, t
     if bits in (2, 3):
         codes = torch.stack([unpack(w, bits, k) for w in stored])
     else:  # torch's int4 pack: the codes back from the exact dequantized weights
-        g = experts.group_size
+        g = group_size
         codes = ((ref.view(-1, n, k // g, g) - low[..., None]) / s[..., None]).round().clamp(0, 15).view(-1, n, k)
         again = (codes.view(-1, n, k // g, g) * s[..., None] + low[..., None]).view(-1, n, k)
         if not torch.allclose(again, ref, rtol=0, atol=1e-6 * float(ref.abs().max())):
-            raise NotGGUFExportable(f"the int4 codes of {proj} could not be read back exactly")
+            raise NotGGUFExportable("int4 codes could not be read back exactly")
     return "Q4_1", codes.to(torch.int32), s, low, ref
+
+
+def expert_codes(experts, proj: str):
+    """One projection of a uniform-width quantized expert stack (``matrix_codes``' tuple)."""
+    bits = experts.bits[0]
+    stored, scale = experts.stored(proj, bits)
+    return matrix_codes(bits, stored, scale, *experts.shapes[proj], experts.group_size)
+
+
+def linear_codes(linear):
+    """A quantized linear layer as one matrix (``matrix_codes``' tuple, without the stack dimension)."""
+    q, s = linear.packed
+    kind, codes, scale, low, ref = matrix_codes(linear.bits, q[None], s[None], linear.out_features,
+                                                linear.in_features, linear.group_size)
+    return kind, codes[0], scale[0], None if low is None else low[0], ref[0]
+
+
+def quantized_blocks(kind: str, codes, scale, low) -> tuple[np.ndarray, torch.Tensor]:
+    return q8_0_blocks(codes, scale) if kind == "Q8_0" else q4_1_blocks(codes, scale, low)
 
 
 # ----------------------------------------------------------------------------------------------- the sources
 
 def model_tensors(model):
-    """(native name, tensor or quantized expert stack) of an in-memory zoo or native model, layer by layer.
-    A quantized stack comes as ``("experts", QuantizedExperts)`` under the layer's ``mlp.experts`` name."""
+    """(native name, tensor or quantized module) of an in-memory zoo or native model, layer by layer. A quantized
+    expert stack comes as ``("...experts", QuantizedExperts)`` under the layer's ``mlp.experts`` name, a quantized
+    linear layer as ``("....weight", QuantizedLinear)``."""
     from zoo.layout import block_prefix, moe_layers
     from zoo.moe.quantized import QuantizedExperts
+    from zoo.moe.quantized_linear import QuantizedLinear
 
     moe = {block_prefix(model, i): block for i, block in moe_layers(model)}
+    quantized = {f"{name}.": m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     for name, tensor in model.state_dict().items():
         prefix = next((p for p in moe if name.startswith(p)), None)
-        if prefix is None:
+        owner = next((p for p in quantized if name.startswith(p)), None)
+        if owner is not None:
+            if name == owner + "bias":
+                yield name, tensor
+            elif name in (owner + "weight_int8", owner + "weight_int4"):
+                yield owner + "weight", quantized[owner]
+        elif prefix is None:
             yield name, tensor
     for prefix, block in moe.items():
         check_moe(block, prefix)
@@ -342,6 +368,18 @@ def gguf_tensors(name: str, value, names, arch: str, config):
         array, kind = float_array(value)
         yield tensor_name("FFN_DOWN_EXP", layer), array, kind, None, 1.0
         return
+    if not isinstance(value, torch.Tensor) and hasattr(value, "packed"):  # a quantized linear layer
+        gname = names.get_name(name, try_suffixes=(".weight",))
+        if gname is None:
+            raise NotGGUFExportable(f"{name}: no GGUF tensor for it in llama.cpp's {arch} architecture")
+        kind, codes, s, low, ref = linear_codes(value)
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            codes, s, ref = permute_rope(codes, heads), permute_rope(s, heads), permute_rope(ref, heads)
+            low = None if low is None else permute_rope(low, heads)
+        data, got = quantized_blocks(kind, codes, s, low)
+        yield gname, data, T[kind], got - ref, float(ref.abs().max())
+        return
     if not isinstance(value, torch.Tensor):  # a quantized expert stack
         for proj in ("gate_up", "down"):
             kind, codes, s, low, ref = expert_codes(value, proj)
@@ -351,10 +389,7 @@ def gguf_tensors(name: str, value, names, arch: str, config):
             else:
                 parts = (("FFN_DOWN_EXP", slice(None)),)
             for part, rows in parts:
-                if kind == "Q8_0":
-                    data, got = q8_0_blocks(codes[:, rows], s[:, rows])
-                else:
-                    data, got = q4_1_blocks(codes[:, rows], s[:, rows], low[:, rows])
+                data, got = quantized_blocks(kind, codes[:, rows], s[:, rows], None if low is None else low[:, rows])
                 want = ref[:, rows]
                 yield tensor_name(part, layer), data, T[kind], got - want, float(want.abs().max())
         return

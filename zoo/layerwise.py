@@ -16,13 +16,17 @@ The per-layer contract (a ``Compressor`` implements it; see docs/plugins/compres
     observe(i, block, x)       x: [T, H] tokens entering the block, or None
     plan()                     once, after every layer was observed
     compress_layer(i, block, x) -> block   a new SparseMoE (or the same one, unchanged)
+    targets_linears: bool      also hand it the plain linears outside the MoE blocks:
+    check_linear(path, linear)     raise before anything changes
+    compress_linear(path, linear) -> module   after the layer's blocks (the LM head after the last layer)
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
-from zoo.layout import decoder_layers, get_block, moe_layers, put_block
+from zoo.layout import decoder_layers, get_block, layer_block_attr, layer_prefix, moe_layers, put_block
 from zoo.moe import SparseMoE, context, routing_context
 
 
@@ -127,6 +131,52 @@ class LayerInputs:
         return LayerInputs([o[0] if isinstance(o, tuple) else o for o in out], self.kwargs, self.contexts)
 
 
+def is_plain_linear(module) -> bool:
+    from zoo.kernels.linear import KernelLinear
+
+    return type(module) in (nn.Linear, KernelLinear)
+
+
+def layer_linears(layer) -> list[tuple[str, nn.Linear]]:
+    """(path in the layer, module) of a decoder layer's plain linears outside its MoE block (the attention
+    projections; a dense layer's MLP). Routers and expert stacks are not ``nn.Linear``s; shared experts sit in the
+    block, which compressors work on whole."""
+    block = get_block(layer)
+    skip = f"{layer_block_attr(layer)}." if isinstance(block, SparseMoE) else None
+    return [(name, m) for name, m in layer.named_modules()
+            if is_plain_linear(m) and not (skip and f"{name}.".startswith(skip))]
+
+
+def outer_linears(model) -> list[tuple[str, nn.Linear]]:
+    """The LM head, when it is a plain linear with weights of its own (a tied head is the input embedding)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not is_plain_linear(head) or (embed is not None and head.weight is getattr(embed, "weight", None)):
+        return []
+    return [(name, m) for name, m in model.named_modules() if m is head][:1]
+
+
+def set_module(root, path: str, module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def compress_linears(steps, root, linears, prefix: str = "") -> dict:
+    """``{path under root: new module}`` from every step that targets linears, each step seeing the previous
+    one's result (a module a step replaced is no longer a plain linear: later steps leave it)."""
+    new = {}
+    for step in steps:
+        if not getattr(step, "targets_linears", False):
+            continue
+        for path, linear in linears:
+            current = new.get(path, linear)
+            if is_plain_linear(current):
+                out = step.compress_linear(prefix + path, current)
+                if out is not current:
+                    new[path] = out
+    return new
+
+
 class InMemory:
     """The layers of a model in memory; new blocks are swapped in only when every layer has succeeded."""
 
@@ -134,6 +184,10 @@ class InMemory:
         self.model = model
         self.layers = decoder_layers(model)
         self.new: dict[int, SparseMoE] = {}
+        self.new_linears: list[tuple[nn.Module, str, nn.Module]] = []  # (owner, path, new module)
+
+    def keep_linears(self, i, layer, modules: dict):
+        self.new_linears += [(layer, path, m) for path, m in modules.items()]
 
     def load_layer(self, i):
         return self.layers[i]
@@ -151,6 +205,8 @@ class InMemory:
     def commit(self):
         for i, block in self.new.items():
             put_block(self.layers[i], block)
+        for owner, path, module in self.new_linears:
+            set_module(owner, path, module)
 
 
 def check(model, steps) -> None:
@@ -160,6 +216,12 @@ def check(model, steps) -> None:
         step.check_layers([i for i, _ in layers])
         for i, block in layers:
             step.check_layer(i, block)
+        if getattr(step, "targets_linears", False):
+            for i, layer in enumerate(decoder_layers(model)):
+                for path, linear in layer_linears(layer):
+                    step.check_linear(layer_prefix(model, i) + path, linear)
+            for path, linear in outer_linears(model):
+                step.check_linear(path, linear)
 
 
 def run(source, steps, inputs: LayerInputs | None, keep=None, desc: str = "layers") -> None:
@@ -201,6 +263,9 @@ def one_pass(source, steps, inputs, observer=None, keep=None, desc="layers") -> 
                 uses = [None if c is None else done[id(c)] for c in uses]
                 watch = None if watch is None else done[id(watch)]
             if keep is not None:
+                linears = compress_linears(steps, layer, layer_linears(layer), layer_prefix(source.model, i))
+                if linears:
+                    source.keep_linears(i, layer, linears)
                 keep(i, layer, block)
         finally:
             source.release(i)
@@ -229,6 +294,7 @@ def compress_in_memory(model, steps, calibration=None):
     try:
         source = InMemory(model)
         run(source, steps, calibration_inputs(model, steps, calibration), desc="compressing")
+        source.keep_linears(None, model, compress_linears(steps, model, outer_linears(model)))
         source.commit()
     finally:
         model.train(was_training)

@@ -45,8 +45,13 @@ def replace_blocks(model, blocks: dict) -> None:
 
 def block_prefix(model, i: int, family=None) -> str:
     """State-dict prefix of layer i's MoE block in the causal-LM (or conditional-generation) model."""
+    return f"{layer_prefix(model, i, family)}{block_attr(model, family)}."
+
+
+def layer_prefix(model, i: int, family=None) -> str:
+    """State-dict prefix of decoder layer i in the causal-LM (or conditional-generation) model."""
     fam, _ = family_and_base(model, family)
-    return f"model.{getattr(fam, 'layers_path', None) or 'layers'}.{i}.{block_attr(model, family)}."
+    return f"model.{getattr(fam, 'layers_path', None) or 'layers'}.{i}."
 
 
 BLOCK_ATTRS = ("mlp", "feed_forward", "block_sparse_moe", "mixer", "moe")
@@ -81,10 +86,21 @@ def read_layout(model) -> list[dict | None]:
             for layer in decoder_layers(model)]
 
 
+MODULE_KINDS = ("adapter", "compressor")
+
+
+def module_owner(spec: dict) -> tuple[str, str]:
+    """(kind, name) of the component a ``zoo_spec()`` names (its ``adapter`` or ``compressor`` key)."""
+    kind = next((k for k in MODULE_KINDS if k in spec), None)
+    if kind is None:
+        raise LayoutError(f"a zoo_modules entry must name its adapter or compressor, got {sorted(spec)}")
+    return kind, spec[kind]
+
+
 def read_modules(model) -> dict:
-    """Modules an adapter put outside the MoE blocks (e.g. on attention projections): ``{path: spec}``. Such a
-    module has ``zoo_spec()``, a JSON-able dict naming its ``adapter``, whose class rebuilds it empty with
-    ``build_module(module_it_replaced, spec)``."""
+    """Modules an adapter or compressor put outside the MoE blocks (e.g. on attention projections): ``{path:
+    spec}``. Such a module has ``zoo_spec()``, a JSON-able dict naming its ``adapter`` or ``compressor``, whose
+    class rebuilds it empty with ``build_module(module_it_replaced, spec)``."""
     return {name: m.zoo_spec() for name, m in model.named_modules() if callable(getattr(m, "zoo_spec", None))}
 
 
@@ -115,7 +131,7 @@ def components_used(config) -> list[tuple[str, str]]:
     for entry in [*(getattr(config, "zoo_layout", None) or []), getattr(config, "zoo_vision_moe", None)]:
         if entry:
             used += [("router", entry["router"]), ("experts", entry["experts"])]
-    used += [("adapter", spec["adapter"]) for spec in (getattr(config, "zoo_modules", None) or {}).values()]
+    used += [module_owner(spec) for spec in (getattr(config, "zoo_modules", None) or {}).values()]
     used += [("router", e["router"]) for e in getattr(config, "zoo_attention", None) or [] if e]
     used += [(s["kind"], s["name"]) for s in getattr(config, "zoo_recipe", None) or []]
     return list(dict.fromkeys(used))
@@ -266,11 +282,11 @@ def apply_layout(model, layout) -> None:
 
 
 def apply_modules(model, modules) -> None:
-    """Rebuild (empty) the adapter modules ``read_modules`` recorded, in place of the modules they wrapped."""
+    """Rebuild (empty) the modules ``read_modules`` recorded, in place of the modules they wrapped or replaced."""
     for path, spec in (modules or {}).items():
         parent, _, leaf = path.rpartition(".")
-        owner = model.get_submodule(parent)
-        cls = component_class("adapter", spec["adapter"], getattr(model.config, "zoo_components", None))
+        owner = model.get_submodule(parent) if parent else model
+        cls = component_class(*module_owner(spec), getattr(model.config, "zoo_components", None))
         setattr(owner, leaf, cls.build_module(getattr(owner, leaf), spec))
 
 

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from zoo import loading
 from zoo.atomic import atomic_directory
 from zoo.checkpoint import LAYER_KEY, Checkpoint, checkpoint_bytes
-from zoo.layerwise import LayerInputs, calibration_inputs, check, run
+from zoo.layerwise import LayerInputs, calibration_inputs, check, compress_linears, outer_linears, run, set_module
 from zoo.layout import get_block, layer_block_attr, put_block
 from zoo.moe import SparseMoE
 from zoo.shards import ShardWriter
@@ -82,13 +82,17 @@ class Streamed:
     """Layers read from a checkpoint; each finished layer goes to ``write(i, layer)`` and back to meta."""
 
     def __init__(self, ckpt: Checkpoint, write=None):
-        self.ckpt, self.layers, self.write = ckpt, ckpt.layers, write
+        self.ckpt, self.model, self.layers, self.write = ckpt, ckpt.model, ckpt.layers, write
 
     def load_layer(self, i):
         return self.ckpt.load_layer(i)
 
     def replaced(self, i, layer, block):
         put_block(layer, block)  # the old block is not needed again: free it before the next step runs
+
+    def keep_linears(self, i, layer, modules: dict):
+        for path, module in modules.items():
+            set_module(layer, path, module)
 
     def keep(self, i, layer, block):
         put_block(layer, block)
@@ -187,6 +191,8 @@ def _write(ckpt, out, components, inputs, desc, record=()):
     model = ckpt.model
     with atomic_directory(out) as tmp:
         writer = ShardWriter(tmp)
+        for path, module in compress_linears(components, model, outer_linears(model)).items():
+            set_module(model, path, module)  # the LM head, for a step that targets linears
         writer.write(outer_tensors(model))  # embeddings and LM head in a shard of their own
         ckpt.release_outer()  # the calibration inputs are captured: nothing runs them again
         run(Streamed(ckpt, lambda i, layer: writer.write(layer_tensors(i, layer))), components, inputs, desc=desc)

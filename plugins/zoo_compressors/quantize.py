@@ -5,6 +5,7 @@ import torch
 
 from zoo import Compressor
 from zoo.moe.experts import SwiGLUExperts
+from zoo.moe.quantized_linear import LINEAR_BITS, QuantizedLinear
 from zoo.moe.quantized import (
     BITS,
     QuantizedExperts,
@@ -17,6 +18,7 @@ from zoo_compressors.allocation import WIDTHS, allocate, alphaq, esd_alpha, pmq
 from zoo.demo_controls import Control
 
 ALLOCATIONS = ("uniform", "pmq", "alphaq", "random")  # random: the same budget spent blindly (a baseline)
+TARGETS = ("experts", "all")  # all: the attention projections, dense MLPs and LM head too (as llama.cpp's q8_0/Q4_0)
 GROUP_SIZES = (256, 128, 64, 32)  # what torch's int4 pack takes; the automatic choice prefers 64, then larger
 
 
@@ -56,7 +58,9 @@ class Quantize(Compressor):
                 Control("allocation", "choice", "uniform", choices=ALLOCATIONS,
                         help="uniform, or mixed precision per expert: pmq (usage), alphaq (weight spectra), random"),
                 Control("group_size", "choice", group, choices=choices,
-                        help="weights per quantization scale below 8 bits (int8 is per output channel)")]
+                        help="weights per quantization scale below 8 bits (int8 is per output channel)"),
+                Control("targets", "choice", "experts", choices=TARGETS,
+                        help="experts only, or every matrix but the embeddings and routers (uniform 4 or 8 bits)")]
 
     @staticmethod
     def demo_group_sizes(model) -> tuple:
@@ -73,9 +77,15 @@ class Quantize(Compressor):
         group = {"group_size": cls.demo_group_sizes(model)[0]}
         return {"mild": {"bits": 8, **group}, "strong": {"bits": 3.5, "allocation": "pmq", **group}}
 
-    def __init__(self, bits: float = 8, allocation: str = "uniform", group_size: int | None = None, widths=WIDTHS):
+    def __init__(self, bits: float = 8, allocation: str = "uniform", group_size: int | None = None, widths=WIDTHS,
+                 targets: str = "experts"):
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+        if targets not in TARGETS:
+            raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
+        if targets == "all" and (allocation != "uniform" or bits not in LINEAR_BITS):
+            raise ValueError(f"targets='all' quantizes every matrix at one width: allocation='uniform' with bits in "
+                             f"{LINEAR_BITS}, got allocation={allocation!r}, bits={bits!r}")
         if not isinstance(widths, (list, tuple)) or not widths or any(w not in BITS for w in widths):
             raise ValueError(f"widths must be a list of bit widths from {BITS}, got {widths!r}")
         widths = tuple(sorted({int(w) for w in widths}))
@@ -88,8 +98,10 @@ class Quantize(Compressor):
                                        or group_size < 32 or group_size % 32):
             raise ValueError(f"group_size must be a positive multiple of 32 (or None: chosen per layer), "
                              f"got {group_size!r}")
-        super().__init__(bits=bits, allocation=allocation, group_size=group_size, widths=list(widths))
+        options = dict(bits=bits, allocation=allocation, group_size=group_size, widths=list(widths))
+        super().__init__(**options, **({"targets": targets} if targets != "experts" else {}))
         self.bits, self.allocation, self.group_size, self.widths = bits, allocation, group_size, widths
+        self.targets, self.targets_linears = targets, targets == "all"
         self.needs_calibration = allocation == "pmq"
         self.needs_plan = allocation != "uniform"  # a bit budget over all experts of all layers
         self.inputs_for = ("observe",) if allocation == "pmq" else ()
@@ -122,6 +134,28 @@ class Quantize(Compressor):
         if self._groups[index] != 64:
             self.results.setdefault("group_size_note", {})[str(index)] = (
                 f"64 does not divide {sizes}; group size {self._groups[index]}")
+
+    def linear_width(self, linear) -> tuple[int, int]:
+        """(bits, group size) of one linear layer: 4-bit groups where a group size divides its input width and
+        torch's int4 pack takes its output width (a multiple of 16); else 8 bits per output row, which fit any."""
+        g = self.group_size if self.group_size is not None else auto_group_size((linear.in_features,))
+        if self.bits == 8 or (g and linear.in_features % g == 0 and linear.out_features % 16 == 0):
+            return int(self.bits), g or 64
+        return 8, 64
+
+    def compress_linear(self, name, linear):
+        bits, group = self.linear_width(linear)
+        summary = self.results.setdefault("linears", {"bits": int(self.bits), "count": 0, "weights": 0})
+        summary["count"] += 1
+        summary["weights"] += linear.weight.numel()
+        if bits != self.bits:
+            summary.setdefault("at_8_bits", []).append(name)  # its shape has no 4-bit layout
+        return QuantizedLinear.from_linear(linear, bits, group)
+
+    @classmethod
+    def build_module(cls, replaced, spec: dict) -> QuantizedLinear:
+        """The empty quantized linear ``config.zoo_modules`` describes (``zoo.layout.apply_modules`` calls this)."""
+        return QuantizedLinear(**{k: v for k, v in spec.items() if k != "compressor"})
 
     def group_for(self, index) -> int:
         return self._groups.get(index, self.group_size or 64)

@@ -140,10 +140,14 @@ class Family:
             raise NotExportable(f"layers {attention} have {self.name} attention wrapped by "
                                 f"{config.zoo_attention[attention[0]]['router']!r}, which has no native form")
         modules = getattr(config, "zoo_modules", None) or {}
-        if modules:
-            adapters = sorted({spec["adapter"] for spec in modules.values()})
+        adapters = sorted({spec["adapter"] for spec in modules.values() if "adapter" in spec})
+        if adapters:
             raise NotExportable(f"{len(modules)} modules carry {adapters} adapter(s); merge them into the base "
                                 f"weights first (native {self.name} has no place for them)")
+        if modules:
+            kinds = sorted({spec.get("compressor", "?") for spec in modules.values()})
+            raise NotExportable(f"{len(modules)} linear layers are compressed by {kinds} (native {self.name} stores "
+                                "float weights); export to GGUF, which keeps quantized weights")
 
     def register_auto_classes(self) -> None:
         from zoo.architectures.factory import zoo_classes, zoo_config_class
