@@ -65,18 +65,29 @@ def prefill_tok_s(model, tokens: int, vocab: int, repeats: int = 3) -> float:
     return tokens / statistics.median(times)
 
 
+def same_weights(base) -> dict:
+    """The zoo model in bf16 and quantized: experts only (int8, int4) and every matrix but the embeddings and
+    routers (``targets="all"``: int8 all, int4 all), each a copy made before anything compiles."""
+    out = {"bf16": base}
+    for targets in ("experts", "all"):
+        for bits in (8, 4):
+            key = f"int{bits}" + (" all" if targets == "all" else "")
+            out[key] = zoo.apply(copy.deepcopy(base), "quantize", bits=bits, targets=targets)
+    return out
+
+
 def engines(model, without_kernel: bool = True):
     """(label, model, compile, kernel) for every engine, from one native model: the weights are the same in all.
     kernel: whether the compiled step may use zoo::moe_gemv (the "torch kernels" rows, with ``without_kernel``,
     are the same step without it)."""
     base = zoo.convert(copy.deepcopy(model)).eval()
     # every copy is made before anything compiles (a deepcopy would carry transformers' cached compiled call)
-    quantized = {bits: zoo.apply(copy.deepcopy(base), "quantize", bits=bits) for bits in (8, 4)}
-    torch_rows = {bits: copy.deepcopy(m) for bits, m in [("bf16", base), *((f"int{b}", m) for b, m in quantized.items())]}
+    quantized = same_weights(base)
+    torch_rows = {key: copy.deepcopy(m) for key, m in quantized.items() if key in ("bf16", "int8", "int4")}
     rows = [("transformers eager", native(model, "eager"), False, False),
             ("transformers grouped_mm", native(model, "grouped_mm"), False, False),
-            ("zoo bf16 eager", base, False, False), ("zoo bf16 compiled", base, True, True),
-            *((f"zoo int{bits} compiled", m, True, True) for bits, m in quantized.items())]
+            ("zoo bf16 eager", base, False, False),
+            *((f"zoo {key} compiled", m, True, True) for key, m in quantized.items())]
     if without_kernel and kernels.load():
         rows += [(f"zoo {label} torch kernels", m, True, False) for label, m in torch_rows.items()]
     return rows
@@ -106,9 +117,9 @@ def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int, loop
 def fp32_tokens_equal(model, prompt: int, new_tokens: int) -> dict:
     """In fp32, the compiled step (zoo::moe_gemv) against the eager reference: equal greedy tokens, per precision."""
     ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
-    base = zoo.convert(copy.deepcopy(model)).float().eval()
     out = {}
-    for label, m in [("fp32", base), *((f"int{b}", zoo.apply(copy.deepcopy(base), "quantize", bits=b)) for b in (8, 4))]:
+    for label, m in same_weights(zoo.convert(copy.deepcopy(model)).float().eval()).items():
+        label = "fp32" if label == "bf16" else label
         torch._dynamo.reset()
         out[label] = bool(torch.equal(greedy(m, ids, new_tokens, compile=False), greedy(m, ids, new_tokens)))
     return out
@@ -135,7 +146,9 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-shipped", action="store_true")
     ap.add_argument("--llama-cpp", action="store_true", help="add llama.cpp rows: the same weights as GGUF files "
-                    "the zoo writes, bf16 and the zoo's int8 / int4 experts as Q8_0 / Q4_1 (needs llama_cpp importable)")
+                    "the zoo writes, bf16 and the zoo's int8 / int4 codes as Q8_0 / Q4_1 (needs llama_cpp importable)")
+    ap.add_argument("--own-quantized", action="store_true", help="with --llama-cpp: also llama.cpp's own q8_0 / Q4_0 "
+                    "of every matrix (quantized by llama.cpp; see benchmarks/llama_cpp_rows.py for the build it needs)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.smoke:
@@ -154,9 +167,8 @@ def main(argv=None):
             vocab = model.config.vocab_size
             prompt = torch.randint(3, vocab, (args.prompt,), generator=g).tolist()
             prefill = torch.randint(3, vocab, (args.prefill,), generator=torch.Generator().manual_seed(1)).tolist()
-            base = zoo.convert(copy.deepcopy(model)).eval()
-            same = {"bf16": base, **{f"int{b}": zoo.apply(copy.deepcopy(base), "quantize", bits=b) for b in (8, 4)}}
-            rows += llama_rows(name, same, tokenizer, prompt, prefill, args.new_tokens, args.threads)
+            same = same_weights(zoo.convert(copy.deepcopy(model)).eval())
+            rows += llama_rows(name, same, tokenizer, prompt, prefill, args.new_tokens, args.threads, args.own_quantized)
     print(f"\n{args.new_tokens} greedy tokens after a {args.prompt}-token prompt, batch 1; prefill {args.prefill} "
           f"tokens; torch threads {args.threads}; ratios to transformers eager bf16 of the same model")
     head = (f"{'model':14} {'engine':24} {'decode tok/s':>12} {'ratio':>6} {'zoo loop':>8} {'ratio':>6} "
@@ -181,13 +193,16 @@ def main(argv=None):
     if not args.llama_cpp:
         print("llama.cpp: not measured in this run (pass --llama-cpp with llama_cpp importable)")
     else:
-        print("llama.cpp rows: decode ratios on the same weights (generate; zoo loop in brackets): zoo bf16 "
-              "compiled / llama.cpp bf16; zoo int8 / llama.cpp Q8_0 experts; zoo int4 / Q4_1 experts (the same codes):")
+        print("llama.cpp rows: decode ratios (generate; zoo loop in brackets), zoo row / llama.cpp row: on the same "
+              "weights (bf16; the zoo's codes as Q8_0 / Q4_1, experts only or every matrix), and against llama.cpp's "
+              "own q8_0 / Q4_0 of every matrix from the bf16 file:")
         for name in dict.fromkeys(r["model"] for r in rows):
             get = {r["engine"]: r for r in rows if r["model"] == name}
             pairs = [("zoo bf16 compiled", "llama.cpp bf16"), ("zoo int8 compiled", "llama.cpp Q8_0 experts"),
-                     ("zoo int4 compiled", "llama.cpp Q4_1 experts")]
-            print(f"  {name}: " + ", ".join(f"{a.split()[1]}/{b[10:]} {get[a]['decode'] / get[b]['decode']:.2f} "
+                     ("zoo int4 compiled", "llama.cpp Q4_1 experts"), ("zoo int8 all compiled", "llama.cpp Q8_0 all"),
+                     ("zoo int4 all compiled", "llama.cpp Q4_1 all"), ("zoo int8 all compiled", "llama.cpp own q8_0"),
+                     ("zoo int4 all compiled", "llama.cpp own Q4_0")]
+            print(f"  {name}: " + ", ".join(f"{a[4:-9]}/{b[10:]} {get[a]['decode'] / get[b]['decode']:.2f} "
                                             f"({get[a]['loop'] / get[b]['decode']:.2f})"
                                             for a, b in pairs if a in get and b in get and get[a]["loop"]))
     if args.profile:
