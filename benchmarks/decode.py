@@ -65,11 +65,11 @@ def prefill_tok_s(model, tokens: int, vocab: int, repeats: int = 3) -> float:
     return tokens / statistics.median(times)
 
 
-def same_weights(base) -> dict:
-    """The zoo model in bf16 and quantized: experts only (int8, int4) and every matrix but the embeddings and
-    routers (``targets="all"``: int8 all, int4 all), each a copy made before anything compiles."""
+def same_weights(base, all_matrices: bool = True) -> dict:
+    """The zoo model in bf16 and quantized: experts only (int8, int4) and, with ``all_matrices``, every matrix but
+    the embeddings and routers (``targets="all"``: int8 all, int4 all), each a copy made before anything compiles."""
     out = {"bf16": base}
-    for targets in ("experts", "all"):
+    for targets in ("experts", "all") if all_matrices else ("experts",):
         for bits in (8, 4):
             key = f"int{bits}" + (" all" if targets == "all" else "")
             out[key] = zoo.apply(copy.deepcopy(base), "quantize", bits=bits, targets=targets)
@@ -79,10 +79,10 @@ def same_weights(base) -> dict:
 def engines(model, without_kernel: bool = True):
     """(label, model, compile, kernel) for every engine, from one native model: the weights are the same in all.
     kernel: whether the compiled step may use zoo::moe_gemv (the "torch kernels" rows, with ``without_kernel``,
-    are the same step without it)."""
+    are the same step without it; the full run, which also has the all-matrices rows)."""
     base = zoo.convert(copy.deepcopy(model)).eval()
     # every copy is made before anything compiles (a deepcopy would carry transformers' cached compiled call)
-    quantized = same_weights(base)
+    quantized = same_weights(base, all_matrices=without_kernel)
     torch_rows = {key: copy.deepcopy(m) for key, m in quantized.items() if key in ("bf16", "int8", "int4")}
     rows = [("transformers eager", native(model, "eager"), False, False),
             ("transformers grouped_mm", native(model, "grouped_mm"), False, False),
@@ -105,8 +105,10 @@ def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int, loop
         with contextlib.nullcontext() if kernel else kernels.turned_off():
             r = timed_generate(m, ids, new_tokens, compile=compiled)
             lean = timed_greedy(m, ids, new_tokens, compile=True)["decode_tok_s"] if compiled and loop else None
+            jit = timed_greedy(m, ids, new_tokens, compile=True, ahead_of_time=False)["decode_tok_s"] \
+                if compiled and loop else None
         reference = r["tokens"] if reference is None else reference
-        rows.append({"model": name, "engine": label, "decode": r["decode_tok_s"], "loop": lean,
+        rows.append({"model": name, "engine": label, "decode": r["decode_tok_s"], "loop": lean, "jit": jit,
                      "prefill": prefill_tok_s(m, prefill, vocab), "compile_s": r["warmup_s"] if compiled else None,
                      "first_ms": r["first_token_s"] * 1e3, "same": bool(torch.equal(r["tokens"], reference))})
         print(f"  {name}: {label} done ({r['decode_tok_s']:.0f} tok/s)", flush=True)
@@ -130,9 +132,9 @@ def profile_step(model, steps: int = 16) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     ids = torch.randint(3, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    greedy(model, ids, steps + 1)  # compile first (same cache length as the profiled run)
+    greedy(model, ids, steps + 1, ahead_of_time=False)  # compile first (same cache length as the profiled run)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        greedy(model, ids, steps + 1)
+        greedy(model, ids, steps + 1, ahead_of_time=False)  # the JIT step: the profiler sees its kernels
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
 
 
@@ -171,7 +173,7 @@ def main(argv=None):
             rows += llama_rows(name, same, tokenizer, prompt, prefill, args.new_tokens, args.threads, args.own_quantized)
     print(f"\n{args.new_tokens} greedy tokens after a {args.prompt}-token prompt, batch 1; prefill {args.prefill} "
           f"tokens; torch threads {args.threads}; ratios to transformers eager bf16 of the same model")
-    head = (f"{'model':14} {'engine':24} {'decode tok/s':>12} {'ratio':>6} {'zoo loop':>8} {'ratio':>6} "
+    head = (f"{'model':14} {'engine':24} {'decode tok/s':>12} {'ratio':>6} {'zoo loop':>8} {'ratio':>6} {'jit loop':>8} "
             f"{'prefill tok/s':>13} {'ratio':>6} {'compile s':>9} {'1st token ms':>12} {'same tokens':>11}")
     print(head + "\n" + "-" * len(head))
     for r in rows:
@@ -179,11 +181,13 @@ def main(argv=None):
         same = "-" if r["same"] is None else "yes" if r["same"] else "no"
         compile_s = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
         loop = ("-", "-") if r["loop"] is None else (f"{r['loop']:.1f}", f"{r['loop'] / ref['decode']:.2f}")
+        jit = "-" if r.get("jit") is None else f"{r['jit']:.1f}"
         print(f"{r['model']:14} {r['engine']:24} {r['decode']:12.1f} {r['decode'] / ref['decode']:6.2f} "
-              f"{loop[0]:>8} {loop[1]:>6} {r['prefill']:13.0f} {r['prefill'] / ref['prefill']:6.2f} {compile_s:>9} {r['first_ms']:12.1f} "
+              f"{loop[0]:>8} {loop[1]:>6} {jit:>8} {r['prefill']:13.0f} {r['prefill'] / ref['prefill']:6.2f} {compile_s:>9} {r['first_ms']:12.1f} "
               f"{same:>11}")
     print("(same tokens: equal to the first engine's greedy tokens; quantized experts may differ by design;\n"
-          " zoo loop: the same compiled step driven by zoo.decode.greedy instead of generate;\n"
+          " zoo loop: zoo.decode.greedy instead of generate, its step compiled ahead of time (AOTInductor);\n"
+          " jit loop: the same loop with the JIT-compiled step generate uses (torch.compile, C++ wrapper);\n"
           " compiled rows read the experts with zoo::moe_gemv, 'torch kernels' rows are the same step without it:\n"
           f" {'kernel ' + kernels.isa() if kernels.ready() else 'kernel unavailable: ' + str(kernels.unavailable_reason())})")
     if not args.smoke:

@@ -199,3 +199,37 @@ def test_generate_command_prints_the_continuation_and_its_speed():
     assert "tok/s" in res.stderr
     bad = CliRunner().invoke(cli, ["generate", "zoo-tiny-mo", prompt])
     assert bad.exit_code != 0 and "zoo-tiny-moe" in bad.output  # a close match is suggested
+
+
+def test_ahead_of_time_step_gives_eager_tokens_and_reads_the_models_own_weights(one_thread):
+    """greedy's default step (AOTInductor): fp32 tokens equal eager, with the attention projections and LM head
+    quantized too; built once per model and shape; the library reads the model's tensors (no copy), so an in-place
+    change to a weight shows in its next tokens; a new model (apply) builds its own."""
+    from zoo.decode import greedy as lean
+    from zoo.decode_aot import AotStep
+
+    model = zoo.apply(zoo.convert(tiny_native("mixtral")), "quantize", bits=8, targets="all")
+    before = lean(model, IDS, 12, compile=False)
+    assert torch.equal(lean(model, IDS, 12), before)
+    step = AotStep.of(model, 1, IDS.shape[1] + 12)
+    lean(model, IDS, 12)
+    assert AotStep.of(model, 1, IDS.shape[1] + 12) is step  # not rebuilt
+    with torch.no_grad():
+        model.lm_head.weight_scale.mul_(-1)  # every logit's sign flips: other tokens
+    flipped = lean(model, IDS, 12, compile=False)
+    assert not torch.equal(flipped, before)
+    assert torch.equal(lean(model, IDS, 12), flipped) and AotStep.of(model, 1, IDS.shape[1] + 12) is step
+
+
+def test_a_step_that_cannot_be_exported_falls_back_to_the_jit_step(monkeypatch):
+    from zoo.decode import greedy as lean
+
+    model = zoo.convert(tiny_native("qwen3_moe"))
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("data-dependent branch")
+
+    monkeypatch.setattr(torch.export, "export", refuse)
+    with pytest.warns(UserWarning, match="not compiled ahead of time .*data-dependent branch"):
+        compiled = lean(model, IDS, 12, backend="inductor")
+    assert torch.equal(compiled, lean(model, IDS, 12, compile=False))

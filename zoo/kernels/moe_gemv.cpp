@@ -221,10 +221,19 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
     for (int64_t e = 0; e < E; ++e) slot_map[e] = e;
   }
 
-  at::Tensor X = x.to(at::kFloat).contiguous().view({-1, K});
-  const int64_t rows = X.size(0);
+  // the inputs in fp32 and the outputs' fp32 accumulators without at:: calls (each costs a dispatch and an
+  // allocation; in a small model's decode step these were ~20 us of an op call)
+  const int64_t rows = x.numel() / K;
+  const bool f32 = x.scalar_type() == at::kFloat;
+  at::Tensor xc = x.contiguous();
+  std::vector<float> xbuf;
+  if (!f32) {
+    xbuf.resize(rows * K);
+    const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < rows * K; ++i) xbuf[i] = float(xb[i]);
+  }
   std::vector<float> permuted, sums;
-  const float* Xp = X.data_ptr<float>();
+  const float* Xp = f32 ? xc.data_ptr<float>() : xbuf.data();
   if (kind == Kind::int2 || kind == Kind::int3) {
     permuted.resize(rows * K);
     for (int64_t r = 0; r < rows; ++r) permute_for_packed(Xp + r * K, permuted.data() + r * K, K, int(bits));
@@ -238,10 +247,15 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
 
   // group the (token, slot) pairs by the stack slot they read, then cut each slot's rows into items
   std::map<int64_t, std::vector<int64_t>> pairs_of;
-  const int64_t* idx = indices.contiguous().data_ptr<int64_t>();
+  std::vector<int64_t> unread;  // pairs whose outputs are zeros: empty slots, experts stored elsewhere
+  at::Tensor ic = indices.contiguous();
+  const int64_t* idx = ic.data_ptr<int64_t>();
   for (int64_t p = 0; p < T * k; ++p) {
     int64_t e = idx[p];
-    if (e >= 0 && e < E && slot_map[e] >= 0) pairs_of[slot_map[e]].push_back(p);
+    if (e >= 0 && e < E && slot_map[e] >= 0)
+      pairs_of[slot_map[e]].push_back(p);
+    else
+      unread.push_back(p);
   }
   const int64_t block = 64;
   std::vector<Item> items;
@@ -256,14 +270,22 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
         items.push_back(it);
       }
 
-  at::Tensor Y = at::zeros({T * k, N}, X.options());
+  // every row of a read pair is written by exactly one item; the others are zeroed here
+  at::Tensor Y = at::empty({T, k, N}, x.options());
+  std::vector<float> ybuf(f32 ? 0 : T * k * N);
+  float* Yp = f32 ? Y.data_ptr<float>() : ybuf.data();
+  for (int64_t p : unread) std::memset(Yp + p * N, 0, N * sizeof(float));
   Problem pb{kind, weight.data_ptr(), weight.stride(0) * weight.element_size(), sc, N, K, group_size,
-             permuted.empty() ? Xp : permuted.data(), sums.empty() ? nullptr : sums.data(), Y.data_ptr<float>()};
+             permuted.empty() ? Xp : permuted.data(), sums.empty() ? nullptr : sums.data(), Yp};
   if (g_isa == 2)
     avx512::run_items(pb, items);
   else
     avx2::run_items(pb, items);
-  return Y.view({T, k, N}).to(x.scalar_type());
+  if (!f32) {
+    c10::BFloat16* yb = Y.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < T * k * N; ++i) yb[i] = c10::BFloat16(ybuf[i]);  // round to nearest even, as .to()
+  }
+  return Y;
 }
 
 // The float weight [N, K] of one int4-packed matrix (torch's CPU pack, scale/zero per group), returned as the

@@ -1,0 +1,94 @@
+"""The decode step compiled ahead of time (AOTInductor): a token costs the step's kernels and not Python.
+
+``torch.compile``'s step still passes through Python each token (the compiled region's entry, its cache lookup,
+the AOT dispatcher's wrappers: ~0.2 ms a token, measured on zoo-tiny-moe, whose whole token takes ~1.4 ms).
+Here the same step (the model's own forward for one token with a static cache; the zoo's kernels inside as
+opaque ops) is exported with ``torch.export`` and compiled by ``torch._inductor.aoti_compile_and_package`` into a
+shared library that one C++ call runs. The weights are not copied into it: the library reads the model's own
+tensors (``load_constants(..., user_managed=True)``). The cache's tensors are inputs the step updates in place,
+so the eager prefill fills the same cache. One library serves one (batch, cache length, dtype); a different one
+compiles anew (as the JIT step recompiles), and a changed model needs a new library (``AotStep.of`` keeps one per
+model and shape, keyed on the parameters' storage: swapped or converted weights rebuild it).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import weakref
+
+import torch
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
+
+
+class NotExportable(RuntimeError):
+    """The model's decode step cannot be exported (the reason is ``torch.export``'s or AOTInductor's)."""
+
+
+class _Step(torch.nn.Module):
+    """One decode step with the cache's tensors as inputs: ``(token [B, 1], keys, values, lengths, ...)``."""
+
+    def __init__(self, model, cache: StaticCache):
+        super().__init__()
+        self.model, self.cache = model, cache
+
+    def forward(self, input_ids, cache_position, *state):
+        for i, layer in enumerate(self.cache.layers):
+            layer.keys, layer.values, layer.cumulative_length = state[3 * i: 3 * i + 3]
+        return self.model(input_ids=input_ids, past_key_values=self.cache, cache_position=cache_position,
+                          use_cache=True, logits_to_keep=1).logits
+
+
+def cache_state(cache: StaticCache) -> list[torch.Tensor]:
+    """The tensors of a static cache the step reads and updates, in its input order."""
+    return [t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+
+
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(batch, cache length): AotStep}
+
+
+def _weights_key(model) -> tuple:
+    return tuple((p.data_ptr(), p.dtype) for p in model.parameters())
+
+
+class AotStep:
+    """A decode step compiled ahead of time for ``model``: ``step(token, position, cache) -> logits [B, 1, V]``."""
+
+    def __init__(self, model, batch: int, max_cache_len: int):
+        self.batch, self.max_cache_len, self.dtype = batch, max_cache_len, model.dtype
+        self._key = _weights_key(model)
+        cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        token = torch.zeros(batch, 1, dtype=torch.long)
+        if any(type(layer) is not StaticLayer for layer in cache.layers):
+            kinds = sorted({type(layer).__name__ for layer in cache.layers} - {"StaticLayer"})
+            raise NotExportable(f"its cache has {kinds} layers, whose update branches on the position")
+        with torch.no_grad():  # one eager call initialises the cache's tensors (their shapes are static)
+            model(input_ids=token, past_key_values=cache, cache_position=torch.tensor([0]), use_cache=True)
+            try:
+                program = torch.export.export(_Step(model, cache), (token, torch.tensor([0]), *cache_state(cache)),
+                                              strict=False)
+            except Exception as exc:  # what export cannot trace: the JIT step (which may break the graph) serves
+                raise NotExportable(f"torch.export: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}")
+        options = {"aot_inductor.package_constants_in_so": False,
+                   "post_grad_fusion_options": {"decompose_mm_pass": {}}}
+        with tempfile.TemporaryDirectory(prefix="zoo-aot-") as folder:  # the library is loaded, then not needed
+            path = torch._inductor.aoti_compile_and_package(program, package_path=os.path.join(folder, "step.pt2"),
+                                                            inductor_configs=options)
+            self.runner = torch._inductor.aoti_load_package(path)
+        # the library reads the model's own tensors (no copy): the exported program names them by module path
+        named = {**program.state_dict, **program.constants}
+        self.runner.load_constants({k: named[k] for k in self.runner.get_constant_fqns()}, check_full_update=True,
+                                   user_managed=True)
+        self._keep = named  # the library holds pointers to these
+
+    @classmethod
+    def of(cls, model, batch: int, max_cache_len: int) -> AotStep:
+        """The model's step for this batch and cache length, built on first use and kept on the model."""
+        steps = _STEPS.setdefault(model, {})
+        step = steps.get((batch, max_cache_len))
+        if step is None or step._key != _weights_key(model) or step.dtype != model.dtype:
+            step = steps[(batch, max_cache_len)] = cls(model, batch, max_cache_len)
+        return step
+
+    def __call__(self, token: torch.Tensor, position: int, cache: StaticCache) -> torch.Tensor:
+        return self.runner(token, torch.tensor([position]), *cache_state(cache))
