@@ -281,9 +281,14 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
     avx512::run_items(pb, items);
   else
     avx2::run_items(pb, items);
-  if (!f32) {
-    c10::BFloat16* yb = Y.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < T * k * N; ++i) yb[i] = c10::BFloat16(ybuf[i]);  // round to nearest even, as .to()
+  if (!f32) {  // round to nearest even, NaN kept (as .to() does), in a loop the compiler vectorises
+    uint16_t* yb = reinterpret_cast<uint16_t*>(Y.data_ptr());
+    for (int64_t i = 0; i < T * k * N; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &ybuf[i], 4);
+      const uint16_t rounded = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+      yb[i] = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : rounded;
+    }
   }
   return Y;
 }
