@@ -209,8 +209,10 @@ def test_ahead_of_time_step_gives_eager_tokens_and_reads_the_models_own_weights(
     from zoo.decode_aot import AotStep
 
     model = zoo.apply(zoo.convert(tiny_native("mixtral")), "quantize", bits=8, targets="all")
+    attention = model.config._attn_implementation
     before = lean(model, IDS, 12, compile=False)
     assert torch.equal(lean(model, IDS, 12), before)
+    assert model.config._attn_implementation == attention  # the step's own attention was set for the export only
     step = AotStep.of(model, 1, IDS.shape[1] + 12)
     lean(model, IDS, 12)
     assert AotStep.of(model, 1, IDS.shape[1] + 12) is step  # not rebuilt
