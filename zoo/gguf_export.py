@@ -82,13 +82,23 @@ def q4_1_blocks(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> 
     return out.numpy(), stands_for.reshape(*lead, n, k)
 
 
+def _dequantized(bits, q, scale, shape, group_size) -> torch.Tensor:
+    """The float weight of a stored matrix: int4 through the zoo's C++ dequantiser where it is built (the reference
+    ``dequantize`` reads torch's int4 pack by multiplying the identity: minutes for the 304M model's experts)."""
+    from zoo import kernels
+    from zoo.moe.quantized import dequantize
+
+    if bits == 4 and kernels.load():
+        return kernels.dequantize_int4(q, scale, group_size, torch.float32).contiguous()
+    return dequantize(bits, q, scale, shape, group_size)
+
+
 def matrix_codes(bits: int, stored: torch.Tensor, scale: torch.Tensor, n: int, k: int, group_size: int):
     """Stacked quantized matrices of one width ``[E, ...]`` as GGUF sees them: (GGUF type, codes ``[E, N, K]``,
     scale, low (None for int8), the zoo's dequantized weights ``[E, N, K]``)."""
     from zoo.moe.packing import unpack
-    from zoo.moe.quantized import dequantize
 
-    ref = torch.stack([dequantize(bits, stored[e], scale[e], (n, k), group_size) for e in range(len(stored))])
+    ref = torch.stack([_dequantized(bits, stored[e], scale[e], (n, k), group_size) for e in range(len(stored))])
     if bits == 8:
         return "Q8_0", stored, scale.float(), None, ref
     s, z = scale.float()[..., 0].transpose(1, 2), scale.float()[..., 1].transpose(1, 2)  # [E, N, K/g]
