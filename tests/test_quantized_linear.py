@@ -40,27 +40,29 @@ def test_quantized_linear_matches_its_dequantized_weight(bits, rows, dtype):
     torch.testing.assert_close(x.grad.float(), grad, atol=tol * float(grad.abs().max()), rtol=0)
 
 
-@pytest.mark.parametrize("bits,k,small", [(8, 128, False), (8, 24, False), (4, 128, False), (8, 128, True)])
-def test_compiled_step_reads_it_with_the_kernel(bits, k, small, monkeypatch):
-    """Compiled few-token inference: zoo::moe_gemv reads the packed weight; a small int8 matrix (below
-    zoo.kernels.linear.MIN_WEIGHTS) stays in the compiled code instead. Both match the dequantized reference."""
-    from zoo.kernels import linear
-
+@pytest.mark.parametrize("bits,k", [(8, 128), (8, 24), (4, 128)])
+def test_compiled_step_reads_it_with_the_kernel(bits, k):
     if not kernels.load():
         pytest.skip(f"zoo's kernel is not available: {kernels.unavailable_reason()}")
-    if not small:
-        monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)  # the test's matrices are far below the real threshold
     torch.manual_seed(1)
     q = QuantizedLinear.from_linear(torch.nn.Linear(k, 64, bias=False), bits, 32 if k % 64 else 64)
     x = torch.randn(1, 2, k)
     calls = []
     real = kernels.moe_gemv
-    monkeypatch.setattr(kernels, "moe_gemv", lambda *a, **kw: calls.append(a[4]) or real(*a, **kw))
+
+    def counting(*args, **kw):
+        calls.append(args[4])
+        return real(*args, **kw)
+
     with torch.no_grad():
         want = x @ q.dequantized().T
         torch._dynamo.reset()
-        got = torch.compile(q, backend="eager", fullgraph=True)(x)
-    assert calls == ([] if small else [bits])
+        kernels.moe_gemv, saved = counting, kernels.moe_gemv
+        try:
+            got = torch.compile(q, backend="eager", fullgraph=True)(x)
+        finally:
+            kernels.moe_gemv = saved
+    assert calls == [bits]
     torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
 
 

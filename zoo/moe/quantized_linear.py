@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from zoo import kernels
-from zoo.kernels import linear as kernel_linear
 from zoo.moe.init import refuse_missing
 from zoo.moe.quantized import dequantize, lowbit_linear, quantize_grouped, quantize_int8
 
@@ -75,14 +74,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, s = self.packed
         rows = x.numel() // x.shape[-1]
-        decode = (torch.compiler.is_compiling() and not torch.is_grad_enabled() and x.device.type == "cpu"
-                  and rows <= kernels.MAX_TOKENS and x.dtype in (torch.float32, torch.bfloat16))
-        if decode and self.bits == 8 and q.numel() < kernel_linear.MIN_WEIGHTS:
-            # a small int8 matrix in the compiled step's own code: inductor reads the codes in its fused one-row
-            # reduction (codes are exact in bf16; the row scale on the output), no op call (the kernel's ~20-50 us
-            # per call outweighs reading a small matrix)
-            y = torch.nn.functional.linear(x, q.to(x.dtype)) * s.to(x.dtype)
-        elif decode and kernels.ready():
+        if (torch.compiler.is_compiling() and kernels.ready() and not torch.is_grad_enabled() and x.device.type == "cpu"
+                and rows <= kernels.MAX_TOKENS and x.dtype in (torch.float32, torch.bfloat16)):
             one = torch.zeros(rows, 1, dtype=torch.long, device=x.device)  # every row reads "expert" 0
             y = kernels.moe_gemv(x.reshape(rows, x.shape[-1]), one, q.unsqueeze(0), s.unsqueeze(0), self.bits,
                                  self.group_size).view(*x.shape[:-1], self.out_features)
