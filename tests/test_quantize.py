@@ -141,6 +141,8 @@ def test_prune_then_quantize_compose(tmp_path):
     ({"bits": 3, "allocation": "pmq", "widths": [4, 8]}, r"must be in \[4, 8\]"), ({"widths": [5]}, "widths must be"),
     ({"allocation": "gptq"}, "allocation must be one of"), ({"group_size": 48}, "multiple of 32"),
     ({"bits": 4, "group_size": 64}, "does not divide"), ({"bitz": 4}, "did you mean 'bits'"),
+    ({"targets": "attention"}, "targets must be one of"), ({"bits": 3, "targets": "all"}, "at one width"),
+    ({"bits": 6, "allocation": "pmq", "widths": [4, 8], "targets": "all"}, "at one width"),
 ])
 def test_bad_options_leave_the_model_untouched(options, message):
     model = zoo.convert(tiny_native("mixtral"))
