@@ -12,6 +12,9 @@ Router init: ``gate="random"`` draws N(0, initializer_range) rows (the Sparse Up
 expert's row is the mean MLP input (after the post-attention norm) over that expert's prompts, minus the mean
 of all experts' rows (the other experts' prompts act as mergekit's negative prompts), scaled to unit norm.
 Default prompts: windows of the shipped corpus' *train* split, expert e from domain ``DOMAINS[e % 2]``.
+
+``router="adamoe"`` upcycles as AdaMoE does (``zoo_adapters.adamoe_layer``): the dense FFN stays as a shared
+expert averaged with the routed copies, which an AdaMoE router selects and its scale adapter weights.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from zoo.options import check_float, check_int
 from zoo.demo_controls import Control
 
 GATES = ("random", "hidden")
+ROUTERS = ("topk-softmax", "adamoe")  # the sibling's own top-k softmax (Sparse Upcycling), or AdaMoE's layer
 PROMPT_WINDOWS, PROMPT_LEN = 4, 128  # default prompts: per expert, 4 corpus windows of 128 tokens
 
 
@@ -148,21 +152,27 @@ class Upcycle(Adapter):
         return [Control("num_experts", "int", 8, low=2, high=16, step=1, help="copies of the dense FFN"),
                 Control("top_k", "int", 2, low=1, high=4, step=1, help="experts per token (at most num_experts)"),
                 Control("gate", "choice", "random", choices=GATES, help="how the new router starts"),
-                Control("noise", "float", 0.0, low=0.0, high=0.1, step=0.005, help="noise added to each copy")]
+                Control("noise", "float", 0.0, low=0.0, high=0.1, step=0.005, help="noise added to each copy"),
+                Control("router", "choice", "topk-softmax", choices=ROUTERS,
+                        help="adamoe: AdaMoE's layer (shared dense FFN + decoupled router)")]
 
     @classmethod
     def demo_presets(cls, model=None):
         return {"mild": {"num_experts": 4, "top_k": 2}, "strong": {"num_experts": 8, "top_k": 2, "noise": 0.01}}
 
     def __init__(self, num_experts: int = 8, top_k: int = 2, gate: str = "random", noise: float = 0.0,
-                 prompts: list | None = None, seed: int = 0, router_aux_loss_coef: float = 0.01):
+                 prompts: list | None = None, seed: int = 0, router_aux_loss_coef: float = 0.01,
+                 router: str = "topk-softmax"):
         super().__init__(num_experts=num_experts, top_k=top_k, gate=gate, noise=noise, prompts=prompts, seed=seed,
-                         router_aux_loss_coef=router_aux_loss_coef)
+                         router_aux_loss_coef=router_aux_loss_coef, router=router)
         self.num_experts = check_int("num_experts", num_experts, 1)
         self.top_k = check_int("top_k", top_k, 1, num_experts)
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         self.gate = gate
+        if router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+        self.router = router
         self.noise = check_float("noise", noise, 0.0)
         self.seed = check_int("seed", seed, 0)
         self.router_aux_loss_coef = check_float("router_aux_loss_coef", router_aux_loss_coef, 0.0)
@@ -189,7 +199,12 @@ class Upcycle(Adapter):
                 for w in (gate_up, down):
                     w += self.noise * w.float().std() * torch.randn(w.shape, generator=g).to(w.dtype)
             blocks.append((router.to(gate_up.dtype), gate_up, down))
-        return to_sibling(model, blocks, self.top_k, self.router_aux_loss_coef)
+        moe = to_sibling(model, blocks, self.top_k, self.router_aux_loss_coef)
+        if self.router == "adamoe":
+            from zoo_adapters.adamoe_layer import to_adamoe
+
+            to_adamoe(moe, mlps, routers, self.top_k, model.config.initializer_range, g)
+        return moe
 
     def router_rows(self, model, mlps, g) -> list[torch.Tensor]:
         H, E = model.config.hidden_size, self.num_experts

@@ -4,6 +4,7 @@ from zoo import hookimpl
 
 @hookimpl
 def register_routers(register):
+    from zoo_routers.adamoe import AdaMoE
     from zoo_routers.expert_choice import ExpertChoice
     from zoo_routers.mixture_of_heads import MixtureOfHeads
     from zoo_routers.otp import OnlineTopAnyPruning
@@ -27,3 +28,4 @@ def register_routers(register):
     register(ScoredTopK)
     register(SparseMixer)
     register(TokenHash)
+    register(AdaMoE)
