@@ -25,6 +25,7 @@ OPTIONS = {
     "router:steer": {"disable": {"1": [0]}},
     "router:top-p": {"p": 0.7},
     "router:topk-softmax": {"top_k": 1},
+    "router:adamoe": {"routed_scale": 0.5},
     "compressor:channel-topk": {"budget": 0.5},
     "compressor:hc-smoe": {"num_experts": 3},
     "compressor:moe-svd": {"ratio": 0.5},
@@ -57,6 +58,7 @@ EXTRA = {
                                  "families": ["gpt_oss"]},
     "steer force": {"name": "steer", "options": {"force": {"2": [5]}, "disable": {"1": [0, 1]}},
                     "families": ["deepseek_v3"]},
+    "upcycle adamoe": {"name": "upcycle", "options": {"num_experts": 4, "top_k": 1, "router": "adamoe"}},
 }
 SPECIAL = {
     # prune-group scores experts on the multimodal batches it draws itself: it takes no token-id calibration
@@ -76,6 +78,7 @@ SKIPPED = {
                                                  "prune-reap", "quantize", "sub-moe")},
     "compressor:prune-group": set(), "router:mixture-of-heads": set(),
     **{key: set() for key in ("quantize 8 bits", "quantize pmq", "mixture-of-loras learned", "steer force")},
+    "upcycle adamoe": MOE,
     "quantize mixed widths": DENSE_EXPERTS, "experts:channel-topk": DENSE_EXPERTS, "experts:quantized": DENSE_EXPERTS,
     "experts:modality-groups": {"mistral", "qwen2_moe", "deepseek_v3", "zoo_mm"},  # group_sizes sum to 4 experts
     "router:steer": {"mistral", "qwen2_moe", "zoo_mm"},  # layer 1 is dense; zoo_mm's router is no steer base
