@@ -12,6 +12,10 @@ Router init: ``gate="random"`` draws N(0, initializer_range) rows (the Sparse Up
 expert's row is the mean MLP input (after the post-attention norm) over that expert's prompts, minus the mean
 of all experts' rows (the other experts' prompts act as mergekit's negative prompts), scaled to unit norm.
 Default prompts: windows of the shipped corpus' *train* split, expert e from domain ``DOMAINS[e % 2]``.
+
+``experts="mofme"`` (MoFME, arXiv:2312.16610) upcycles into one shared copy of the FFN with ``num_experts``
+identity FiLM modulations (``zoo_adapters.mofme``) behind MoFME's uncertainty-aware router, with the same router
+rows: again the dense function at init, at one FFN plus ``2 * num_experts * I`` parameters per layer.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from zoo.options import check_float, check_int
 from zoo.demo_controls import Control
 
 GATES = ("random", "hidden")
+EXPERT_KINDS = ("swiglu", "mofme")  # copies of the FFN, or MoFME's FiLM-modulated shared FFN
 PROMPT_WINDOWS, PROMPT_LEN = 4, 128  # default prompts: per expert, 4 corpus windows of 128 tokens
 
 
@@ -148,16 +153,19 @@ class Upcycle(Adapter):
         return [Control("num_experts", "int", 8, low=2, high=16, step=1, help="copies of the dense FFN"),
                 Control("top_k", "int", 2, low=1, high=4, step=1, help="experts per token (at most num_experts)"),
                 Control("gate", "choice", "random", choices=GATES, help="how the new router starts"),
-                Control("noise", "float", 0.0, low=0.0, high=0.1, step=0.005, help="noise added to each copy")]
+                Control("noise", "float", 0.0, low=0.0, high=0.1, step=0.005, help="noise added to each copy"),
+                Control("experts", "choice", "swiglu", choices=EXPERT_KINDS,
+                        help="swiglu: copies of the FFN; mofme: one shared FFN, a FiLM per expert (MoFME)")]
 
     @classmethod
     def demo_presets(cls, model=None):
         return {"mild": {"num_experts": 4, "top_k": 2}, "strong": {"num_experts": 8, "top_k": 2, "noise": 0.01}}
 
     def __init__(self, num_experts: int = 8, top_k: int = 2, gate: str = "random", noise: float = 0.0,
-                 prompts: list | None = None, seed: int = 0, router_aux_loss_coef: float = 0.01):
+                 prompts: list | None = None, seed: int = 0, router_aux_loss_coef: float = 0.01,
+                 experts: str = "swiglu"):
         super().__init__(num_experts=num_experts, top_k=top_k, gate=gate, noise=noise, prompts=prompts, seed=seed,
-                         router_aux_loss_coef=router_aux_loss_coef)
+                         router_aux_loss_coef=router_aux_loss_coef, experts=experts)
         self.num_experts = check_int("num_experts", num_experts, 1)
         self.top_k = check_int("top_k", top_k, 1, num_experts)
         if gate not in GATES:
@@ -166,6 +174,11 @@ class Upcycle(Adapter):
         self.noise = check_float("noise", noise, 0.0)
         self.seed = check_int("seed", seed, 0)
         self.router_aux_loss_coef = check_float("router_aux_loss_coef", router_aux_loss_coef, 0.0)
+        if experts not in EXPERT_KINDS:
+            raise ValueError(f"experts must be one of {EXPERT_KINDS}, got {experts!r}")
+        if experts == "mofme" and noise:
+            raise ValueError("noise perturbs copies of the FFN; experts='mofme' shares one FFN (no copies to perturb)")
+        self.experts = experts
         if prompts is not None:
             if gate != "hidden":
                 raise ValueError("prompts are only used by gate='hidden'")
@@ -181,6 +194,8 @@ class Upcycle(Adapter):
         E = self.num_experts
         g = torch.Generator().manual_seed(self.seed)
         routers = self.router_rows(model, mlps, g)
+        if self.experts == "mofme":
+            return self.attach_mofme(model, mlps, routers)
         blocks = []
         for mlp, router in zip(mlps, routers):
             gate_up, down = ffn_weights(mlp)
@@ -190,6 +205,32 @@ class Upcycle(Adapter):
                     w += self.noise * w.float().std() * torch.randn(w.shape, generator=g).to(w.dtype)
             blocks.append((router.to(gate_up.dtype), gate_up, down))
         return to_sibling(model, blocks, self.top_k, self.router_aux_loss_coef)
+
+    def attach_mofme(self, model, mlps, routers):
+        """The sibling built with one expert per layer, then each block given the shared FFN as MoFME experts and
+        the router rows behind the uncertainty-aware router (both built before the model is put together)."""
+        from zoo.layout import component_class, moe_layers, set_block, sync_layout
+
+        mofme, uar = component_class("experts", "mofme"), component_class("router", "uncertainty-aware")
+        E, k, H = self.num_experts, self.top_k, model.config.hidden_size
+        parts = []
+        for mlp, rows in zip(mlps, routers):
+            gate_up, down = ffn_weights(mlp)
+            router = uar(H, E, k).to(device=down.device, dtype=down.dtype)
+            router.weight.data.copy_(rows)
+            parts.append((router, mofme.from_ffn(gate_up, down, E)))
+        single = [(torch.zeros(1, H, dtype=down.dtype), gate_up[None], down[None])
+                  for gate_up, down in (ffn_weights(mlp) for mlp in mlps)]
+        out = to_sibling(model, single, 1, self.router_aux_loss_coef)
+        for (i, moe), (router, experts) in zip(moe_layers(out), parts):
+            set_block(out, i, moe.with_parts(router=router, experts=experts))
+        for key in ("num_local_experts", "num_experts"):  # the sibling's own name for the expert count
+            if hasattr(out.config, key):
+                setattr(out.config, key, E)
+        out.config.num_experts_per_tok = k
+        sync_layout(out)
+        out.train(model.training)
+        return out
 
     def router_rows(self, model, mlps, g) -> list[torch.Tensor]:
         H, E = model.config.hidden_size, self.num_experts

@@ -15,6 +15,7 @@ def register_routers(register):
     from zoo_routers.token_hash import TokenHash
     from zoo_routers.top_p import TopP
     from zoo_routers.topk_softmax import TopKSoftmax
+    from zoo_routers.uncertainty_aware import UncertaintyAware
 
     register(TopKSoftmax)
     register(SigmoidBias)
@@ -27,3 +28,4 @@ def register_routers(register):
     register(ScoredTopK)
     register(SparseMixer)
     register(TokenHash)
+    register(UncertaintyAware)
