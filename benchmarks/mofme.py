@@ -138,7 +138,8 @@ def main(argv=None):
 
     settings = (f"N={args.steps} steps of {args.batch}x{args.seq_len} tokens, lr {args.lr} (FiLM vectors and routers "
                 f"{args.film_lr}; warm-up {args.warmup}, cosine to 10%), router rows N(0, initializer_range^2), "
-                f"uncertainty-aware router 4 MC samples at dropout 0.1 in training, {args.windows} held-out windows per domain, "
+                f"uncertainty-aware router 4 MC samples at dropout 0.1 in training, {args.windows} held-out windows "
+                f"per domain, "
                 f"{torch.get_num_threads()} thread(s)")
     print(f"\n{settings}\n")
     print(table(rows))

@@ -176,6 +176,8 @@ def test_upcycle_to_mofme_starts_as_the_dense_model_and_records_the_kind(tmp_pat
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert again.config.zoo_layout == moe.config.zoo_layout
     assert torch.equal(moe_layers(again)[1][1].experts.film_gamma, layers[1][1].experts.film_gamma)
+    with pytest.raises(Exception, match="'mofme' experts; native mixtral needs dense experts"):
+        zoo.export(moe, tmp_path / "native")  # no native family holds FiLM experts: refused, with the reason
 
 
 @pytest.mark.parametrize("options, message", [({"experts": "mofm"}, "experts must be one of"),
@@ -201,3 +203,15 @@ def test_upcycled_mofme_trains_and_its_experts_drift_apart():
         gamma, beta = m.experts.film_gamma, m.experts.film_beta
         assert not torch.equal(gamma, torch.ones_like(gamma)) and not torch.equal(beta, torch.zeros_like(beta))
         assert (gamma - gamma[:1]).abs().max() > 0  # experts got different gradients: they are no longer identical
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "olmo2"])
+def test_every_dense_family_upcycles_to_mofme_with_the_dense_logits(family, tmp_path):
+    from test_adapters_structure import SIBLING, tiny_dense_of
+
+    dense = tiny_dense_of(family)
+    moe = zoo.apply(dense, "upcycle", num_experts=4, top_k=2, experts="mofme")
+    assert moe.config.model_type == "zoo_" + SIBLING[family]
+    assert all(type(m.experts) is MofmeExperts and m.shared_experts is None for _, m in moe_layers(moe))
+    assert (logits(moe) - logits(dense)).abs().max() < 1e-5
+    assert reload_max_diff(moe, IDS, tmp_path / "m") < 1e-6
