@@ -35,6 +35,8 @@ from zoo.layout import moe_layers, set_block, sync_layout  # noqa: E402
 from zoo.train import TrainConfig, lr_at  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+SCOPE = ("Scope: a short continued-training run of an upcycled, already trained dense model; the paper trains MoFME "
+         "from scratch to convergence (image restoration), where the experts have the whole run to specialise")
 TIE = 0.005  # relative perplexity difference below which two arms count as equal (run-to-run noise of this size)
 
 
@@ -160,7 +162,8 @@ def main(argv=None):
     params = ", ".join(f"E={e} {rows[names[e]]['size']['params'] / 1e6:.3f}M" for e in order)
     text = "; ".join(f"E={e}: " + ", ".join(f"{d} {ppl(names[e])[d]:.2f}" for d in DOMAINS) for e in order)
     summary = (f"held-out ppl {text}; params {params} (each expert adds 2*I FiLM numbers and a router row per "
-               f"layer); a larger E counts as better only when its ppl is lower by more than {TIE:.1%}. {settings}.")
+               f"layer); a larger E counts as better only when its ppl is lower by more than {TIE:.1%}. {settings}. "
+               f"{SCOPE}.")
     # router claim: uncertainty-aware vs plain softmax at E experts
     u, s = ppl(names[E]), ppl(plain)
     rverdict = verdict_of([better(u[d], s[d]) for d in DOMAINS])
@@ -178,7 +181,7 @@ def main(argv=None):
     record("uncertainty-aware", "MoFME's uncertainty-aware router beats a plain linear top-k softmax router over "
            "the same FiLM experts, at equal steps", rverdict,
            f"{names[E]} vs {plain}: {rtext} (better only by more than {TIE:.1%}). Same initial router rows, same "
-           f"batches. {settings}.", numbers, command,
+           f"batches. {settings}. {SCOPE}.", numbers, command,
            "zoo-tiny-dense")
 
 
