@@ -26,6 +26,7 @@ OPTIONS = {
     "router:top-p": {"p": 0.7},
     "router:topk-softmax": {"top_k": 1},
     "router:adamoe": {"routed_scale": 0.5},
+    "router:uncertainty-aware": {"samples": 2, "dropout": 0.2},
     "compressor:channel-topk": {"budget": 0.5},
     "compressor:hc-smoe": {"num_experts": 3},
     "compressor:moe-svd": {"ratio": 0.5},
@@ -43,6 +44,7 @@ OPTIONS = {
     "experts:channel-topk": {"budget": 0.5},
     "experts:factored": {"rank_gate_up": 4, "rank_down": 4, "num_u": 2},
     "experts:mlp": {"activation": "relu2"},
+    "experts:mofme": {"film": "hidden"},
     "experts:modality-groups": {"group_sizes": [2, 1, 1]},
     "experts:quantized": {"bits": 3, "group_size": 32},
     "experts:swiglu": {"bias": True},
@@ -82,6 +84,7 @@ SKIPPED = {
     "quantize mixed widths": DENSE_EXPERTS, "experts:channel-topk": DENSE_EXPERTS, "experts:quantized": DENSE_EXPERTS,
     "experts:modality-groups": {"mistral", "qwen2_moe", "deepseek_v3", "zoo_mm"},  # group_sizes sum to 4 experts
     "router:steer": {"mistral", "qwen2_moe", "zoo_mm"},  # layer 1 is dense; zoo_mm's router is no steer base
+    "experts:mofme": {"mistral", "gpt_oss"},  # GPT-OSS: biased, clamped experts (mofme shares a plain SwiGLU FFN)
 }
 KNOWN_BUG = {"name": "mixture-of-heads", "options": {"heads_per_token": 0.5}, "families": ["zoo_mm"]}
 TOYS = {

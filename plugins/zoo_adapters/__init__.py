@@ -17,3 +17,10 @@ def register_adapters(register):
     register(LoraExperts)
     register(MixtureOfLoras)
     register(RepLora)
+
+
+@hookimpl
+def register_experts(register):
+    from zoo_adapters.mofme import MofmeExperts
+
+    register(MofmeExperts)

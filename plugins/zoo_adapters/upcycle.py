@@ -15,6 +15,9 @@ Default prompts: windows of the shipped corpus' *train* split, expert e from dom
 
 ``router="adamoe"`` upcycles as AdaMoE does (``zoo_adapters.adamoe_layer``): the dense FFN stays as a shared
 expert averaged with the routed copies, which an AdaMoE router selects and its scale adapter weights.
+``experts="mofme"`` (MoFME, arXiv:2312.16610) upcycles into one shared copy of the FFN with ``num_experts``
+identity FiLM modulations (``zoo_adapters.mofme``) behind MoFME's uncertainty-aware router, with the same router
+rows: again the dense function at init, at one FFN plus ``2 * num_experts * I`` parameters per layer.
 """
 from __future__ import annotations
 
@@ -22,11 +25,12 @@ import torch
 
 from zoo import Adapter
 from zoo.loading import tokenizer_for
-from zoo.options import check_float, check_int
+from zoo.options import suggest, check_float, check_int
 from zoo.demo_controls import Control
 
 GATES = ("random", "hidden")
 ROUTERS = ("topk-softmax", "adamoe")  # the sibling's own top-k softmax (Sparse Upcycling), or AdaMoE's layer
+EXPERT_KINDS = ("swiglu", "mofme")  # copies of the FFN, or MoFME's FiLM-modulated shared FFN
 PROMPT_WINDOWS, PROMPT_LEN = 4, 128  # default prompts: per expert, 4 corpus windows of 128 tokens
 
 
@@ -154,7 +158,9 @@ class Upcycle(Adapter):
                 Control("gate", "choice", "random", choices=GATES, help="how the new router starts"),
                 Control("noise", "float", 0.0, low=0.0, high=0.1, step=0.005, help="noise added to each copy"),
                 Control("router", "choice", "topk-softmax", choices=ROUTERS,
-                        help="adamoe: AdaMoE's layer (shared dense FFN + decoupled router)")]
+                        help="adamoe: AdaMoE's layer (shared dense FFN + decoupled router)"),
+                Control("experts", "choice", "swiglu", choices=EXPERT_KINDS,
+                        help="swiglu: copies of the FFN; mofme: one shared FFN, a FiLM per expert (MoFME)")]
 
     @classmethod
     def demo_presets(cls, model=None):
@@ -162,20 +168,29 @@ class Upcycle(Adapter):
 
     def __init__(self, num_experts: int = 8, top_k: int = 2, gate: str = "random", noise: float = 0.0,
                  prompts: list | None = None, seed: int = 0, router_aux_loss_coef: float = 0.01,
-                 router: str = "topk-softmax"):
+                 router: str = "topk-softmax", experts: str = "swiglu"):
         super().__init__(num_experts=num_experts, top_k=top_k, gate=gate, noise=noise, prompts=prompts, seed=seed,
-                         router_aux_loss_coef=router_aux_loss_coef, router=router)
+                         router_aux_loss_coef=router_aux_loss_coef, router=router, experts=experts)
         self.num_experts = check_int("num_experts", num_experts, 1)
         self.top_k = check_int("top_k", top_k, 1, num_experts)
         if gate not in GATES:
-            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}{suggest(str(gate), GATES)}")
         self.gate = gate
         if router not in ROUTERS:
-            raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+            raise ValueError(f"router must be one of {ROUTERS}, got {router!r}{suggest(str(router), ROUTERS)}")
         self.router = router
         self.noise = check_float("noise", noise, 0.0)
         self.seed = check_int("seed", seed, 0)
         self.router_aux_loss_coef = check_float("router_aux_loss_coef", router_aux_loss_coef, 0.0)
+        if experts not in EXPERT_KINDS:
+            raise ValueError(f"experts must be one of {EXPERT_KINDS}, got {experts!r}"
+                             f"{suggest(str(experts), EXPERT_KINDS)}")
+        if experts == "mofme" and router != "topk-softmax":
+            raise ValueError("experts='mofme' comes with MoFME's own uncertainty-aware router; leave router at its "
+                             "default")
+        if experts == "mofme" and noise:
+            raise ValueError("noise perturbs copies of the FFN; experts='mofme' shares one FFN (no copies to perturb)")
+        self.experts = experts
         if prompts is not None:
             if gate != "hidden":
                 raise ValueError("prompts are only used by gate='hidden'")
@@ -191,6 +206,8 @@ class Upcycle(Adapter):
         E = self.num_experts
         g = torch.Generator().manual_seed(self.seed)
         routers = self.router_rows(model, mlps, g)
+        if self.experts == "mofme":
+            return self.attach_mofme(model, mlps, routers)
         blocks = []
         for mlp, router in zip(mlps, routers):
             gate_up, down = ffn_weights(mlp)
@@ -205,6 +222,32 @@ class Upcycle(Adapter):
 
             to_adamoe(moe, mlps, routers, self.top_k, model.config.initializer_range, g)
         return moe
+
+    def attach_mofme(self, model, mlps, routers):
+        """The sibling built with one expert per layer, then each block given the shared FFN as MoFME experts and
+        the router rows behind the uncertainty-aware router (both built before the model is put together)."""
+        from zoo.layout import component_class, moe_layers, set_block, sync_layout
+
+        mofme, uar = component_class("experts", "mofme"), component_class("router", "uncertainty-aware")
+        E, k, H = self.num_experts, self.top_k, model.config.hidden_size
+        parts = []
+        for mlp, rows in zip(mlps, routers):
+            gate_up, down = ffn_weights(mlp)
+            router = uar(H, E, k).to(device=down.device, dtype=down.dtype)
+            router.weight.data.copy_(rows)
+            parts.append((router, mofme.from_ffn(gate_up, down, E)))
+        single = [(torch.zeros(1, H, dtype=down.dtype), gate_up[None], down[None])
+                  for gate_up, down in (ffn_weights(mlp) for mlp in mlps)]
+        out = to_sibling(model, single, 1, self.router_aux_loss_coef)
+        for (i, moe), (router, experts) in zip(moe_layers(out), parts):
+            set_block(out, i, moe.with_parts(router=router, experts=experts))
+        for key in ("num_local_experts", "num_experts"):  # the sibling's own name for the expert count
+            if hasattr(out.config, key):
+                setattr(out.config, key, E)
+        out.config.num_experts_per_tok = k
+        sync_layout(out)
+        out.train(model.training)
+        return out
 
     def router_rows(self, model, mlps, g) -> list[torch.Tensor]:
         H, E = model.config.hidden_size, self.num_experts

@@ -16,6 +16,7 @@ def register_routers(register):
     from zoo_routers.token_hash import TokenHash
     from zoo_routers.top_p import TopP
     from zoo_routers.topk_softmax import TopKSoftmax
+    from zoo_routers.uncertainty_aware import UncertaintyAware
 
     register(TopKSoftmax)
     register(SigmoidBias)
@@ -29,3 +30,4 @@ def register_routers(register):
     register(SparseMixer)
     register(TokenHash)
     register(AdaMoE)
+    register(UncertaintyAware)

@@ -5,6 +5,8 @@ held-out perplexity per domain before/after, the training loss, and expert usage
 Each run attaches the adapter (``zoo.apply``) to a fresh copy of the base model and trains it with
 ``zoo.finetune.finetune``, the code behind ``moe-zoo finetune``. An adapter that builds an MoE from a dense model
 (``accepts_dense``: upcycle, moefy) starts from ``zoo-tiny-dense``. Models load lazily, on first use.
+Expert kinds such as MoFME's (``mofme``: one shared FFN, a FiLM per expert) are shown through the adapter that
+builds them: ``upcycle`` with ``experts="mofme"``.
 """
 import copy
 import functools
@@ -104,8 +106,9 @@ def build_demo() -> gr.Blocks:
         gr.Markdown(f"# MoE adapter lab\nFine-tune `{MODEL}` live with any adapter on one domain and compare "
                     f"held-out perplexity before and after (batches of {BATCH} x {SEQ_LEN} tokens, "
                     f"{WINDOWS} held-out windows per domain). Adapters that build an MoE from a dense model start "
-                    f"from `{DENSE}`. Limits: numbers in options up to {MAX_OPTION_VALUE}, {MAX_STEPS} steps, "
-                    f"learning rate up to {MAX_LR:g}.")
+                    f"from `{DENSE}` (`upcycle` with `experts: mofme` builds MoFME's FiLM experts and "
+                    f"uncertainty-aware router). Limits: numbers in options up to {MAX_OPTION_VALUE}, "
+                    f"{MAX_STEPS} steps, learning rate up to {MAX_LR:g}.")
         PANEL = ControlPanel("adapter", lambda cls: base(model_name(cls)), default="lora-experts")
         with gr.Row():
             domain = gr.Radio(list(DOMAINS), value="code", label="train on")
