@@ -210,8 +210,8 @@ def _consolidate_layer(experts: list, base, threshold: float, share: str):
     layer_groups, sims = [], []
     for e in range(num):
         vecs = [v[e] for v in vectors] + ([base_vec[e]] if base is not None else [])
-        sim = [[round(cosine(a, b), 6) for b in vecs] for a in vecs]
-        sims.append(sim)
+        sim = [[cosine(a, b) for b in vecs] for a in vecs]
+        sims.append([[round(s, 6) for s in row] for row in sim])  # reported rounded, compared exact
         groups = _groups(sim, len(experts), base is not None, threshold)
         for members, source in groups:
             for m in members:

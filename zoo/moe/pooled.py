@@ -39,11 +39,15 @@ class PooledExperts(Experts):
             if hasattr(pool, attr):
                 setattr(self, attr, getattr(pool, attr))
         device = next(iter(pool.parameters())).device
-        self.register_buffer("slots", slots.to(device), persistent=False)
-        # router index E marks an empty slot: it becomes the pool's own empty index
+        # router index E marks an empty slot: it becomes the pool's own empty index; ``slots`` is a view of it
         self.register_buffer("table", torch.cat([slots, slots.new_tensor([pool.num_experts])]).to(device),
                              persistent=False)
         self._register_state_dict_hook(_own_rows)
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """``[E]``: the pool row of each of this model's experts."""
+        return self.table[:-1]
 
     def options(self) -> dict:
         return {**self.pool.options(), "num_experts": self.num_experts}
