@@ -12,9 +12,9 @@ competitive with serving each model alone, at a much smaller memory footprint. H
    without it (experts near each other share the first one's), the bytes of all models together before and
    after (each storage once), and each model's held-out perplexity on its own domain before and after;
 4. a control: the same number of (model, expert) pairs, chosen at random instead of by similarity, replaced by
-   the base's copy: does choosing by similarity matter?
+   the base's copy (mean perplexity over three draws): does choosing by similarity matter?
 
-    python benchmarks/consolidate.py                  # 3 fine-tunes x 40 steps, a few CPU minutes
+    python benchmarks/consolidate.py                  # 3 fine-tunes x 80 steps, a few CPU minutes
     python benchmarks/consolidate.py --steps 2 --windows 1 --no-record    # smoke
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ def random_control(models, base, count: int, seed: int = 0) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="zoo-tiny-moe")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--windows", type=int, default=8)
@@ -122,10 +122,10 @@ def main(argv=None) -> int:
                    "saved_pct": round(100 * result.bytes_saved / result.bytes_before, 1)}
             for i, d in enumerate(domains):
                 row[f"ppl{i}_{d}"] = f"{own[i]:.3f}->{result.perplexity['after'][i]:.3f}"
-            if with_base:
-                control = ppl(random_control(models, base, result.shared_experts))
+            if with_base:  # the mean over three random draws of as many (model, expert) pairs
+                draws = [ppl(random_control(models, base, result.shared_experts, seed)) for seed in range(3)]
                 for i, d in enumerate(domains):
-                    row[f"random{i}"] = f"{control[i]:.3f}"
+                    row[f"random{i}"] = f"{sum(dr[i] for dr in draws) / len(draws):.3f}"
             rows.append(row)
             print(" | ".join(f"{k}={v}" for k, v in row.items()), flush=True)
             del copies, result

@@ -206,7 +206,7 @@ def _more_experts():
     ("one", "at least two models"), ("twice", "same model object twice"), ("threshold", "threshold"),
     ("share", "did you mean 'mean'"), ("domains", "did you mean 'code'"), ("family", "one architecture"),
     ("experts", "one architecture"), ("native", "no zoo MoE layers"), ("base_in_models", "only as base"),
-    ("domains_count", "one domain per model")])
+    ("domains_count", "one domain per model"), ("mean_with_base", "with a base")])
 def test_bad_inputs_fail_in_one_line_and_leave_the_models_bit_identical(base, case, match):
     m1, m2 = finetune_like(base, 1), finetune_like(base, 2)
     kwargs = {"threshold": 0.99, "progress": False}
@@ -231,6 +231,8 @@ def test_bad_inputs_fail_in_one_line_and_leave_the_models_bit_identical(base, ca
         models = [m1, tiny_native("mixtral")]
     elif case == "base_in_models":
         kwargs["base"] = m2
+    elif case == "mean_with_base":
+        kwargs.update(base=base, share="mean")
     states = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
     with pytest.raises(ValueError, match=match) as info:
         zoo.consolidate(models, **kwargs)

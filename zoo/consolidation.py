@@ -122,6 +122,8 @@ def _check(models, threshold, base, share, domains, seq_len, windows) -> list:
     check_float("threshold", threshold, -1.0, 1.0)
     if share not in SHARE:
         raise ValueError(f"share must be one of {SHARE}, got {share!r}{suggest(str(share), SHARE)}")
+    if share == "mean" and base is not None:
+        raise ValueError("share='mean' groups the models among themselves; with a base, the base's copy is shared")
     check_int("seq_len", seq_len, 2)
     check_int("windows", windows, 1)
     if domains is not None:
