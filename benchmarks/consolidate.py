@@ -165,7 +165,8 @@ def record(rows, own, base_ppl, domains, args) -> None:
                f"{better} of {len(domains)} models.")
     write("consolidate", "Similar experts shared across fine-tunes keep output quality competitive while the "
           "memory of serving several fine-tuned MoEs shrinks", verdict, summary,
-          {"rows": rows, "own_ppl": own, "base_ppl": base_ppl, "domains": domains},
+          rows + [{"sharing": "none (each fine-tune alone)", **{f"ppl{i}_{d}": own[i] for i, d in enumerate(domains)}},
+                  {"sharing": "the base model alone", **{f"ppl{i}_{d}": base_ppl[i] for i, d in enumerate(domains)}}],
           "python " + " ".join(sys.argv), args.model)
 
 
