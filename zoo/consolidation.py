@@ -13,7 +13,8 @@ the expert's tensors, concatenated); bit-identical experts have similarity exact
 whose expert e has similarity >= ``threshold`` to the base's expert e is served by the base's copy (when at least
 two are: one model alone saves nothing). Without: greedy groups in model order, each led by the first model not
 yet grouped and joined by every later one whose expert is >= ``threshold`` similar to the leader's; the group is
-served by the leader's copy (``share="mean"``: by the mean of the group's copies, a variant of ours).
+served by the leader's copy (``share="mean"``: by the mean of the group's copies, a variant of ours). The exact
+measure and threshold rule are our reading of the paper (its abstract names the mechanism, not these details).
 
 The models are consolidated in place and returned: per layer one pool of the distinct experts, shared by every
 model (``zoo.moe.pooled``), so the saved bytes are real in this process. Saved, each model is an ordinary zoo
