@@ -30,8 +30,8 @@ _LAZY = {
 _SHADOWED = {"apply", "convert"}
 
 __all__ = ["Adapter", "Compressor", "Experts", "Router", "Routing", "RoutingContext", "apply", "card", "consolidate",
-           "convert", "export", "hookimpl", "list_components", "list_models", "load", "load_plugins", "load_tokenizer", "moe",
-           "push_to_hub"]
+           "convert", "export", "hookimpl", "list_components", "list_models", "load", "load_plugins", "load_tokenizer",
+           "moe", "push_to_hub"]
 
 
 def __getattr__(name: str):
