@@ -114,7 +114,8 @@ def hodge_cover_plan(barriers: MergeBarriers, n: int, keep: int, edge_quantile: 
     b1, b2 = boundary_matrices(n, edges, triangles)
     f = torch.tensor([float(pair[i, j]) for i, j in edges], dtype=torch.float64)
     gradient, curl, harmonic = hodge_decomposition(b1, b2, f)
-    edge_weight = _normalised({e: abs(float(h)) for e, h in zip(edges, harmonic)})
+    noise = 1e-9 * float(f.abs().max()) if len(f) else 0.0  # round-off of the projections is no harmonic part
+    edge_weight = _normalised({e: abs(float(h)) for e, h in zip(edges, harmonic) if abs(float(h)) > noise})
     excess = {c: max(0.0, triple[c] - max(float(pair[c[0], c[1]]), float(pair[c[0], c[2]]), float(pair[c[1], c[2]])))
               for c in candidates}
     triangle_weight = _normalised(excess)
