@@ -150,6 +150,16 @@ def _betti_1(b1: torch.Tensor, b2: torch.Tensor) -> int:
 
 
 class HodgeCover(ExpertCountCompressor):
+    """Options:
+
+    - num_experts: experts kept in every MoE layer (the cover's survivors)
+    - edge_quantile: level of the complex, the quantile of the pairwise barriers up to which pairs are edges
+    - reduce: merge (fold each dropped expert into its lowest-barrier survivor, by frequency) or prune (drop it)
+    - sparsity: the hybrid: Wanda-prune this share of each surviving expert's weights (0: HodgeCover alone)
+
+    Cost per layer: one merged-expert pass over its routed tokens per pair of experts and per triple of edges.
+    """
+
     name = "hodge-cover"
     summary = ("HodgeCover: Hodge-decompose the experts' pairwise merge barriers on a 2-complex with triplet "
                "barriers, greedily keep experts covering harmonic-critical edges and triplet-critical triangles, merge "
