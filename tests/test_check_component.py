@@ -29,6 +29,7 @@ OPTIONS = {
     "router:uncertainty-aware": {"samples": 2, "dropout": 0.2},
     "compressor:channel-topk": {"budget": 0.5},
     "compressor:hc-smoe": {"num_experts": 3},
+    "compressor:hodge-cover": {"num_experts": 3, "sparsity": 0.25},
     "compressor:moe-svd": {"ratio": 0.5},
     "compressor:prune-frequency": {"num_experts": 3},
     "compressor:prune-group": {"group": "vision", "num_experts": 2},
@@ -76,8 +77,8 @@ NO_QKV = {"mistral", "deepseek_v3", "zoo_mm"}  # no q_proj/k_proj/v_proj: MLA at
 SKIPPED = {
     "adapter:ewa": DENSE_EXPERTS, "adapter:lora-experts": DENSE_EXPERTS, "adapter:mixture-of-loras": NO_QKV,
     "adapter:moefy": MOE, "adapter:replora": NO_QKV, "adapter:upcycle": MOE,
-    **{f"compressor:{n}": DENSE_EXPERTS for n in ("channel-topk", "hc-smoe", "moe-svd", "prune-frequency",
-                                                 "prune-reap", "quantize", "sub-moe")},
+    **{f"compressor:{n}": DENSE_EXPERTS for n in ("channel-topk", "hc-smoe", "hodge-cover", "moe-svd",
+                                                 "prune-frequency", "prune-reap", "quantize", "sub-moe")},
     "compressor:prune-group": set(), "router:mixture-of-heads": set(),
     **{key: set() for key in ("quantize 8 bits", "quantize pmq", "mixture-of-loras learned", "steer force")},
     "upcycle adamoe": MOE,

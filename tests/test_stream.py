@@ -57,6 +57,8 @@ STEPS = [
     ("hc-smoe", {"num_experts": 2}),
     ("hc-smoe", {"num_experts": 2, "router": "cut", "router_rows": "average"}),
     ("sub-moe", {"num_experts": 2, "rank_ratio": 0.5}),
+    ("hodge-cover", {"num_experts": 2}),
+    ("hodge-cover", {"num_experts": 3, "reduce": "prune", "sparsity": 0.5}),
     ("moe-svd", {"ratio": 0.5}),
     ("quantize", {"bits": 4, "group_size": 32}),
     ("quantize", {"bits": 3, "allocation": "pmq", "widths": [2, 4], "group_size": 32}),

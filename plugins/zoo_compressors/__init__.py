@@ -6,6 +6,7 @@ from zoo import hookimpl
 def register_compressors(register):
     from zoo_compressors.channel_topk import ChannelTopK
     from zoo_compressors.hc_smoe import HcSmoe
+    from zoo_compressors.hodge_cover import HodgeCover
     from zoo_compressors.moe_svd import MoeSvd
     from zoo_compressors.prune_frequency import PruneFrequency
     from zoo_compressors.prune_reap import PruneReap
@@ -19,3 +20,4 @@ def register_compressors(register):
     register(ChannelTopK)
     register(SubMoe)
     register(MoeSvd)
+    register(HodgeCover)
