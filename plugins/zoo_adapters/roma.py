@@ -17,6 +17,8 @@ reloads and exports as before.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from tqdm.auto import tqdm
 
@@ -67,7 +69,7 @@ class Roma(Adapter):
         return [Control("lam", "float", 1.0, low=0.0, high=100.0, step=0.5, help="weight of the manifold regulariser"),
                 Control("k", "int", 5, low=1, high=16, step=1, help="successful neighbours per sample"),
                 Control("success", "float", 0.5, low=0.0, high=0.9, step=0.05,
-                        help="accuracy quantile at or above which a pool sample counts as successful"),
+                        help="share of the pool left out of the successful set (the top 1 - success by accuracy are in)"),
                 Control("pool", "int", 16, low=4, high=128, step=4, help="pool windows per domain"),
                 Control("embedding", "choice", "wordllama", choices=EMBEDDINGS,
                         help="task embedding: WordLlama sentence embedding, or the model's mean hidden state")]
@@ -115,13 +117,14 @@ class Roma(Adapter):
             samples[domain] = torch.stack([stream[s:s + self.window] for s in starts]).long()
         return samples
 
-    def bank(self, model) -> Bank:
-        """The pool recorded for these options on ``model`` (built on first use, from the corpus)."""
+    def bank(self, model, samples: dict | None = None) -> Bank:
+        """The pool recorded for these options on ``model``: built on first use from the corpus windows, or from
+        ``samples`` ({domain: [N, S] ids}) when given (other data, or a model without the zoo's tokenizer)."""
         model = base_of(model)
         key = (self.last_layers, self.pool, self.window, self.success, self.embedding, self.seed)
         banks = model.__dict__.setdefault(BANKS, {})
-        if key not in banks:
-            banks[key] = self.build_bank(model, self.corpus_samples(model))
+        if key not in banks or samples is not None:
+            banks[key] = self.build_bank(model, self.corpus_samples(model) if samples is None else samples)
         return banks[key]
 
     @torch.no_grad()
@@ -146,9 +149,13 @@ class Roma(Adapter):
         finally:
             model.train(was_training)
         accuracy = torch.cat(acc)
-        threshold = float(torch.quantile(accuracy, self.success))
-        return Bank(torch.cat(emb), torch.cat(prof).float(), accuracy, accuracy >= threshold, keys, domains,
-                    tuple(blocks), threshold)
+        # the top (1 - success) share by accuracy, at least one (ties broken by pool order, not all let in)
+        top = max(1, math.ceil((1 - self.success) * len(accuracy) - 1e-9))
+        order = torch.sort(accuracy, descending=True, stable=True).indices[:top]
+        successful = torch.zeros(len(accuracy), dtype=torch.bool)
+        successful[order] = True
+        return Bank(torch.cat(emb), torch.cat(prof).float(), accuracy, successful, keys, domains, tuple(blocks),
+                    float(accuracy[order].min()))
 
     def embed(self, model, ids, attention_mask, out) -> torch.Tensor:
         if self.embedding == "hidden":
