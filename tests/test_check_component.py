@@ -41,6 +41,7 @@ OPTIONS = {
     "adapter:mixture-of-loras": {"num_loras": 3, "r": 2},
     "adapter:moefy": {"num_experts": 4},
     "adapter:replora": {"r": 2, "hidden": 8},
+    "adapter:roma": {"lam": 2.0, "last_layers": 1},
     "adapter:upcycle": {"num_experts": 4, "noise": 0.1},
     "experts:channel-topk": {"budget": 0.5},
     "experts:factored": {"rank_gate_up": 4, "rank_down": 4, "num_u": 2},
@@ -76,7 +77,7 @@ DENSE_EXPERTS = {"mistral", "zoo_mm"}  # no MoE; modality-group experts (zoo_mm)
 NO_QKV = {"mistral", "deepseek_v3", "zoo_mm"}  # no q_proj/k_proj/v_proj: MLA attention, zoo_mm's fused qkv
 SKIPPED = {
     "adapter:ewa": DENSE_EXPERTS, "adapter:lora-experts": DENSE_EXPERTS, "adapter:mixture-of-loras": NO_QKV,
-    "adapter:moefy": MOE, "adapter:replora": NO_QKV, "adapter:upcycle": MOE,
+    "adapter:moefy": MOE, "adapter:replora": NO_QKV, "adapter:upcycle": MOE, "adapter:roma": {"mistral"},
     **{f"compressor:{n}": DENSE_EXPERTS for n in ("channel-topk", "hc-smoe", "hodge-cover", "moe-svd",
                                                  "prune-frequency", "prune-reap", "quantize", "sub-moe")},
     "compressor:prune-group": set(), "router:mixture-of-heads": set(),

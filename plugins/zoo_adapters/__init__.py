@@ -9,6 +9,7 @@ def register_adapters(register):
     from zoo_adapters.mixture_of_loras import MixtureOfLoras
     from zoo_adapters.moefy import Moefy
     from zoo_adapters.replora import RepLora
+    from zoo_adapters.roma import Roma
     from zoo_adapters.upcycle import Upcycle
 
     register(Upcycle)
@@ -17,6 +18,7 @@ def register_adapters(register):
     register(LoraExperts)
     register(MixtureOfLoras)
     register(RepLora)
+    register(Roma)
 
 
 @hookimpl
