@@ -24,13 +24,14 @@ _LAZY = {
     "load": "zoo.loading", "load_tokenizer": "zoo.loading",
     "card": "zoo.cards",
     "push_to_hub": "zoo.hub",
+    "offload": "zoo.offloading",
 }
 # submodules whose name is also a public function: ``import zoo.apply`` must not turn ``zoo.apply`` into the module
 _SHADOWED = {"apply", "convert"}
 
 __all__ = ["Adapter", "Compressor", "Experts", "Router", "Routing", "RoutingContext", "apply", "card", "convert",
            "export", "hookimpl", "list_components", "list_models", "load", "load_plugins", "load_tokenizer", "moe",
-           "push_to_hub"]
+           "offload", "push_to_hub"]
 
 
 def __getattr__(name: str):
