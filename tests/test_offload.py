@@ -108,3 +108,9 @@ def test_bad_options_and_saving(saved, tmp_path):
     off = zoo.offload(saved["dense"], cache_experts=2)
     with pytest.raises(NotOffloadable, match="cannot be saved"):
         off.save_pretrained(tmp_path / "again")
+
+
+def test_compiled_decode_is_refused_in_one_line(saved):
+    off = zoo.offload(saved["dense"], cache_experts=2)
+    with pytest.raises(ValueError, match="offloaded experts .* decode it with compile=False"):
+        greedy(off, torch.tensor([[5, 17]]), 2)

@@ -170,6 +170,7 @@ class OffloadedExperts(Experts):
     name = "offloaded"
     summary = "Experts read from the checkpoint file when the router picks them, with an LRU cache (FloE-style offload)."
     paper = "FloE: On-the-Fly MoE Inference on Memory-constrained GPU (Zhou et al., ICML 2025), arXiv:2505.05950"
+    eager_only_reason = "offloaded experts are read from the checkpoint on the host (the router's choice decides)"
 
     def __init__(self, stored: Experts, layer: int, prefix: str, reader: ShardReader, cache: ExpertCache):
         super().__init__()
