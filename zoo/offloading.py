@@ -14,6 +14,7 @@ from collections import defaultdict
 
 import torch
 
+from zoo.architectures.family import Family
 from zoo.checkpoint import LAYER_KEY, Checkpoint, CheckpointError
 from zoo.moe.offloaded import (READERS, ExpertCache, NotOffloadable, OffloadedExperts, ShardReader, check_offloadable,
                                one_expert_plan)
@@ -46,23 +47,29 @@ def offload(path, cache_experts: int | None = None, cache_bytes=None, reader: st
     the checkpoint is looked up before anything is loaded: a missing one fails with its name."""
     from zoo.stream import resolve
 
+    import zoo
+
     cache_experts, cache_bytes = _check_options(cache_experts, cache_bytes, reader)
     ckpt = Checkpoint(resolve(path))
     if ckpt.native:
-        raise NotOffloadable(f"{ckpt.path} is a native {ckpt.family.name} checkpoint: offloading reads a zoo checkpoint "
-                             "(experts fused per layer); convert it first (zoo.stream.convert(src, out))")
+        fam = type(ckpt.family)
+        if fam.to_zoo_state is not Family.to_zoo_state or fam.from_native is not Family.from_native:
+            raise NotOffloadable(f"{ckpt.path} is a native {ckpt.family.name} checkpoint, whose experts the zoo reshapes "
+                                 "when it converts them: convert it first (zoo.stream.convert(src, out))")
+        zoo.convert(ckpt.model)  # the skeleton's blocks as zoo blocks (meta), as zoo.stream.open_checkpoint does
     blocks = _moe_blocks(ckpt)
     if not blocks:
         raise NotOffloadable(f"{ckpt.path} has no MoE layers: there are no experts to offload")
     files = ShardReader(ckpt.files, reader)
-    largest = _check_expert_tensors(ckpt, files, blocks)
+    keys = {i: _expert_keys(ckpt, i, block.experts) for i, block in blocks.items()}
+    largest = _check_expert_tensors(ckpt, files, blocks, keys)
     if cache_bytes is not None and cache_experts != 0 and cache_bytes < largest:
         raise ValueError(f"cache_bytes={cache_bytes} cannot hold one expert ({largest} bytes); give at least that, "
                          "or cache_experts=0 for no cache")
     cache = ExpertCache(cache_experts, cache_bytes)
     for i, layer in enumerate(ckpt.layers):
         if i in blocks:
-            _load_layer_without_experts(ckpt, i, files, cache)
+            _load_layer_without_experts(ckpt, i, keys[i], files, cache)
         else:
             ckpt.load_layer(i)
     model = ckpt.model
@@ -85,62 +92,109 @@ def _moe_blocks(ckpt) -> dict:
     return {i: get_block(layer) for i, layer in enumerate(ckpt.layers) if isinstance(get_block(layer), SparseMoE)}
 
 
-def _experts_prefix(ckpt, i: int) -> str:
-    return f"model.layers.{i}.{ckpt.family.block_attr}.experts."
+def _expert_keys(ckpt, i: int, stored) -> dict[str, str]:
+    """Each stored tensor of layer i's experts -> its name in the checkpoint (a native checkpoint names them by the
+    family's own key names: the zoo's renames reversed)."""
+    prefix = f"model.layers.{i}.{ckpt.family.block_attr}."
+    names = {f"experts.{n}": n for n in stored.state_dict()}
+    if not ckpt.native:
+        return {n: prefix + z for z, n in names.items()}
+    keys = {names[z]: prefix + k for k, z in zip(ckpt.family.to_native_state(dict.fromkeys(names)), names)}
+    if all(k in ckpt.files for k in keys.values()) or set(keys) != {"gate_up_proj", "down_proj"}:
+        return keys
+    return _per_expert_keys(ckpt, i) or keys  # (none found: the check names the fused tensor it looked for)
 
 
-def _check_expert_tensors(ckpt, files: ShardReader, blocks: dict) -> int:
+# how checkpoints that store each expert apart name its matrices: (gate, up, down), as transformers reads them
+PER_EXPERT = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+
+
+def _per_expert_keys(ckpt, i: int) -> dict | None:
+    """Layer i's per-expert tensor names, e.g. ``model.layers.0.block_sparse_moe.experts.{e}.w1.weight`` (what
+    transformers writes for Mixtral), as the sources of the fused ``gate_up_proj`` (gate rows, then up rows: the
+    order transformers' own conversion concatenates them in) and ``down_proj``."""
+    for gate, up, down in PER_EXPERT:
+        found = [k for k in ckpt.files if k.startswith(f"model.layers.{i}.") and k.endswith(f".experts.0.{gate}.weight")]
+        if len(found) == 1:
+            base = found[0][: -len(f"0.{gate}.weight")]
+            return {"gate_up_proj": [f"{base}{{e}}.{gate}.weight", f"{base}{{e}}.{up}.weight"],
+                    "down_proj": [f"{base}{{e}}.{down}.weight"]}
+    return None
+
+
+def _sources(key, num_experts: int) -> list[list[str]]:
+    """Per expert, the checkpoint tensors one stored tensor's row comes from (a fused tensor: the same one)."""
+    return [[key]] * num_experts if isinstance(key, str) else [[k.format(e=e) for k in key] for e in range(num_experts)]
+
+
+def _check_expert_tensors(ckpt, files: ShardReader, blocks: dict, keys: dict) -> int:
     """Every stored tensor of every layer's experts present with the shape and dtype its kind expects (the
     stored dtype: the checkpoint's, or the packed kinds' own); returns the largest expert's bytes."""
     largest = 0
     for i, block in blocks.items():
-        stored, prefix = block.experts, _experts_prefix(ckpt, i)
+        stored = block.experts
         check_offloadable(stored)
+        row_bytes = {}
         for name, t in stored.state_dict().items():
-            key = prefix + name
-            if key not in ckpt.files:
-                raise NotOffloadable(f"{ckpt.path} lacks tensor {key}")
-            dtype, shape, _, _ = files.info(key)
-            if shape != tuple(t.shape):
-                raise NotOffloadable(f"{ckpt.path}: tensor {key} has shape {shape}, the layout needs {tuple(t.shape)}")
-            if dtype.is_floating_point != t.dtype.is_floating_point:
-                raise NotOffloadable(f"{ckpt.path}: tensor {key} is {dtype}, the layout needs {t.dtype}")
+            if isinstance(keys[i][name], str):
+                need = [tuple(t.shape)]
+            else:  # per-expert matrices concatenated along their first dimension into one row
+                need = [(t.shape[1] // len(keys[i][name]), *t.shape[2:])] * len(keys[i][name])
+            for e, sources in enumerate(_sources(keys[i][name], t.shape[0])):
+                row_bytes[name, e] = 0
+                for key, shape_needed in zip(sources, need):
+                    if key not in ckpt.files:
+                        raise NotOffloadable(f"{ckpt.path} lacks tensor {key}")
+                    dtype, shape, _, size = files.info(key)
+                    if shape != shape_needed:
+                        raise NotOffloadable(f"{ckpt.path}: tensor {key} has shape {shape}, the layout needs "
+                                             f"{shape_needed}")
+                    if dtype.is_floating_point != t.dtype.is_floating_point:
+                        raise NotOffloadable(f"{ckpt.path}: tensor {key} is {dtype}, the layout needs {t.dtype}")
+                    row_bytes[name, e] += size // shape[0] if isinstance(keys[i][name], str) else size
         for e in range(stored.num_experts):
             _, rows = one_expert_plan(stored, e)
-            nbytes = 0
-            for name in rows:
-                _, shape, _, size = files.info(prefix + name)
-                nbytes += size // shape[0]
-            largest = max(largest, nbytes)
+            largest = max(largest, sum(row_bytes[name, row] for name, row in rows.items()))
     return largest
 
 
-def _load_layer_without_experts(ckpt, i: int, files: ShardReader, cache: ExpertCache) -> None:
-    """Decoder layer i in memory but for its experts, which become ``OffloadedExperts`` over the checkpoint."""
+def _load_layer_without_experts(ckpt, i: int, keys: dict, files: ShardReader, cache: ExpertCache) -> None:
+    """Decoder layer i in memory but for its experts, which become ``OffloadedExperts`` over the checkpoint. A native
+    block is loaded as the family's own (its experts a placeholder) and converted as ``zoo.convert`` converts it."""
     from transformers.initialization import no_init_weights
     from transformers.modeling_utils import local_torch_dtype
 
     from zoo.layout import build_block, get_block, put_block
 
     old = ckpt.layers[i]
-    prefix = _experts_prefix(ckpt, i)
     with no_init_weights(), local_torch_dtype(ckpt.dtype), torch.device("meta"):
         layer = type(old)(ckpt.config, i)
-        block = build_block(get_block(old).layout())
-    block.experts = OffloadedExperts(block.experts, i, prefix, files, cache)
-    put_block(layer, block)
+        block = get_block(layer) if ckpt.native else build_block(get_block(old).layout())
+    native_experts = None
+    if ckpt.native:
+        native_experts, block.experts = block.experts, torch.nn.Module()  # nothing of them is allocated or loaded
+    else:
+        block.experts = OffloadedExperts(block.experts, i, keys, files, cache)
+        put_block(layer, block)
     layer.to_empty(device="cpu")
     layer.eval()
     for module in layer.modules():  # non-persistent buffers (rotary tables, index tables) as the model builds them
         if module._non_persistent_buffers_set:
             ckpt.model._init_weights(module)
     ckpt.layers[i] = layer
-    keys = defaultdict(list)
+    count = get_block(old).experts.num_experts
+    expert_keys = {k for key in keys.values() for sources in _sources(key, count) for k in sources}
+    by_file = defaultdict(list)
     for file, names in ckpt.by_layer.get(i, {}).items():
-        keys[file] = [k for k in names if not k.startswith(prefix)]
-    missing = ckpt._load(ckpt.model, keys, lambda k: LAYER_KEY.match(k) and k.startswith(f"model.layers.{i}."))
+        by_file[file] = [k for k in names if k not in expert_keys]
+    missing = ckpt._load(ckpt.model, by_file, lambda k: LAYER_KEY.match(k) and k.startswith(f"model.layers.{i}."))
     if missing:
         raise CheckpointError(f"{ckpt.path} lacks tensors of layer {i}: {sorted(missing)[:5]}")
+    if native_experts is not None:
+        block.experts = native_experts
+        moe = ckpt.family.from_native(block, ckpt.config)  # the router etc. as zoo.convert makes them
+        moe.experts = OffloadedExperts(moe.experts, i, keys, files, cache)
+        put_block(layer, moe)
 
 
 __all__ = ["offload", "cache_of", "NotOffloadable"]

@@ -105,21 +105,33 @@ class ShardReader:
     def row(self, key: str, index: int) -> torch.Tensor:
         """``tensor[index : index + 1]`` of a stored tensor, read alone."""
         if self.reader == "mmap":
-            from safetensors import safe_open
-
-            file = self.files[key]
-            if file not in self._handles:
-                self._handles[file] = safe_open(file, "pt")
-            return self._handles[file].get_slice(key)[index:index + 1]
+            return self._handle(self.files[key]).get_slice(key)[index:index + 1]
         dtype, shape, offset, nbytes = self.info(key)
         size = nbytes // shape[0]
+        return self._pread(key, offset + index * size, size).view(dtype).view(1, *shape[1:])
+
+    def whole(self, key: str) -> torch.Tensor:
+        """A whole stored tensor (one expert's own matrix, in a checkpoint that stores experts one by one)."""
+        if self.reader == "mmap":
+            return self._handle(self.files[key]).get_tensor(key)
+        dtype, shape, offset, nbytes = self.info(key)
+        return self._pread(key, offset, nbytes).view(dtype).view(shape)
+
+    def _handle(self, file: str):
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, "pt")
+        return self._handles[file]
+
+    def _pread(self, key: str, offset: int, size: int) -> torch.Tensor:
         buf = torch.empty(size, dtype=torch.uint8)
         file = self.files[key]
         if file not in self._fds:
             self._fds[file] = os.open(file, os.O_RDONLY)
-        if os.preadv(self._fds[file], [buf.numpy()], offset + index * size) != size:
+        if os.preadv(self._fds[file], [buf.numpy()], offset) != size:
             raise NotOffloadable(f"{file}: tensor {key} is cut short (the file is truncated)")
-        return buf.view(dtype).view(1, *shape[1:])
+        return buf
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -164,18 +176,20 @@ def check_offloadable(stored: Experts) -> None:
 
 class OffloadedExperts(Experts):
     """The experts of one layer, read from the checkpoint when routed (see the module docstring). ``stored``: the
-    layer's experts module on the meta device (its kind, options and tensor names); ``prefix``: its tensors' names
-    in the checkpoint (``model.layers.3.mlp.experts.``)."""
+    layer's experts module on the meta device (its kind, options and tensor names); ``keys``: each of its tensors'
+    name in the checkpoint (``gate_up_proj`` -> ``model.layers.3.mlp.experts.gate_up_proj``), or, for a checkpoint
+    that stores each expert's matrices apart, the names of the per-expert tensors concatenated into it, with
+    ``{e}`` for the expert (``["...experts.{e}.w1.weight", "...experts.{e}.w3.weight"]``)."""
 
     name = "offloaded"
     summary = "Experts read from the checkpoint file when the router picks them, with an LRU cache (FloE-style offload)."
     paper = "FloE: On-the-Fly MoE Inference on Memory-constrained GPU (Zhou et al., ICML 2025), arXiv:2505.05950"
     eager_only_reason = "offloaded experts are read from the checkpoint on the host (the router's choice decides)"
 
-    def __init__(self, stored: Experts, layer: int, prefix: str, reader: ShardReader, cache: ExpertCache):
+    def __init__(self, stored: Experts, layer: int, keys: dict[str, str], reader: ShardReader, cache: ExpertCache):
         super().__init__()
         check_offloadable(stored)
-        self.num_experts, self.layer, self.prefix = stored.num_experts, layer, prefix
+        self.num_experts, self.layer, self.keys = stored.num_experts, layer, dict(keys)
         self.hidden_size = getattr(stored, "hidden_size", None)
         self.reader, self.cache = reader, cache
         self.__dict__["stored"] = stored  # not a submodule: its meta tensors are not the model's
@@ -198,7 +212,9 @@ class OffloadedExperts(Experts):
         opts, rows = one_expert_plan(self.stored, e)
         with no_init_weights(), torch.device("meta"):
             module = type(self.stored)(**opts)
-        tensors = {name: self.reader.row(self.prefix + name, row) for name, row in rows.items()}
+        tensors = {name: self.reader.row(self.keys[name], row) if isinstance(self.keys[name], str) else
+                   torch.cat([self.reader.whole(k.format(e=row)) for k in self.keys[name]])[None]
+                   for name, row in rows.items()}
         module.load_state_dict(tensors, assign=True, strict=True)
         if self._quantized:  # its index tables, which a load never fills (not saved)
             module.register_buffer("width_of", torch.tensor(module.bits), persistent=False)
