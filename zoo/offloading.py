@@ -1,4 +1,5 @@
-"""``zoo.offload(path, cache_experts=...)``: a model whose experts stay in its safetensors checkpoint.
+"""``zoo.offload(path, cache_experts=...)``: a model whose experts stay in its safetensors checkpoint (FloE-style
+expert offloading: "FloE: On-the-Fly MoE Inference on Memory-constrained GPU", ICML 2025, arXiv:2505.05950).
 
 Everything but the routed experts is loaded into memory (embeddings, attention, norms, routers, shared experts, LM
 head); each MoE layer's experts become ``zoo.moe.offloaded.OffloadedExperts``, which read an expert's bytes from
@@ -38,7 +39,8 @@ def _check_options(cache_experts, cache_bytes, reader):
 
 
 def offload(path, cache_experts: int | None = None, cache_bytes=None, reader: str = "pread"):
-    """The zoo checkpoint at ``path`` (a folder or a shipped model's name) with its experts offloaded.
+    """The checkpoint at ``path`` (a folder or a shipped model's name: a zoo checkpoint, or a native one of a family
+    whose conversion only renames keys) with its experts offloaded, its MoE blocks converted as ``zoo.load`` does.
 
     ``cache_experts``: how many experts (over all layers) the cache keeps; ``cache_bytes`` (``"512MB"`` or a number):
     how many bytes they may take. Either, both, or neither (no limit: every expert is read once, on first use).
