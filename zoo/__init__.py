@@ -25,13 +25,14 @@ _LAZY = {
     "card": "zoo.cards",
     "push_to_hub": "zoo.hub",
     "consolidate": "zoo.consolidation",
+    "offload": "zoo.offloading",
 }
 # submodules whose name is also a public function: ``import zoo.apply`` must not turn ``zoo.apply`` into the module
 _SHADOWED = {"apply", "convert"}
 
 __all__ = ["Adapter", "Compressor", "Experts", "Router", "Routing", "RoutingContext", "apply", "card", "consolidate",
            "convert", "export", "hookimpl", "list_components", "list_models", "load", "load_plugins", "load_tokenizer",
-           "moe", "push_to_hub"]
+           "moe", "offload", "push_to_hub"]
 
 
 def __getattr__(name: str):

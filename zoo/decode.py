@@ -56,12 +56,23 @@ def check_decode(model, input_ids, max_new_tokens) -> None:
                          "(config.max_position_embeddings)")
 
 
+def check_compilable(model) -> None:
+    """ValueError, in one line, for a model with modules that only run eagerly (they set ``eager_only_reason``, e.g.
+    ``zoo.offload``'s experts), before a compiled decode would fail inside the compiler."""
+    for module in model.modules():
+        reason = getattr(module, "eager_only_reason", None)
+        if reason:
+            raise ValueError(f"this model's {reason}: decode it with compile=False")
+
+
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bool = True,
              backend: str = "inductor", **kwargs) -> torch.Tensor:
     """Greedy (unless ``kwargs`` say otherwise) generation with a static cache and, if ``compile``, the
     compiled decode step. Equivalent to ``model.generate(..., cache_implementation="static",
     compile_config=zoo.decode.compile_config())``."""
     check_decode(model, input_ids, max_new_tokens)
+    if compile:
+        check_compilable(model)
     kwargs.setdefault("do_sample", False)
     if compile and kernels.load():
         read_linears_with_kernel(model)
@@ -95,6 +106,8 @@ def greedy(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bo
     step's first call its guards are not evaluated again (``skip_guard_eval_unsafe``): every later step passes
     inputs of the same kinds and shapes, so the guards could only pass, and checking them costs ~0.5 ms a step."""
     check_decode(model, input_ids, max_new_tokens)
+    if compile:
+        check_compilable(model)
     if compile and kernels.load():
         read_linears_with_kernel(model)
     prompt = input_ids.shape[1]

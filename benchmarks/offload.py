@@ -1,0 +1,235 @@
+"""Expert offloading (``zoo.offload``): decode tok/s and peak RSS of a model whose experts stay in the checkpoint,
+against the same checkpoint in memory and against llama.cpp memory-mapping the zoo's GGUF export of the same
+weights. One table, one run.
+
+    python benchmarks/offload.py                  # the Mixtral-shaped 304M model of benchmarks/decode.py
+    python benchmarks/offload.py --smoke          # tiny shapes, seconds
+    python benchmarks/offload.py --llama-cpp-path /tmp/llamacpp4   # where llama_cpp is importable from
+
+The checkpoint is written twice: bf16 experts, and the zoo's packed int4 experts (``quantize``, bits=4: FloE's
+premise, experts stored compressed so that a miss reads fewer bytes). Every row runs in a fresh child process, so
+its peak RSS (VmHWM) is its own; "start" is the child's RSS after its imports, before the model. Rows:
+the checkpoint in memory (``zoo.load``), offloaded with a cache of 50% and 25% of the experts (all layers
+together), and llama.cpp with mmap (its default) on the GGUF of the same weights (bf16; the zoo's int4 codes as
+Q4_1). The zoo rows decode eagerly (``zoo.decode.greedy(..., compile=False)``: the offloaded experts cannot run
+inside a compiled step); llama.cpp runs its own C++ loop.
+
+Decode tok/s = (new tokens - 1) / (time of a full run - time of a 1-token run), after one warm-up run, median of
+two pairs. Hits and misses count the timed runs (the warm-up's cold misses excluded).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def rss_mb(field: str = "VmHWM") -> float:
+    """The process's peak (VmHWM) or current (VmRSS) resident set, MB. Not ``getrusage``'s ru_maxrss: Linux keeps
+    that across fork and exec, so a child would start at its parent's peak; VmHWM belongs to the new image."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux: kB here too (macOS: bytes)
+
+
+# ------------------------------------------------------------------------------------------------ child processes
+def worker(spec: dict) -> dict:
+    """One row: load as ``spec`` says, decode, report speed, RSS and (offloaded) cache counts."""
+    if spec["engine"] == "llama.cpp":
+        return llama_worker(spec)
+    import torch
+
+    import zoo
+    from zoo.decode import greedy
+    from zoo.offloading import cache_of
+
+    torch.set_num_threads(spec["threads"])
+    start = rss_mb("VmRSS")
+    t = time.perf_counter()
+    if spec["engine"] == "memory":
+        model = zoo.load(spec["folder"]).eval()
+    else:
+        model = zoo.offload(spec["folder"], cache_experts=spec["cache_experts"])
+    load_s = time.perf_counter() - t
+    ids = torch.tensor([spec["prompt"]])
+    n = spec["new_tokens"]
+    cache = cache_of(model) if spec["engine"] == "offload" else None
+    with torch.no_grad():
+        out = greedy(model, ids, n, compile=False)  # warm-up: fills the cache
+        speeds, counts = [], []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            first = counted(cache, lambda: greedy(model, ids, 1, compile=False))
+            t1 = time.perf_counter()
+            full = counted(cache, lambda: greedy(model, ids, n, compile=False))
+            t2 = time.perf_counter()
+            speeds.append((n - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
+            counts.append({k: (full[k] - first[k]) / (n - 1) for k in full})  # per decode token: full minus prefill
+        out = greedy(model, ids, n, compile=False)
+    row = {"decode": statistics.median(speeds), "load_s": load_s, "start_mb": start, "peak_mb": rss_mb(),
+           "tokens": out[0, len(spec["prompt"]):].tolist()}
+    if cache is not None:
+        row["cache"] = {k: statistics.mean(c[k] for c in counts) for k in counts[0]}
+        row["cache"]["resident_mb"] = cache.peak_resident / 1e6
+    return row
+
+
+def counted(cache, run) -> dict:
+    """Hits, misses and bytes read by ``run()`` (nothing without a cache)."""
+    if cache is None:
+        run()
+        return {}
+    cache.reset_counts()
+    run()
+    return {"hits": cache.hits, "misses": cache.misses, "bytes_read": cache.bytes_read}
+
+
+def llama_worker(spec: dict) -> dict:
+    from llama_cpp import Llama
+
+    start = rss_mb("VmRSS")
+    t = time.perf_counter()
+    llm = Llama(model_path=spec["gguf"], n_ctx=256, n_batch=256, n_threads=spec["threads"],
+                n_threads_batch=spec["threads"], use_mmap=True, verbose=False)
+    load_s = time.perf_counter() - t
+    n, speeds = spec["new_tokens"], []
+    for _ in range(3):  # the first: warm-up
+        llm.reset()
+        llm.eval(spec["prompt"])
+        tokens = [llm.sample(top_k=1, temp=0.0)]
+        t = time.perf_counter()
+        for _ in range(n - 1):
+            llm.eval([tokens[-1]])
+            tokens.append(llm.sample(top_k=1, temp=0.0))
+        speeds.append((n - 1) / (time.perf_counter() - t))
+    return {"decode": statistics.median(speeds[1:]), "load_s": load_s, "tokens": tokens, "start_mb": start,
+            "peak_mb": rss_mb()}
+
+
+def run_child(spec: dict, llama_path: str | None) -> dict:
+    env = dict(os.environ)
+    if spec["engine"] == "llama.cpp" and llama_path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (llama_path, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"row {spec['label']} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_available(path: str | None) -> str | None:
+    """None if ``llama_cpp`` imports (from ``path`` if given), else why not."""
+    env = dict(os.environ)
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True, env=env)
+    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["import failed"])[-1]
+
+
+# ------------------------------------------------------------------------------------------------ the parent
+def write_checkpoints(out: Path, smoke: bool, gguf: bool) -> dict:
+    """{storage: (zoo folder, GGUF file or None)} for bf16 and int4 experts of one random model."""
+    import copy
+
+    import zoo
+    from decode import mixtral_shaped
+
+    base = zoo.convert(mixtral_shaped(smoke)).eval()
+    int4 = zoo.apply(copy.deepcopy(base), "quantize", bits=4)
+    tokenizer = zoo.load_tokenizer("zoo-tiny-moe")
+    folders = {}
+    for key, model in (("bf16", base), ("int4", int4)):
+        folders[key] = out / key
+        model.save_pretrained(folders[key])
+        tokenizer.save_pretrained(folders[key])
+    files = {}
+    if gguf:
+        from llama_cpp_rows import gguf_files
+
+        files = gguf_files({"bf16": base, "int4": int4}, tokenizer, out)
+    return {"bf16": (folders["bf16"], files.get("bf16")), "int4": (folders["int4"], files.get("Q4_1 experts"))}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--llama-cpp-path", default="/tmp/llamacpp4", help="a folder to import llama_cpp from ('' none)")
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    sys.path.insert(0, str(HERE))
+    import torch
+
+    from zoo.checkpoint import checkpoint_bytes
+
+    if args.smoke:
+        args.new_tokens = 6
+    why_not = llama_cpp_available(args.llama_cpp_path)
+    prompt = torch.randint(3, 8192, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="zoo-offload-") as tmp:
+        stores = write_checkpoints(Path(tmp), args.smoke, gguf=why_not is None)
+        for storage, (folder, gguf) in stores.items():
+            cfg = json.loads((folder / "config.json").read_text())
+            total = sum(entry["num_experts"] for entry in cfg["zoo_layout"] if entry)
+            size = checkpoint_bytes(folder) / 1e6
+            common = {"folder": str(folder), "threads": args.threads, "prompt": prompt, "new_tokens": args.new_tokens}
+            specs = [{"label": "in memory", "engine": "memory", **common}]
+            for share in (0.5, 0.25):
+                specs.append({"label": f"offload, cache {share:.0%} ({round(total * share)}/{total})",
+                              "engine": "offload", "cache_experts": round(total * share), **common})
+            if gguf is not None:
+                specs.append({"label": "llama.cpp mmap" + (" (Q4_1)" if storage == "int4" else ""),
+                              "engine": "llama.cpp", "gguf": str(gguf), **common})
+            reference = None
+            for spec in specs:
+                r = run_child(spec, args.llama_cpp_path)
+                reference = r["tokens"] if reference is None else reference
+                r.update(storage=storage, label=spec["label"], size_mb=size,
+                         same=None if spec["engine"] == "llama.cpp" else r["tokens"] == reference)
+                rows.append(r)
+                print(f"  {storage}: {spec['label']} done ({r['decode']:.1f} tok/s)", flush=True)
+    print(f"\n{args.new_tokens} greedy tokens after a {args.prompt}-token prompt, batch 1, {args.threads} threads; "
+          f"{'mixtral-smoke' if args.smoke else 'Mixtral-shaped 304M (4 layers x 8 experts, top-2)'}; "
+          "each row a fresh process; timings under load (machine shared)")
+    head = (f"{'experts':8} {'ckpt MB':>7} {'engine':30} {'decode tok/s':>12} {'peak RSS MB':>11} "
+            f"{'start MB':>8} {'peak-start':>10} {'cache MB':>8} {'load s':>6} {'hits/tok':>8} {'misses/tok':>10} "
+            f"{'MB read/tok':>11} {'same tokens':>11}")
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        c = r.get("cache")
+        hit, miss, read, held = (("-",) * 4 if not c else (f"{c['hits']:.2f}", f"{c['misses']:.2f}",
+                                 f"{c['bytes_read'] / 1e6:.1f}", f"{c['resident_mb']:.0f}"))
+        same = "-" if r["same"] is None else "yes" if r["same"] else "no"
+        print(f"{r['storage']:8} {r['size_mb']:7.0f} {r['label']:30} {r['decode']:12.1f} {r['peak_mb']:11.0f} "
+              f"{r['start_mb']:8.0f} {r['peak_mb'] - r['start_mb']:10.0f} {held:>8} {r['load_s']:6.1f} {hit:>8} "
+              f"{miss:>10} {read:>11} {same:>11}")
+    print("(start: the process's RSS after its imports; cache MB: the most the expert cache held; hits, misses and MB\n"
+          " read per decode token: a full run's counts minus its 1-token run's (the prefill), over the new tokens;\n"
+          " same tokens: equal to the in-memory row's greedy tokens of the same storage; llama.cpp's peak RSS counts\n"
+          " the pages of its memory-mapped file that it touched)")
+    if why_not is not None:
+        print(f"llama.cpp: not measured ({why_not})")
+
+
+if __name__ == "__main__":
+    main()

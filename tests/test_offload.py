@@ -1,0 +1,127 @@
+"""zoo.offload: experts read from the checkpoint when routed, through an LRU cache, against the model in memory."""
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import zoo
+from tests.tiny import padded_batch, tiny_native
+from zoo.decode import greedy
+from zoo.layout import sync_layout
+from zoo.moe.offloaded import ExpertCache, NotOffloadable, OffloadedExperts
+from zoo.moe.quantized import QuantizedExperts
+from zoo.offloading import cache_of
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """fp32 tiny Mixtral checkpoints (2 layers, 4 experts top-2): dense experts, and packed experts of mixed widths."""
+    dense = zoo.convert(tiny_native("mixtral")).eval()
+    packed = zoo.convert(tiny_native("mixtral", seed=1)).eval()
+    for layer in packed.model.layers:
+        layer.mlp.experts = QuantizedExperts.from_dense(layer.mlp.experts, [4, 8, 4, 2], group_size=32)
+    sync_layout(packed)
+    out = {}
+    for name, model in (("dense", dense), ("packed", packed)):
+        out[name] = tmp_path_factory.mktemp(name)
+        model.save_pretrained(out[name])
+    return out
+
+
+@pytest.mark.parametrize("kind,reader", [("dense", "pread"), ("packed", "pread"), ("dense", "mmap")])
+@torch.no_grad()
+def test_same_logits_and_tokens_as_in_memory(saved, kind, reader):
+    ref = zoo.load(saved[kind]).eval()
+    off = zoo.offload(saved[kind], cache_experts=3, reader=reader)  # 3 of the 8 experts: evictions on the way
+    assert all(isinstance(layer.mlp.experts, OffloadedExperts) for layer in off.model.layers)
+    assert not any("experts" in k for k in off.state_dict())  # nothing of the experts is held by the model
+    ids, mask = padded_batch()
+    assert torch.equal(off(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits)
+    if reader == "pread":  # (the readers differ in how bytes arrive, not in what the model computes with them)
+        assert torch.equal(greedy(off, ids[:1], 6, compile=False), greedy(ref, ids[:1], 6, compile=False))
+    stats = cache_of(off).stats()
+    assert stats["misses"] > 0 and stats["evictions"] > 0 and stats["cached_experts"] <= 3
+
+
+@torch.no_grad()
+def test_native_checkpoint_with_experts_stored_apart(tmp_path):
+    """A native Mixtral checkpoint as transformers writes it (each expert's w1/w2/w3 apart): each expert's gate and
+    up matrices read and concatenated as transformers' conversion does, the rest converted as zoo.load converts it."""
+    tiny_native("mixtral", seed=2).save_pretrained(tmp_path)
+    ref, off = zoo.load(tmp_path).eval(), zoo.offload(tmp_path, cache_experts=2)
+    ids, mask = padded_batch()
+    assert torch.equal(off(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits)
+    assert cache_of(off).misses > 0
+
+
+@torch.no_grad()
+def test_misses_only_for_routed_experts_and_each_once_with_room(saved):
+    off = zoo.offload(saved["dense"])  # no limit: every expert read once, on first use
+    routed = set()
+    for i, layer in enumerate(off.model.layers):
+        layer.mlp.router.register_forward_hook(
+            lambda mod, args, out, i=i: routed.update((i, e) for e in out.indices.reshape(-1).tolist() if e < 4))
+    ids = torch.tensor([[5, 17, 33]])
+    off(input_ids=ids)
+    cache = cache_of(off)
+    assert set(cache.missed) == routed and all(n == 1 for n in cache.missed.values())
+    assert len(routed) < 8 or cache.misses == 8  # (a 3-token prompt may route every expert of a 4-expert layer)
+    before = dict(cache.missed)
+    greedy(off, ids, 6, compile=False)
+    assert all(n == 1 for n in cache.missed.values()) and set(before) <= set(cache.missed) == routed
+    assert cache.bytes_read == cache.resident and cache.hits > 0  # all kept, each read once
+
+
+def test_byte_budget_is_respected(saved):
+    one = zoo.offload(saved["packed"], cache_experts=0)
+    sizes = {e: one.model.layers[0].mlp.experts.load(e)[1] for e in range(4)}  # int4, int8, int4, int2 experts
+    budget = int(2.5 * max(sizes.values()))
+    off = zoo.offload(saved["packed"], cache_bytes=budget)
+    with torch.no_grad():
+        greedy(off, torch.tensor([[5, 17, 33, 9]]), 8, compile=False)
+    stats = cache_of(off).stats()
+    assert stats["evictions"] > 0 and 0 < stats["peak_resident_bytes"] <= budget
+    assert stats["resident_bytes"] == sum(n for _, n in cache_of(off).entries.values())
+    with pytest.raises(ValueError, match="cannot hold one expert"):
+        zoo.offload(saved["packed"], cache_bytes=min(sizes.values()) - 1)
+
+
+def test_lru_order():
+    cache = ExpertCache(max_experts=2)
+    load = lambda: (object(), 10)  # noqa: E731
+    for key in ("a", "b", "a", "c"):  # "b" is the least recently used when "c" arrives
+        cache.get(key, load)
+    assert list(cache.entries) == ["a", "c"] and (cache.hits, cache.misses, cache.evictions) == (1, 3, 1)
+
+
+def test_missing_tensor_fails_with_its_name(saved, tmp_path):
+    import shutil
+
+    shutil.copytree(saved["dense"], tmp_path / "m", dirs_exist_ok=True)
+    file = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(file)
+    del tensors["model.layers.1.mlp.experts.down_proj"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(NotOffloadable, match=r"lacks tensor model\.layers\.1\.mlp\.experts\.down_proj"):
+        zoo.offload(tmp_path / "m")
+
+
+def test_bad_options_and_saving(saved, tmp_path):
+    with pytest.raises(ValueError, match="did you mean 'mmap'"):
+        zoo.offload(saved["dense"], reader="mmapp")
+    with pytest.raises(ValueError, match="cache_experts must be"):
+        zoo.offload(saved["dense"], cache_experts=-1)
+    native = tmp_path / "native"
+    tiny_native("gpt_oss").save_pretrained(native)  # its experts are reshaped by the zoo's conversion
+    with pytest.raises(NotOffloadable, match="convert it first"):
+        zoo.offload(native)
+    off = zoo.offload(saved["dense"], cache_experts=2)
+    with pytest.raises(NotOffloadable, match="cannot be saved"):
+        off.save_pretrained(tmp_path / "again")
+
+
+def test_compiled_decode_is_refused_in_one_line(saved):
+    off = zoo.offload(saved["dense"], cache_experts=2)
+    with pytest.raises(ValueError, match="offloaded experts .* decode it with compile=False"):
+        greedy(off, torch.tensor([[5, 17]]), 2)
