@@ -1,7 +1,7 @@
 """quantize's formats: FineQuant's adaptive group sizes and BitMoD's per-group data types, against naive references."""
 import pytest
 import torch
-from tiny import tiny_native
+from tiny import folder_tensors, tiny_native
 from transformers import AutoModelForCausalLM
 from zoo_compressors.finequant import adaptive_group, candidates, grouped_error
 
@@ -14,6 +14,15 @@ from zoo.moe.quantized import QuantizedExperts
 from zoo.moe.quantized_lookup import LookupQuantizedExperts
 
 CAL = [torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(0))]
+FORMATS = [{"bits": 4, "group_size": "adaptive"},
+           {"bits": 6, "allocation": "alphaq", "widths": [4, 8], "group_size": "adaptive", "group_alpha": 0.1},
+           {"bits": 4, "dtype": "bitmod", "group_size": 32}, {"bits": 3, "dtype": "bitmod"},
+           {"bits": 4, "dtype": "fp", "group_size": 32}]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Tiny tensors: one thread (see conftest)."""
 
 
 def test_bitmod_tables_are_the_papers_types():
@@ -123,11 +132,7 @@ def test_per_projection_groups_run_on_the_int4_kernels_and_match_the_reference()
                                    ref(x[:1], Routing(routing.weights[:1], routing.indices[:1])), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("options", [{"bits": 4, "group_size": "adaptive"},
-                                     {"bits": 6, "allocation": "alphaq", "widths": [4, 8], "group_size": "adaptive",
-                                      "group_alpha": 0.1},
-                                     {"bits": 4, "dtype": "bitmod", "group_size": 32},
-                                     {"bits": 3, "dtype": "bitmod"}, {"bits": 4, "dtype": "fp", "group_size": 32}])
+@pytest.mark.parametrize("options", FORMATS)
 def test_apply_forward_and_reload(options, tmp_path):
     model = zoo.convert(tiny_native("qwen3_moe"))
     zoo.apply(model, "quantize", calibration=CAL, **options)
@@ -175,3 +180,17 @@ def test_bad_format_options_leave_the_model_untouched(options, message):
         zoo.apply(model, "quantize", **options)
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("options", [FORMATS[1], FORMATS[3], {**FORMATS[0], "targets": "all"}])
+def test_streamed_layer_at_a_time_gives_identical_tensors(options, tmp_path):
+    from zoo import stream
+
+    tiny_native("mixtral").save_pretrained(tmp_path / "native")
+    model = zoo.apply(zoo.load(tmp_path / "native"), "quantize", calibration=CAL, **options)
+    model.save_pretrained(tmp_path / "memory")
+    stream.apply(tmp_path / "native", [("quantize", options)], tmp_path / "stream", calibration=CAL)
+    a, b = folder_tensors(tmp_path / "memory"), folder_tensors(tmp_path / "stream")
+    assert sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "stream")
+    assert loaded.config.zoo_recipe[-1]["results"] == model.config.zoo_recipe[-1]["results"]

@@ -1,5 +1,6 @@
-"""Experts quantized to non-uniform low-bit data types (BitMoD, ``zoo.moe.bitmod``): 4- or 3-bit codes that index a
-small table of values per group's type, one bf16 scale per group, and (for BitMoD's mixture) one type id per group.
+"""Experts quantized to non-uniform low-bit data types (BitMoD, arXiv:2411.11745, whose claim the ``quantize``
+compressor's ``dtype="bitmod"`` records; the types are in ``zoo.moe.bitmod``): 4- or 3-bit codes that index a small
+table of values per group's type, one bf16 scale per group, and (BitMoD's mixture) one type id per group.
 
 Per expert and projection, a weight ``W [N, K]`` is stored as ``{proj}_codes uint8 [E, N, K*bits/8]``,
 ``{proj}_scale bf16 [E, N, K/g]`` and ``{proj}_types uint8 [E, N, K/g]`` (BitMoD only). The values are not an
@@ -22,7 +23,6 @@ from zoo.moe.init import refuse_missing
 class LookupQuantizedExperts(SwiGLUExperts):
     name = "quantized-lookup"
     summary = "Weight-only 3/4-bit experts in non-uniform data types (BitMoD's per-group FP types), read by lookup."
-    paper = "Chen et al., BitMoD: Bit-serial Mixture-of-Datatype LLM Acceleration, HPCA 2025, arXiv:2411.11745"
     card = "cards/quantize.md"
     space = "compression-lab"
 
