@@ -70,8 +70,9 @@ class Quantize(Compressor):
                         help=f"bits per expert weight: one of {list(BITS)} (uniform), or an average (pmq, alphaq)"),
                 Control("allocation", "choice", "uniform", choices=ALLOCATIONS,
                         help="uniform, or mixed precision per expert: pmq (usage), alphaq (weight spectra), random"),
-                Control("group_size", "choice", group, choices=choices,
-                        help="weights per quantization scale below 8 bits (int8 is per output channel)"),
+                Control("group_size", "choice", group, choices=choices + (ADAPTIVE,),
+                        help="weights per quantization scale below 8 bits (int8 is per output channel); adaptive: "
+                             "FineQuant's choice per matrix"),
                 Control("targets", "choice", "experts", choices=TARGETS,
                         help="experts only, or every matrix but the embeddings and routers (uniform 4 or 8 bits)"),
                 Control("dtype", "choice", "int", choices=DTYPES,

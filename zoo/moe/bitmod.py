@@ -66,11 +66,12 @@ def quantize_bitmod(w: torch.Tensor, group_size: int, bits: int = 4, dtype: str 
 
 
 def dequantize_bitmod(codes: torch.Tensor, scale: torch.Tensor, types: torch.Tensor | None, bits: int,
-                      group_size: int, dtype: str = "bitmod") -> torch.Tensor:
+                      group_size: int, dtype: str = "bitmod", values: torch.Tensor | None = None) -> torch.Tensor:
     """codes [..., N, K] -> float32 [..., N, K]: the lookup ``table[type, code] * scale`` per group (types None:
-    a single-type dtype)."""
+    a single-type dtype). ``values``: ``table(bits, dtype)`` as the caller holds it (a module's buffer, which an
+    exported graph reads as the module's tensor rather than a constant made while tracing)."""
     *lead, n, k = codes.shape
-    tab = table(bits, dtype).to(codes.device).reshape(-1)
+    tab = (table(bits, dtype) if values is None else values).to(codes.device).reshape(-1)
     per = 2 ** bits
     c = codes.reshape(*lead, n, k // group_size, group_size).long()
     index = c if types is None else types.long()[..., None] * per + c

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import initialization as init
 
-from zoo.moe.bitmod import BITMOD_BITS, DTYPES, dequantize_bitmod, pack_codes, quantize_bitmod, unpack_codes
+from zoo.moe.bitmod import BITMOD_BITS, DTYPES, dequantize_bitmod, pack_codes, quantize_bitmod, table, unpack_codes
 from zoo.moe.dispatch import gather_rows, run_sorted
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.init import refuse_missing
@@ -49,6 +49,7 @@ class LookupQuantizedExperts(SwiGLUExperts):
             self.register_buffer(f"{proj}_scale", torch.zeros(num_experts, n, k // group_size, dtype=torch.bfloat16))
             if dtype == "bitmod":
                 self.register_buffer(f"{proj}_types", torch.zeros(num_experts, n, k // group_size, dtype=torch.uint8))
+        self.register_buffer("values", table(bits, dtype), persistent=False)  # the lookup table (rebuilt, not saved)
         self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size)) if bias else None
         self.down_proj_bias = torch.nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
 
@@ -71,7 +72,8 @@ class LookupQuantizedExperts(SwiGLUExperts):
 
     def init_weights(self, std: float) -> None:
         """Codes, scales and types cannot be initialised meaningfully: a load that lacks one fails with its name."""
-        refuse_missing(self, [n for n, _ in self.named_buffers(recurse=False)])
+        self.values.copy_(table(self.bits, self.dtype))
+        refuse_missing(self, [n for n, _ in self.named_buffers(recurse=False) if n != "values"])
         for bias in (self.gate_up_proj_bias, self.down_proj_bias):
             if bias is not None:
                 init.zeros_(bias)
@@ -87,7 +89,7 @@ class LookupQuantizedExperts(SwiGLUExperts):
         codes, scale = getattr(self, f"{proj}_codes")[e], getattr(self, f"{proj}_scale")[e]
         types = getattr(self, f"{proj}_types")[e] if self.dtype == "bitmod" else None
         return dequantize_bitmod(unpack_codes(codes, self.bits, k), scale, types, self.bits, self.group_size,
-                                 self.dtype)
+                                 self.dtype, self.values)
 
     def dequantized(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) in float: the reference for expert e."""
