@@ -170,7 +170,7 @@ def test_adaptive_targets_all_picks_a_group_per_linear():
     ({"dtype": "bitmod", "bits": 2}, "at one width"), ({"dtype": "bitmod", "bits": 3, "allocation": "pmq", "widths": [2, 4]},
                                                       "at one width"),
     ({"dtype": "bitmod", "bits": 4, "group_size": "adaptive"}, "fixed group_size"),
-    ({"group_alpha": 0.2, "bits": 4}, "group_alpha tunes"), ({"group_size": "adaptive", "bits": 8}, "below 8 bits"),
+    ({"group_alpha": 0.2, "bits": 4}, "group_alpha tunes"),
     ({"group_size": "adaptive", "bits": 4, "group_alpha": -1}, "group_alpha must be"),
 ])
 def test_bad_format_options_leave_the_model_untouched(options, message):
@@ -194,3 +194,10 @@ def test_streamed_layer_at_a_time_gives_identical_tensors(options, tmp_path):
     assert sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "stream")
     assert loaded.config.zoo_recipe[-1]["results"] == model.config.zoo_recipe[-1]["results"]
+
+
+@pytest.mark.parametrize("options", [{"bits": 8, "dtype": "bitmod"}, {"bits": 8, "group_size": "adaptive"}])
+def test_formats_mean_nothing_to_int8_rows_and_say_so(options):
+    model = zoo.apply(zoo.convert(tiny_native("mixtral")), "quantize", **options)
+    assert all(type(m.experts) is QuantizedExperts and m.experts.bits[0] == 8 for _, m in moe_layers(model))
+    assert "int8 per output channel" in str(model.config.zoo_recipe[-1]["results"])

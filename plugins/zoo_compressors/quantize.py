@@ -109,10 +109,11 @@ class Quantize(Compressor):
         if group_alpha is not None and (isinstance(group_alpha, bool) or not isinstance(group_alpha, (int, float))
                                         or not 0 <= group_alpha < float("inf")):
             raise ValueError(f"group_alpha must be a number >= 0, got {group_alpha!r}")
-        if dtype != "int" and (allocation != "uniform" or bits not in BITMOD_BITS or targets != "experts" or adaptive):
+        if dtype != "int" and (allocation != "uniform" or bits not in BITMOD_BITS + (8,) or targets != "experts"
+                               or adaptive):
             raise ValueError(f"dtype={dtype!r} quantizes the experts at one width: allocation='uniform', bits in "
-                             f"{BITMOD_BITS}, targets='experts' and a fixed group_size; got allocation={allocation!r}, "
-                             f"bits={bits!r}, targets={targets!r}, group_size={group_size!r}")
+                             f"{BITMOD_BITS} (8 stays int8), targets='experts' and a fixed group_size; got "
+                             f"allocation={allocation!r}, bits={bits!r}, targets={targets!r}, group_size={group_size!r}")
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
         if targets not in TARGETS:
@@ -132,8 +133,6 @@ class Quantize(Compressor):
                                                         or group_size < 32 or group_size % 32):
             raise ValueError(f"group_size must be a positive multiple of 32 (or None: chosen per layer, or "
                              f"{ADAPTIVE!r}: per matrix), got {group_size!r}")
-        if adaptive and allocation == "uniform" and bits == 8:
-            raise ValueError("group_size='adaptive' chooses group sizes below 8 bits; int8 is per output channel")
         options = dict(bits=bits, allocation=allocation, group_size=group_size, widths=list(widths))
         extra = {k: v for k, v in (("targets", targets), ("dtype", dtype), ("group_alpha", group_alpha))
                  if v != {"targets": "experts", "dtype": "int", "group_alpha": None}[k]}
@@ -250,7 +249,9 @@ class Quantize(Compressor):
         widths = [int(self.bits)] * block.num_experts if self.allocation == "uniform" else self._planned[index]
         group = self.group_for(index) if min(widths) < 8 else (self.group_size or 64)
         self.results.setdefault("bits", {})[str(index)] = list(map(int, widths))
-        if self.dtype != "int":
+        if self.dtype != "int" and widths[0] == 8:  # like a group size, a data type means nothing to int8 rows
+            self.results["dtype_note"] = f"8 bits are int8 per output channel: dtype={self.dtype!r} applies below 8"
+        elif self.dtype != "int":
             experts = LookupQuantizedExperts.from_dense(block.experts, int(self.bits), group, self.dtype)
             self.results.setdefault("group_size", {})[str(index)] = group
             if self.dtype == "bitmod":  # how many groups took each type (BitMoD's mixture at work)
@@ -261,6 +262,8 @@ class Quantize(Compressor):
                 self.results.setdefault("types", {})[str(index)] = dict(zip(TYPE_NAMES["bitmod"], counts.tolist()))
             return block.with_parts(experts=experts)
         groups = self.adaptive_groups(block.experts, widths) if self.adaptive and min(widths) < 8 else None
+        if self.adaptive and groups is None:
+            self.results["adaptive_note"] = "8 bits are int8 per output channel: no groups to choose"
         experts = QuantizedExperts.from_dense(block.experts, widths, group, group_sizes=groups)
         if min(widths) < 8:
             self.results.setdefault("group_size", {})[str(index)] = groups or group
