@@ -157,7 +157,7 @@ class Quantize(Compressor):
                              "(swiglu) experts")
         sizes = (block.experts.hidden_size, block.experts.intermediate_size)
         grouped = self.allocation != "uniform" or self.bits < 8  # int8 is per output channel: no groups
-        if self.adaptive:
+        if self.adaptive and grouped:
             bad = [s for s in sizes if not candidates(s)]
             if bad:
                 raise ValueError(f"group_size='adaptive': no group size of {sorted(GROUP_SIZES)} divides layer "

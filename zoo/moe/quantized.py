@@ -7,8 +7,9 @@ Per expert and projection, a weight ``W [N, K]`` is stored as
     per-group scale and zero. torch has no 2/3-bit CPU kernel, so on first use each such weight is
     expanded into the int4 pack (its codes fit in 0..15) and runs on the int4 kernel: 2/3 bits on disk
     and in the saved model, 4 bits in the kernel's working copy.
-Experts in one layer may use different bit widths (mixed-precision allocation). Inputs get gradients
-(through the dequantized weight); the packed weights are frozen.
+Experts in one layer may use different bit widths (mixed-precision allocation), and the two projection stacks
+different group sizes (``group_sizes``, FineQuant's adaptive choice; every width of a projection shares it). Inputs
+get gradients (through the dequantized weight); the packed weights are frozen.
 """
 from __future__ import annotations
 
