@@ -5,7 +5,7 @@
 * BitMoD (dtype="bitmod"): each group's choice among FP types with special values beats one type for all groups
   (plain FP, dtype="fp") and the integer grid (dtype="int") at the same group size and about the same bytes.
 
-Bytes are the experts' stored bytes (codes, bf16 scales and zeros, BitMoD's one-byte type id per group), as
+Bytes are the experts' stored bytes (codes, bf16 scales and zeros, BitMoD's 2-bit type id per group), as
 ``nbytes()`` counts them; perplexity is ``zoo.eval``'s held-out perplexity per domain, on one thread; the weight
 error (sum ||W - Q(W)||^2 / sum ||W||^2 over all experts) is the quantity both methods minimise, shown beside it.
 
@@ -118,7 +118,7 @@ def main(argv=None):
     def describe(cmp):
         return "; ".join(f"{k}: " + ", ".join(f"{d} {w}" for d, w in zip(domains, v)) for k, v in cmp.items())
     settings = (f"{args.model}, held-out split, {args.windows} windows x 256 tokens per domain, experts only, "
-                f"one thread; bytes per weight count codes, bf16 scales/zeros and BitMoD's one-byte type ids")
+                f"one thread; bytes per weight count codes, bf16 scales/zeros and BitMoD's 2-bit type ids")
     fine_note = ("the rule gave every projection stack of a run one group size (" +
                  ", ".join(f"{k}: {v}" for k, v in groups.items()) + "): the experts' error curves over group sizes "
                  "are alike (near-Gaussian weights without outlier columns), so there is nothing for a per-matrix "

@@ -8,7 +8,8 @@ from zoo_compressors.finequant import adaptive_group, candidates, grouped_error
 import zoo
 from zoo.layout import moe_layers
 from zoo.moe import Routing
-from zoo.moe.bitmod import dequantize_bitmod, pack_codes, quantize_bitmod, table, unpack_codes
+from zoo.moe.bitmod import (dequantize_bitmod, pack_codes, pack_types, quantize_bitmod, table, unpack_codes,
+                            unpack_types)
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.quantized import QuantizedExperts
 from zoo.moe.quantized_lookup import LookupQuantizedExperts
@@ -52,6 +53,9 @@ def test_bitmod_picks_per_group_the_type_with_least_error(bits):
     assert len(set(types.flatten().tolist())) > 1  # the mixture is used
     torch.testing.assert_close((deq.view(16, 4, 32) - g).pow(2).sum(-1), errs.min(-1).values, rtol=1e-5, atol=1e-7)
     assert torch.equal(unpack_codes(pack_codes(codes, bits), bits, 128), codes)
+    for g in (1, 3, 4, 7):
+        ids = torch.randint(0, 4, (5, g), dtype=torch.uint8)
+        assert pack_types(ids).shape[-1] == -(-g // 4) and torch.equal(unpack_types(pack_types(ids), g), ids)
 
 
 @pytest.mark.parametrize("dtype,bits", [("bitmod", 4), ("bitmod", 3), ("fp", 4)])
@@ -80,9 +84,10 @@ def test_lookup_experts_match_their_dequantized_reference(dtype, bits, bias):
     torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(q._forward_gather(x.detach(), routing), ref.detach(), rtol=1e-5, atol=1e-6)
-    # honest bytes: codes + a bf16 scale per group (+ a one-byte type id per group for the mixture)
+    # honest bytes: codes + a bf16 scale per group (+ a 2-bit type id per group for the mixture, padded to bytes per row)
     groups = 4 * 3 * 64 * 96 // 32
-    assert q.nbytes() == 4 * 3 * 64 * 96 * bits // 8 + groups * (3 if dtype == "bitmod" else 2) + bias * 4 * (2 * 96 + 64) * 4
+    ids = 4 * (2 * 96 * -(-64 // 32 // 4) + 64 * -(-96 // 32 // 4)) if dtype == "bitmod" else 0
+    assert q.nbytes() == 4 * 3 * 64 * 96 * bits // 8 + groups * 2 + ids + bias * 4 * (2 * 96 + 64) * 4
 
 
 def naive_error(w, group, bits=4):

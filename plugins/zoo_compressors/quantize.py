@@ -257,7 +257,7 @@ class Quantize(Compressor):
             if self.dtype == "bitmod":  # how many groups took each type (BitMoD's mixture at work)
                 from zoo.moe.bitmod import TYPE_NAMES
 
-                counts = sum(torch.bincount(getattr(experts, f"{p}_types").flatten().long(), minlength=4)
+                counts = sum(torch.bincount(experts.type_ids(p).flatten().long(), minlength=4)
                              for p in ("gate_up", "down"))
                 self.results.setdefault("types", {})[str(index)] = dict(zip(TYPE_NAMES["bitmod"], counts.tolist()))
             return block.with_parts(experts=experts)

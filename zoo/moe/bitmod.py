@@ -5,7 +5,7 @@ The types are FP4 (E2M1) and FP3 with the code that plain FP wastes on a second 
   * extra resolution (ER): a value inside the largest gap near the top, +-5 in FP4 (between 4 and 6 of E2M1 x 2),
     +-3 in FP3 (between 2 and 4);
   * extra asymmetry (EA): a value past the top on one side only, +-16 in FP4 (past 12), +-6 in FP3 (past 4).
-With a sign each, four types per width, so a group's type costs 2 bits (stored here as one uint8 per group).
+With a sign each, four types per width, so a group's type costs 2 bits (four type ids packed in a byte).
 A group is scaled symmetrically, scale = max|w| / (the type's largest magnitude), and each weight rounds to the
 nearest value of the type. Codes are indices into the type's sorted values (16 at 4 bits, 8 at 3 bits), so a
 weight is ``TABLE[bits][type, code] * scale``: one lookup, the reference every fast path is tested against.
@@ -95,3 +95,16 @@ def unpack_codes(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
         return unpack(packed.reshape(-1, packed.shape[-1]), 3, k).reshape(*lead, k)
     lo, hi = packed & 0x0F, packed >> 4
     return torch.stack([lo, hi], -1).reshape(*packed.shape[:-1], k).to(torch.int32)
+
+
+def pack_types(types: torch.Tensor) -> torch.Tensor:
+    """type ids uint8 [..., G] in 0..3 -> uint8 [..., ceil(G / 4)]: four 2-bit ids a byte (the first in the low bits)."""
+    pad = -types.shape[-1] % 4
+    t = torch.nn.functional.pad(types.to(torch.uint8), (0, pad)).reshape(*types.shape[:-1], -1, 4)
+    return t[..., 0] | (t[..., 1] << 2) | (t[..., 2] << 4) | (t[..., 3] << 6)
+
+
+def unpack_types(packed: torch.Tensor, groups: int) -> torch.Tensor:
+    """uint8 [..., ceil(G / 4)] -> type ids uint8 [..., G]."""
+    t = torch.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], -1).reshape(*packed.shape[:-1], -1)
+    return t[..., :groups]

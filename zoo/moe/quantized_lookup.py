@@ -1,9 +1,10 @@
 """Experts quantized to non-uniform low-bit data types (BitMoD, arXiv:2411.11745, whose claim the ``quantize``
 compressor's ``dtype="bitmod"`` records; the types are in ``zoo.moe.bitmod``): 4- or 3-bit codes that index a small
-table of values per group's type, one bf16 scale per group, and (BitMoD's mixture) one type id per group.
+table of values per group's type, one bf16 scale per group, and (BitMoD's mixture) a 2-bit type id per group.
 
 Per expert and projection, a weight ``W [N, K]`` is stored as ``{proj}_codes uint8 [E, N, K*bits/8]``,
-``{proj}_scale bf16 [E, N, K/g]`` and ``{proj}_types uint8 [E, N, K/g]`` (BitMoD only). The values are not an
+``{proj}_scale bf16 [E, N, K/g]`` and ``{proj}_types uint8 [E, N, ceil(K/g/4)]`` (BitMoD only: four 2-bit ids a
+byte). The values are not an
 affine function of the code, so torch's int4 kernel and ``zoo::moe_gemv`` (``(q - 8) * s + z``) cannot read
 them: every path dequantizes through the lookup (``dequantize_bitmod``) and multiplies in float: eager code one
 used expert at a time, compiled decode the gathered selected experts. A lookup kernel is future work.
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from transformers import initialization as init
 
-from zoo.moe.bitmod import BITMOD_BITS, DTYPES, dequantize_bitmod, pack_codes, quantize_bitmod, table, unpack_codes
+from zoo.moe.bitmod import (BITMOD_BITS, DTYPES, dequantize_bitmod, pack_codes, pack_types, quantize_bitmod, table,
+                             unpack_codes, unpack_types)
 from zoo.moe.dispatch import gather_rows, run_sorted
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.init import refuse_missing
@@ -48,7 +50,8 @@ class LookupQuantizedExperts(SwiGLUExperts):
             self.register_buffer(f"{proj}_codes", torch.zeros(num_experts, n, k * bits // 8, dtype=torch.uint8))
             self.register_buffer(f"{proj}_scale", torch.zeros(num_experts, n, k // group_size, dtype=torch.bfloat16))
             if dtype == "bitmod":
-                self.register_buffer(f"{proj}_types", torch.zeros(num_experts, n, k // group_size, dtype=torch.uint8))
+                self.register_buffer(f"{proj}_types", torch.zeros(num_experts, n, -(-k // group_size // 4),
+                                                                  dtype=torch.uint8))
         self.register_buffer("values", table(bits, dtype), persistent=False)  # the lookup table (rebuilt, not saved)
         self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size)) if bias else None
         self.down_proj_bias = torch.nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
@@ -64,7 +67,7 @@ class LookupQuantizedExperts(SwiGLUExperts):
                 getattr(new, f"{proj}_codes")[e].copy_(pack_codes(codes, bits))
                 getattr(new, f"{proj}_scale")[e].copy_(scale)
                 if dtype == "bitmod":
-                    getattr(new, f"{proj}_types")[e].copy_(types)
+                    getattr(new, f"{proj}_types")[e].copy_(pack_types(types))
         for name in ("gate_up_proj_bias", "down_proj_bias"):
             if getattr(experts, name) is not None:
                 getattr(new, name).copy_(getattr(experts, name))
@@ -87,9 +90,13 @@ class LookupQuantizedExperts(SwiGLUExperts):
         """The float32 weight(s) of expert(s) ``e`` (an int, or a 1-d index tensor: a gather) for one projection."""
         k = self.shapes[proj][1]
         codes, scale = getattr(self, f"{proj}_codes")[e], getattr(self, f"{proj}_scale")[e]
-        types = getattr(self, f"{proj}_types")[e] if self.dtype == "bitmod" else None
+        types = unpack_types(getattr(self, f"{proj}_types")[e], k // self.group_size) if self.dtype == "bitmod" else None
         return dequantize_bitmod(unpack_codes(codes, self.bits, k), scale, types, self.bits, self.group_size,
                                  self.dtype, self.values)
+
+    def type_ids(self, proj: str) -> torch.Tensor:
+        """BitMoD's type id of every group of one projection, uint8 [E, N, K/g]."""
+        return unpack_types(getattr(self, f"{proj}_types"), self.shapes[proj][1] // self.group_size)
 
     def dequantized(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) in float: the reference for expert e."""
