@@ -84,7 +84,7 @@ def test_lookup_experts_match_their_dequantized_reference(dtype, bits, bias):
     torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(q._forward_gather(x.detach(), routing), ref.detach(), rtol=1e-5, atol=1e-6)
-    # honest bytes: codes + a bf16 scale per group (+ a 2-bit type id per group for the mixture, padded to bytes per row)
+    # honest bytes: codes + a bf16 scale per group (+ the mixture's 2-bit type ids, each row's padded to a byte)
     groups = 4 * 3 * 64 * 96 // 32
     ids = 4 * (2 * 96 * -(-64 // 32 // 4) + 64 * -(-96 // 32 // 4)) if dtype == "bitmod" else 0
     assert q.nbytes() == 4 * 3 * 64 * 96 * bits // 8 + groups * 2 + ids + bias * 4 * (2 * 96 + 64) * 4
@@ -175,9 +175,9 @@ def test_adaptive_targets_all_picks_a_group_per_linear():
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"dtype": "bitmd", "bits": 4}, "did you mean 'bitmod'"), ({"group_size": "adaptve", "bits": 4}, "did you mean 'adaptive'"),
-    ({"dtype": "bitmod", "bits": 2}, "at one width"), ({"dtype": "bitmod", "bits": 3, "allocation": "pmq", "widths": [2, 4]},
-                                                      "at one width"),
+    ({"dtype": "bitmd", "bits": 4}, "did you mean 'bitmod'"),
+    ({"group_size": "adaptve", "bits": 4}, "did you mean 'adaptive'"), ({"dtype": "bitmod", "bits": 2}, "at one width"),
+    ({"dtype": "bitmod", "bits": 3, "allocation": "pmq", "widths": [2, 4]}, "at one width"),
     ({"dtype": "bitmod", "bits": 4, "group_size": "adaptive"}, "fixed group_size"),
     ({"group_alpha": 0.2, "bits": 4}, "group_alpha tunes"),
     ({"group_size": "adaptive", "bits": 4, "group_alpha": -1}, "group_alpha must be"),

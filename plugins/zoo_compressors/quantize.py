@@ -113,7 +113,8 @@ class Quantize(Compressor):
                                or adaptive):
             raise ValueError(f"dtype={dtype!r} quantizes the experts at one width: allocation='uniform', bits in "
                              f"{BITMOD_BITS} (8 stays int8), targets='experts' and a fixed group_size; got "
-                             f"allocation={allocation!r}, bits={bits!r}, targets={targets!r}, group_size={group_size!r}")
+                             f"allocation={allocation!r}, bits={bits!r}, targets={targets!r}, "
+                             f"group_size={group_size!r}")
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
         if targets not in TARGETS:

@@ -150,12 +150,14 @@ def expert_block(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Ten
     several widths each call fills only its own experts' outputs (the others are zeros), so the sums are exact."""
     # g: one group size, or (gate_up's, down's) where the two projections differ (FineQuant's adaptive groups)
     pair = [(g, g) if isinstance(g, int) else tuple(g) for *_, g, _ in stacks]
-    h = sum(moe_gemv(hidden, indices, gq, gs, bits, g[0], slot) for (gq, gs, _, _, bits, _, slot), g in zip(stacks, pair))
+    h = sum(moe_gemv(hidden, indices, gq, gs, bits, g[0], slot)
+            for (gq, gs, _, _, bits, _, slot), g in zip(stacks, pair))
     safe = indices.clamp(max=num_experts - 1)
     if gate_up_bias is not None:
         h = h + gate_up_bias[safe].to(h.dtype)
     a = glu(h).contiguous()
-    y = sum(moe_gemv(a, indices, dq, ds, bits, g[1], slot) for (_, _, dq, ds, bits, _, slot), g in zip(stacks, pair))
+    y = sum(moe_gemv(a, indices, dq, ds, bits, g[1], slot)
+            for (_, _, dq, ds, bits, _, slot), g in zip(stacks, pair))
     if down_bias is not None:
         y = y + down_bias[safe].to(y.dtype)
     w = torch.where(indices < num_experts, weights, 0).to(y.dtype)  # empty slots: ignored, even if NaN

@@ -98,7 +98,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
 
 
 def pack_types(types: torch.Tensor) -> torch.Tensor:
-    """type ids uint8 [..., G] in 0..3 -> uint8 [..., ceil(G / 4)]: four 2-bit ids a byte (the first in the low bits)."""
+    """type ids uint8 [..., G] in 0..3 -> uint8 [..., ceil(G / 4)]: four 2-bit ids a byte (the first lowest)."""
     pad = -types.shape[-1] % 4
     t = torch.nn.functional.pad(types.to(torch.uint8), (0, pad)).reshape(*types.shape[:-1], -1, 4)
     return t[..., 0] | (t[..., 1] << 2) | (t[..., 2] << 4) | (t[..., 3] << 6)

@@ -90,7 +90,8 @@ class LookupQuantizedExperts(SwiGLUExperts):
         """The float32 weight(s) of expert(s) ``e`` (an int, or a 1-d index tensor: a gather) for one projection."""
         k = self.shapes[proj][1]
         codes, scale = getattr(self, f"{proj}_codes")[e], getattr(self, f"{proj}_scale")[e]
-        types = unpack_types(getattr(self, f"{proj}_types")[e], k // self.group_size) if self.dtype == "bitmod" else None
+        groups = k // self.group_size
+        types = None if self.dtype != "bitmod" else unpack_types(getattr(self, f"{proj}_types")[e], groups)
         return dequantize_bitmod(unpack_codes(codes, self.bits, k), scale, types, self.bits, self.group_size,
                                  self.dtype, self.values)
 
