@@ -119,10 +119,13 @@ def main(argv=None):
         return "; ".join(f"{k}: " + ", ".join(f"{d} {w}" for d, w in zip(domains, v)) for k, v in cmp.items())
     settings = (f"{args.model}, held-out split, {args.windows} windows x 256 tokens per domain, experts only, "
                 f"one thread; bytes per weight count codes, bf16 scales/zeros and BitMoD's 2-bit type ids")
-    fine_note = ("the rule gave every projection stack of a run one group size (" +
-                 ", ".join(f"{k}: {v}" for k, v in groups.items()) + "): the experts' error curves over group sizes "
-                 "are alike (near-Gaussian weights without outlier columns), so there is nothing for a per-matrix "
-                 "choice to adapt to, and each adaptive run is a uniform run")
+    chosen = ", ".join(f"{k}: {v}" for k, v in groups.items())
+    if all(" " not in v for v in groups.values()):  # one size per run: the adaptive run is a uniform run
+        fine_note = (f"the rule gave every projection stack of a run the same group size ({chosen}): the experts' "
+                     "error curves over group sizes are alike (near-Gaussian weights without outlier columns), so "
+                     "there is nothing for a per-matrix choice to adapt to")
+    else:
+        fine_note = f"group sizes chosen per projection stack: {chosen}"
     mod_note = "weight error (what the per-group choice minimises): " + "; ".join(mod_error)
     print("\nFineQuant:", verdict(fine), "-", describe(fine), "-", fine_note)
     print("BitMoD:", verdict(mod), "-", describe(mod), "-", mod_note)
@@ -130,13 +133,14 @@ def main(argv=None):
         return
     from zoo.claims import record
 
-    command = "python benchmarks/quantize_formats_claims.py" + (f" --windows {args.windows}" if args.windows != 8 else "")
+    command = "python benchmarks/quantize_formats_claims.py"
+    command += f" --windows {args.windows}" if args.windows != 8 else ""
     record("quantize", "FineQuant (group_size='adaptive'): group sizes chosen per matrix by the error they cause beat "
-           "uniform group sizes at no more bytes", verdict(fine), f"{describe(fine)}. Why: {fine_note}. Settings: {settings}.", rows,
-           command, args.model)
+           "uniform group sizes at no more bytes", verdict(fine),
+           f"{describe(fine)}. Why: {fine_note}. Settings: {settings}.", rows, command, args.model)
     record("quantize", "BitMoD (dtype='bitmod'): a per-group choice among FP types with special values beats a single "
-           "type and the integer grid at the same group size", verdict(mod), f"{describe(mod)}. The {mod_note}. Settings: "
-           f"{settings}.",
+           "type and the integer grid at the same group size", verdict(mod),
+           f"{describe(mod)}. The {mod_note}. Settings: {settings}.",
            rows, command, args.model)
 
 
