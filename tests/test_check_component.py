@@ -49,6 +49,7 @@ OPTIONS = {
     "experts:mofme": {"film": "hidden"},
     "experts:modality-groups": {"group_sizes": [2, 1, 1]},
     "experts:quantized": {"bits": 3, "group_size": 32},
+    "experts:quantized-lookup": {"bits": 3, "group_size": 32},
     "experts:swiglu": {"bias": True},
 }
 # more checks of one component: keys that are not kind:name
@@ -84,6 +85,7 @@ SKIPPED = {
     **{key: set() for key in ("quantize 8 bits", "quantize pmq", "mixture-of-loras learned", "steer force")},
     "upcycle adamoe": MOE,
     "quantize mixed widths": DENSE_EXPERTS, "experts:channel-topk": DENSE_EXPERTS, "experts:quantized": DENSE_EXPERTS,
+    "experts:quantized-lookup": DENSE_EXPERTS,
     "experts:modality-groups": {"mistral", "qwen2_moe", "deepseek_v3", "zoo_mm"},  # group_sizes sum to 4 experts
     "router:steer": {"mistral", "qwen2_moe", "zoo_mm"},  # layer 1 is dense; zoo_mm's router is no steer base
     "experts:mofme": {"mistral", "gpt_oss"},  # GPT-OSS: biased, clamped experts (mofme shares a plain SwiGLU FFN)

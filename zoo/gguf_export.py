@@ -118,7 +118,7 @@ def expert_codes(experts, proj: str):
     """One projection of a uniform-width quantized expert stack (``matrix_codes``' tuple)."""
     bits = experts.bits[0]
     stored, scale = experts.stored(proj, bits)
-    return matrix_codes(bits, stored, scale, *experts.shapes[proj], experts.group_size)
+    return matrix_codes(bits, stored, scale, *experts.shapes[proj], experts.group_of(proj))
 
 
 def linear_codes(linear):

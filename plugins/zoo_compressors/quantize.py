@@ -1,5 +1,7 @@
 """quantize: weight-only low-bit experts (packed 2/3/4/8-bit, torch's CPU int4/int8 kernels) with a bit
-allocation: ``uniform``, ``pmq`` (MC#, needs calibration) or ``alphaq`` (AlphaQ, no calibration)."""
+allocation: ``uniform``, ``pmq`` (MC#, needs calibration) or ``alphaq`` (AlphaQ, no calibration); formats:
+``group_size="adaptive"`` (FineQuant: a group size per matrix by the error it causes) and ``dtype="bitmod"``
+(BitMoD: each group picks the low-bit floating-point type that fits it best)."""
 import numpy as np
 import torch
 
@@ -13,13 +15,20 @@ from zoo.moe.quantized import (
     quantize_grouped,
     quantize_int8,
 )
+from zoo.moe.bitmod import BITMOD_BITS, DTYPES as LOOKUP_DTYPES
+from zoo.moe.quantized_lookup import LookupQuantizedExperts
+from zoo.options import suggest
 from zoo.stats import layer_stats
 from zoo_compressors.allocation import WIDTHS, allocate, alphaq, esd_alpha, pmq
+from zoo_compressors.finequant import adaptive_group, candidates
 from zoo.demo_controls import Control
 
 ALLOCATIONS = ("uniform", "pmq", "alphaq", "random")  # random: the same budget spent blindly (a baseline)
 TARGETS = ("experts", "all")  # all: the attention projections, dense MLPs and LM head too (as llama.cpp's q8_0/Q4_0)
 GROUP_SIZES = (256, 128, 64, 32)  # what torch's int4 pack takes; the automatic choice prefers 64, then larger
+ADAPTIVE = "adaptive"  # group_size: FineQuant's per-matrix choice
+DTYPES = ("int",) + LOOKUP_DTYPES  # int: the asymmetric integer grid (int4 kernel); bitmod: BitMoD; fp: FP4/FP3 alone
+GROUP_ALPHA = 0.5  # FineQuant rule: a matrix keeps the coarsest group whose error is within 1.5x of the finest's
 
 
 def auto_group_size(sizes) -> int | None:
@@ -44,9 +53,13 @@ def relative_error(w: torch.Tensor, bits: int, group_size: int) -> float:
 
 class Quantize(Compressor):
     name = "quantize"
-    summary = "Packed 2/3/4/8-bit experts with real low-bit kernels; bits allocated uniformly, by PMQ (MC#) or AlphaQ."
+    summary = ("Packed 2/3/4/8-bit experts with real low-bit kernels; bits allocated uniformly, by PMQ (MC#) or "
+               "AlphaQ; FineQuant's adaptive group sizes and BitMoD's per-group data types as formats.")
     paper = ("Huang et al., MC#: Mixture Compressor for Mixture-of-Experts Large Models, 2025, arXiv:2510.10962 "
-             "(PMQ); AlphaQ: Calibration-Free Bit Allocation for MoE Quantization, 2026")
+             "(PMQ); AlphaQ: Calibration-Free Bit Allocation for MoE Quantization, 2026; Kim et al., FineQuant: "
+             "Unlocking Efficiency with Fine-Grained Weight-Only Quantization for LLMs, 2023, arXiv:2308.09723 "
+             "(group_size='adaptive'); Chen et al., BitMoD: Bit-serial Mixture-of-Datatype LLM Acceleration, HPCA "
+             "2025, arXiv:2411.11745 (dtype='bitmod')")
     card = "cards/quantize.md"
     space = "compression-lab"
 
@@ -57,10 +70,13 @@ class Quantize(Compressor):
                         help=f"bits per expert weight: one of {list(BITS)} (uniform), or an average (pmq, alphaq)"),
                 Control("allocation", "choice", "uniform", choices=ALLOCATIONS,
                         help="uniform, or mixed precision per expert: pmq (usage), alphaq (weight spectra), random"),
-                Control("group_size", "choice", group, choices=choices,
-                        help="weights per quantization scale below 8 bits (int8 is per output channel)"),
+                Control("group_size", "choice", group, choices=choices + (ADAPTIVE,),
+                        help="weights per quantization scale below 8 bits (int8 is per output channel); adaptive: "
+                             "FineQuant's choice per matrix"),
                 Control("targets", "choice", "experts", choices=TARGETS,
-                        help="experts only, or every matrix but the embeddings and routers (uniform 4 or 8 bits)")]
+                        help="experts only, or every matrix but the embeddings and routers (uniform 4 or 8 bits)"),
+                Control("dtype", "choice", "int", choices=DTYPES,
+                        help="int grid (kernels), or BitMoD's per-group FP types / plain FP (3 or 4 bits, uniform)")]
 
     @staticmethod
     def demo_group_sizes(model) -> tuple:
@@ -77,8 +93,28 @@ class Quantize(Compressor):
         group = {"group_size": cls.demo_group_sizes(model)[0]}
         return {"mild": {"bits": 8, **group}, "strong": {"bits": 3.5, "allocation": "pmq", **group}}
 
-    def __init__(self, bits: float = 8, allocation: str = "uniform", group_size: int | None = None, widths=WIDTHS,
-                 targets: str = "experts"):
+    def __init__(self, bits: float = 8, allocation: str = "uniform", group_size: int | str | None = None, widths=WIDTHS,
+                 targets: str = "experts", dtype: str = "int", group_alpha: float | None = None):
+        """group_size: weights per scale below 8 bits; None picks one per layer, "adaptive" per matrix (FineQuant).
+        dtype: "int" (the integer grid), "bitmod" (BitMoD's per-group FP types) or "fp" (one FP type, a baseline).
+        group_alpha: with group_size="adaptive", how much more error than the finest group a coarser one may cost."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}{suggest(str(dtype), DTYPES)}")
+        if isinstance(group_size, str) and group_size != ADAPTIVE:
+            raise ValueError(f"group_size must be an integer, None or {ADAPTIVE!r}, got {group_size!r}"
+                             f"{suggest(group_size, [ADAPTIVE])}")
+        adaptive = group_size == ADAPTIVE
+        if group_alpha is not None and not adaptive:
+            raise ValueError("group_alpha tunes group_size='adaptive' (FineQuant); set that too, or drop group_alpha")
+        if group_alpha is not None and (isinstance(group_alpha, bool) or not isinstance(group_alpha, (int, float))
+                                        or not 0 <= group_alpha < float("inf")):
+            raise ValueError(f"group_alpha must be a number >= 0, got {group_alpha!r}")
+        if dtype != "int" and (allocation != "uniform" or bits not in BITMOD_BITS + (8,) or targets != "experts"
+                               or adaptive):
+            raise ValueError(f"dtype={dtype!r} quantizes the experts at one width: allocation='uniform', bits in "
+                             f"{BITMOD_BITS} (8 stays int8), targets='experts' and a fixed group_size; got "
+                             f"allocation={allocation!r}, bits={bits!r}, targets={targets!r}, "
+                             f"group_size={group_size!r}")
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
         if targets not in TARGETS:
@@ -94,12 +130,17 @@ class Quantize(Compressor):
                              f"(the widths {list(widths)}); got {bits!r}")
         if allocation == "uniform" and bits not in BITS:
             raise ValueError(f"uniform allocation needs bits in {BITS}; use pmq or alphaq for an average of {bits}")
-        if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool)
-                                       or group_size < 32 or group_size % 32):
-            raise ValueError(f"group_size must be a positive multiple of 32 (or None: chosen per layer), "
-                             f"got {group_size!r}")
+        if group_size is not None and not adaptive and (not isinstance(group_size, int) or isinstance(group_size, bool)
+                                                        or group_size < 32 or group_size % 32):
+            raise ValueError(f"group_size must be a positive multiple of 32 (or None: chosen per layer, or "
+                             f"{ADAPTIVE!r}: per matrix), got {group_size!r}")
         options = dict(bits=bits, allocation=allocation, group_size=group_size, widths=list(widths))
-        super().__init__(**options, **({"targets": targets} if targets != "experts" else {}))
+        extra = {k: v for k, v in (("targets", targets), ("dtype", dtype), ("group_alpha", group_alpha))
+                 if v != {"targets": "experts", "dtype": "int", "group_alpha": None}[k]}
+        super().__init__(**options, **extra)  # the defaults stay out of the recipe (older recipes read the same)
+        self.dtype, self.adaptive = dtype, adaptive
+        self.group_alpha = GROUP_ALPHA if group_alpha is None else float(group_alpha)
+        group_size = None if adaptive else group_size
         self.bits, self.allocation, self.group_size, self.widths = bits, allocation, group_size, widths
         self.targets, self.targets_linears = targets, targets == "all"
         self.needs_calibration = allocation == "pmq"
@@ -117,6 +158,11 @@ class Quantize(Compressor):
                              "(swiglu) experts")
         sizes = (block.experts.hidden_size, block.experts.intermediate_size)
         grouped = self.allocation != "uniform" or self.bits < 8  # int8 is per output channel: no groups
+        if self.adaptive and grouped:
+            bad = [s for s in sizes if not candidates(s)]
+            if bad:
+                raise ValueError(f"group_size='adaptive': no group size of {sorted(GROUP_SIZES)} divides layer "
+                                 f"{index}'s size {bad[0]}")
         if self.group_size is not None:
             bad = [s for s in sizes if s % self.group_size]
             if grouped and bad:
@@ -129,7 +175,7 @@ class Quantize(Compressor):
                 raise ValueError(f"no group size of {sorted(GROUP_SIZES)} divides layer {index}'s sizes {sizes}: "
                                  f"below 8 bits the int4 kernel needs one; bits=8 (per-channel) works")
             self._groups[index] = g or 64  # unused by all-int8 experts
-        if self.group_size is not None or not grouped:
+        if self.group_size is not None or not grouped or self.adaptive:
             return
         if self._groups[index] != 64:
             self.results.setdefault("group_size_note", {})[str(index)] = (
@@ -139,6 +185,9 @@ class Quantize(Compressor):
         """(bits, group size) of one linear layer: 4-bit groups where a group size divides its input width and
         torch's int4 pack takes its output width (a multiple of 16); else 8 bits per output row, which fit any."""
         g = self.group_size if self.group_size is not None else auto_group_size((linear.in_features,))
+        if self.adaptive and self.bits < 8 and candidates(linear.in_features) and linear.out_features % 16 == 0:
+            w = linear.weight.detach()
+            return int(self.bits), adaptive_group([(w, int(self.bits))], linear.in_features, self.group_alpha)[0]
         if self.bits == 8 or (g and linear.in_features % g == 0 and linear.out_features % 16 == 0):
             return int(self.bits), g or 64
         return 8, 64
@@ -148,6 +197,8 @@ class Quantize(Compressor):
         summary = self.results.setdefault("linears", {"bits": int(self.bits), "count": 0, "weights": 0})
         summary["count"] += 1
         summary["weights"] += linear.weight.numel()
+        if self.adaptive and bits < 8:
+            summary.setdefault("group_size", {})[name] = group
         if bits != self.bits:
             summary.setdefault("at_8_bits", []).append(name)  # its shape has no 4-bit layout
         return QuantizedLinear.from_linear(linear, bits, group)
@@ -198,8 +249,33 @@ class Quantize(Compressor):
     def compress_layer(self, index, block, inputs):
         widths = [int(self.bits)] * block.num_experts if self.allocation == "uniform" else self._planned[index]
         group = self.group_for(index) if min(widths) < 8 else (self.group_size or 64)
-        experts = QuantizedExperts.from_dense(block.experts, widths, group)
         self.results.setdefault("bits", {})[str(index)] = list(map(int, widths))
-        if min(widths) < 8:
+        if self.dtype != "int" and widths[0] == 8:  # like a group size, a data type means nothing to int8 rows
+            self.results["dtype_note"] = f"8 bits are int8 per output channel: dtype={self.dtype!r} applies below 8"
+        elif self.dtype != "int":
+            experts = LookupQuantizedExperts.from_dense(block.experts, int(self.bits), group, self.dtype)
             self.results.setdefault("group_size", {})[str(index)] = group
+            if self.dtype == "bitmod":  # how many groups took each type (BitMoD's mixture at work)
+                from zoo.moe.bitmod import TYPE_NAMES
+
+                counts = sum(torch.bincount(experts.type_ids(p).flatten().long(), minlength=4)
+                             for p in ("gate_up", "down"))
+                self.results.setdefault("types", {})[str(index)] = dict(zip(TYPE_NAMES["bitmod"], counts.tolist()))
+            return block.with_parts(experts=experts)
+        groups = self.adaptive_groups(block.experts, widths) if self.adaptive and min(widths) < 8 else None
+        if self.adaptive and groups is None:
+            self.results["adaptive_note"] = "8 bits are int8 per output channel: no groups to choose"
+        experts = QuantizedExperts.from_dense(block.experts, widths, group, group_sizes=groups)
+        if min(widths) < 8:
+            self.results.setdefault("group_size", {})[str(index)] = groups or group
         return block.with_parts(experts=experts)
+
+    def adaptive_groups(self, dense, widths) -> dict:
+        """FineQuant: a group size per projection stack (gate_up and down of this layer's experts), each chosen by
+        the error it causes (``finequant.adaptive_group``) over the stack's sub-8-bit experts. Per stack, not per
+        expert: one stack's scales [n, K/g, N, 2] share one group size, which the kernels read in place."""
+        out = {}
+        for proj, stack in (("gate_up", dense.gate_up_proj), ("down", dense.down_proj)):
+            pairs = [(stack[e].detach(), b) for e, b in enumerate(widths) if b < 8]
+            out[proj] = adaptive_group(pairs, stack.shape[-1], self.group_alpha)[0]
+        return out

@@ -37,6 +37,12 @@ def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, group_size, scale.to(x.dtype))
 
 
+def _group(scale: torch.Tensor, x: torch.Tensor, default: int) -> int:
+    """A stack's group size from its scale/zero shape [S, K/g, N, 2] (the two projections may differ); int8's
+    per-row scales [S, N] have none."""
+    return x.shape[-1] // scale.shape[1] if scale.dim() == 4 else default
+
+
 def _glu(h: torch.Tensor, activation: str, limit: float, alpha: float) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
     return ACTIVATIONS[activation](gate, up, limit, alpha)
@@ -57,10 +63,11 @@ def lowbit_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.T
     def expert(e, x):
         w, j = stack_of[e], slot[e]
         gq, gs, dq, ds = stacks[4 * w: 4 * w + 4]
-        h = kernel_linear(x, gq[j], gs[j], kernel_bits[w], group_size)
+        h = kernel_linear(x, gq[j], gs[j], kernel_bits[w], _group(gs, x, group_size))
         if gate_up_bias is not None:
             h = h + gate_up_bias[e]
-        y = kernel_linear(_glu(h, activation, limit, alpha), dq[j], ds[j], kernel_bits[w], group_size)
+        a = _glu(h, activation, limit, alpha)
+        y = kernel_linear(a, dq[j], ds[j], kernel_bits[w], _group(ds, a, group_size))
         return y if down_bias is None else y + down_bias[e]
 
     if indices.numel() > len(slot):

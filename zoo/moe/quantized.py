@@ -7,8 +7,9 @@ Per expert and projection, a weight ``W [N, K]`` is stored as
     per-group scale and zero. torch has no 2/3-bit CPU kernel, so on first use each such weight is
     expanded into the int4 pack (its codes fit in 0..15) and runs on the int4 kernel: 2/3 bits on disk
     and in the saved model, 4 bits in the kernel's working copy.
-Experts in one layer may use different bit widths (mixed-precision allocation). Inputs get gradients
-(through the dequantized weight); the packed weights are frozen.
+Experts in one layer may use different bit widths (mixed-precision allocation), and the two projection stacks
+different group sizes (``group_sizes``, FineQuant's adaptive choice; every width of a projection shares it). Inputs
+get gradients (through the dequantized weight); the packed weights are frozen.
 """
 from __future__ import annotations
 
@@ -126,22 +127,29 @@ class QuantizedExperts(SwiGLUExperts):
     space = "compression-lab"
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bits, group_size: int = 64,
-                 activation: str = "silu", bias: bool = False, swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702):
+                 activation: str = "silu", bias: bool = False, swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702,
+                 group_sizes: dict | None = None):
         torch.nn.Module.__init__(self)
         bits = [int(b) for b in (bits if isinstance(bits, (list, tuple)) else [bits] * num_experts)]
         if len(bits) != num_experts or any(b not in BITS for b in bits):
             raise ValueError(f"bits must be {num_experts} values from {BITS}, got {bits}")
-        if group_size % 32 or group_size < 32:
-            raise ValueError(f"group_size must be a positive multiple of 32, got {group_size}")
-        for name, k in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if k % group_size and min(bits) < 8:  # int8 is per output channel: only 2/3/4 bits have groups
-                raise ValueError(f"group_size must be a multiple of 32 dividing {name}={k}, got {group_size}")
+        # one group size per projection stack (FineQuant's adaptive choice), else the layer's ``group_size``: the
+        # scales of a stack [n, K/g, N, 2] share one shape, so the choice is per stack, not per expert
+        groups = {"gate_up": group_size, "down": group_size, **(group_sizes or {})}
+        if set(groups) != {"gate_up", "down"}:
+            raise ValueError(f"group_sizes has the keys 'gate_up' and 'down', got {sorted(group_sizes)}")
+        for (proj, g), (name, k) in zip(groups.items(), (("hidden_size", hidden_size),
+                                                         ("intermediate_size", intermediate_size))):
+            if not isinstance(g, int) or g % 32 or g < 32:
+                raise ValueError(f"group_size must be a positive multiple of 32, got {g}")
+            if k % g and min(bits) < 8:  # int8 is per output channel: only 2/3/4 bits have groups
+                raise ValueError(f"group_size must be a multiple of 32 dividing {name}={k}, got {g}")
         from zoo.moe.experts import ACTIVATIONS
 
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.activation, self.swiglu_limit, self.swiglu_alpha = activation, swiglu_limit, swiglu_alpha
         self._act = ACTIVATIONS[activation]
-        self.bits, self.group_size = bits, group_size
+        self.bits, self.group_size, self.groups = bits, group_size, groups
         self.widths = sorted(set(bits))
         self.slot = [bits[:e].count(b) for e, b in enumerate(bits)]  # expert e's position in its width's stack
         self.shapes = {"gate_up": (2 * intermediate_size, hidden_size), "down": (hidden_size, intermediate_size)}
@@ -154,7 +162,7 @@ class QuantizedExperts(SwiGLUExperts):
                 else:
                     self.register_buffer(f"{proj}_int{b}", torch.zeros(count, n, k * b // 8, dtype=torch.uint8))
                     self.register_buffer(f"{proj}_int{b}_scale_zero",
-                                         torch.zeros(count, k // group_size, n, 2, dtype=torch.bfloat16))
+                                         torch.zeros(count, k // groups[proj], n, 2, dtype=torch.bfloat16))
         # index tables for the compiled gather path (not saved: ``bits`` rebuilds them)
         self.register_buffer("width_of", torch.tensor(bits), persistent=False)
         self.register_buffer("slot_of", torch.tensor(self.slot), persistent=False)
@@ -165,12 +173,13 @@ class QuantizedExperts(SwiGLUExperts):
 
     @classmethod
     @torch.no_grad()
-    def from_dense(cls, experts: SwiGLUExperts, bits, group_size: int = 64) -> QuantizedExperts:
+    def from_dense(cls, experts: SwiGLUExperts, bits, group_size: int = 64,
+                   group_sizes: dict | None = None) -> QuantizedExperts:
         opts = experts.options()
-        new = cls(bits=bits, group_size=group_size, **opts)
+        new = cls(bits=bits, group_size=group_size, group_sizes=group_sizes, **opts)
         for e, b in enumerate(new.bits):
             for proj, weight in (("gate_up", experts.gate_up_proj[e]), ("down", experts.down_proj[e])):
-                q, s = quantize_int8(weight) if b == 8 else quantize_grouped(weight, group_size, b)[:2]
+                q, s = quantize_int8(weight) if b == 8 else quantize_grouped(weight, new.groups[proj], b)[:2]
                 stored, scale = new.stored(proj, b)
                 stored[new.slot[e]].copy_(q)
                 scale[new.slot[e]].copy_(s)
@@ -192,7 +201,12 @@ class QuantizedExperts(SwiGLUExperts):
     def options(self) -> dict:
         opts = super().options()
         opts.update(bits=list(self.bits), group_size=self.group_size)
+        if len(set(self.groups.values())) > 1 or self.groups["gate_up"] != self.group_size:
+            opts["group_sizes"] = dict(self.groups)  # recorded only where it differs (older layouts stay as they were)
         return opts
+
+    def group_of(self, proj: str) -> int:
+        return self.groups[proj]
 
     def stored(self, proj: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The stacked packed weights of one width and their scales (scale/zero below 8 bits)."""
@@ -202,7 +216,7 @@ class QuantizedExperts(SwiGLUExperts):
     def dequantized(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) in float: the reference for expert e."""
         b, j = self.bits[e], self.slot[e]
-        return tuple(dequantize(b, self.stored(p, b)[0][j], self.stored(p, b)[1][j], self.shapes[p], self.group_size)
+        return tuple(dequantize(b, self.stored(p, b)[0][j], self.stored(p, b)[1][j], self.shapes[p], self.groups[p])
                      for p in ("gate_up", "down"))
 
     def _apply(self, fn, *args, **kwargs):
@@ -221,7 +235,7 @@ class QuantizedExperts(SwiGLUExperts):
 
     def _linear(self, x, proj: str, bits: int, slot):
         q, scale, kernel_bits = self.kernel_stack(proj, bits)
-        return lowbit_linear(x, pick(q, slot), pick(scale, slot), kernel_bits, self.group_size, self.shapes[proj])
+        return lowbit_linear(x, pick(q, slot), pick(scale, slot), kernel_bits, self.groups[proj], self.shapes[proj])
 
     def _expert_at(self, bits: int, slot, x: torch.Tensor, e) -> torch.Tensor:
         h = self._linear(x, "gate_up", bits, slot)
@@ -257,7 +271,8 @@ class QuantizedExperts(SwiGLUExperts):
         stacks = [self.kernel_stack("gate_up", b)[:2] + self.kernel_stack("down", b) for b in self.widths]
         if use_kernel(hidden, routing, *(t for st in stacks for t in st[:4])):
             maps = self.slot_maps()
-            stacks = [(gq, gs, dq, ds, kb, self.group_size, maps[b])
+            groups = (self.groups["gate_up"], self.groups["down"])
+            stacks = [(gq, gs, dq, ds, kb, groups, maps[b])
                       for (gq, gs, dq, ds, kb), b in zip(stacks, self.widths)]
             return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self.glu,
                                         self.gate_up_proj_bias, self.down_proj_bias)
