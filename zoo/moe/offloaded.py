@@ -11,6 +11,7 @@ step cannot hold a cache on the host.
 """
 from __future__ import annotations
 
+import copy
 import os
 from collections import Counter, OrderedDict
 
@@ -92,9 +93,15 @@ class ShardReader:
         self.files, self.reader = files, reader  # tensor name -> shard file
         self._fds: dict[str, int] = {}
         self._handles: dict = {}
+        self._info: dict[str, tuple] = {}
 
     def info(self, key: str) -> tuple[torch.dtype, tuple, int, int]:
-        """(dtype, shape, data offset, bytes) of a stored tensor."""
+        """(dtype, shape, data offset, bytes) of a stored tensor (its shard's header parsed once)."""
+        if key not in self._info:
+            self._info[key] = self._read_info(key)
+        return self._info[key]
+
+    def _read_info(self, key: str) -> tuple[torch.dtype, tuple, int, int]:
         start, header = shard_header(self.files[key])
         info = header[key]
         if info["dtype"] not in DTYPES:
@@ -194,6 +201,7 @@ class OffloadedExperts(Experts):
         self.reader, self.cache = reader, cache
         self.__dict__["stored"] = stored  # not a submodule: its meta tensors are not the model's
         self._quantized = isinstance(stored, QuantizedExperts)
+        self._empty: dict[str, Experts] = {}  # one-expert modules on meta, by options: copied, not rebuilt, per miss
 
     def options(self) -> dict:
         raise NotOffloadable("an offloaded model cannot be saved or re-laid out: its experts live in the checkpoint "
@@ -210,8 +218,12 @@ class OffloadedExperts(Experts):
         from transformers.initialization import no_init_weights
 
         opts, rows = one_expert_plan(self.stored, e)
-        with no_init_weights(), torch.device("meta"):
-            module = type(self.stored)(**opts)
+        key = repr(sorted(opts.items()))
+        if key not in self._empty:
+            with no_init_weights(), torch.device("meta"):
+                self._empty[key] = type(self.stored)(**opts)
+        # a copy of the empty module: building one checks its options (~1 ms, most of a small expert's miss)
+        module = copy.deepcopy(self._empty[key])
         tensors = {name: self.reader.row(self.keys[name], row) if isinstance(self.keys[name], str) else
                    torch.cat([self.reader.whole(k.format(e=row)) for k in self.keys[name]])[None]
                    for name, row in rows.items()}
