@@ -210,7 +210,7 @@ def main(argv=None):
                 print(f"  {storage}: {spec['label']} done ({r['decode']:.1f} tok/s)", flush=True)
     print(f"\n{args.new_tokens} greedy tokens after a {args.prompt}-token prompt, batch 1, {args.threads} threads; "
           f"{'mixtral-smoke' if args.smoke else 'Mixtral-shaped 304M (4 layers x 8 experts, top-2)'}; "
-          "each row a fresh process; timings under load (machine shared)")
+          "each row a fresh process")
     head = (f"{'experts':8} {'ckpt MB':>7} {'engine':30} {'decode tok/s':>12} {'peak RSS MB':>11} "
             f"{'start MB':>8} {'peak-start':>10} {'cache MB':>8} {'load s':>6} {'hits/tok':>8} {'misses/tok':>10} "
             f"{'MB read/tok':>11} {'same tokens':>11}")
