@@ -12,7 +12,7 @@ on the same tokens, each with two dense FFNs' worth of active expert compute per
 Claims: AdaMoE upcycling beats plain upcycling at equal steps and tokens (the issue's); decoupled beats coupled
 (the paper's). Experts are perturbed by the same relative noise in every arm (the paper adds noise to its copies).
 
-    python benchmarks/adamoe.py --steps 40 --batch 8 --windows 8      # the recorded run (a few minutes)
+    python benchmarks/adamoe.py --steps 120 --lr 0.0002               # the recorded run (~10 minutes)
     python benchmarks/adamoe.py --steps 2 --windows 2 --no-record     # smoke
 """
 from __future__ import annotations
