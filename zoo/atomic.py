@@ -7,6 +7,15 @@ tokenizer saved first stays). The one exception is a previous save's weight file
 longer writes: a stale ``model.safetensors`` would shadow a new sharded index in ``from_pretrained``.
 A crash or kill while staging leaves the destination as it was; the next save into it removes the dead
 save's staging folder.
+
+One file (a GGUF export, a plot, a JSON record) goes the same way through ``atomic_file``: staged in a new hidden
+file beside the target (created exclusively, so never a user's file and never through a symbolic link), then
+published with one link or rename. Without ``overwrite`` it never replaces anything at the target, not even a
+dangling link; with it, the target's directory entry is replaced (a link at the target is replaced, never written
+through).
+
+``check_apart(source, out)`` refuses an output that is its input's folder or lies inside it (a fine-tune saved
+into its base, a merge into its adapter), before any work.
 """
 from __future__ import annotations
 
@@ -64,17 +73,95 @@ def atomic_directory(dest):
 
 
 def remove_dead_staging(folder: Path) -> list[str]:
-    """Remove staging folders left in ``folder`` by saves whose process is gone; returns their names."""
+    """Remove staging folders and files left in ``folder`` by saves whose process is gone (names that only the
+    zoo's writers make); returns their names."""
     removed = []
-    for entry in folder.iterdir():
-        if not entry.name.startswith(STAGING_PREFIX) or not entry.is_dir():
+    for entry in Path(folder).iterdir():
+        if not entry.name.startswith(STAGING_PREFIX) or entry.is_symlink():
             continue
         pid = entry.name[len(STAGING_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and _alive(int(pid)):
-            continue  # a concurrent save is still writing it
-        shutil.rmtree(entry, ignore_errors=True)
+        if not pid.isdigit() or _alive(int(pid)):
+            continue  # a concurrent save is still writing it (or the name is not one the zoo made)
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
         removed.append(entry.name)
     return removed
+
+
+def check_new_file(path, overwrite: bool = False) -> Path:
+    """``path`` as a file a write may create: its folder exists, it is not a folder, and (unless ``overwrite``)
+    nothing is there, not even a symbolic link. ``FileExistsError`` / ``SaveTargetError`` / ``FileNotFoundError``
+    with the reason otherwise."""
+    raw = os.fspath(path)
+    if not raw.strip():
+        raise SaveTargetError("no output file given")
+    path = Path(raw).expanduser()
+    if path.is_dir():
+        raise SaveTargetError(f"{raw!r} is a folder: name a file in it")
+    if os.path.lexists(path) and not overwrite:
+        what = "a symbolic link" if path.is_symlink() else "a file"
+        raise FileExistsError(f"{raw!r} exists ({what}): the zoo does not replace it (remove it, or name another)")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {raw!r}: there is no folder {os.fspath(path.parent)!r}")
+    return path
+
+
+@contextmanager
+def atomic_file(path, overwrite: bool = False):
+    """``with atomic_file(path) as tmp: write the file tmp``: on success tmp becomes ``path`` in one step; on any
+    error ``path`` is as it was and tmp is gone. Without ``overwrite`` an existing ``path`` (file or link) is
+    refused before the body runs, and again at the end if one appeared meanwhile (nothing is replaced)."""
+    path = check_new_file(path, overwrite)
+    remove_dead_staging(path.parent)
+    fd, staged = tempfile.mkstemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", suffix=f"-{path.name}", dir=path.parent)
+    os.close(fd)
+    try:
+        yield staged
+        _fsync(Path(staged))
+        if os.path.isdir(path):
+            raise SaveTargetError(f"{os.fspath(path)!r} became a folder while it was written")
+        if overwrite:
+            os.replace(staged, path)
+        else:
+            _link_new(staged, path)
+        _fsync_dir(path.parent)
+    finally:
+        Path(staged).unlink(missing_ok=True)
+
+
+def _link_new(staged: str, path: Path) -> None:
+    """``staged`` at ``path`` without replacing anything there (a hard link fails if the name exists)."""
+    try:
+        os.link(staged, path, follow_symlinks=False)
+    except FileExistsError:
+        raise FileExistsError(f"{os.fspath(path)!r} appeared while it was written: the zoo does not replace it") \
+            from None
+    except OSError:  # a file system without hard links: check, then rename (a narrow race remains)
+        if os.path.lexists(path):
+            raise FileExistsError(f"{os.fspath(path)!r} exists: the zoo does not replace it") from None
+        os.rename(staged, path)
+
+
+def write_text(path, text: str, overwrite: bool = False) -> Path:
+    """``text`` written to ``path`` through ``atomic_file``."""
+    with atomic_file(path, overwrite) as tmp:
+        Path(tmp).write_text(text)
+    return Path(path)
+
+
+def check_apart(source, out, what: str = "the output") -> None:
+    """``SaveTargetError`` when ``out`` is the folder ``source`` or lies inside it: writing there would change the
+    input (its files replaced or joined by the output's). Both are compared as resolved real paths."""
+    if source is None or out is None or not os.path.isdir(os.fspath(source)):
+        return
+    src = Path(os.fspath(source)).expanduser().resolve()
+    dst = Path(os.fspath(out)).expanduser().resolve()
+    if dst == src or src in dst.parents:
+        where = "is" if dst == src else "lies inside"
+        raise SaveTargetError(f"{what} {os.fspath(out)!r} {where} the input folder {os.fspath(source)!r}: writing "
+                              "there would change the input; name a folder outside it")
 
 
 def _alive(pid: int) -> bool:

@@ -8,6 +8,7 @@ a ``SparseMoE`` as soon as its layer is read.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -15,7 +16,6 @@ from collections import defaultdict
 from functools import lru_cache
 
 import torch
-from safetensors import safe_open
 
 from zoo import finite
 
@@ -31,16 +31,42 @@ class CheckpointError(ValueError):
 
 
 def weight_map(path) -> dict[str, str]:
-    """``{tensor name: shard file}`` of a safetensors checkpoint folder."""
+    """``{tensor name: shard file}`` of a safetensors checkpoint folder (an index whose JSON or shape is broken, or
+    that names a file outside the folder, is a ``CheckpointError`` naming it)."""
     index = os.path.join(path, INDEX)
     if os.path.exists(index):
-        with open(index) as f:
-            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+        try:
+            with open(index) as f:
+                entries = json.load(f)["weight_map"]
+            if not isinstance(entries, dict) or not all(isinstance(v, str) for v in entries.values()):
+                raise TypeError("weight_map is not {tensor: file}")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc})") from None
+        outside = sorted({v for v in entries.values() if os.path.basename(v) != v or v in ("", ".", "..")})
+        if outside:
+            raise CheckpointError(f"{index} names shard {outside[0]!r}, which is not a file of the folder")
+        return {k: os.path.join(path, v) for k, v in entries.items()}
     single = os.path.join(path, SINGLE)
     if os.path.exists(single):
-        with safe_open(single, "pt") as f:
-            return {k: single for k in f.keys()}
+        return {k: single for k in shard_header(single)[1] if k != "__metadata__"}
     raise CheckpointError(f"{path} has no {SINGLE} or {INDEX} (only safetensors checkpoints are read)")
+
+
+def checked_weight_map(path) -> dict[str, str]:
+    """``weight_map`` with every shard present and holding each tensor the index gives it (an index naming the
+    wrong shard is refused with the shard it named and the one that holds the tensor, if any)."""
+    files = weight_map(path)
+    holders: dict[str, str] = {}
+    for file in sorted(set(files.values())):
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{path}: the index names shard {os.path.basename(file)}, which is not there")
+        holders.update({k: file for k in shard_header(file)[1] if k != "__metadata__"})
+    for key, file in files.items():
+        if holders.get(key) != file:
+            found = f"it is in {os.path.basename(holders[key])}" if key in holders else "no shard holds it"
+            raise CheckpointError(f"{path}: the index puts tensor {key} in {os.path.basename(file)}, which does not "
+                                  f"hold it ({found})")
+    return files
 
 
 def checkpoint_bytes(path) -> int:
@@ -51,14 +77,79 @@ def checkpoint_bytes(path) -> int:
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
           "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+MAX_HEADER = 100 * 1024**2  # safetensors' own bound on a header's size
+
+
+def file_key(file: str) -> tuple:
+    """What identifies a file's contents for a cache: its real path, inode, size and modification time (a file
+    rewritten in place, or replaced, gets a new key)."""
+    st = os.stat(file)
+    return os.path.realpath(file), st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def shard_header(file: str) -> tuple[int, dict]:
+    """(offset of the data, the JSON header) of a safetensors file, checked: a bounded header length, valid JSON,
+    known dtypes, and every tensor's byte range inside the file and of its shape's size. Cached per file contents
+    (``file_key``), so a file rewritten since it was read is read anew."""
+    try:
+        key = file_key(file)
+    except FileNotFoundError:
+        raise CheckpointError(f"shard {file} is not there") from None
+    return _parsed_header(*key)
 
 
 @lru_cache(maxsize=256)
-def shard_header(file: str) -> tuple[int, dict]:
-    """(offset of the data, the JSON header) of a safetensors file."""
+def _parsed_header(file: str, _inode: int, size: int, _mtime: int) -> tuple[int, dict]:
     with open(file, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        return 8 + n, json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{file} is not a safetensors file ({size} bytes: shorter than a header)")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(MAX_HEADER, size - 8):
+            raise CheckpointError(f"{file} is not a safetensors file (or is truncated): its header claims {n} bytes "
+                                  f"in a file of {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{file} has a corrupt safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file} has a corrupt safetensors header (not a JSON object)")
+    data = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = DTYPES.get(info["dtype"]), tuple(info["shape"]), info["data_offsets"]
+            numel = math.prod(shape)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{file}: the header entry of tensor {name} is malformed") from None
+        if dtype is None:
+            raise CheckpointError(f"{file}: tensor {name} has dtype {info['dtype']}, which the zoo does not read")
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data) or \
+                any(not isinstance(d, int) or d < 0 for d in shape):
+            raise CheckpointError(f"{file}: tensor {name} lies outside the file (truncated, or a corrupt header)")
+        if end - begin != numel * dtype.itemsize:
+            raise CheckpointError(f"{file}: tensor {name} holds {end - begin} bytes, its shape {list(shape)} needs "
+                                  f"{numel * dtype.itemsize}")
+    return 8 + n, header
+
+
+def check_stored_dtypes(where, stored: dict, model) -> None:
+    """``CheckpointError`` when a stored tensor's dtype cannot be the weight it loads into: integers or booleans
+    into a floating-point tensor of ``model`` (they would load as numbers converted from codes), or a float into an
+    integer one (packed codes). ``stored``: ``{name: torch dtype}``; a name the model does not have (renamed by the
+    family's conversion) must be floating point, as every family's weights are."""
+    targets = {k: t.dtype for k, t in model.state_dict(keep_vars=True).items()}
+    for name, dtype in stored.items():
+        target = targets.get(name)
+        if target is None:
+            fits = dtype.is_floating_point
+        else:
+            fits = dtype.is_floating_point == target.is_floating_point
+        if not fits:
+            want = target if target is not None else "a floating-point weight"
+            raise CheckpointError(f"{where}: tensor {name} is stored as {dtype}, but it loads into {want}: the "
+                                  "checkpoint is corrupt or of another format")
 
 
 class ShardTensor:
@@ -70,9 +161,9 @@ class ShardTensor:
     def __init__(self, file: str, key: str):
         self.file, self.key = file, key
         start, header = shard_header(file)
-        info = header[key]
-        if info["dtype"] not in DTYPES:
-            raise CheckpointError(f"{file}: tensor {key} has dtype {info['dtype']}, which the zoo does not read")
+        info = header.get(key)
+        if info is None or key == "__metadata__":
+            raise CheckpointError(f"{file} does not hold tensor {key} (the index names the wrong shard?)")
         self.dtype, self.shape = DTYPES[info["dtype"]], tuple(info["shape"])
         self.offset, self.nbytes = start + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0]
 
@@ -86,6 +177,14 @@ class ShardTensor:
 
     def __getitem__(self, index):
         return self.read()[index]
+
+
+def read_checked(file: str, key: str) -> torch.Tensor:
+    """Tensor ``key`` of the shard ``file``, read through the checked header and refused if it holds NaN or inf."""
+    tensor = ShardTensor(file, key).read()
+    if finite.enabled() and finite.non_finite([(key, tensor)]):
+        raise CheckpointError(f"{file}: NaN or inf in {key}")
+    return tensor
 
 
 def read_tensors(keys_by_file: dict[str, list[str]]) -> dict[str, torch.Tensor]:
@@ -128,7 +227,7 @@ class Checkpoint:
         self.path = os.fspath(path)
         if not os.path.isdir(self.path):
             raise CheckpointError(f"{self.path} is not a checkpoint folder")
-        self.files = weight_map(self.path)
+        self.files = checked_weight_map(self.path)
         self.by_layer: dict[int | None, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
         for key, file in self.files.items():
             m = LAYER_KEY.match(key)
@@ -138,6 +237,11 @@ class Checkpoint:
         self.dtype = self.config.dtype if isinstance(self.config.dtype, torch.dtype) else torch.float32
         self.model = self._skeleton()
         self.layers = self.model.model.layers
+        extra = sorted(i for i in self.by_layer if i is not None and not 0 <= i < len(self.layers))
+        if extra:
+            raise CheckpointError(f"{self.path} holds tensors of layer {extra[0]}"
+                                  f"{f' (and {len(extra) - 1} more layers)' if len(extra) > 1 else ''}, but its config "
+                                  f"has {len(self.layers)} layers: they would be dropped (fix num_hidden_layers)")
 
     @property
     def nbytes(self) -> int:
@@ -200,6 +304,7 @@ class Checkpoint:
         os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
         try:
             lazy = {k: ShardTensor(file, k) for file, keys in keys_by_file.items() for k in keys}
+            check_stored_dtypes(self.path, {k: t.dtype for k, t in lazy.items()}, model)
             info, _ = convert_and_load_state_dict_in_model(
                 model, lazy, LoadStateDictConfig(dtype=self.dtype, weight_mapping=self.weight_mapping,
                                                  device_map={"": "cpu"}))
@@ -210,6 +315,11 @@ class Checkpoint:
             else:
                 os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = async_load
         wanted = {k for k in info.missing_keys if prefix_filter(k)}
+        ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+        unexpected = sorted(k for k in info.unexpected_keys if not any(p.search(k) for p in ignored))
+        if unexpected:
+            raise CheckpointError(f"{self.path}: tensors the model has no place for: {unexpected[:5]}"
+                                  f"{' ...' if len(unexpected) > 5 else ''} (a checkpoint of another layout?)")
         if info.mismatched_keys:
             key, got, want = sorted(info.mismatched_keys)[0]
             raise CheckpointError(f"{self.path}: tensor {key} has shape {tuple(got)}, the config needs {tuple(want)}")

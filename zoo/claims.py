@@ -13,6 +13,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from zoo.atomic import write_text
+
 VERDICTS = ("holds", "holds in part", "does not hold", "untestable here")
 FOLDER = "docs/claims"
 FIELDS = ("claim", "verdict", "summary", "numbers", "command", "model", "commit", "date")
@@ -50,9 +52,8 @@ def record(component: str, claim: str, verdict: str, summary: str, numbers, comm
     entries.append({"claim": claim, "verdict": verdict, "summary": summary, "numbers": numbers, "command": command,
                     "model": model, "commit": _commit(path.parent), "date": datetime.date.today().isoformat()})
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"component": component, "claims": entries}, indent=1) + "\n")
-    os.replace(tmp, path)  # a reader never sees half a file
+    # the script's own file, replaced whole (a reader never sees half a file)
+    write_text(path, json.dumps({"component": component, "claims": entries}, indent=1) + "\n", overwrite=True)
     return path
 
 
@@ -124,7 +125,7 @@ def write_readme(path: str | os.PathLike | None = None) -> None:
     path = Path(path) if path is not None else Path(__file__).resolve().parent.parent / "README.md"
     text = path.read_text()
     start, end = (text.index(marker) for marker in README_MARKERS)
-    path.write_text(text[:start + len(README_MARKERS[0])] + "\n" + readme_table() + text[end:])
+    write_text(path, text[:start + len(README_MARKERS[0])] + "\n" + readme_table() + text[end:], overwrite=True)
 
 
 if __name__ == "__main__":

@@ -165,6 +165,7 @@ def convert(src, out, stream, max_memory):
     import zoo
     from zoo import stream as streaming
 
+    _apart(src, out)
     _either(src, stream, max_memory, lambda: streaming.convert(src, out),
             lambda: streaming.save(zoo.load(src), out, src))
     click.echo(f"saved {src} as a zoo model to {out}")
@@ -199,6 +200,7 @@ def export(src, out, fmt, stream, max_memory):
         click.echo(f"exported {src} (gguf) to {out}")
         return
     save_folder(click.get_current_context(), None, out)
+    _apart(src, out)
     _either(src, stream, max_memory, lambda: streaming.export(src, out), lambda: zoo.export(loaded(), out))
     click.echo(f"exported {src} ({fmt}) to {out}")
 
@@ -212,11 +214,13 @@ def merge(src, out):
     import zoo
     from zoo import stream as streaming
     from zoo.adapter_folder import is_adapter_folder
+    from zoo.loading import check_output_apart
 
     with one_line():
         if not is_adapter_folder(src):
             raise ValueError(f"{src} is not an adapter folder (no adapter_config.json without a config.json): "
                              "nothing to merge")
+        check_output_apart(out, src, what="OUT")  # neither the adapter's folder nor its base's
         model = zoo.load(src).merge_and_unload()
         streaming.save(model, out, model.config.name_or_path)
     click.echo(f"merged {src} into its base; saved to {out}")
@@ -251,6 +255,14 @@ def eval_command(model, as_json, plot, windows, no_speed, stream, max_memory):
         for layer in layers:
             click.echo(f"usage {domain:8} layer {layer['layer']}: {layer['counts']} "
                        f"(entropy {layer['entropy_bits']:.2f} of at most {layer['max_entropy_bits']:.2f} bits)")
+
+
+def _apart(src, out) -> None:
+    """OUT must not be SRC's folder (or its adapter's base), nor inside it: refused before any work."""
+    from zoo.loading import check_output_apart
+
+    with one_line():
+        check_output_apart(out, src, what="OUT")
 
 
 def _calibration(ctx, param, value):
@@ -290,6 +302,7 @@ def apply(src, steps, out, calibration, stream, max_memory):
     for name, _ in parsed:
         with one_line():
             find(name)
+    _apart(src, out)
 
     def streamed():
         streaming.apply(src, parsed, out, calibration=calibration)

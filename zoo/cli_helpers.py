@@ -57,9 +57,13 @@ def save_folder(ctx, param, value):
 
 
 def new_file(ctx, param, value):
-    """A click callback for an output file: its folder must exist (checked before any work)."""
+    """A click callback for an output file: its folder must exist and nothing may be at its name (the zoo never
+    replaces a file it was not asked to), checked before any work."""
+    from zoo.atomic import check_new_file
+
     if value is not None:
-        folder = os.path.dirname(os.path.abspath(os.path.expanduser(value)))
-        if not os.path.isdir(folder):
-            raise click.BadParameter(f"cannot write {value!r}: there is no folder {folder!r}", ctx, param)
+        try:
+            check_new_file(value)
+        except (OSError, ValueError) as exc:
+            raise click.BadParameter(str(exc), ctx, param) from None
     return value

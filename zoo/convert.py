@@ -114,6 +114,9 @@ def export(model, path, format: str = "native") -> str:
         export_gguf(model, path)
         return os.fspath(path)
 
+    from zoo.loading import check_output_apart
+
+    check_output_apart(path, model, what="the export")  # a native config over the zoo folder it came from: refused
     fam = family_of(model)
     native_cfg = native_config(model, expand_maps=True)
     state = dict(model.state_dict())

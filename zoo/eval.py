@@ -166,8 +166,11 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_usage(result: dict, path: str, title: str = "expert usage") -> str:
-    """Heatmaps of routed-token share per layer x expert, one panel per domain, saved as PNG."""
+def plot_usage(result: dict, path: str, title: str = "expert usage", overwrite: bool = False) -> str:
+    """Heatmaps of routed-token share per layer x expert, one panel per domain, saved as PNG at ``path`` (through
+    ``zoo.atomic.atomic_file``: an existing file is replaced only with ``overwrite``)."""
+    from zoo.atomic import atomic_file
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,6 +194,9 @@ def plot_usage(result: dict, path: str, title: str = "expert usage") -> str:
         fig.colorbar(im, ax=ax, label="share of routed tokens")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with atomic_file(path, overwrite) as staged:
+            fig.savefig(staged, dpi=100, format="png")
+    finally:
+        plt.close(fig)
     return path

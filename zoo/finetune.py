@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from zoo.atomic import atomic_directory
+from zoo.atomic import atomic_directory, check_target
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokens import token_stream, train_batch
 from zoo.eval import check_positions, perplexity_and_usage
-from zoo.loading import copy_side_files, tokenizer_for
+from zoo.loading import check_output_apart, copy_side_files, tokenizer_for
 from zoo.options import check_int
 from zoo.adapter_folder import portable_base
 from zoo.layout import moe_layers
@@ -97,6 +97,9 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
         raise ValueError(f"lr must be a positive finite number, got {lr!r}")
     check_int("seed", seed, 0, 2**32 - 1)
+    if out is not None:
+        check_target(out)
+        check_output_apart(out, model, what="out")  # never into the base (or inside it): it would change the base
     if threads:
         torch.set_num_threads(threads)
     source = model if isinstance(model, (str, os.PathLike)) else None

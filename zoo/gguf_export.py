@@ -192,32 +192,23 @@ def check_moe(block, where: str) -> None:
 
 
 def folder_tensors(folder: Path):
-    """(name, tensor) of a native checkpoint folder, read one tensor at a time from its safetensors shards."""
-    from safetensors import safe_open
+    """(name, tensor) of a native checkpoint folder, read one tensor at a time from its safetensors shards through
+    the zoo's one reader (``zoo.checkpoint.read_checked``: dtype, shape and bounds against the header, finite)."""
+    from zoo.checkpoint import checked_weight_map, read_checked
 
-    index = folder / "model.safetensors.index.json"
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-        ["model.safetensors"]
-    for shard in shards:
-        with safe_open(folder / shard, "pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    files = checked_weight_map(folder)
+    for name, file in sorted(files.items(), key=lambda kv: (kv[1], kv[0])):
+        yield name, read_checked(file, name)
 
 
 # ----------------------------------------------------------------------------------------------- the writer
 
 def check_target_file(path) -> Path:
-    """A GGUF file is written at ``path`` only where nothing is: its folder exists and ``path`` does not (an
-    export never replaces a file)."""
-    path = Path(os.path.expanduser(os.fspath(path)))
-    if path.is_dir():
-        raise ValueError(f"{os.fspath(path)!r} is a folder: GGUF export writes one file (e.g. model.gguf)")
-    if path.exists():
-        raise FileExistsError(f"{os.fspath(path)!r} exists: an export does not replace a file (remove it, or "
-                              "name another)")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"cannot write {os.fspath(path)!r}: there is no folder {os.fspath(path.parent)!r}")
-    return path
+    """A GGUF file is written at ``path`` only where nothing is: its folder exists and ``path`` does not, not even as
+    a symbolic link (an export never replaces a file: ``zoo.atomic.check_new_file``)."""
+    from zoo.atomic import check_new_file
+
+    return check_new_file(path)
 
 
 def native_folder(source: str) -> str | None:
@@ -270,7 +261,8 @@ def check_config(config) -> str:
     return arch
 
 
-def write_metadata(writer, config, arch: str, experts: int | None, expert_ffn: int | None) -> None:
+def write_metadata(writer, config, arch: str, experts: int | None, expert_ffn: int | None,
+                   used: int | None = None) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_name(os.path.basename(str(getattr(config, "name_or_path", "") or "moe-zoo model")) or "moe-zoo model")
     writer.add_context_length(config.max_position_embeddings)
@@ -286,28 +278,41 @@ def write_metadata(writer, config, arch: str, experts: int | None, expert_ffn: i
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if experts:
         writer.add_expert_count(experts)
-        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_used_count(used or config.num_experts_per_tok)
         writer.add_feed_forward_length(getattr(config, "intermediate_size", expert_ffn))
         writer.add_expert_feed_forward_length(expert_ffn)
     else:
         writer.add_feed_forward_length(config.intermediate_size)
 
 
-def write_tokenizer(writer, folder: Path | None, config) -> bool:
-    """The GPT-2-style byte-level BPE tokenizer of ``folder`` (tokens, merges, special ids), if it has one."""
+def read_tokenizer(folder: Path | None, vocab: int):
+    """(tokens, types, folder) of the GPT-2-style byte-level BPE tokenizer of ``folder``, padded to the ``vocab`` rows of
+    the embedding; None when there is none. A tokenizer with more tokens than the embedding has rows is refused
+    (llama.cpp would index past the embedding)."""
     import gguf
 
     if folder is None or not (folder / "tokenizer.json").is_file():
-        return False
+        return None
     try:
-        vocab = gguf.vocab.BpeVocab(folder)
+        vocab_file = gguf.vocab.BpeVocab(folder)
     except (FileNotFoundError, ValueError):
-        return False  # not a byte-level BPE: the file still loads with token ids
-    tokens, scores, types = zip(*vocab.all_tokens())
+        return None  # not a byte-level BPE: the file still loads with token ids
+    tokens, _scores, types = zip(*vocab_file.all_tokens())
     tokens = [t if isinstance(t, str) else t.decode("utf-8") for t in tokens]
-    pad = config.vocab_size - len(tokens)  # the embedding may be larger than the tokenizer
-    tokens += [f"[PAD{i}]" for i in range(pad)]
-    types = list(types) + [gguf.TokenType.UNUSED] * pad
+    if len(tokens) > vocab:
+        raise NotGGUFExportable(f"the tokenizer in {folder} has {len(tokens)} tokens but the model's embedding has "
+                                f"{vocab} rows: it is not this model's tokenizer (save the model's own beside it)")
+    pad = vocab - len(tokens)  # the embedding may be larger than the tokenizer
+    return tokens + [f"[PAD{i}]" for i in range(pad)], list(types) + [gguf.TokenType.UNUSED] * pad, folder
+
+
+def write_tokenizer(writer, tokenizer) -> bool:
+    """``read_tokenizer``'s tokens, types, merges and special ids into the GGUF metadata."""
+    import gguf
+
+    if tokenizer is None:
+        return False
+    tokens, types, folder = tokenizer
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")  # llama.cpp's name for the GPT-2 split regex (ByteLevel with use_regex)
     writer.add_token_list(tokens)
@@ -316,13 +321,30 @@ def write_tokenizer(writer, folder: Path | None, config) -> bool:
     return True
 
 
+def _experts_per_token(source, config) -> int | None:
+    """The k llama.cpp must use: the routers' own (one for every layer), never more than the experts left."""
+    from zoo.layout import moe_layers
+
+    if isinstance(source, torch.nn.Module):
+        ks = {int(block.router.top_k) for _, block in moe_layers(source)}
+        if len(ks) > 1:
+            raise NotGGUFExportable(f"layers route to different numbers of experts {sorted(ks)}: GGUF has one "
+                                    "expert_used_count")
+        return ks.pop() if ks else None
+    return getattr(config, "num_experts_per_tok", None)
+
+
 def export_gguf(source, path, progress: bool = True) -> Report:
-    """Write ``source`` (an in-memory model, or the folder of a native checkpoint) to the GGUF file ``path``;
-    the file appears complete or not at all."""
+    """Write ``source`` (an in-memory model, or the folder of a native checkpoint) to the GGUF file ``path``, which
+    must not exist; the file appears complete or not at all (``zoo.atomic.atomic_file``: staged in a new hidden
+    file beside it, never over a user's file or through a link)."""
     import gguf
     from tqdm.auto import tqdm
     from transformers import AutoConfig
 
+    from zoo.atomic import atomic_file
+
+    check_target_file(path)
     if isinstance(source, (str, os.PathLike)):
         folder = Path(source)
         config = AutoConfig.from_pretrained(folder)
@@ -333,32 +355,38 @@ def export_gguf(source, path, progress: bool = True) -> Report:
         folder = Path(origin) if origin and os.path.isdir(origin) else None
         tensors = model_tensors(source)
     arch = check_config(config)
+    used = _experts_per_token(source, config)
+    tokenizer = read_tokenizer(folder, config.vocab_size)  # refused before any tensor is written
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     expert_ffn = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None)
     tied = getattr(config, "tie_word_embeddings", False)
-    path = Path(path)
-    report, experts = Report(str(path)), None
-    partial = path.with_name(path.name + ".partial")
-    try:
-        writer = gguf.GGUFWriter(partial, arch, use_temp_file=True)
+    report, experts = Report(os.fspath(path)), set()
+    with atomic_file(path) as staged:
+        writer = gguf.GGUFWriter(staged, arch, use_temp_file=True)
         for name, value in tqdm(tensors, desc="gguf", disable=not progress, unit=" tensors"):
             if name == "lm_head.weight" and tied:
                 continue  # llama.cpp reads the output projection from token_embd when there is none
             for gname, array, kind, change, scale in gguf_tensors(name, value, names, arch, config):
+                if gname == "token_embd.weight" and array.shape[0] != config.vocab_size:
+                    raise NotGGUFExportable(f"{name} has {array.shape[0]} rows but vocab_size is {config.vocab_size}")
                 writer.add_tensor(gname, array, raw_dtype=kind)
                 report.note(kind.name, change, scale)
                 if gname.endswith("ffn_gate_inp.weight"):
-                    experts = array.shape[0]  # after pruning, fewer than the config says
-        write_metadata(writer, config, arch, experts, expert_ffn)
-        write_tokenizer(writer, folder, config)
+                    experts.add(array.shape[0])  # after pruning, fewer than the config says
+        if len(experts) > 1:
+            raise NotGGUFExportable(f"layers hold different numbers of experts {sorted(experts)}: GGUF has one "
+                                    "expert_count")
+        count = experts.pop() if experts else None
+        if count is not None and used is not None and used > count:
+            raise NotGGUFExportable(f"the router picks {used} experts per token but layers hold {count}: llama.cpp "
+                                    f"would read past them (set num_experts_per_tok <= {count})")
+        write_metadata(writer, config, arch, count, expert_ffn, used)
+        write_tokenizer(writer, tokenizer)
         writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if "BF16" in report.types else gguf.LlamaFileType.ALL_F32)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=False)
         writer.close()
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
     return report
 
 

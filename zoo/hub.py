@@ -10,6 +10,57 @@ from pathlib import Path
 from zoo.token_masking import masked_errors
 
 DEFAULT_SPACE = "router-explorer"
+# What a saved model folder's push takes besides its weights (the index's shards) and the tokenizer, generation
+# config, chat templates and processor files (zoo.loading.SIDE_FILES): the config, and the records the zoo writes
+# beside a model (its evaluation, training history, fine-tune record, usage plots). Nothing else goes up unless
+# named in ``extra_files``: not a dotfile, not a user's notes, not a training state.
+MODEL_RECORDS = ("config.json", "eval.json", "training.json", "finetune.json", "expert_usage.png", "group_usage.png")
+
+
+def model_files(folder) -> list[str]:
+    """The files of the saved model ``folder`` that belong to the model (relative paths, sorted): config, weights
+    (a single file, or the index and every shard it names), side files and the zoo's records, and the code files an
+    ``auto_map`` names. README.md is left out: the push renders the card anew."""
+    import json
+
+    from zoo.checkpoint import INDEX, SINGLE, weight_map
+    from zoo.loading import SIDE_FILES, SIDE_FOLDERS
+
+    folder = Path(folder)
+    names = set(MODEL_RECORDS) | set(SIDE_FILES)
+    if (folder / INDEX).is_file():
+        names |= {INDEX} | {os.path.basename(f) for f in weight_map(folder).values()}
+    else:
+        names.add(SINGLE)
+    try:
+        auto_map = json.loads((folder / "config.json").read_text()).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        auto_map = {}
+    for ref in auto_map.values() if isinstance(auto_map, dict) else ():
+        for item in ref if isinstance(ref, list) else [ref]:
+            if isinstance(item, str) and "--" not in item and "." in item:
+                names.add(item.rsplit(".", 1)[0] + ".py")
+    found = [n for n in names if (folder / n).is_file()]
+    for sub in SIDE_FOLDERS:
+        found += [p.relative_to(folder).as_posix() for p in sorted((folder / sub).rglob("*")) if p.is_file()]
+    return sorted(found)
+
+
+def _extra(folder: Path | None, extra_files) -> list[str]:
+    """``extra_files`` as paths relative to ``folder``, each an existing file inside it, checked before any upload."""
+    if not extra_files:
+        return []
+    if isinstance(extra_files, (str, os.PathLike)):
+        extra_files = [extra_files]
+    if folder is None:
+        raise ValueError("extra_files names files of a saved folder: push the folder (its path), not a model in memory")
+    root, out = folder.resolve(), []
+    for name in extra_files:
+        path = (folder / os.fspath(name)).resolve()
+        if root not in path.parents or not path.is_file():
+            raise FileNotFoundError(f"extra file {os.fspath(name)!r} is not a file inside {os.fspath(folder)}")
+        out.append(path.relative_to(root).as_posix())
+    return out
 
 
 def space_for(model) -> tuple[str, type | None]:
@@ -26,7 +77,8 @@ def space_for(model) -> tuple[str, type | None]:
 
 def push_to_hub(model, repo_id: str, space: bool = True, tokenizer=None, token: str | None = None,
                 private: bool = False, commit_message: str = "Upload model with moe-zoo",
-                space_dir: str | os.PathLike | None = None, endpoint: str | None = None) -> dict:
+                space_dir: str | os.PathLike | None = None, endpoint: str | None = None,
+                extra_files=()) -> dict:
     """Upload ``model`` (a zoo model, or the folder of a saved one: its shards are uploaded from disk, never
     loaded) to the model repo ``repo_id`` and, with ``space=True``, its demo Space to ``<repo_id>-<space>``.
 
@@ -34,7 +86,10 @@ def push_to_hub(model, repo_id: str, space: bool = True, tokenizer=None, token: 
     tokenizer: ``tokenizer`` when given, else the tokenizer files beside ``config._name_or_path`` when that
     is a folder. The Space is the folder ``spaces/<space>/`` (or ``space_dir``) of the first recipe component
     that names one; its README front matter lists ``repo_id`` under ``models``, and its ``MOE_ZOO_MODEL``
-    variable is set to ``hf-hub:<repo_id>`` when the Space is created. ``endpoint`` defaults to
+    variable is set to ``hf-hub:<repo_id>`` when the Space is created. A saved folder uploads only what belongs to the
+    model (``model_files``: config, weights, tokenizer and side files, the zoo's records); other files of the folder
+    (dotfiles, notes) stay home unless named in ``extra_files`` (paths inside the folder). The result lists the
+    uploaded files (``files``) and the folder's files left out (``left_out``). ``endpoint`` defaults to
     ``HF_ENDPOINT``. The token is sent only as the Authorization header: it is not in the result, and an
     error that would show it (or any token of this process, see ``masked_errors``) is raised masked.
     """
@@ -43,30 +98,38 @@ def push_to_hub(model, repo_id: str, space: bool = True, tokenizer=None, token: 
     from zoo.cards import card
     from zoo.spaces import space_dir as shipped_space
 
-    saved = None
+    saved, extra = None, []
     if isinstance(model, (str, os.PathLike)):  # a saved folder: its weights go up as they are, never loaded
         from zoo.stream import open_checkpoint, resolve
 
         saved = Path(resolve(model))
+        extra = _extra(saved, extra_files)
         checkpoint = open_checkpoint(saved)
         checkpoint.release_outer()
         model = checkpoint.model  # the structure on the meta device: enough for the card and the Space
+    elif extra_files:
+        _extra(None, extra_files)
     if getattr(type(model), "zoo_family", None) is None:
         raise TypeError(f"push_to_hub takes a zoo model, not {type(model).__name__}: zoo.convert(model) first")
     api = HfApi(endpoint=endpoint, token=token)
-    result = {"repo_id": repo_id, "url": None, "commit_oid": None, "commit_url": None,
+    result = {"repo_id": repo_id, "url": None, "commit_oid": None, "commit_url": None, "files": [], "left_out": [],
               "space_id": None, "space_url": None, "space_commit_oid": None}
     # a saved folder is staged beside itself (hard links on the same file system: no copy of the weights)
     with masked_errors(token), tempfile.TemporaryDirectory(prefix=".moe-zoo-push-", dir=saved and saved.parent) as tmp:
         folder = Path(tmp) / "model"
         rendered = card(model, repo_id=repo_id)  # "how to load" names the repo, not PATH
         if saved is not None:
-            _link_files(saved, folder)
+            chosen = sorted(set(model_files(saved)) | set(extra))
+            _link_files(saved, folder, chosen)
             rendered.save(folder / "README.md")
+            result["left_out"] = sorted(p.relative_to(saved).as_posix() for p in saved.rglob("*")
+                                        if p.is_file() and p.name != "README.md"
+                                        and p.relative_to(saved).as_posix() not in chosen)
         else:
             model.save_pretrained(folder, model_card=rendered)
         if tokenizer is not None:  # else the tokenizer files travel with the save (or the saved folder's links)
             tokenizer.save_pretrained(folder)
+        result["files"] = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
         result["url"] = str(api.create_repo(repo_id, private=private, exist_ok=True))
         info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
         result.update(commit_oid=info.oid, commit_url=info.commit_url)
@@ -87,16 +150,17 @@ def push_to_hub(model, repo_id: str, space: bool = True, tokenizer=None, token: 
     return result
 
 
-def _link_files(source: Path, dest: Path) -> None:
-    """The files of ``source`` (README.md aside: the card is rendered anew) in ``dest``, hard-linked where the
-    file system allows, else copied."""
+def _link_files(source: Path, dest: Path, names) -> None:
+    """The files ``names`` (relative paths) of ``source`` in ``dest``, hard-linked where the file system allows,
+    else copied."""
     dest.mkdir(parents=True)
-    for path in sorted(source.iterdir()):
-        if path.is_file() and path.name != "README.md":
-            try:
-                os.link(path, dest / path.name)
-            except OSError:
-                shutil.copy2(path, dest / path.name)
+    for name in names:
+        path, target = source / name, dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:
+            shutil.copy2(path, target)
 
 
 def _stage_space(source: Path, dest: Path, repo_id: str, name: str) -> None:

@@ -93,6 +93,35 @@ def source_folder(src) -> str | None:
         return None
 
 
+def input_folders(src) -> list[str]:
+    """The local folders a model ``src`` (a folder, registry name, cached hub id, or a loaded model) is read from: its
+    own and, for a PEFT adapter folder, its base's (a merge or fine-tune that wrote there would change the input)."""
+    from zoo.adapter_folder import base_name, is_adapter_folder
+
+    if src is not None and not isinstance(src, (str, os.PathLike)):
+        inner = src.get_base_model() if hasattr(src, "get_base_model") else src
+        src = getattr(getattr(inner, "config", None), "name_or_path", None)
+    folder = source_folder(src) if src else None
+    if folder is None:
+        return []
+    folders = [folder]
+    if is_adapter_folder(folder):
+        try:
+            folders += input_folders(base_name(folder))
+        except ValueError:
+            pass
+    return folders
+
+
+def check_output_apart(out, *sources, what: str = "the output") -> None:
+    """``zoo.atomic.SaveTargetError`` when ``out`` is, or lies inside, a folder any of ``sources`` is read from."""
+    from zoo.atomic import check_apart
+
+    for src in sources:
+        for folder in input_folders(src):
+            check_apart(folder, out, what)
+
+
 def copy_side_files(src, dest, keep=None) -> list[str]:
     """Copy ``src``'s tokenizer files, generation config, chat template and processor configs into ``dest`` (a
     save's staging folder); returns the names copied. ``src``: a folder, registry name or cached hub id. ``keep``:

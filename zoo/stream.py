@@ -128,6 +128,7 @@ def save(model, out, src=None) -> str:
     files beside it, in one atomic save (``src``: the folder, registry name or cached hub id the model came from;
     by default ``config.name_or_path``). The model's own generation config wins over the source's."""
     source = src if src is not None else getattr(model.config, "name_or_path", "")
+    loading.check_output_apart(out, source, what="out")
     with atomic_directory(out) as tmp:
         copy_side_files(source, tmp)
         model.save_pretrained(tmp)
@@ -163,6 +164,7 @@ def apply(src, steps, out, calibration=None) -> str:
 
     ``steps``: ``[(name, options), ...]``. Every option and every layer's precondition is checked before
     anything is computed; ``out`` is written atomically (nothing of it exists until it is complete)."""
+    loading.check_output_apart(out, src, what="out")
     ckpt = open_checkpoint(src)
     model = ckpt.model
     components = bind_steps(steps)
@@ -179,6 +181,7 @@ def apply(src, steps, out, calibration=None) -> str:
 
 def convert(src, out) -> str:
     """``zoo.convert`` + ``save_pretrained``, layer by layer: a native checkpoint becomes ``zoo_<family>``."""
+    loading.check_output_apart(out, src, what="out")
     _write(open_checkpoint(src), out, [], None, desc="convert")
     return os.fspath(out)
 
@@ -212,6 +215,7 @@ def export(src, out) -> str:
 
     from zoo.convert import native_config
 
+    loading.check_output_apart(out, src, what="out")
     ckpt = open_checkpoint(src)
     model, fam = ckpt.model, ckpt.family
     native_cfg = native_config(model)

@@ -21,6 +21,7 @@ import click
 def tour(name, steps, out, windows, no_speed):
     """Load, list plugins, apply a recipe, evaluate before/after, save with a card, print the table."""
     import zoo
+    from zoo.atomic import atomic_directory, write_text
     from zoo.cli_helpers import step_option
     from zoo.eval import evaluate, format_table, plot_usage
     from zoo.plugins import plugin_report
@@ -38,9 +39,9 @@ def tour(name, steps, out, windows, no_speed):
         click.echo(f"\napplied {step_name} {json.dumps(options)}")
     after = evaluate(model, max_windows=windows, measure_speed=not no_speed)
     dest = os.path.join(out, f"{os.path.basename(name.rstrip('/'))}-{'-'.join(s.split(':')[0] for s in steps)}")
-    model.save_pretrained(dest, model_card=zoo.card(model, after, model_name=os.path.basename(dest)))
-    plot_usage(after, os.path.join(dest, "expert_usage.png"), title=f"{name} after {', '.join(steps)}")
-    with open(os.path.join(dest, "eval.json"), "w") as f:
-        json.dump({"before": before, "after": after}, f, indent=1)
+    with atomic_directory(dest) as tmp:  # the model, its card, plot and numbers: one save, all or nothing
+        model.save_pretrained(tmp, model_card=zoo.card(model, after, model_name=os.path.basename(dest)))
+        plot_usage(after, os.path.join(tmp, "expert_usage.png"), title=f"{name} after {', '.join(steps)}")
+        write_text(os.path.join(tmp, "eval.json"), json.dumps({"before": before, "after": after}, indent=1))
     click.echo("\n" + format_table({"before": before, "after": after}))
     click.echo(f"\nsaved to {dest} (weights, README.md model card, expert_usage.png, eval.json)")

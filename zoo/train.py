@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from zoo.atomic import atomic_directory
+from zoo.atomic import atomic_directory, write_text
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokenizer import load_tokenizer
 from zoo.data.tokens import eval_windows, token_stream, train_batch
@@ -244,6 +244,5 @@ def finish(cfg: TrainConfig, model, tokenizer, history: dict) -> dict:
         model.save_pretrained(final)
     tokenizer.save_pretrained(final)
     history["config"] = asdict(cfg)
-    with open(os.path.join(final, "training.json"), "w") as f:
-        json.dump(history, f, indent=1)
+    write_text(os.path.join(final, "training.json"), json.dumps(history, indent=1), overwrite=True)
     return history

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from zoo.atomic import write_text
 from zoo.cli_helpers import new_file, one_line, save_folder
 
 RECIPE = {"hidden_size": 64, "num_hidden_layers": 3, "moe_intermediate_size": 128, "group_sizes": [2, 4, 4], "top_groups": 1,
@@ -56,7 +57,8 @@ def train(out, steps, batch_size, lr, seed, threads, group_bias):
         "data": "moe-zoo digits-mm generate (train voices, train images)"}, "calibration": None}]
     model.save_pretrained(out)
     processor.save_pretrained(out)
-    Path(out, "training.json").write_text(json.dumps({"recipe": RECIPE, "loss": history[::10]}) + "\n")
+    write_text(Path(out, "training.json"), json.dumps({"recipe": RECIPE, "loss": history[::10]}) + "\n",
+               overwrite=True)
     click.echo(f"saved to {out}; final loss {sum(history[-50:]) / 50:.4f}")
 
 
@@ -81,4 +83,4 @@ def eval_command(model, plot, as_json):
         if plot:
             plot_usage(results, plot)
         if as_json:
-            Path(as_json).write_text(json.dumps(results, indent=1) + "\n")
+            write_text(as_json, json.dumps(results, indent=1) + "\n")

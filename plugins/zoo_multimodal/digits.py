@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from zoo.atomic import atomic_file, write_text
+
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 TRAIN_VOICES = ("en-us", "en-gb", "en-gb-scotland", "en-gb-x-rp", "en-029", "en-us+f3", "en+m3", "en-us-nyc+f2")
 TEST_VOICES = ("en-gb-x-gbclan", "en-gb-x-gbcwmd+f4", "en-us+m7", "en+f1")
@@ -124,9 +126,10 @@ def generate(out: str | Path | None = None, voices=None, speeds=SPEEDS, pitches=
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(out / "speech.npz", keys=np.array([c.key for c in chosen]),
-                            lengths=np.array([len(a) for a in audio]), samples=np.concatenate(audio))
-        (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        with atomic_file(out / "speech.npz", overwrite=True) as staged:  # the generator's own files, replaced whole
+            np.savez_compressed(staged, keys=np.array([c.key for c in chosen]),
+                                lengths=np.array([len(a) for a in audio]), samples=np.concatenate(audio))
+        write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n", overwrite=True)
     return manifest
 
 

@@ -127,5 +127,10 @@ def plot_usage(res: dict, path) -> None:
         ax.set_title(f"layer {i}: group gate")
     fig.suptitle("zoo_mm: mean group-gate probability per token modality (clean audio + image)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    from zoo.atomic import atomic_file
+
+    try:
+        with atomic_file(path) as staged:
+            fig.savefig(staged, dpi=100, format="png")
+    finally:
+        plt.close(fig)

@@ -18,6 +18,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from zoo.atomic import atomic_file, write_text
+
 DOMAINS = ("english", "code")
 SPLITS = ("train", "val", "ood")  # ood: text of other origins, never trained on (``build_ood``)
 SEPARATOR = "<|endoftext|>"  # also the tokenizer's eos token, so a joined split tokenizes with eos between documents
@@ -102,6 +104,12 @@ def split_documents(domain: str, docs: dict[str, str]) -> dict[str, list[str]]:
     return {"train": [n for n in docs if n not in val], "val": [n for n in docs if n in val]}
 
 
+def _write_xz(path: Path, data: bytes) -> None:
+    """``data`` xz-compressed at ``path``, replaced whole (the build's own file)."""
+    with atomic_file(path, overwrite=True) as staged, lzma.open(staged, "wb", preset=9 | lzma.PRESET_EXTREME) as f:
+        f.write(data)
+
+
 def build_corpus(out_dir: str | Path = CORPUS_DIR, sdist: str | Path | None = None) -> dict:
     """Write the four compressed splits and ``MANIFEST.json`` to ``out_dir``; returns the manifest."""
     out = Path(out_dir)
@@ -125,12 +133,11 @@ def build_corpus(out_dir: str | Path = CORPUS_DIR, sdist: str | Path | None = No
             if any(SEPARATOR in docs[n] for n in names):
                 raise ValueError(f"a {domain} document contains the separator {SEPARATOR!r}")
             data = SEPARATOR.join(docs[n] for n in names).encode("utf-8")
-            with lzma.open(out / split_file(domain, split), "wb", preset=9 | lzma.PRESET_EXTREME) as f:
-                f.write(data)
+            _write_xz(out / split_file(domain, split), data)
             manifest["splits"][f"{domain}/{split}"] = {
                 "file": split_file(domain, split), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                 "documents": [{"name": n, "bytes": len(docs[n].encode())} for n in names]}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n", overwrite=True)
     return manifest
 
 
@@ -184,12 +191,11 @@ def build_ood(out_dir: str | Path = CORPUS_DIR) -> dict:
         if any(SEPARATOR in text for text in docs.values()):
             raise ValueError(f"an out-of-domain {domain} document contains the separator {SEPARATOR!r}")
         data = SEPARATOR.join(docs.values()).encode("utf-8")
-        with lzma.open(out / split_file(domain, "ood"), "wb", preset=9 | lzma.PRESET_EXTREME) as f:
-            f.write(data)
+        _write_xz(out / split_file(domain, "ood"), data)
         manifest["splits"][f"{domain}/ood"] = {
             "file": split_file(domain, "ood"), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
             "documents": [{"name": n, "bytes": len(t.encode())} for n, t in docs.items()]}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n", overwrite=True)
     return manifest
 
 

@@ -18,7 +18,8 @@ from collections import Counter, OrderedDict
 import torch
 
 from zoo import kernels
-from zoo.checkpoint import DTYPES, shard_header
+from zoo import finite
+from zoo.checkpoint import DTYPES, CheckpointError, file_key, shard_header
 from zoo.moe.dispatch import run_sorted
 from zoo.moe.experts import Experts
 from zoo.moe.quantized import QuantizedExperts
@@ -26,7 +27,7 @@ from zoo.moe.quantized import QuantizedExperts
 READERS = ("pread", "mmap")
 
 
-class NotOffloadable(ValueError):
+class NotOffloadable(CheckpointError):
     """The checkpoint or its experts cannot be offloaded (the message says why, naming the tensor)."""
 
 
@@ -94,6 +95,18 @@ class ShardReader:
         self._fds: dict[str, int] = {}
         self._handles: dict = {}
         self._info: dict[str, tuple] = {}
+        self._opened: dict[str, tuple] = {}  # shard file -> its file_key when first read
+
+    def _unchanged(self, file: str) -> None:
+        """The shard must be the file it was when the model was opened: a rewrite, truncation or replacement since
+        is refused (its header no longer describes it; the zoo never reads bytes it cannot place)."""
+        try:
+            now = file_key(file)
+        except FileNotFoundError:
+            raise NotOffloadable(f"{file} is gone since the model was opened: reopen it with zoo.offload") from None
+        if self._opened.setdefault(file, now) != now:
+            raise NotOffloadable(f"{file} has changed since the model was opened (rewritten or replaced): its experts "
+                                 "cannot be read; reopen it with zoo.offload")
 
     def info(self, key: str) -> tuple[torch.dtype, tuple, int, int]:
         """(dtype, shape, data offset, bytes) of a stored tensor (its shard's header parsed once)."""
@@ -102,15 +115,17 @@ class ShardReader:
         return self._info[key]
 
     def _read_info(self, key: str) -> tuple[torch.dtype, tuple, int, int]:
-        start, header = shard_header(self.files[key])
-        info = header[key]
-        if info["dtype"] not in DTYPES:
-            raise NotOffloadable(f"tensor {key} has dtype {info['dtype']}, which the zoo does not read")
+        self._unchanged(self.files[key])
+        start, header = shard_header(self.files[key])  # checked: dtypes, byte ranges inside the file
+        info = header.get(key)
+        if info is None:
+            raise NotOffloadable(f"{self.files[key]} does not hold tensor {key} (the index names the wrong shard?)")
         begin, end = info["data_offsets"]
         return DTYPES[info["dtype"]], tuple(info["shape"]), start + begin, end - begin
 
     def row(self, key: str, index: int) -> torch.Tensor:
         """``tensor[index : index + 1]`` of a stored tensor, read alone."""
+        self._unchanged(self.files[key])
         if self.reader == "mmap":
             return self._handle(self.files[key]).get_slice(key)[index:index + 1]
         dtype, shape, offset, nbytes = self.info(key)
@@ -119,6 +134,7 @@ class ShardReader:
 
     def whole(self, key: str) -> torch.Tensor:
         """A whole stored tensor (one expert's own matrix, in a checkpoint that stores experts one by one)."""
+        self._unchanged(self.files[key])
         if self.reader == "mmap":
             return self._handle(self.files[key]).get_tensor(key)
         dtype, shape, offset, nbytes = self.info(key)
@@ -227,6 +243,10 @@ class OffloadedExperts(Experts):
         tensors = {name: self.reader.row(self.keys[name], row) if isinstance(self.keys[name], str) else
                    torch.cat([self.reader.whole(k.format(e=row)) for k in self.keys[name]])[None]
                    for name, row in rows.items()}
+        bad = finite.non_finite(tensors.items()) if finite.enabled() else []
+        if bad:
+            raise NotOffloadable(f"NaN or inf in expert {e} of layer {self.layer} ({', '.join(bad)}): the checkpoint "
+                                 "is corrupt")
         module.load_state_dict(tensors, assign=True, strict=True)
         if self._quantized:  # its index tables, which a load never fills (not saved)
             module.register_buffer("width_of", torch.tensor(module.bits), persistent=False)
