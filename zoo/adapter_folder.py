@@ -13,6 +13,7 @@ import os
 
 ADAPTER_CONFIG = "adapter_config.json"
 RECORD = "finetune.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def is_adapter_folder(path) -> bool:
@@ -82,10 +83,24 @@ def load(folder, **kwargs):
         why = exc.args[0] if exc.args else exc
         raise (OSError if isinstance(exc, OSError) else ValueError)(
             f"{folder} is an adapter on {base}, which cannot be loaded: {why}") from None
+    weights = os.path.join(folder, ADAPTER_WEIGHTS)
+    if os.path.isfile(weights):
+        from zoo.checkpoint import read_checked, shard_header
+
+        for key in shard_header(weights)[1]:  # the one reader's checks: header, byte ranges, dtypes, finite
+            if key != "__metadata__":
+                read_checked(weights, key)
     name = _read(os.path.join(folder, RECORD)).get("adapter")
     adapter = registry.find("adapter", name) if isinstance(name, str) else None
-    if adapter is not None and getattr(adapter.obj, "load_saved", None) is not None:
-        return adapter.obj.load_saved(model, folder)
-    from peft import PeftModel
+    try:
+        if adapter is not None and getattr(adapter.obj, "load_saved", None) is not None:
+            return adapter.obj.load_saved(model, folder)
+        from peft import PeftModel
 
-    return PeftModel.from_pretrained(model, folder)
+        return PeftModel.from_pretrained(model, folder)
+    except RuntimeError as exc:
+        if "size mismatch" not in str(exc) and "shape" not in str(exc):
+            raise
+        detail = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc))
+        raise ValueError(f"{folder} does not fit its base {base}: the adapter was trained on a model of other "
+                         f"shapes ({detail[:300]})") from None

@@ -1,16 +1,37 @@
 """Calibration data for compressors: texts, token batches, or a slice of the shipped corpus by domain."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from zoo.data.corpus import DOMAINS
 
 
 def corpus(domain: str = "mixed", tokens: int = 16384, seq_len: int = 256, seed: int = 0) -> dict:
-    """A calibration spec: ``tokens`` tokens of the corpus' *train* split (never the held-out one)."""
+    """A calibration spec: ``tokens`` tokens of the corpus' *train* split (never the held-out one), at most as many as
+    the split has bytes (a byte-level tokenizer never gives more tokens than bytes): a larger count is refused here,
+    before minutes of drawing windows."""
     if domain not in (*DOMAINS, "mixed"):
         raise ValueError(f"domain must be one of {(*DOMAINS, 'mixed')}, got {domain!r}")
+    for name, value in (("tokens", tokens), ("seq_len", seq_len), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"calibration {name} must be a whole number, got {value!r}")
+    limit = corpus_tokens_limit(domain)
+    if tokens > limit:
+        raise ValueError(f"calibration tokens={tokens} is more than the {domain} training text holds (at most {limit} "
+                         "tokens); give fewer, or pass your own token batches")
+    if not 2 <= seq_len <= limit:
+        raise ValueError(f"calibration seq_len must be in [2, {limit}], got {seq_len}")
     return {"domain": domain, "tokens": int(tokens), "seq_len": int(seq_len), "seed": int(seed)}
+
+
+def corpus_tokens_limit(domain: str) -> int:
+    """The train split's bytes of ``domain`` (both for ``mixed``): a bound on the tokens it tokenizes to."""
+    from zoo.data.corpus import load_manifest
+
+    splits = load_manifest()["splits"]
+    return sum(splits[f"{d}/train"]["bytes"] for d in (DOMAINS if domain == "mixed" else (domain,)))
 
 
 SPEC_KEYS = ("domain", "tokens", "seq_len", "seed")
@@ -40,6 +61,18 @@ def tokens_used(spec: dict) -> int:
     """The tokens a corpus spec gives: whole rows of ``seq_len`` (at least one)."""
     spec = corpus(**spec)
     return max(1, spec["tokens"] // spec["seq_len"]) * spec["seq_len"]
+
+
+def check_memory(tokens: int, hidden_size: int, dtype) -> None:
+    """Calibration keeps every token's hidden state of the current layer, in and out: refused up front when that
+    is more than the memory available now."""
+    from zoo.stream import available_memory
+
+    itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
+    need, have = 2 * tokens * hidden_size * itemsize, available_memory()
+    if need > have:
+        raise ValueError(f"calibration on {tokens} tokens keeps {need / 1e9:.1f} GB of hidden states, more than the "
+                         f"{have / 1e9:.1f} GB of memory available: give fewer tokens")
 
 
 def check(calibration, vocab_size: int | None = None) -> None:

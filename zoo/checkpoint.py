@@ -134,6 +134,37 @@ def _parsed_header(file: str, _inode: int, size: int, _mtime: int) -> tuple[int,
     return 8 + n, header
 
 
+def stored_dtypes(path) -> dict | None:
+    """``{tensor: torch dtype}`` of the safetensors checkpoint in the folder ``path``, every shard's header checked
+    (``checked_weight_map``); None when the folder holds no safetensors weights (another format: its loader checks)."""
+    if not (os.path.exists(os.path.join(path, INDEX)) or os.path.exists(os.path.join(path, SINGLE))):
+        return None
+    out = {}
+    for key, file in checked_weight_map(path).items():
+        out[key] = DTYPES[shard_header(file)[1][key]["dtype"]]
+    return out
+
+
+def check_loading_info(where, info: dict, model) -> None:
+    """``CheckpointError`` when transformers' loading report shows a tensor the model has no place for, one of another
+    shape, or a weight the checkpoint lacks (it would be left at its random initialisation)."""
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    unexpected = sorted(k for k in info.get("unexpected_keys") or () if not any(p.search(k) for p in ignored))
+    if unexpected:
+        raise CheckpointError(f"{where}: tensors the model has no place for: {unexpected[:5]}"
+                              f"{' ...' if len(unexpected) > 5 else ''} (a checkpoint of another layout, or a config "
+                              "that does not match it?)")
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        key, got, want = mismatched[0]
+        raise CheckpointError(f"{where}: tensor {key} has shape {tuple(got)}, the config needs {tuple(want)}")
+    missing_ok = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
+    missing = sorted(k for k in info.get("missing_keys") or () if not any(p.search(k) for p in missing_ok))
+    if missing:
+        raise CheckpointError(f"{where} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}: they would "
+                              "load as random numbers")
+
+
 def check_stored_dtypes(where, stored: dict, model) -> None:
     """``CheckpointError`` when a stored tensor's dtype cannot be the weight it loads into: integers or booleans
     into a floating-point tensor of ``model`` (they would load as numbers converted from codes), or a float into an
@@ -237,11 +268,24 @@ class Checkpoint:
         self.dtype = self.config.dtype if isinstance(self.config.dtype, torch.dtype) else torch.float32
         self.model = self._skeleton()
         self.layers = self.model.model.layers
+        self._check_whole()
         extra = sorted(i for i in self.by_layer if i is not None and not 0 <= i < len(self.layers))
         if extra:
             raise CheckpointError(f"{self.path} holds tensors of layer {extra[0]}"
                                   f"{f' (and {len(extra) - 1} more layers)' if len(extra) > 1 else ''}, but its config "
                                   f"has {len(self.layers)} layers: they would be dropped (fix num_hidden_layers)")
+
+    def _check_whole(self) -> None:
+        """At open, from the headers alone: every stored dtype fits the weight it loads into, and (a zoo checkpoint,
+        whose names are the model's own) every tensor of every layer is there, so a broken layer is refused before
+        the first one is worked on, not halfway through."""
+        stored = {k: DTYPES[shard_header(f)[1][k]["dtype"]] for k, f in self.files.items()}
+        check_stored_dtypes(self.path, stored, self.model)
+        if not self.native:
+            missing = sorted(k for k in self.model.state_dict() if LAYER_KEY.match(k.removeprefix("model."))
+                             and k not in self.files)
+            if missing:
+                raise CheckpointError(f"{self.path} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
     @property
     def nbytes(self) -> int:

@@ -35,6 +35,11 @@ class Compressor(Component):
     needs_plan = False  # observe every layer, then plan(), before compress_layer
     targets_linears = False  # also hand it the plain linear layers outside the MoE blocks (compress_linear)
     build_module = None  # classmethod (replaced, spec) -> the empty module a saved ``zoo_spec()`` describes
+    # What the step leaves in every MoE layer, for judging the later steps of one recipe before any runs (streamed,
+    # all steps are checked up front; in memory each step sees the model the one before left): the ``name`` of the
+    # experts kind it produces (e.g. "quantized"), and the expert count it leaves (None: unchanged).
+    experts_after: str | None = None
+    experts_count_after: int | None = None
 
     @property
     def layerwise(self) -> bool:

@@ -47,6 +47,15 @@ def check_decode(model, input_ids, max_new_tokens) -> None:
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
         shape = tuple(input_ids.shape) if torch.is_tensor(input_ids) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a [batch, tokens] tensor with at least one token, got {shape}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+    vocab = getattr(model.get_input_embeddings(), "num_embeddings", None) if hasattr(model, "get_input_embeddings") \
+        else None
+    if isinstance(vocab, int) and input_ids.numel():
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"input_ids hold token ids in [{low}, {high}] but the model's vocabulary has {vocab} "
+                             f"ids (0 to {vocab - 1}): is the tokenizer the model's own?")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
     limit = getattr(model.config, "max_position_embeddings", None)

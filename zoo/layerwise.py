@@ -209,13 +209,45 @@ class InMemory:
             set_module(owner, path, module)
 
 
+class PlannedExperts:
+    """The experts an earlier step of the recipe will leave in a layer, as far as a later step's check can tell
+    before anything runs: their kind's ``name`` and sizes (not an ``Experts``: no check that wants dense experts
+    takes them)."""
+
+    def __init__(self, name: str, like, num_experts: int):
+        self.name, self.num_experts = name, num_experts
+        self.hidden_size = getattr(like, "hidden_size", None)
+        self.intermediate_size = getattr(like, "intermediate_size", None)
+
+
+class PlannedBlock:
+    """A block as the steps before will leave it (experts kind and count); everything else is the block's."""
+
+    def __init__(self, block, experts, num_experts: int):
+        self._block, self.experts, self.num_experts = block, experts, num_experts
+
+    def __getattr__(self, name):
+        return getattr(self._block, name)
+
+
 def check(model, steps) -> None:
-    """Every step's preconditions on every MoE layer, before anything is computed or changed."""
+    """Every step's preconditions on every MoE layer, before anything is computed or changed; a later step is judged
+    on the layer as the earlier steps will leave it (a prune after a quantize is refused here, as it is in memory,
+    not after the quantize ran)."""
     layers = moe_layers(model)
+    planned = {i: (block, block.num_experts) for i, block in layers}  # (the block or its stand-in, expert count)
     for step in steps:
         step.check_layers([i for i, _ in layers])
-        for i, block in layers:
-            step.check_layer(i, block)
+        for i, _block in layers:
+            step.check_layer(i, planned[i][0])
+        kind, count = getattr(step, "experts_after", None), getattr(step, "experts_count_after", None)
+        if kind is not None or count is not None:
+            for i, block in layers:
+                now, n = planned[i]
+                n = min(n, count) if count is not None else n
+                experts = PlannedExperts(kind, block.experts, n) if kind is not None else (
+                    now.experts if isinstance(now, PlannedBlock) else block.experts)
+                planned[i] = (PlannedBlock(block, experts, n), n)
         if getattr(step, "targets_linears", False):
             for i, layer in enumerate(decoder_layers(model)):
                 for path, linear in layer_linears(layer):
@@ -281,8 +313,12 @@ def calibration_inputs(model, steps, calibration) -> LayerInputs | None:
     from zoo.loading import tokenizer_for
 
     data = calibration if calibration is not None else calib.default()
+    text = model.config.get_text_config()
+    if isinstance(data, dict):  # refused before a single window is drawn
+        calib.check_memory(calib.tokens_used(data), text.hidden_size, model.dtype)
     batches = calib.batches(data, tokenizer_for(model) if calib.needs_tokenizer(data) else None)
-    calib.check_ids(batches, getattr(model.config.get_text_config(), "vocab_size", None))
+    calib.check_ids(batches, getattr(text, "vocab_size", None))
+    calib.check_memory(sum(b.numel() for b in batches), text.hidden_size, model.dtype)
     return LayerInputs.capture(model, batches)
 
 

@@ -256,9 +256,16 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
             validate_repo_id(target)
         except HFValidationError:
             raise ValueError(f"{target!r} is not a folder, a registry name or a hub id (org/name)") from None
+    local = os.path.isdir(target)
+    if local:  # the one reader's checks, on the headers alone, before transformers reads a byte of the weights
+        from zoo.checkpoint import stored_dtypes
+
+        stored = stored_dtypes(os.path.join(target, kwargs.get("subfolder", "")))
+    wants_info = kwargs.get("output_loading_info", False)
     try:
         with masked_errors(kwargs.get("token")):
-            model = auto_class(target, kwargs).from_pretrained(target, **kwargs)
+            loaded = auto_class(target, kwargs).from_pretrained(target, **{**kwargs, "output_loading_info": True})
+        model, info = loaded
     except OSError as exc:
         if os.path.isdir(target):
             raise
@@ -267,6 +274,12 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
         no_folder = "there is no local folder of that name, " if target == given else ""
         raise HubUnavailable(f"cannot load {target!r}: {no_folder}{why} and it is not in the local cache "
                              f"({exc})") from None  # the cause may hold request headers; exc is masked
+    if local and stored is not None:
+        from zoo.checkpoint import check_loading_info, check_stored_dtypes
+
+        check_loading_info(target, info, model)
+        if getattr(model.config, "quantization_config", None) is None:  # (a quantizer's own packed formats)
+            check_stored_dtypes(target, stored, model)
     if finite.enabled() and getattr(type(model), "zoo_family", None) is None:  # zoo classes check while loading
         finite.check_finite(model)
     if convert:
@@ -278,7 +291,7 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
             warnings.warn(f"{exc}; loaded without conversion", stacklevel=2)
         except TypeError:
             pass  # not an MoE family the zoo knows: return it as transformers built it
-    return model
+    return (model, info) if wants_info else model
 
 
 def auto_class(target: str, kwargs: dict):

@@ -97,11 +97,26 @@ def parse_step(step: str) -> tuple[str, dict]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"option {item!r} in step {step!r} must look like key=value")
+        key = key.strip()
+        if not key:
+            raise ValueError(f"option {item!r} in step {step!r} has no name before '='")
+        if key in options:
+            raise ValueError(f"option {key!r} is given twice in step {step!r}: give it once")
         try:
-            options[key.strip()] = json.loads(value)
+            options[key] = json.loads(value, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError:
-            options[key.strip()] = value
+            options[key] = value
     return name.strip(), options
+
+
+def _unique_keys(pairs) -> dict:
+    """A JSON object with each key once (``{"1": [0], "1": [2]}`` would silently keep the last)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} is given twice in one JSON object: give it once")
+        out[key] = value
+    return out
 
 
 def _split_top_level(text: str) -> list[str]:

@@ -35,6 +35,10 @@ class ExpertCountCompressor(Compressor):
 
     experts_kinds: tuple[type, ...] = (SwiGLUExperts, MLPExperts)  # dense experts, gated or not
 
+    @property
+    def experts_count_after(self) -> int:
+        return self.num_experts
+
     def check_layer(self, index, block) -> None:
         if type(block.experts) not in self.experts_kinds:
             raise ValueError(f"layer {index} has {block.experts.name!r} experts; {self.name} needs dense experts "

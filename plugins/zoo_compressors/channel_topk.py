@@ -14,6 +14,7 @@ class ChannelTopK(Compressor):
              "Neuron Activation for Accelerating LLM Inference, 2025, arXiv:2505.19427")
     card = "cards/channel-topk.md"
     space = "compression-lab"
+    experts_after = "channel-topk"  # what a later step of the same recipe is judged on
 
     @classmethod
     def demo_controls(cls, model=None):

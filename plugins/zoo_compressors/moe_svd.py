@@ -105,6 +105,7 @@ class MoeSvd(Compressor):
              "ICML 2025")
     card = "cards/moe-svd.md"
     space = "compression-lab"
+    experts_after = "factored"  # what a later step of the same recipe is judged on
     needs_calibration = True
     inputs_for = ("observe", "compress")
     needs_plan = True

@@ -62,6 +62,7 @@ class Quantize(Compressor):
              "2025, arXiv:2411.11745 (dtype='bitmod')")
     card = "cards/quantize.md"
     space = "compression-lab"
+    experts_after = "quantized"  # what a later step of the same recipe is judged on
 
     @classmethod
     def demo_controls(cls, model=None):

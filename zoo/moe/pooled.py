@@ -65,6 +65,12 @@ class PooledExperts(Experts):
         return out
 
     def forward(self, hidden: torch.Tensor, routing) -> torch.Tensor:
+        pool_dtype = next(iter(self.pool.parameters())).dtype
+        if pool_dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):  # (no host sync)
+            raise ValueError(f"this consolidated model runs in {hidden.dtype} but its shared experts are {pool_dtype}: "
+                             "the pool is one module shared by every consolidated model, and one of them was moved to "
+                             "another dtype; move them all together, or give a model its own experts first "
+                             "(zoo.consolidation.unshare(model))")
         indices = self.table[routing.indices]  # a gather: no host sync on the decode path
         return self.pool(hidden, Routing(routing.weights, indices, routing.logits))
 
