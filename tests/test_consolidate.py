@@ -168,10 +168,12 @@ def test_pooled_experts_match_their_reference_with_empty_slots_and_gradients(bas
     w = torch.rand(6, 2)
     out = experts(x, Routing(w, idx))
     ref = experts.reference(x, Routing(w, idx))
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    # fp32 summation order differs between the grouped and the per-token path: errors scale with the outputs (up to
+    # ~30 here), so the absolute tolerance does too
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=2e-6 * float(ref.abs().max()))
     (g1,) = torch.autograd.grad(out.square().sum(), x)
     (g2,) = torch.autograd.grad(ref.square().sum(), x)
-    torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(g1, g2, rtol=1e-4, atol=2e-6 * float(g2.abs().max()))
 
 
 def test_surgery_needs_unshare_which_keeps_the_function(base):

@@ -131,3 +131,73 @@ def test_zoo_load_masks_hub_errors(monkeypatch):
         zoo.load("org/private-model")
     shown = "".join(traceback.format_exception(excinfo.value))
     assert TOKEN[:8] not in shown and zoo.token_masking.MASK in str(excinfo.value)
+
+
+# ---- exact pushes: only what belongs to the model ---------------------------------------------------------------
+class RecordingApi:
+    """Records what push_to_hub uploads, without HTTP."""
+    uploads: dict = {}
+
+    def __init__(self, endpoint=None, token=None):
+        RecordingApi.uploads = {}
+
+    def create_repo(self, repo_id, repo_type=None, **kwargs):
+        return f"https://hub/{repo_id}"
+
+    def upload_folder(self, repo_id, folder_path, repo_type=None, commit_message=None):
+        from pathlib import Path
+
+        root = Path(folder_path)
+        RecordingApi.uploads[repo_id] = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+        return type("Info", (), {"oid": "0" * 40, "commit_url": "https://hub/commit"})
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    return RecordingApi
+
+
+def test_push_of_a_folder_takes_only_the_models_files(recording, model, tmp_path):
+    from zoo.data.tokenizer import load_tokenizer
+
+    folder = tmp_path / "m"
+    model.save_pretrained(folder, max_shard_size="300KB")
+    load_tokenizer().save_pretrained(folder)
+    (folder / ".env").write_text(f"HF_TOKEN={TOKEN}\n")
+    (folder / "notes.txt").write_text("my notes")
+    (folder / ".git").mkdir()
+    (folder / ".git" / "config").write_text("[core]")
+    (folder / "model-00009-of-00009.safetensors").write_bytes(b"a stale shard the index does not name")
+    (folder / "optimizer.safetensors").write_bytes(b"training state")
+    result = zoo.hub.push_to_hub(folder, "org/exact", space=False)
+    sent = recording.uploads["org/exact"]
+    assert sent == result["files"]
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert set(sent) == {"README.md", "config.json", "generation_config.json", "model.safetensors.index.json",
+                         "tokenizer.json", "tokenizer_config.json", *index["weight_map"].values()}
+    assert {".env", "notes.txt", ".git/config", "model-00009-of-00009.safetensors",
+            "optimizer.safetensors"} <= set(result["left_out"])
+    assert TOKEN not in json.dumps(result)
+
+
+def test_extra_files_go_up_only_when_named(recording, model, tmp_path):
+    folder = tmp_path / "m"
+    model.save_pretrained(folder)
+    (folder / "notes.txt").write_text("share these")
+    (tmp_path / "outside.txt").write_text("not the model's")
+    result = zoo.hub.push_to_hub(folder, "org/extra", space=False, extra_files=["notes.txt"])
+    assert "notes.txt" in recording.uploads["org/extra"] and "notes.txt" in result["files"]
+    for bad in (["../outside.txt"], ["missing.txt"], [str(tmp_path / "outside.txt")]):
+        with pytest.raises(FileNotFoundError, match="not a file inside"):
+            zoo.hub.push_to_hub(folder, "org/extra", space=False, extra_files=bad)
+    with pytest.raises(ValueError, match="push the folder"):
+        zoo.hub.push_to_hub(model, "org/extra", space=False, extra_files=["notes.txt"])
+
+
+def test_push_of_a_model_in_memory_says_what_it_sent(recording, model):
+    result = zoo.hub.push_to_hub(model, "org/mem", space=False)
+    assert result["files"] == recording.uploads["org/mem"]
+    assert {"README.md", "config.json", "model.safetensors"} <= set(result["files"]) and result["left_out"] == []

@@ -211,3 +211,14 @@ def test_adapter_on_a_base_of_other_shapes_names_the_base(tmp_path):
     (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="does not fit its base .*base.*other shapes"):
         zoo.load(tmp_path / "ad")
+
+
+def test_pickled_weights_are_never_unpickled(clean, tmp_path):
+    folder = copy(clean[0], tmp_path / "m")
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="never unpickles"):
+        zoo.load(folder)
+    with pytest.raises(ValueError, match="safetensors only"):
+        zoo.load(clean[0], use_safetensors=False)

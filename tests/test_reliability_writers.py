@@ -256,3 +256,18 @@ def test_claims_file_is_replaced_whole_never_through_a_link(tmp_path):
     claims.record("demo", "a claim", "holds", "it does", {"x": 1}, "python x.py", "zoo-tiny-moe", root=tmp_path)
     assert (tmp_path / "precious").read_text() == "mine"
     assert json.loads((folder / "demo.json").read_text())["claims"][0]["verdict"] == "holds"
+
+
+def test_a_users_readme_is_kept_a_zoo_card_is_replaced(model, tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "README.md").write_text("# my project\n\nnotes I wrote\n")
+    with pytest.warns(UserWarning, match="kept the README.md"):
+        model.save_pretrained(folder)
+    assert (folder / "README.md").read_text() == "# my project\n\nnotes I wrote\n"
+    assert (folder / "model.safetensors").is_file()
+    other = tmp_path / "n"
+    model.save_pretrained(other)
+    card = (other / "README.md").read_text()
+    model.save_pretrained(other)  # the zoo's own card: a save renews it
+    assert (other / "README.md").read_text() == card and "moe-zoo" in card

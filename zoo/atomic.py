@@ -3,7 +3,7 @@
 A save is written whole into a hidden staging folder inside the destination, then each file is moved into
 place with one rename (atomic on POSIX): the weights first, the config next, a weights index last, so a
 reader never sees an index naming shards that are not there yet. Files the save does not write are kept (a
-tokenizer saved first stays). The one exception is a previous save's weight files that the new save no
+tokenizer saved first stays, and so does a README.md that is not a moe-zoo card). The one exception is a previous save's weight files that the new save no
 longer writes: a stale ``model.safetensors`` would shadow a new sharded index in ``from_pretrained``.
 A crash or kill while staging leaves the destination as it was; the next save into it removes the dead
 save's staging folder.
@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -198,6 +199,9 @@ def _publish(staging: Path, dest: Path) -> None:
                 raise SaveTargetError(f"cannot save folder {entry.name!r} into {dest}: a file of that name is there")
             _fsync_tree(entry)
             os.replace(entry, target)
+        elif entry.name == "README.md" and _foreign_readme(dest / entry.name):
+            warnings.warn(f"kept the README.md already in {dest} (not a moe-zoo model card): the card was not "
+                          "written over it; zoo.card(model).save(path) writes it elsewhere", stacklevel=4)
         else:
             _fsync(entry)
             os.replace(entry, dest / entry.name)
@@ -207,6 +211,21 @@ def _publish(staging: Path, dest: Path) -> None:
             if old.is_file() and WEIGHT_FILE.match(old.name) and old.name not in written:
                 old.unlink()
     _fsync_dir(dest)
+
+
+def _foreign_readme(path: Path) -> bool:
+    """A README.md at ``path`` that is not a card the zoo wrote (its front matter names moe-zoo): a user's, which a
+    save keeps. A link is never written through, so it counts as foreign too."""
+    if path.is_symlink():
+        return True
+    if not path.is_file():
+        return False
+    try:
+        head = path.read_text(errors="replace")[:4096]
+    except OSError:
+        return True
+    front = head.split("\n---", 1)[0] if head.startswith("---") else ""
+    return "moe-zoo" not in front
 
 
 def _fsync(path: Path) -> None:

@@ -256,12 +256,21 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
             validate_repo_id(target)
         except HFValidationError:
             raise ValueError(f"{target!r} is not a folder, a registry name or a hub id (org/name)") from None
+    if kwargs.get("use_safetensors", True) is False:
+        raise ValueError("use_safetensors=False would unpickle the weights: the zoo reads safetensors only")
+    kwargs["use_safetensors"] = True  # never unpickle
+    wants_info = kwargs.get("output_loading_info", False)
     local = os.path.isdir(target)
     if local:  # the one reader's checks, on the headers alone, before transformers reads a byte of the weights
         from zoo.checkpoint import stored_dtypes
 
-        stored = stored_dtypes(os.path.join(target, kwargs.get("subfolder", "")))
-    wants_info = kwargs.get("output_loading_info", False)
+        folder = os.path.join(target, kwargs.get("subfolder", ""))
+        stored = stored_dtypes(folder)
+        pickled = sorted(f for f in os.listdir(folder) if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
+        if stored is None and pickled:
+            raise FileNotFoundError(f"{target} holds pickled weights ({pickled[0]}) and no safetensors: the zoo never "
+                                    "unpickles; save them as safetensors (model.save_pretrained(folder)) in a process "
+                                    "you trust")
     try:
         with masked_errors(kwargs.get("token")):
             loaded = auto_class(target, kwargs).from_pretrained(target, **{**kwargs, "output_loading_info": True})
