@@ -271,3 +271,16 @@ def test_a_users_readme_is_kept_a_zoo_card_is_replaced(model, tmp_path):
     card = (other / "README.md").read_text()
     model.save_pretrained(other)  # the zoo's own card: a save renews it
     assert (other / "README.md").read_text() == card and "moe-zoo" in card
+
+
+def test_a_folder_where_a_file_goes_is_refused_before_anything_moves(model, tmp_path):
+    folder = tmp_path / "m"
+    model.save_pretrained(folder)
+    kept = snapshot(folder)
+    (folder / "generation_config.json").unlink()
+    (folder / "generation_config.json").mkdir()  # the save writes a file of that name
+    kept = snapshot(folder)
+    changed = zoo.convert(tiny_native("mixtral", seed=3))
+    with pytest.raises(SaveTargetError, match="a folder of that name"):
+        changed.save_pretrained(folder)
+    assert snapshot(folder) == kept  # not the new weights beside the old config

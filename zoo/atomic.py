@@ -186,17 +186,30 @@ def _order(name: str) -> int:
     return 0 if WEIGHT_FILE.match(name) else 1
 
 
-def _publish(staging: Path, dest: Path) -> None:
+def _check_fits(staging: Path, dest: Path) -> None:
+    """Before anything moves: every staged file lands where no folder is, and every staged folder where no file is
+    (a save that failed halfway through publishing would leave new weights beside an old config)."""
+    for entry in staging.iterdir():
+        target = dest / entry.name
+        if entry.is_dir() and target.is_dir() and not target.is_symlink():
+            _check_fits(entry, target)
+        elif entry.is_dir() and os.path.lexists(target):
+            raise SaveTargetError(f"cannot save folder {entry.name!r} into {dest}: a file of that name is there")
+        elif not entry.is_dir() and target.is_dir() and not target.is_symlink():
+            raise SaveTargetError(f"cannot save {entry.name!r} into {dest}: a folder of that name is there")
+
+
+def _publish(staging: Path, dest: Path, checked: bool = False) -> None:
     """Move the staged files into ``dest`` one rename each (subfolders merged the same way)."""
+    if not checked:
+        _check_fits(staging, dest)
     entries = sorted(staging.iterdir(), key=lambda p: (_order(p.name), p.name))
     for entry in entries:
         if entry.is_dir():
             target = dest / entry.name
-            if target.is_dir():
-                _publish(entry, target)
+            if target.is_dir() and not target.is_symlink():
+                _publish(entry, target, checked=True)
                 continue
-            if target.exists():
-                raise SaveTargetError(f"cannot save folder {entry.name!r} into {dest}: a file of that name is there")
             _fsync_tree(entry)
             os.replace(entry, target)
         elif entry.name == "README.md" and _foreign_readme(dest / entry.name):

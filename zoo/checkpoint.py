@@ -31,8 +31,12 @@ class CheckpointError(ValueError):
 
 
 def weight_map(path) -> dict[str, str]:
-    """``{tensor name: shard file}`` of a safetensors checkpoint folder (an index whose JSON or shape is broken, or
-    that names a file outside the folder, is a ``CheckpointError`` naming it)."""
+    """``{tensor name: shard file}`` of a safetensors checkpoint folder: ``model.safetensors`` when there is one (the
+    file transformers reads first), else the index (one whose JSON or shape is broken, or that names a file outside
+    the folder, is a ``CheckpointError`` naming it)."""
+    single = os.path.join(path, SINGLE)
+    if os.path.exists(single):
+        return {k: single for k in shard_header(single)[1] if k != "__metadata__"}
     index = os.path.join(path, INDEX)
     if os.path.exists(index):
         try:
@@ -46,9 +50,6 @@ def weight_map(path) -> dict[str, str]:
         if outside:
             raise CheckpointError(f"{index} names shard {outside[0]!r}, which is not a file of the folder")
         return {k: os.path.join(path, v) for k, v in entries.items()}
-    single = os.path.join(path, SINGLE)
-    if os.path.exists(single):
-        return {k: single for k in shard_header(single)[1] if k != "__metadata__"}
     raise CheckpointError(f"{path} has no {SINGLE} or {INDEX} (only safetensors checkpoints are read)")
 
 

@@ -28,10 +28,10 @@ def model_files(folder) -> list[str]:
 
     folder = Path(folder)
     names = set(MODEL_RECORDS) | set(SIDE_FILES)
-    if (folder / INDEX).is_file():
-        names |= {INDEX} | {os.path.basename(f) for f in weight_map(folder).values()}
-    else:
+    if (folder / SINGLE).is_file():  # what transformers reads first; a stale index beside it stays home
         names.add(SINGLE)
+    elif (folder / INDEX).is_file():
+        names |= {INDEX} | {os.path.basename(f) for f in weight_map(folder).values()}
     try:
         auto_map = json.loads((folder / "config.json").read_text()).get("auto_map") or {}
     except (OSError, ValueError, AttributeError):
