@@ -92,6 +92,7 @@ def native_config(model, expand_maps: bool = False):
             layout[i] = moe.unmapped().layout()  # one expert per router row
     native_cfg = fam.native_config(model.config, layout)
     native_cfg.architectures = [fam.model_class.__name__]
+    native_cfg.__dict__.pop("auto_map", None)  # the family's own classes: no moe-zoo code to point at
     return native_cfg
 
 

@@ -14,7 +14,7 @@ import re
 import torch
 from tqdm.auto import tqdm
 
-from zoo import loading
+from zoo import loading, remote_code
 from zoo.atomic import atomic_directory
 from zoo.checkpoint import LAYER_KEY, Checkpoint, checkpoint_bytes
 from zoo.layerwise import LayerInputs, calibration_inputs, check, compress_linears, outer_linears, run, set_module
@@ -203,6 +203,7 @@ def _write(ckpt, out, components, inputs, desc, record=()):
         for step in record:
             record_step(model, *step)
         sync_layout(model)
+        remote_code.write(model.config, tmp)  # auto_map: any transformers process opens the folder
         model.config.save_pretrained(tmp)
         copy_side_files(ckpt.path, tmp)
         card(model, path=out).save(os.path.join(tmp, "README.md"))

@@ -212,6 +212,9 @@ class ZooMMForCausalLM(ZooMMPreTrainedModel):
         sync_layout(self)
         if self.model.vision_moe is not None:
             self.config.zoo_vision_moe = self.model.vision_moe.layout()
+        from zoo import remote_code
+
         with atomic_directory(save_directory) as tmp:
+            remote_code.write(self.config, tmp)  # auto_map: any transformers process opens the folder
             super().save_pretrained(tmp, *args, **kwargs)
             (model_card or card(self, summary=self.zoo_family.summary, path=save_directory)).save(os.path.join(tmp, "README.md"))

@@ -270,8 +270,11 @@ def _save_pretrained(self, save_directory, *args, model_card=None, **kwargs):
     from zoo.cards import card
     from zoo.loading import copy_side_files
 
+    from zoo import remote_code
+
     sync_layout(self)
     with atomic_directory(save_directory) as tmp:
         copy_side_files(getattr(self.config, "name_or_path", ""), tmp, keep=save_directory)  # the model's own win
+        remote_code.write(self.config, tmp)  # auto_map: any transformers process opens the folder
         self.zoo_family.model_class.save_pretrained(self, tmp, *args, **kwargs)
         (model_card or card(self, path=save_directory)).save(os.path.join(tmp, "README.md"))
