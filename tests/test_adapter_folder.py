@@ -1,6 +1,7 @@
 """A fine-tuned adapter folder is a model: ``zoo.load`` puts it on its base (the zoo adapter's own reload, or
 PEFT's), it names its base portably, its card is the zoo's, and what needs a plain model says to merge first."""
 import json
+import os
 import shutil
 
 import pytest
@@ -80,13 +81,17 @@ def test_a_missing_base_is_one_clear_error(trained, tmp_path):
 def test_the_card_is_the_zoos_and_names_no_local_base(trained):
     root, _ = trained
     card = (root / "adapter" / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: moe-zoo") and "base_model" not in card.split("---")[1]
+    assert card.startswith("---\nlibrary_name: peft") and "base_model" not in card.split("---")[1]
+    assert "- moe-zoo" in card.split("---")[1] and "custom_code" not in card
     assert "lora-experts" in card and "merge_and_unload()" in card and "More Information Needed" not in card
     assert "1 windows of 32 tokens per domain" in card  # what the perplexity measured
 
 
 def test_base_names_are_portable_and_only_hub_ids_reach_the_card(tmp_path):
-    assert portable_base("zoo-tiny-moe") == "mixtral.zoo-tiny-moe"
+    from zoo.registry import get_model
+
+    assert portable_base("zoo-tiny-moe") == os.path.abspath(get_model("zoo-tiny-moe").local_path)  # PEFT opens it
+    assert portable_base("mixtral.8x7b-v0.1") == "mistralai/Mixtral-8x7B-v0.1"
     assert portable_base("hf-hub:org/name") == "org/name"
     assert portable_base(str(tmp_path)) == str(tmp_path) and portable_base(None) is None
     assert hub_id_of("org/name") == "org/name"
@@ -104,3 +109,32 @@ def test_what_needs_a_plain_model_says_to_merge_first(trained):
     merged = model.merge_and_unload()
     zoo.export(merged, root / "native")
     assert json.loads((root / "native" / "config.json").read_text())["model_type"] == "mixtral"
+
+
+PEFT_ONLY = """
+import json, sys, torch
+from peft import AutoPeftModelForCausalLM
+model = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()  # as the zoo trained it
+with torch.no_grad():
+    logits = model(torch.tensor(json.loads(sys.argv[2]))).logits
+print("RESULT " + json.dumps({"logits": logits.tolist(), "zoo": "zoo" in sys.modules}))
+"""
+
+
+def test_plain_peft_opens_the_adapter_of_a_shipped_model_offline(tmp_path):
+    """The adapter names the shipped model's folder as its base: AutoPeftModelForCausalLM, in a process that never
+    imports zoo, loads base and adapter offline and computes the zoo's logits."""
+    import subprocess
+    import sys
+
+    result = finetune("zoo-tiny-moe", "lora-experts", {"r": 2}, domain="code", steps=1, batch_size=1, seq_len=16,
+                      windows=1, out=str(tmp_path / "adapter"), progress=False, bf16=False)
+    ids = [[5, 9, 17, 33, 2, 64, 100, 7]]
+    with torch.no_grad():
+        want = result.model(torch.tensor(ids)).logits
+    proc = subprocess.run([sys.executable, "-c", PEFT_ONLY, str(tmp_path / "adapter"), json.dumps(ids)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
+    assert not out["zoo"]
+    torch.testing.assert_close(torch.tensor(out["logits"]), want.float(), rtol=0, atol=1e-4)

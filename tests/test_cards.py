@@ -14,8 +14,8 @@ def test_card_has_everything_and_round_trips_its_metadata(tmp_path):
     zoo.apply(model, "prune-reap", calibration=[torch.randint(3, 128, (2, 16))], num_experts=6)
     card = zoo.card(model, RESULT, repo_id="org/tiny-reap")
     data = card.data.to_dict()
-    assert data["library_name"] == "moe-zoo" and data["pipeline_tag"] == "text-generation"
-    assert {"moe", "qwen3_moe", "topk-softmax", "prune-reap"} <= set(data["tags"])
+    assert data["library_name"] == "transformers" and data["pipeline_tag"] == "text-generation"
+    assert {"moe", "moe-zoo", "custom_code", "qwen3_moe", "topk-softmax", "prune-reap"} <= set(data["tags"])
     metrics = {r["dataset"]["name"]: r["metrics"][0]["value"] for r in data["model-index"][0]["results"]}
     assert metrics == {"moe-zoo corpus (english)": 101.5, "moe-zoo corpus (code)": 40.25}
     text = card.text
@@ -31,7 +31,8 @@ def test_non_exportable_layout_says_why_and_save_writes_the_card(tmp_path):
     assert "has no native mixtral form" in zoo.card(model).text
     model.save_pretrained(tmp_path / "q")
     readme = (tmp_path / "q" / "README.md").read_text()
-    assert readme.startswith("---\n") and "library_name: moe-zoo" in readme and "Compressor: quantize" in readme
+    assert readme.startswith("---\n") and "library_name: transformers" in readme and "Compressor: quantize" in readme
+    assert "- moe-zoo" in readme and "- custom_code" in readme
 
 
 def test_a_model_converted_from_a_hub_checkpoint_names_it_as_base_model(tmp_path):
@@ -44,3 +45,18 @@ def test_a_model_converted_from_a_hub_checkpoint_names_it_as_base_model(tmp_path
     local = tiny_native("mixtral")
     local.save_pretrained(tmp_path / "native")
     assert zoo.card(zoo.load(str(tmp_path / "native"))).data.base_model is None  # a local folder is no hub id
+
+
+def test_card_metadata_the_hub_links():
+    """base_model with its relation for a converted Hub model; the license of the model it came from."""
+    from zoo.cards import base_relation
+
+    model = zoo.load("zoo-tiny-moe")
+    assert zoo.card(model).data.license == "apache-2.0"  # the shipped model's, from the registry
+    model.config.zoo_base_model = "mistralai/Mixtral-8x7B-v0.1"
+    data = zoo.card(model).data
+    assert (data.base_model, data.base_model_relation, data.license) == ("mistralai/Mixtral-8x7B-v0.1", "finetune",
+                                                                         "apache-2.0")
+    assert base_relation([{"kind": "compressor", "name": "quantize"}], None) == "quantized"
+    assert base_relation([{"kind": "compressor", "name": "prune-reap"}], None) == "finetune"
+    assert base_relation([], "org/base") == "adapter"

@@ -43,8 +43,10 @@ def base_name(folder) -> str:
 
 
 def portable_base(source) -> str | None:
-    """What an adapter should name as its base: a registry name as its full name, a hub id as itself, a folder as
-    its absolute path (so the adapter loads from any working directory); None for a model loaded in memory."""
+    """What an adapter should name as its base, so that plain PEFT (``AutoPeftModelForCausalLM``) resolves it offline
+    as well as the zoo: a registry model as its hub id when it is on the Hub, else as its shipped folder's absolute
+    path; a hub id as itself; a folder as its absolute path (it loads from any working directory); None for a model
+    loaded in memory."""
     from zoo.loading import looks_like_path
     from zoo.registry import get_model, is_model_name
 
@@ -54,7 +56,10 @@ def portable_base(source) -> str | None:
     if os.path.isdir(source) or looks_like_path(source):
         return os.path.abspath(os.path.expanduser(source))
     if is_model_name(source):
-        return get_model(source).name
+        entry = get_model(source)
+        if entry.hub_id is not None:
+            return entry.hub_id
+        return os.path.abspath(entry.local_path) if entry.local_path else entry.name
     return source.removeprefix("hf-hub:")
 
 

@@ -86,8 +86,14 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
     name = card_title(model_name, repo_id, path, base, fam.name)
     target = repo_id or (os.fspath(path) if path is not None else "PATH")
     results = []
-    data = ModelCardData(library_name="moe-zoo", base_model=base, pipeline_tag="text-generation",
-                         tags=["moe", "mixture-of-experts", fam.name] + [c.name for c in comps[1:]])
+    source = source_entry(cfg, base)
+    tags = ["moe", "mixture-of-experts", "moe-zoo", fam.name] + [c.name for c in comps[1:]]
+    if adapter_base is None:
+        tags.append("custom_code")  # the folder's auto_map imports the installed moe-zoo (zoo.remote_code)
+    data = ModelCardData(library_name="peft" if adapter_base is not None else "transformers", base_model=base,
+                         base_model_relation=base_relation(recipe, adapter_base) if base else None,
+                         license=source.license if source is not None else None, pipeline_tag="text-generation",
+                         tags=list(dict.fromkeys(tags)))
     if eval_result:
         data.model_name = name
         data.eval_results = [
@@ -117,6 +123,30 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
         adapter_base=adapter_base, ood=bool(eval_result and eval_result.get("perplexity_ood")),
         auto_loads=arch is None or arch.distribution == "moe-zoo")
     return ModelCard(tidy(rendered.content))
+
+
+def source_entry(cfg, base: str | None):
+    """The registry entry the model comes from (its Hub id, or the shipped folder it was loaded from), for its license;
+    None when the zoo knows no entry."""
+    from zoo.registry import registry
+
+    origin = os.path.realpath(str(getattr(cfg, "name_or_path", "") or "")) or None
+    for reg in registry.by_kind.get("model", {}).values():
+        entry = reg.obj
+        if (base and entry.hub_id == base) or (entry.local_path and origin == os.path.realpath(entry.local_path)):
+            return entry
+    return None
+
+
+def base_relation(recipe: list, adapter_base) -> str:
+    """How the Hub relates the model to its ``base_model``: an adapter, a quantized model, or a fine-tune (training,
+    pruning, merging of experts or a router swap change the weights or the function: the Hub's "finetune")."""
+    if adapter_base is not None:
+        return "adapter"
+    kinds = {(step.get("kind"), step.get("name")) for step in recipe}
+    if kinds and all(name == "quantize" for _, name in kinds):
+        return "quantized"
+    return "finetune"
 
 
 def tidy(text: str) -> str:
