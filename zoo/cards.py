@@ -106,6 +106,11 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
                 task_type="text-generation", dataset_type="moe-zoo-corpus", dataset_name=f"moe-zoo corpus ({d})",
                 dataset_config=d, dataset_split="out-of-domain", metric_type="perplexity", metric_value=v))
             results.append((f"perplexity ({d}, out of domain)", f"{v:.2f}"))
+        if eval_result.get("tasks"):  # lm-evaluation-harness results (moe-zoo eval --tasks)
+            from zoo.harness import card_rows, model_index
+
+            data.eval_results += model_index(eval_result["tasks"])
+            results += card_rows(eval_result["tasks"])
         size = eval_result.get("size")
         if size:
             results += [("parameters", f"{size['params'] / 1e6:.2f} M"),

@@ -174,12 +174,15 @@ def convert(src, out, stream, max_memory):
 @cli.command()
 @click.argument("src")
 @click.argument("out")
-@click.option("--format", "fmt", type=click.Choice(["native", "gguf"]), default="native", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(["native", "gguf", "compressed-tensors"]), default="native",
+              show_default=True,
               help="native: the family's own transformers checkpoint (vLLM, TGI, plain transformers) in the folder "
-                   "OUT; gguf: one GGUF file OUT (llama.cpp, Ollama).")
+                   "OUT; gguf: one GGUF file OUT (llama.cpp, Ollama); compressed-tensors: the native checkpoint with "
+                   "int8-quantized experts and layers as W8A16 (vLLM, transformers), from a model in memory.")
 @stream_options
 def export(src, out, fmt, stream, max_memory):
-    """Write SRC (a zoo model folder, registry name or hub id) in its family's native format, or as GGUF, to OUT.
+    """Write SRC (a zoo model folder, registry name or hub id) in its family's native format, as GGUF or as
+    compressed-tensors, to OUT.
     An adapter folder is merged into its base first."""
     import zoo
     from zoo import stream as streaming
@@ -201,6 +204,13 @@ def export(src, out, fmt, stream, max_memory):
         return
     save_folder(click.get_current_context(), None, out)
     _apart(src, out)
+    if fmt == "compressed-tensors":
+        if stream:
+            raise click.BadParameter("compressed-tensors export works on a model in memory", param_hint="--stream")
+        with one_line():
+            zoo.export(loaded(), out, format=fmt)
+        click.echo(f"exported {src} ({fmt}) to {out}")
+        return
     _either(src, stream, max_memory, lambda: streaming.export(src, out), lambda: zoo.export(loaded(), out))
     click.echo(f"exported {src} ({fmt}) to {out}")
 
@@ -226,6 +236,18 @@ def merge(src, out):
     click.echo(f"merged {src} into its base; saved to {out}")
 
 
+def _tasks(ctx, param, value):
+    """--tasks NAME[,NAME...]: the zoo's lm-eval task names, checked before any work."""
+    from zoo.harness import check_tasks
+
+    if value is None:
+        return None
+    try:
+        return check_tasks(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
 @cli.command("eval")
 @click.argument("model")
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
@@ -233,15 +255,31 @@ def merge(src, out):
               help="Write the expert-usage heatmap PNG here.")
 @click.option("--windows", type=COUNT, default=24, show_default=True, help="Held-out windows of 256 tokens per domain.")
 @click.option("--no-speed", is_flag=True, help="Skip the prefill/decode timing (a streamed model is never timed).")
+@click.option("--tasks", callback=_tasks, metavar="NAME[,NAME...]",
+              help="Also run the zoo's lm-evaluation-harness tasks on the model in memory, e.g. "
+                   "zoo_continuation_code,zoo_perplexity_english (a wrong name lists them all).")
+@click.option("--limit", type=COUNT, help="At most this many documents per --tasks task.")
 @stream_options
-def eval_command(model, as_json, plot, windows, no_speed, stream, max_memory):
-    """Evaluate MODEL (folder or registry name): perplexity per domain, expert usage, speed, size."""
+def eval_command(model, as_json, plot, windows, no_speed, tasks, limit, stream, max_memory):
+    """Evaluate MODEL (folder or registry name): perplexity per domain, expert usage, speed, size, and with --tasks
+    the zoo's lm-evaluation-harness tasks (results under "tasks")."""
     import zoo
     from zoo import stream as streaming
     from zoo.eval import evaluate, format_table, plot_usage
 
-    result = _either(model, stream, max_memory, lambda: streaming.evaluate(model, max_windows=windows),
-                     lambda: evaluate(zoo.load(model).eval(), max_windows=windows, measure_speed=not no_speed))
+    def in_memory():
+        loaded = zoo.load(model).eval()
+        result = evaluate(loaded, max_windows=windows, measure_speed=not no_speed)
+        return {**result, "tasks": _run_tasks(loaded, tasks, limit)} if tasks else result
+
+    def streamed():
+        result = streaming.evaluate(model, max_windows=windows)
+        # too large to hold: lm-eval runs on the model with its experts read from the checkpoint on demand
+        return {**result, "tasks": _run_tasks(zoo.offload(model), tasks, limit)} if tasks else result
+
+    if limit is not None and not tasks:
+        raise click.BadParameter("--limit goes with --tasks", param_hint="--limit")
+    result = _either(model, stream, max_memory, streamed, in_memory)
     if plot:
         with one_line():
             plot_usage(result, plot, title=model)
@@ -255,6 +293,17 @@ def eval_command(model, as_json, plot, windows, no_speed, stream, max_memory):
         for layer in layers:
             click.echo(f"usage {domain:8} layer {layer['layer']}: {layer['counts']} "
                        f"(entropy {layer['entropy_bits']:.2f} of at most {layer['max_entropy_bits']:.2f} bits)")
+    if tasks:
+        from zoo.harness import format_tasks
+
+        click.echo(f"\nlm-evaluation-harness tasks{f' (at most {limit} documents each)' if limit else ''}:")
+        click.echo(format_tasks(result["tasks"]))
+
+
+def _run_tasks(model, tasks, limit):
+    from zoo.harness import run_tasks
+
+    return run_tasks(model, tasks, limit=limit)
 
 
 def _apart(src, out) -> None:

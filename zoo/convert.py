@@ -96,14 +96,16 @@ def native_config(model, expand_maps: bool = False):
     return native_cfg
 
 
-FORMATS = ("native", "gguf")
+FORMATS = ("native", "gguf", "compressed-tensors")
 
 
 def export(model, path, format: str = "native") -> str:
     """Write the family's native checkpoint (loadable by plain transformers, vLLM, TGI), with the tokenizer,
     chat template and processor files of the folder the model came from, or raise ``NotExportable`` naming why
     the layout has no native form. ``format="gguf"``: one GGUF file at ``path`` for llama.cpp and Ollama
-    (``zoo.gguf_export``), quantized experts kept in GGUF's blocks."""
+    (``zoo.gguf_export``), quantized experts kept in GGUF's blocks. ``format="compressed-tensors"``: the native
+    layout with int8 experts and linear layers as compressed-tensors' W8A16 (``zoo.compressed_tensors_export``),
+    which vLLM and transformers load as they are."""
     from zoo.loading import copy_side_files
 
     if format not in FORMATS:
@@ -118,6 +120,10 @@ def export(model, path, format: str = "native") -> str:
     from zoo.loading import check_output_apart
 
     check_output_apart(path, model, what="the export")  # a native config over the zoo folder it came from: refused
+    if format == "compressed-tensors":
+        from zoo.compressed_tensors_export import export_compressed_tensors
+
+        return export_compressed_tensors(model, path)  # checks the model first, then writes through atomic_directory
     fam = family_of(model)
     native_cfg = native_config(model, expand_maps=True)
     state = dict(model.state_dict())
