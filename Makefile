@@ -37,6 +37,16 @@ system-deps:
 test-transformers: $(VENV)/.installed
 	MOE_ZOO_FULL_TRANSFORMERS=1 $(PY) -m pytest -q tests/transformers_suite
 
+# llama.cpp itself on the GGUF files the zoo exports (tests named test_llama_cpp_runs_*, skipped where llama_cpp is
+# missing): llama-cpp-python built from source for the CPU (several minutes, a C++ compiler and cmake). Not in `test`.
+LLAMA_CPP_PYTHON := 0.3.36
+.PHONY: test-clients
+test-clients: $(VENV)/.installed
+	$(PY) -c "import llama_cpp" 2>/dev/null || \
+	  CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF" \
+	  $(PY) -m pip install -q -c constraints.txt --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	$(PY) -m pytest -q -p no:xdist -k llama_cpp_runs tests/test_gguf.py tests/test_gguf_families.py
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/moe_block.py
 

@@ -68,7 +68,7 @@ def test_the_readme_path(src):
     assert adapter_config["base_model_name_or_path"] == str(root / "applied")  # absolute: loads from anywhere
     assert (adapter / "tokenizer.json").read_bytes() == tokenizer_bytes
     card = (adapter / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: moe-zoo") and "# adapter" in card and "zoo.load(" in card
+    assert card.startswith("---\nlibrary_name: peft") and "# adapter" in card and "zoo.load(" in card
     assert "base_model:" not in card  # a local base: no Hub id to name
 
     after = perplexities(ok("eval", adapter, "--windows", 2, "--no-speed"))

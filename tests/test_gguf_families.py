@@ -1,0 +1,452 @@
+"""GGUF export of Qwen2-MoE (qwen2moe), OLMoE (olmoe) and DeepSeek-V3 (deepseek2), read back with gguf's own reader:
+every tensor is one llama.cpp's loader creates for that architecture, with the shape it checks, and none is missing
+or left over; the metadata holds the zoo model's routing under the keys llama.cpp reads; and a forward pass written
+from llama.cpp's graph for the architecture (its rotary mode, gating, shared experts, latent attention in the
+absorbed form), fed only from the file, gives the zoo model's logits. What llama.cpp's architectures cannot run is
+refused before a file appears."""
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tiny
+import zoo
+from zoo.gguf_export import NotGGUFExportable, export_gguf
+
+IDS = torch.tensor([5, 17, 100, 42, 7, 120, 9, 64, 23, 3, 77, 31])
+
+
+def native(family: str, **changes):
+    """``tiny.tiny_native(family)`` with config attributes changed (weights spread the same way)."""
+    config = tiny.tiny_config(family)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiny, "tiny_config", lambda _: config)
+        return tiny.tiny_native(family)
+
+
+def read(path):
+    """({name: float tensor in numpy order}, {key: scalar value}, {name: ggml shape ne}, architecture) of a file."""
+    reader = gguf.GGUFReader(path)
+    tensors, shapes = {}, {}
+    for t in reader.tensors:
+        shapes[t.name] = tuple(int(x) for x in t.shape)
+        tensors[t.name] = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type))).float() \
+            .reshape(tuple(reversed(shapes[t.name])))
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+    return tensors, fields, shapes, fields["general.architecture"]
+
+
+def key(arch: str, k) -> str:
+    return k.format(arch=arch)
+
+
+# ------------------------------------------------------------------------------------------ llama.cpp's loader
+
+def loader_tensors(F_, arch: str, n_vocab: int) -> dict:
+    """{name: ne} of every tensor llama.cpp's loader of ``arch`` creates (and requires: it also refuses a file with
+    tensors it did not create), from the file's hyperparameters, as its load_tensors code lists them."""
+    L = gguf.Keys.LLM
+    A = gguf.Keys.Attention
+    g = lambda k: F_.get(key(arch, k))  # noqa: E731
+    n_embd, n_head = g(L.EMBEDDING_LENGTH), g(A.HEAD_COUNT)
+    n_expert, n_ff, n_ff_exp = g(L.EXPERT_COUNT), g(L.FEED_FORWARD_LENGTH), g(L.EXPERT_FEED_FORWARD_LENGTH)
+    out = {"output_norm.weight": (n_embd,), "output.weight": (n_embd, n_vocab), "token_embd.weight": (n_embd, n_vocab)}
+    for i in range(g(L.BLOCK_COUNT)):
+        b = f"blk.{i}."
+        layer = {"attn_norm.weight": (n_embd,), "ffn_norm.weight": (n_embd,)}
+        if arch == "deepseek2":
+            layer.update(mla_tensors(g))
+            if i < g(L.LEADING_DENSE_BLOCK_COUNT):
+                layer.update({"ffn_gate.weight": (n_embd, n_ff), "ffn_up.weight": (n_embd, n_ff),
+                              "ffn_down.weight": (n_ff, n_embd)})
+                out.update({b + k: v for k, v in layer.items()})
+                continue
+            n_sh = n_ff_exp * g(L.EXPERT_SHARED_COUNT)
+            layer["exp_probs_b.bias"] = (n_expert,)
+        else:
+            n_rot, n_kv = g(A.KEY_LENGTH), g(A.HEAD_COUNT_KV)
+            q, kv = n_rot * n_head, n_rot * n_kv
+            layer.update({"attn_q.weight": (n_embd, q), "attn_k.weight": (n_embd, kv), "attn_v.weight": (n_embd, kv),
+                          "attn_output.weight": (q, n_embd)})
+            if arch == "qwen2moe":
+                layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+                n_sh = g(L.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+                layer["ffn_gate_inp_shexp.weight"] = (n_embd,)
+            if arch == "olmoe":
+                layer.update({"attn_q_norm.weight": (n_embd,), "attn_k_norm.weight": (n_embd,)})
+                n_ff_exp = n_ff  # olmoe sizes its experts by feed_forward_length
+        layer.update({"ffn_gate_inp.weight": (n_embd, n_expert), "ffn_gate_exps.weight": (n_embd, n_ff_exp, n_expert),
+                      "ffn_up_exps.weight": (n_embd, n_ff_exp, n_expert),
+                      "ffn_down_exps.weight": (n_ff_exp, n_embd, n_expert)})
+        if arch != "olmoe":
+            layer.update({"ffn_gate_shexp.weight": (n_embd, n_sh), "ffn_up_shexp.weight": (n_embd, n_sh),
+                          "ffn_down_shexp.weight": (n_sh, n_embd)})
+        out.update({b + k: v for k, v in layer.items()})
+    return out
+
+
+def mla_tensors(g) -> dict:
+    A = gguf.Keys.Attention
+    n_embd, n_head = g(gguf.Keys.LLM.EMBEDDING_LENGTH), g(A.HEAD_COUNT)
+    rank, q_rank, rot = g(A.KV_LORA_RANK), g(A.Q_LORA_RANK), g(gguf.Keys.Rope.DIMENSION_COUNT)
+    k_mla, v_mla = g(A.KEY_LENGTH_MLA), g(A.VALUE_LENGTH_MLA)
+    out = {"attn_kv_a_norm.weight": (rank,), "attn_kv_a_mqa.weight": (n_embd, rank + rot),
+           "attn_k_b.weight": (k_mla - rot, rank, n_head), "attn_v_b.weight": (rank, v_mla, n_head),
+           "attn_output.weight": (n_head * v_mla, n_embd)}
+    if q_rank:
+        out.update({"attn_q_a_norm.weight": (q_rank,), "attn_q_a.weight": (n_embd, q_rank),
+                    "attn_q_b.weight": (q_rank, n_head * k_mla)})
+    else:
+        out["attn_q.weight"] = (n_embd, n_head * k_mla)
+    return out
+
+
+def check_file_layout(shapes: dict, fields: dict, arch: str, config) -> None:
+    """Every tensor is one gguf's tensor map names for ``arch`` and llama.cpp's loader wants, with its shape."""
+    known = {gguf.TENSOR_NAMES[t].format(bid=i) for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH[arch.upper()]]
+             for i in range(config.num_hidden_layers)}
+    assert {n.rsplit(".", 1)[0] for n in shapes} <= known, sorted({n.rsplit(".", 1)[0] for n in shapes} - known)
+    assert all(n.rsplit(".", 1)[1] in ("weight", "bias") for n in shapes)
+    want = loader_tensors(fields, arch, config.vocab_size)
+    assert shapes == want, {n: (shapes.get(n), want.get(n)) for n in set(shapes) | set(want)
+                            if shapes.get(n) != want.get(n)}
+
+
+# ------------------------------------------------------------------------------------------ llama.cpp's graphs
+
+def rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x, pos, base, neox):
+    """ggml_rope_ext without scaling on ``x [..., T, d]``: NORM rotates (2i, 2i+1), NEOX rotates (i, i + d/2), both by
+    pos * base^(-2i/d)."""
+    d = x.shape[-1]
+    theta = pos[:, None].float() * base ** (-torch.arange(0, d, 2).float() / d)
+    cos, sin = theta.cos(), theta.sin()
+    a, b = (x[..., :d // 2], x[..., d // 2:]) if neox else (x[..., 0::2], x[..., 1::2])
+    ra, rb = a * cos - b * sin, a * sin + b * cos
+    return torch.cat([ra, rb], -1) if neox else torch.stack([ra, rb], -1).flatten(-2)
+
+
+def attend(q, k, v, scale):
+    """Causal softmax attention: q [H, T, d], k [Hk, T, d], v [Hk, T, dv] (Hk divides H) -> [T, H * dv]."""
+    H, T = q.shape[0], q.shape[1]
+    k, v = k.repeat_interleave(H // k.shape[0], 0), v.repeat_interleave(H // v.shape[0], 0)
+    att = (q @ k.transpose(1, 2)) * scale
+    att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    return (att @ v).transpose(0, 1).reshape(T, -1)
+
+
+def gqa_attention(W, F_, arch, p, h, pos):
+    """llama.cpp's qwen2moe / olmoe attention: biases added, olmoe's norms over the whole q and k, NEOX rotation."""
+    A = gguf.Keys.Attention
+    heads, kv, eps = F_[key(arch, A.HEAD_COUNT)], F_[key(arch, A.HEAD_COUNT_KV)], F_[key(arch, A.LAYERNORM_RMS_EPS)]
+    base = F_[key(arch, gguf.Keys.Rope.FREQ_BASE)]
+    q, k, v = (h @ W[p + f"attn_{n}.weight"].T + W.get(p + f"attn_{n}.bias", 0) for n in "qkv")
+    if p + "attn_q_norm.weight" in W:
+        q, k = rms(q, W[p + "attn_q_norm.weight"], eps), rms(k, W[p + "attn_k_norm.weight"], eps)
+    T = h.shape[0]
+    q, k, v = (t.view(T, n, -1).transpose(0, 1) for t, n in ((q, heads), (k, kv), (v, kv)))
+    q, k = rope(q, pos, base, neox=True), rope(k, pos, base, neox=True)
+    return attend(q, k, v, 1 / math.sqrt(q.shape[-1])) @ W[p + "attn_output.weight"].T
+
+
+def mla_attention(W, F_, p, h, pos):
+    """llama.cpp's deepseek2 attention in the absorbed MLA form: queries absorb attn_k_b into the latent, one key
+    head (latent + rotary key, NORM rotation) and one value head (the latent) are shared by all heads, attn_v_b
+    decompresses each head's output."""
+    A = gguf.Keys.Attention
+    g = lambda k: F_[key("deepseek2", k)]  # noqa: E731
+    heads, eps, base, rot = g(A.HEAD_COUNT), g(A.LAYERNORM_RMS_EPS), g(gguf.Keys.Rope.FREQ_BASE), \
+        g(gguf.Keys.Rope.DIMENSION_COUNT)
+    rank, k_mla = g(A.KV_LORA_RANK), g(A.KEY_LENGTH_MLA)
+    T = h.shape[0]
+    if p + "attn_q_a.weight" in W:
+        q = rms(h @ W[p + "attn_q_a.weight"].T, W[p + "attn_q_a_norm.weight"], eps) @ W[p + "attn_q_b.weight"].T
+    else:
+        q = h @ W[p + "attn_q.weight"].T
+    q = q.view(T, heads, k_mla).transpose(0, 1)
+    q_nope, q_pe = q[..., :k_mla - rot], rope(q[..., k_mla - rot:], pos, base, neox=False)
+    kv = h @ W[p + "attn_kv_a_mqa.weight"].T
+    latent, k_pe = rms(kv[:, :rank], W[p + "attn_kv_a_norm.weight"], eps), rope(kv[None, :, rank:], pos, base, False)
+    q_abs = torch.einsum("hrn,htn->htr", W[p + "attn_k_b.weight"], q_nope)
+    out = attend(torch.cat([q_abs, q_pe], -1), torch.cat([latent[None], k_pe], -1), latent[None],
+                 1 / math.sqrt(k_mla)).view(T, heads, rank)
+    out = torch.einsum("hvr,thr->thv", W[p + "attn_v_b.weight"], out).reshape(T, -1)
+    return out @ W[p + "attn_output.weight"].T
+
+
+def swiglu(h, gate, up, down):
+    return (F.silu(h @ gate.T) * (h @ up.T)) @ down.T
+
+
+def moe_ffn(W, F_, arch, p, h):
+    """llama.cpp's build_moe_ffn for the architecture's gating, plus its shared expert."""
+    L = gguf.Keys.LLM
+    used, logits = F_[key(arch, L.EXPERT_USED_COUNT)], h @ W[p + "ffn_gate_inp.weight"].T
+    if arch == "deepseek2":
+        probs = logits.sigmoid()
+        select = probs + W[p + "exp_probs_b.bias"]
+        groups, kept = F_.get(key(arch, L.EXPERT_GROUP_COUNT), 0), F_.get(key(arch, L.EXPERT_GROUP_USED_COUNT), 0)
+        if groups > 1:  # groups scored by their two best experts; the experts of the others masked out
+            by_group = select.view(len(h), groups, -1)
+            best = by_group.topk(2, -1).values.sum(-1).topk(kept, -1).indices
+            dropped = torch.ones(len(h), groups, dtype=torch.bool).scatter_(1, best, False)
+            select = by_group.masked_fill(dropped[..., None], float("-inf")).view(len(h), -1)
+    else:
+        probs = select = logits.softmax(-1)
+    idx = select.topk(used, -1).indices
+    weights = probs.gather(1, idx)
+    if F_.get(key(arch, L.EXPERT_WEIGHTS_NORM), False):
+        weights = weights / weights.sum(-1, keepdim=True).clamp(min=6.103515625e-5)
+    scale = F_.get(key(arch, L.EXPERT_WEIGHTS_SCALE), 0.0)
+    weights = weights * (scale if scale not in (0.0, 1.0) else 1.0)
+    out = torch.zeros_like(h)
+    for t in range(len(h)):
+        for w, e in zip(weights[t], idx[t]):
+            out[t] += w * swiglu(h[t], W[p + "ffn_gate_exps.weight"][e], W[p + "ffn_up_exps.weight"][e],
+                                 W[p + "ffn_down_exps.weight"][e])
+    if p + "ffn_gate_shexp.weight" in W:
+        shared = swiglu(h, W[p + "ffn_gate_shexp.weight"], W[p + "ffn_up_shexp.weight"], W[p + "ffn_down_shexp.weight"])
+        if p + "ffn_gate_inp_shexp.weight" in W:  # qwen2moe: scaled by the sigmoid of its gate
+            shared = shared * (h @ W[p + "ffn_gate_inp_shexp.weight"])[:, None].sigmoid()
+        out = out + shared
+    return out
+
+
+def gguf_forward(path, ids):
+    """Logits of a qwen2moe, olmoe or deepseek2 GGUF for one sequence, from the file alone."""
+    W, F_, _, arch = read(path)
+    eps = F_[key(arch, gguf.Keys.Attention.LAYERNORM_RMS_EPS)]
+    dense = F_.get(key(arch, gguf.Keys.LLM.LEADING_DENSE_BLOCK_COUNT), 0)
+    x, pos = W["token_embd.weight"][ids], torch.arange(len(ids))
+    for i in range(F_[key(arch, gguf.Keys.LLM.BLOCK_COUNT)]):
+        p = f"blk.{i}."
+        h = rms(x, W[p + "attn_norm.weight"], eps)
+        x = x + (mla_attention(W, F_, p, h, pos) if arch == "deepseek2" else gqa_attention(W, F_, arch, p, h, pos))
+        h = rms(x, W[p + "ffn_norm.weight"], eps)
+        if i < dense:
+            x = x + swiglu(h, W[p + "ffn_gate.weight"], W[p + "ffn_up.weight"], W[p + "ffn_down.weight"])
+        else:
+            x = x + moe_ffn(W, F_, arch, p, h)
+    return rms(x, W["output_norm.weight"], eps) @ W["output.weight"].T
+
+
+def check_logits(model, path, ids=IDS):
+    with torch.no_grad():
+        want = model(ids[None]).logits[0]
+    got = gguf_forward(path, ids)
+    diff = float((got - want).abs().max())
+    print(f"{path.name}: max |logit difference| {diff:.2e} (logits up to {float(want.abs().max()):.2f})")
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    return diff
+
+
+# ------------------------------------------------------------------------------------------------ the tests
+
+def test_qwen2_moe_exports_as_qwen2moe_with_its_gated_shared_expert(tmp_path):
+    model = zoo.convert(native("qwen2_moe", mlp_only_layers=[])).eval()
+    export_gguf(model, tmp_path / "q.gguf", progress=False)
+    W, F_, shapes, arch = read(tmp_path / "q.gguf")
+    c, L = model.config, gguf.Keys.LLM
+    assert arch == "qwen2moe"
+    assert (F_[key(arch, L.EXPERT_COUNT)], F_[key(arch, L.EXPERT_USED_COUNT)]) == (c.num_experts,
+                                                                                   c.num_experts_per_tok)
+    assert F_[key(arch, L.EXPERT_FEED_FORWARD_LENGTH)] == c.moe_intermediate_size
+    assert F_[key(arch, L.EXPERT_SHARED_FEED_FORWARD_LENGTH)] == c.shared_expert_intermediate_size
+    check_file_layout(shapes, F_, arch, c)
+    block = model.model.layers[1].mlp
+    assert torch.equal(W["blk.1.ffn_gate_inp_shexp.weight"], block.shared_experts.gate.weight[0])
+    assert torch.equal(W["blk.1.attn_k.bias"], model.model.layers[1].self_attn.k_proj.bias)  # NEOX: rows unchanged
+    check_logits(model, tmp_path / "q.gguf")
+
+
+def test_qwen2_moe_without_qkv_biases_gets_the_zero_biases_llama_cpp_requires(tmp_path):
+    model = zoo.convert(native("qwen2_moe", mlp_only_layers=[], qkv_bias=False)).eval()
+    export_gguf(model, tmp_path / "q.gguf", progress=False)
+    W, F_, shapes, arch = read(tmp_path / "q.gguf")
+    check_file_layout(shapes, F_, arch, model.config)
+    assert not W["blk.0.attn_q.bias"].any()
+    check_logits(model, tmp_path / "q.gguf")
+
+
+def test_olmoe_exports_as_olmoe_with_its_whole_width_qk_norms(tmp_path):
+    model = zoo.convert(native("olmoe", num_key_value_heads=4)).eval()
+    export_gguf(model, tmp_path / "o.gguf", progress=False)
+    W, F_, shapes, arch = read(tmp_path / "o.gguf")
+    c, L = model.config, gguf.Keys.LLM
+    assert arch == "olmoe"
+    assert (F_[key(arch, L.EXPERT_COUNT)], F_[key(arch, L.EXPERT_USED_COUNT)]) == (c.num_experts,
+                                                                                   c.num_experts_per_tok)
+    assert F_[key(arch, L.FEED_FORWARD_LENGTH)] == c.intermediate_size
+    assert key(arch, L.EXPERT_SHARED_COUNT) not in F_ and key(arch, L.EXPERT_WEIGHTS_NORM) not in F_
+    check_file_layout(shapes, F_, arch, c)
+    assert torch.equal(W["blk.0.attn_q_norm.weight"], model.model.layers[0].self_attn.q_norm.weight)
+    check_logits(model, tmp_path / "o.gguf")
+
+
+def test_tied_embeddings_get_the_output_tensor_olmoe_requires(tmp_path):
+    """llama.cpp's olmoe (like qwen2moe and deepseek2) has no tied-embedding fallback: output.weight is written."""
+    model = zoo.convert(native("olmoe", num_key_value_heads=4, tie_word_embeddings=True)).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    export_gguf(model, tmp_path / "o.gguf", progress=False)
+    W, F_, shapes, arch = read(tmp_path / "o.gguf")
+    check_file_layout(shapes, F_, arch, model.config)
+    assert torch.equal(W["output.weight"], W["token_embd.weight"])
+    check_logits(model, tmp_path / "o.gguf")
+
+
+def deepseek_facts_hold(F_, model):
+    c, L, A = model.config, gguf.Keys.LLM, gguf.Keys.Attention
+    router = model.model.layers[c.first_k_dense_replace].mlp.router
+    g = lambda k: F_[key("deepseek2", k)]  # noqa: E731
+    assert (g(L.EXPERT_COUNT), g(L.EXPERT_USED_COUNT)) == (c.n_routed_experts, c.num_experts_per_tok)
+    assert g(L.LEADING_DENSE_BLOCK_COUNT) == c.first_k_dense_replace
+    assert g(L.EXPERT_SHARED_COUNT) == c.n_shared_experts
+    assert g(L.EXPERT_FEED_FORWARD_LENGTH) == c.moe_intermediate_size
+    assert g(L.FEED_FORWARD_LENGTH) == c.intermediate_size
+    assert g(L.EXPERT_GATING_FUNC) == gguf.ExpertGatingFuncType.SIGMOID
+    assert g(L.EXPERT_WEIGHTS_NORM) is router.norm_topk_prob
+    assert g(L.EXPERT_WEIGHTS_SCALE) == pytest.approx(router.routed_scaling_factor)
+    assert (g(L.EXPERT_GROUP_COUNT), g(L.EXPERT_GROUP_USED_COUNT)) == (router.n_group, router.topk_group)
+    assert g(A.HEAD_COUNT_KV) == 1  # absorbed MLA: one latent key/value head
+    assert (g(A.KV_LORA_RANK), g(A.Q_LORA_RANK)) == (c.kv_lora_rank, c.q_lora_rank or 0)
+    assert (g(A.KEY_LENGTH), g(A.VALUE_LENGTH)) == (c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank)
+    assert (g(A.KEY_LENGTH_MLA), g(A.VALUE_LENGTH_MLA)) == (c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
+    assert g(gguf.Keys.Rope.DIMENSION_COUNT) == c.qk_rope_head_dim
+
+
+def test_deepseek_v3_exports_as_deepseek2(tmp_path):
+    """Sigmoid + selection bias, 2 of 4 groups, routed scaling 2.5, a shared expert, one leading dense layer."""
+    model = zoo.convert(tiny.tiny_native("deepseek_v3")).eval()
+    export_gguf(model, tmp_path / "d.gguf", progress=False)
+    W, F_, shapes, arch = read(tmp_path / "d.gguf")
+    assert arch == "deepseek2"
+    deepseek_facts_hold(F_, model)
+    check_file_layout(shapes, F_, arch, model.config)
+    assert torch.equal(W["blk.2.exp_probs_b.bias"], model.model.layers[2].mlp.router.e_score_correction_bias)
+    check_logits(model, tmp_path / "d.gguf")
+
+
+def test_deepseek_v3_without_query_lora_and_with_half_rotation(tmp_path):
+    """The plain query projection; rotary rows reordered for llama.cpp's pairwise rotation (rope_interleave=False);
+    values narrower than the latent, so a transposed attn_v_b could not pass."""
+    model = zoo.convert(native("deepseek_v3", q_lora_rank=None, rope_interleave=False, v_head_dim=12)).eval()
+    export_gguf(model, tmp_path / "d.gguf", progress=False)
+    _, F_, shapes, arch = read(tmp_path / "d.gguf")
+    deepseek_facts_hold(F_, model)
+    check_file_layout(shapes, F_, arch, model.config)
+    check_logits(model, tmp_path / "d.gguf")
+
+
+def same_file(a_path, b_path) -> bool:
+    a, fa, _, _ = read(a_path)
+    b, fb, _, _ = read(b_path)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) and \
+        {k: v for k, v in fa.items() if k != "general.name"} == {k: v for k, v in fb.items() if k != "general.name"}
+
+
+def test_a_saved_zoo_folder_exports_the_same_file_as_the_model(tmp_path):
+    """The zoo's own names (router.*, shared_experts.gate) map like the model's."""
+    for family, changes in (("deepseek_v3", {}), ("qwen2_moe", {"mlp_only_layers": []})):
+        model = zoo.convert(native(family, **changes)).eval()
+        model.save_pretrained(tmp_path / family)
+        export_gguf(model, tmp_path / f"{family}-m.gguf", progress=False)
+        export_gguf(tmp_path / family, tmp_path / f"{family}-f.gguf", progress=False)
+        assert same_file(tmp_path / f"{family}-m.gguf", tmp_path / f"{family}-f.gguf"), family
+
+
+def test_a_native_model_in_memory_exports_the_file_of_its_conversion(tmp_path):
+    """Unconverted: the family's own names (gate, shared_expert(s), e_score_correction_bias), routing from its config."""
+    for family, changes in (("deepseek_v3", {}), ("qwen2_moe", {"mlp_only_layers": []}),
+                            ("olmoe", {"num_key_value_heads": 4})):
+        export_gguf(native(family, **changes), tmp_path / f"{family}-n.gguf", progress=False)
+        export_gguf(zoo.convert(native(family, **changes)), tmp_path / f"{family}-z.gguf", progress=False)
+        assert same_file(tmp_path / f"{family}-n.gguf", tmp_path / f"{family}-z.gguf"), family
+
+
+def test_a_saved_zoo_folder_is_checked_by_its_layout(tmp_path):
+    """A folder's zoo_layout says which router its layers run: a swapped one is refused like the model's."""
+    swapped = zoo.apply(zoo.convert(tiny.tiny_native("deepseek_v3")), "topk-softmax")
+    swapped.save_pretrained(tmp_path / "m")
+    with pytest.raises(NotGGUFExportable, match="layer 1: llama.cpp's deepseek2 layers run DeepSeek's sigmoid"):
+        export_gguf(tmp_path / "m", tmp_path / "x.gguf", progress=False)
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_cli_loads_native_folders_it_cannot_stream(tmp_path):
+    """A DeepSeek-V3 folder, and a Mixtral one with each expert stored apart (the Hub's layout), are loaded and
+    converted (streaming reads stacked experts only): the file computes the native model's logits."""
+    from click.testing import CliRunner
+
+    from zoo.cli import cli
+    from zoo.gguf_export import native_folder
+
+    for family in ("deepseek_v3", "mixtral"):
+        model = tiny.tiny_native(family)
+        model.save_pretrained(tmp_path / family)
+        assert native_folder(str(tmp_path / family)) is None
+        result = CliRunner().invoke(cli, ["export", str(tmp_path / family), str(tmp_path / f"{family}.gguf"),
+                                          "--format", "gguf"])
+        assert result.exit_code == 0, result.output
+        if family == "deepseek_v3":
+            check_logits(model, tmp_path / f"{family}.gguf")
+
+
+def test_quantized_experts_of_qwen2_moe_keep_their_codes(tmp_path):
+    model = zoo.convert(native("qwen2_moe", mlp_only_layers=[], moe_intermediate_size=64)).eval()
+    model = zoo.apply(model, "quantize", bits=8)
+    report = export_gguf(model, tmp_path / "q.gguf", progress=False)
+    assert report.types["Q8_0"] == 3 * model.config.num_hidden_layers and report.max_rel_change < 2e-3
+    _, F_, shapes, arch = read(tmp_path / "q.gguf")
+    check_file_layout(shapes, F_, arch, model.config)
+    with torch.no_grad():
+        want = model(IDS[None]).logits[0]
+    assert (gguf_forward(tmp_path / "q.gguf", IDS) - want).abs().max() < 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("label, make, needle", [
+    ("qwen2 dense layer", lambda: native("qwen2_moe"), "every layer MoE"),
+    ("qwen2 renormalised", lambda: native("qwen2_moe", mlp_only_layers=[], norm_topk_prob=True),
+     "does not renormalise"),
+    ("olmoe gqa", lambda: native("olmoe"), "key/value heads"),
+    ("gpt-oss yarn", lambda: native("gpt_oss"), "truncate=False"),
+    ("qwen2 sigmoid router", lambda: zoo.apply(zoo.convert(native("qwen2_moe", mlp_only_layers=[])), "sigmoid-bias"),
+     "softmax top-k"),
+    ("deepseek softmax router", lambda: zoo.apply(zoo.convert(tiny.tiny_native("deepseek_v3")), "topk-softmax"),
+     "sigmoid routing"),
+    ("deepseek quantized kv_b", lambda: zoo.apply(zoo.convert(native("deepseek_v3", q_lora_rank=32, kv_lora_rank=32)),
+                                                  "quantize", bits=8, targets="all"), "kv_b_proj.weight is quantized"),
+])
+def test_what_llama_cpp_cannot_run_is_refused_and_no_file_is_left(tmp_path, label, make, needle):
+    model = make()
+    model = zoo.convert(model) if not model.config.model_type.startswith("zoo_") else model
+    with pytest.raises(NotGGUFExportable, match=needle):
+        export_gguf(model, tmp_path / "x.gguf", progress=False)
+    assert list(tmp_path.iterdir()) == [], label
+
+
+@pytest.mark.parametrize("family, changes", [("qwen2_moe", {"mlp_only_layers": []}),
+                                             ("olmoe", {"num_key_value_heads": 4}), ("deepseek_v3", {})])
+def test_llama_cpp_runs_each_family_with_the_zoos_logits(tmp_path, family, changes):
+    """Where llama-cpp-python is installed (``make test-clients`` builds it): llama.cpp itself loads the file (with
+    the zoo's tokenizer, which llama.cpp needs: the vocabulary is made its size) and gives the zoo model's logits."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make test-clients)")
+    from zoo.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    zoo.convert(native(family, vocab_size=len(tokenizer), **changes)).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    model = zoo.load(tmp_path / "m", dtype=torch.float32).eval()
+    export_gguf(model, tmp_path / "m.gguf", progress=False)
+    llm = llama_cpp.Llama(str(tmp_path / "m.gguf"), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(IDS.tolist())
+    with torch.no_grad():
+        want = model(IDS[None]).logits[0]
+    torch.testing.assert_close(torch.tensor(np.array(llm.scores[:len(IDS)])), want, atol=5e-3, rtol=1e-3)
