@@ -381,8 +381,10 @@ def test_a_saved_zoo_folder_is_checked_by_its_layout(tmp_path):
 
 
 def test_cli_loads_native_folders_it_cannot_stream(tmp_path):
-    """A DeepSeek-V3 folder, and a Mixtral one with each expert stored apart (the Hub's layout), are loaded and
-    converted (streaming reads stacked experts only): the file computes the native model's logits."""
+    """A DeepSeek-V3 folder is loaded and converted (only the llama/qwen3moe families stream); a Mixtral folder with
+    each expert stored apart (what transformers writes) streams, its experts stacked layer by layer, to the same file
+    as the model in memory."""
+    import gguf
     from click.testing import CliRunner
 
     from zoo.cli import cli
@@ -391,12 +393,18 @@ def test_cli_loads_native_folders_it_cannot_stream(tmp_path):
     for family in ("deepseek_v3", "mixtral"):
         model = tiny.tiny_native(family)
         model.save_pretrained(tmp_path / family)
-        assert native_folder(str(tmp_path / family)) is None
+        streams = native_folder(str(tmp_path / family)) is not None
+        assert streams == (family == "mixtral")
         result = CliRunner().invoke(cli, ["export", str(tmp_path / family), str(tmp_path / f"{family}.gguf"),
                                           "--format", "gguf"])
         assert result.exit_code == 0, result.output
         if family == "deepseek_v3":
             check_logits(model, tmp_path / f"{family}.gguf")
+        else:
+            export_gguf(zoo.convert(model), tmp_path / "in-memory.gguf", progress=False)
+            a = {t.name: bytes(t.data) for t in gguf.GGUFReader(tmp_path / "mixtral.gguf").tensors}
+            b = {t.name: bytes(t.data) for t in gguf.GGUFReader(tmp_path / "in-memory.gguf").tensors}
+            assert a.keys() == b.keys() and a == b
 
 
 def test_quantized_experts_of_qwen2_moe_keep_their_codes(tmp_path):

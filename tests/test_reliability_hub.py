@@ -177,7 +177,7 @@ def test_push_of_a_folder_takes_only_the_models_files(recording, model, tmp_path
     assert sent == result["files"]
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     assert set(sent) == {"README.md", "config.json", "generation_config.json", "model.safetensors.index.json",
-                         "tokenizer.json", "tokenizer_config.json", *index["weight_map"].values()}
+                         "modeling_moe_zoo.py", "tokenizer.json", "tokenizer_config.json", *index["weight_map"].values()}
     assert {".env", "notes.txt", ".git/config", "model-00009-of-00009.safetensors",
             "optimizer.safetensors"} <= set(result["left_out"])
     assert TOKEN not in json.dumps(result)

@@ -6,21 +6,12 @@ from click.testing import CliRunner
 
 import zoo
 import zoo.stream
+from cli_checks import fails
 from tiny import tiny_native
 from zoo.cli import cli
 from zoo.options import parse_step
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::FutureWarning")]
-
-
-def fails(args, *needles):
-    res = CliRunner().invoke(cli, args)
-    assert res.exit_code != 0, res.output
-    assert isinstance(res.exception, SystemExit), repr(res.exception)
-    assert "Traceback" not in res.output and res.output.count("Error:") == 1, res.output
-    for needle in needles:
-        assert needle in res.output, res.output
-    return res.output
 
 
 @pytest.fixture(scope="module")

@@ -186,7 +186,7 @@ def test_gguf_from_a_folder_reads_through_the_same_checks(tmp_path):
     state = load_file(folder / "model.safetensors")
     state["model.norm.weight"][3] = float("inf")
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="NaN or inf in model.norm.weight"):
+    with pytest.raises(ValueError, match="NaN or inf in .*model.norm.weight"):  # (a checkpoint's, or a load's, error)
         export_gguf(folder, tmp_path / "x.gguf", progress=False)
     assert not (tmp_path / "x.gguf").exists()
 

@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 
 import zoo
+from cli_checks import fails
 from tiny import tiny_native
 from zoo.atomic import STAGING_PREFIX, SaveTargetError, atomic_file, check_apart, write_text
 from zoo.cli import cli
@@ -22,16 +23,6 @@ def snapshot(folder: Path) -> dict:
     return {p.relative_to(folder).as_posix(): (p.read_bytes() if p.is_file() and not p.is_symlink() else
                                                os.readlink(p) if p.is_symlink() else None)
             for p in sorted(Path(folder).rglob("*"))}
-
-
-def fails(args, *needles):
-    res = CliRunner().invoke(cli, args)
-    assert res.exit_code != 0, res.output
-    assert isinstance(res.exception, SystemExit), repr(res.exception)
-    assert "Traceback" not in res.output and res.output.count("Error:") == 1, res.output
-    for needle in needles:
-        assert needle in res.output, res.output
-    return res.output
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,9 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
     packages = sorted({(s["distribution"], s["version"]) for s in sources if s["distribution"] != "moe-zoo"})
     reason = fam.export_problem(cfg, layout)
     exportable, reason = reason is None, reason or ""
+    from zoo.convert import export_padding
+
+    padding = export_padding(model) if exportable else None
     base = getattr(cfg, "zoo_base_model", None)
     if adapter_base is not None:
         from zoo.adapter_folder import hub_id_of
@@ -124,7 +127,8 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
         data, template_path=str(resource_path("cards/base.md")), model_name=name,
         summary=summary or f"A {fam.name} Mixture-of-Experts model built with moe-zoo.", recipe=recipe,
         results=results, sections=sections, repo_id=target, load_from=json.dumps(target, ensure_ascii=False),
-        family=fam.name, exportable=exportable, export_reason=reason, citations=citations, packages=packages,
+        family=fam.name, exportable=exportable, export_reason=reason, padding=padding, citations=citations,
+        packages=packages,
         adapter_base=adapter_base, ood=bool(eval_result and eval_result.get("perplexity_ood")),
         auto_loads=arch is None or arch.distribution == "moe-zoo")
     return ModelCard(tidy(rendered.content))

@@ -211,7 +211,17 @@ def export(src, out, fmt, stream, max_memory):
             zoo.export(loaded(), out, format=fmt)
         click.echo(f"exported {src} ({fmt}) to {out}")
         return
-    _either(src, stream, max_memory, lambda: streaming.export(src, out), lambda: zoo.export(loaded(), out))
+    def in_memory():
+        from zoo.convert import export_padding
+
+        model = loaded()
+        padding = export_padding(model)
+        zoo.export(model, out)
+        if padding:
+            click.echo(f"padded layers {sorted(padding['layers'])} to {padding['num_experts']} experts the router never "
+                       f"picks: {padding['bytes'] / 1e6:.2f} MB more")
+
+    _either(src, stream, max_memory, lambda: streaming.export(src, out), in_memory)
     click.echo(f"exported {src} ({fmt}) to {out}")
 
 

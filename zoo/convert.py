@@ -93,7 +93,35 @@ def native_config(model, expand_maps: bool = False):
     native_cfg = fam.native_config(model.config, layout)
     native_cfg.architectures = [fam.model_class.__name__]
     native_cfg.__dict__.pop("auto_map", None)  # the family's own classes: no moe-zoo code to point at
+    # the zoo type copied onto the instance would hide the family's own from transformers, which then could not
+    # find the family's key-name reversal and would write fused expert keys instead of the family's checkpoint names
+    native_cfg.__dict__.pop("model_type", None)
     return native_cfg
+
+
+def native_block_state(fam, moe, count: int) -> dict:
+    """One MoE block's state in the family's native names, padded to ``count`` experts where it has fewer."""
+    state = fam.to_native_state(moe.state_dict())
+    return fam.pad_native_state(state, count) if moe.num_experts < count else state
+
+
+def export_padding(model) -> dict | None:
+    """What a native export pads (None when nothing): ``{"num_experts": n, "layers": {layer: experts added},
+    "bytes": bytes of the experts added}`` (each added expert costs what one of its layer's experts costs)."""
+    from zoo.architectures.family import NotExportable
+
+    try:
+        fam = family_of(model)
+        count = getattr(native_config(model, expand_maps=True), fam.num_experts_key)
+    except (NotExportable, TypeError, ValueError):
+        return None
+    layers, added = {}, 0
+    for i, moe in moe_layers(model):
+        moe = moe.unmapped()
+        if moe.num_experts < count:
+            layers[i] = count - moe.num_experts
+            added += layers[i] * moe.experts.nbytes() // moe.num_experts
+    return {"num_experts": count, "layers": layers, "bytes": added} if layers else None
 
 
 FORMATS = ("native", "gguf", "compressed-tensors")
@@ -126,12 +154,13 @@ def export(model, path, format: str = "native") -> str:
         return export_compressed_tensors(model, path)  # checks the model first, then writes through atomic_directory
     fam = family_of(model)
     native_cfg = native_config(model, expand_maps=True)
+    count = getattr(native_cfg, fam.num_experts_key)
     state = dict(model.state_dict())
     for i, moe in moe_layers(model):
         prefix = block_prefix(model, i)
         for key in [k for k in state if k.startswith(prefix)]:
             del state[key]
-        for key, value in fam.to_native_state(moe.unmapped().state_dict()).items():
+        for key, value in native_block_state(fam, moe.unmapped(), count).items():
             state[prefix + key] = value
     import torch
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -269,14 +270,45 @@ def check_shared(shared, where: str, arch: str) -> None:
                                 f"gate; this layer's is {type(shared).__name__} ({getattr(shared, 'options', dict)()})")
 
 
+# a checkpoint that stores each expert apart, as transformers writes Mixtral (w1 gate, w3 up, w2 down) and Qwen3-MoE
+PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<part>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+GATE, UP = ("w1", "gate_proj"), ("w3", "up_proj")
+
+
 def folder_tensors(folder: Path):
     """(name, tensor) of a native checkpoint folder, read one tensor at a time from its safetensors shards through
-    the zoo's one reader (``zoo.checkpoint.read_checked``: dtype, shape and bounds against the header, finite)."""
+    the zoo's one reader (``zoo.checkpoint.read_checked``: dtype, shape and bounds against the header, finite). Experts
+    stored apart are stacked per layer as transformers stacks them (``experts.gate_up_proj [E, 2I, H]``,
+    ``experts.down_proj [E, H, I]``), one layer's experts held at a time."""
     from zoo.checkpoint import checked_weight_map, read_checked
 
     files = checked_weight_map(folder)
+    needed: dict[str, int] = {}  # experts prefix -> how many per-expert matrices it has
+    for name in files:
+        m = PER_EXPERT.match(name)
+        if m:
+            needed[m["prefix"]] = needed.get(m["prefix"], 0) + 1
+    pending: dict[str, dict] = {}
     for name, file in sorted(files.items(), key=lambda kv: (kv[1], kv[0])):
-        yield name, read_checked(file, name)
+        m = PER_EXPERT.match(name)
+        if m is None:
+            yield name, read_checked(file, name)
+            continue
+        parts = pending.setdefault(m["prefix"], {})
+        parts[int(m["e"]), m["part"]] = read_checked(file, name)
+        if len(parts) == needed[m["prefix"]]:
+            yield from _stacked(m["prefix"], pending.pop(m["prefix"]))
+
+
+def _stacked(prefix: str, parts: dict):
+    """A layer's per-expert matrices as the fused ``gate_up_proj`` and ``down_proj`` stacks."""
+    experts = sorted({e for e, _ in parts})
+    if experts != list(range(len(experts))) or len(parts) != 3 * len(experts):
+        raise NotGGUFExportable(f"{prefix}: experts {experts} are not each stored as gate, up and down matrices")
+    pick = {e: {("gate" if p in GATE else "up" if p in UP else "down"): t for (i, p), t in parts.items() if i == e}
+            for e in experts}
+    yield f"{prefix}.gate_up_proj", torch.stack([torch.cat([pick[e]["gate"], pick[e]["up"]]) for e in experts])
+    yield f"{prefix}.down_proj", torch.stack([pick[e]["down"] for e in experts])
 
 
 # ----------------------------------------------------------------------------------------------- the writer
@@ -303,10 +335,7 @@ def native_folder(source: str) -> str | None:
     config = AutoConfig.from_pretrained(folder)
     if config.model_type not in STREAMED:
         return None
-    from zoo.checkpoint import checked_weight_map
-
-    # a Hub checkpoint stores each expert apart (experts.0.w1...): loading stacks them, streaming would not
-    return None if any(".experts.0." in name for name in checked_weight_map(folder)) else folder
+    return folder  # (experts stored apart are stacked layer by layer: folder_tensors)
 
 
 def permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -214,7 +214,7 @@ def export(src, out) -> str:
     them, so vLLM and TGI read it), or ``NotExportable`` with the reason before anything is written."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    from zoo.convert import native_config
+    from zoo.convert import native_block_state, native_config
 
     loading.check_output_apart(out, src, what="out")
     ckpt = open_checkpoint(src)
@@ -223,12 +223,14 @@ def export(src, out) -> str:
     with torch.device("meta"):
         native = fam.model_class(native_cfg)  # what transformers' key-name reversal is read off
 
+    count = getattr(native_cfg, fam.num_experts_key)
+
     def write(i, layer):
         block, attr = get_block(layer), layer_block_attr(layer)
         moe = isinstance(block, SparseMoE)
         state = {k: v for k, v in layer.state_dict().items() if not (moe and k.startswith(f"{attr}."))}
         if moe:
-            state.update({f"{attr}.{k}": v for k, v in fam.to_native_state(block.state_dict()).items()})
+            state.update({f"{attr}.{k}": v for k, v in native_block_state(fam, block, count).items()})
         writer.write(revert_weight_conversion(native, {f"model.layers.{i}.{k}": v for k, v in state.items()}))
 
     with atomic_directory(out) as tmp:

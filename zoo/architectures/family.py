@@ -92,21 +92,33 @@ class Family:
         return moe
 
     # ---- export ----------------------------------------------------------------------------------
+    # The native state key of a router bias that is added to the logits before top-k (GPT-OSS's ``router.bias``):
+    # where a family has one, layers with fewer experts export padded to the largest count with experts whose bias
+    # is the dtype's lowest value, which top-k never picks (exact). Without it a padded expert's logit would be 0,
+    # which top-k can pick: such layouts are refused.
+    padding_bias_key: str | None = None
+
     def native_config(self, config, layout: list[dict | None]):
-        """The native config that expresses ``layout``, or NotExportable with the reason."""
+        """The native config that expresses ``layout``, or NotExportable with the reason. Layers with fewer experts
+        than the largest count are padded (``padded_experts``) where the family's router can express it exactly."""
         moe = {i: e for i, e in enumerate(layout) if e}
         if not moe:
             raise NotExportable("the model has no MoE layer")
         self._check_exportable_parts(config)
         first_i, first = next(iter(moe.items()))
         for i, e in moe.items():
-            if (e["num_experts"], e["num_experts_per_tok"]) != (first["num_experts"], first["num_experts_per_tok"]):
+            if e["num_experts_per_tok"] != first["num_experts_per_tok"]:
                 raise NotExportable(
-                    f"layer {i} has {e['num_experts']} experts and top-{e['num_experts_per_tok']} but layer "
-                    f"{first_i} has {first['num_experts']} and top-{first['num_experts_per_tok']}: a native "
-                    f"{self.name} config holds one expert count and k for all layers")
+                    f"layer {i} routes each token to {e['num_experts_per_tok']} experts but layer {first_i} to "
+                    f"{first['num_experts_per_tok']}: a native {self.name} config holds one k for all layers")
+            if e["num_experts"] != first["num_experts"] and self.padding_bias_key is None:
+                raise NotExportable(
+                    f"layer {i} has {e['num_experts']} experts but layer {first_i} has {first['num_experts']}: a "
+                    f"native {self.name} config holds one expert count, and its router has no bias with which a "
+                    "padded expert could never be chosen (its logit would be 0), so padding would not be exact")
+        count = max(e["num_experts"] for e in moe.values())
         values = {k: v for k, v in config.to_dict().items() if k in self.config_class.__dataclass_fields__}
-        values.update({self.num_experts_key: first["num_experts"], "num_experts_per_tok": first["num_experts_per_tok"],
+        values.update({self.num_experts_key: count, "num_experts_per_tok": first["num_experts_per_tok"],
                        self.intermediate_key: first["experts_options"].get("intermediate_size")})
         values.update({k: first["router_options"][k] for k in self.router_config_keys if k in first["router_options"]})
         native = self.config_class(**values)
@@ -115,11 +127,26 @@ class Family:
             raise NotExportable(f"MoE layers {sorted(moe)} differ from the native pattern {sorted(want)}")
         expected = self.block_layout(native)
         for i, e in moe.items():
+            if e["num_experts"] != count:  # a padded layer: its own count, the rest as the native block
+                e = {**e, "num_experts": count, "experts_options": {**e["experts_options"], "num_experts": count}}
             for key in expected:
                 if e.get(key) != expected[key]:
                     raise NotExportable(f"layer {i}: {key} is {e.get(key)!r}, the native {self.name} block "
                                         f"needs {expected[key]!r}")
         return native
+
+    def pad_native_state(self, state: dict, num_experts: int) -> dict:
+        """One MoE block's native state with its experts padded to ``num_experts``: every per-expert tensor gets zero
+        rows, and the router bias the dtype's lowest value (never picked by top-k, so the function is unchanged)."""
+        have = state[self.padding_bias_key].shape[0]
+        out = {}
+        for key, t in state.items():
+            if t.dim() == 0 or t.shape[0] != have:
+                out[key] = t
+                continue
+            fill = torch.finfo(t.dtype).min if key == self.padding_bias_key else 0
+            out[key] = torch.cat([t, t.new_full((num_experts - have, *t.shape[1:]), fill)])
+        return out
 
     def export_problem(self, config, layout) -> str | None:
         """Why ``zoo.export`` would refuse this config and layout, or None when the native format can hold it."""

@@ -15,6 +15,7 @@ class GptOss(Family):
     num_experts_key, intermediate_key = "num_local_experts", "intermediate_size"
     router_config_keys = ()
     renames = {}
+    padding_bias_key = "router.bias"  # selection reads the biased logits: padded experts are never chosen
 
     def router_options(self, config):
         # softmax over the k kept logits == renormalised top-k of the full softmax
