@@ -115,3 +115,29 @@ def test_without_moe_zoo_the_error_says_to_install_it(tmp_path):
     zoo.convert(tiny_native("mixtral")).save_pretrained(tmp_path / "m")
     out = foreign(NO_ZOO, tmp_path / "m", cwd=tmp_path)
     assert "pip install moe-zoo" in out["error"]
+
+
+LM_EVAL = """
+import json, sys
+import lm_eval
+from lm_eval.tasks import TaskManager
+folder, tasks_dir = sys.argv[1], sys.argv[2]
+out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={folder},trust_remote_code=True,dtype=float32,device=cpu",
+                              tasks=["zoo_continuation_code"], task_manager=TaskManager(include_path=tasks_dir,
+                              include_defaults=False), limit=8, bootstrap_iters=0, log_samples=False)
+result = out["results"]["zoo_continuation_code"]
+print("RESULT " + json.dumps({"acc": result["acc,none"], "mi": result["acc_mutual_info,none"]}))
+"""
+
+
+def test_lm_eval_hf_model_opens_a_quantized_zoo_folder(tmp_path):
+    """lm-eval's own ``hf`` model (``pretrained=DIR,trust_remote_code=True``), as its docs teach it, on a zoo folder
+    with int8 experts: the same numbers as the zoo's run_tasks on the model in memory."""
+    from zoo.data.eval_tasks import TASKS_DIR
+    from zoo.harness import run_tasks
+
+    model = zoo.apply(zoo.load("zoo-tiny-moe", dtype=torch.float32), "quantize", bits=8).eval()
+    model.save_pretrained(tmp_path / "q")
+    want = run_tasks(model, ["zoo_continuation_code"], limit=8, bootstrap_iters=0)["zoo_continuation_code"]
+    out = foreign(LM_EVAL, tmp_path / "q", TASKS_DIR, cwd=tmp_path)
+    assert (out["acc"], out["mi"]) == (want["acc"], want["acc_mutual_info"])

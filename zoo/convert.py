@@ -111,10 +111,10 @@ def export_padding(model) -> dict | None:
     from zoo.architectures.family import NotExportable
 
     try:
-        fam = family_of(model)
-        count = getattr(native_config(model, expand_maps=True), fam.num_experts_key)
+        native_config(model, expand_maps=True)
     except (NotExportable, TypeError, ValueError):
         return None
+    count = max(moe.unmapped().num_experts for _, moe in moe_layers(model))
     layers, added = {}, 0
     for i, moe in moe_layers(model):
         moe = moe.unmapped()
@@ -154,7 +154,7 @@ def export(model, path, format: str = "native") -> str:
         return export_compressed_tensors(model, path)  # checks the model first, then writes through atomic_directory
     fam = family_of(model)
     native_cfg = native_config(model, expand_maps=True)
-    count = getattr(native_cfg, fam.num_experts_key)
+    count = max(moe.unmapped().num_experts for _, moe in moe_layers(model))  # what padded layers are padded to
     state = dict(model.state_dict())
     for i, moe in moe_layers(model):
         prefix = block_prefix(model, i)

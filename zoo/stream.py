@@ -223,7 +223,7 @@ def export(src, out) -> str:
     with torch.device("meta"):
         native = fam.model_class(native_cfg)  # what transformers' key-name reversal is read off
 
-    count = getattr(native_cfg, fam.num_experts_key)
+    count = max(get_block(layer).num_experts for layer in ckpt.layers if isinstance(get_block(layer), SparseMoE))
 
     def write(i, layer):
         block, attr = get_block(layer), layer_block_attr(layer)
