@@ -222,3 +222,25 @@ def test_pickled_weights_are_never_unpickled(clean, tmp_path):
         zoo.load(folder)
     with pytest.raises(ValueError, match="safetensors only"):
         zoo.load(clean[0], use_safetensors=False)
+
+
+def test_what_the_family_drops_on_purpose_is_not_an_extra_layer(tmp_path, monkeypatch):
+    """DeepSeek-V3 checkpoints hold a multi-token-prediction layer past the config's layers, which transformers drops
+    (``_keys_to_ignore_on_load_unexpected``): streaming and zoo.load drop it too, while any other extra layer is
+    refused."""
+    from transformers import DeepseekV3ForCausalLM
+
+    model = tiny_native("deepseek_v3")
+    model.save_pretrained(tmp_path / "m")
+    state = load_file(tmp_path / "m" / "model.safetensors")
+    state["model.layers.3.mtp_head.weight"] = torch.ones(4, 4)  # the tiny model has layers 0-2
+    save_file(state, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="layer 3"):
+        Checkpoint(tmp_path / "m")
+    monkeypatch.setattr(DeepseekV3ForCausalLM, "_keys_to_ignore_on_load_unexpected", [r"model\.layers\.3\..*"])
+    zoo.stream.convert(tmp_path / "m", tmp_path / "out")
+    with torch.no_grad():
+        ids = torch.tensor([[5, 9, 17, 33]])
+        torch.testing.assert_close(zoo.load(tmp_path / "out")(input_ids=ids).logits,
+                                   zoo.convert(model)(input_ids=ids).logits, rtol=0, atol=1e-5)
+    zoo.load(tmp_path / "m")

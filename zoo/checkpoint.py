@@ -255,21 +255,30 @@ class Checkpoint:
         if not os.path.isdir(self.path):
             raise CheckpointError(f"{self.path} is not a checkpoint folder")
         self.files = checked_weight_map(self.path)
-        self.by_layer: dict[int | None, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-        for key, file in self.files.items():
-            m = LAYER_KEY.match(key)
-            self.by_layer[int(m.group(1)) if m else None][file].append(key)
+        self._index()
         self.config = AutoConfig.from_pretrained(self.path)
         self.config._name_or_path = self.path
         self.dtype = self.config.dtype if isinstance(self.config.dtype, torch.dtype) else torch.float32
         self.model = self._skeleton()
         self.layers = self.model.model.layers
+        # what the family's own loader drops on purpose (DeepSeek-V3's multi-token-prediction layer 61) is dropped here
+        ignored = [re.compile(p) for p in getattr(self.model, "_keys_to_ignore_on_load_unexpected", None) or []]
+        if ignored:
+            self.files = {k: f for k, f in self.files.items() if not any(p.search(k) for p in ignored)}
+            self._index()
         self._check_whole()
         extra = sorted(i for i in self.by_layer if i is not None and not 0 <= i < len(self.layers))
         if extra:
             raise CheckpointError(f"{self.path} holds tensors of layer {extra[0]}"
                                   f"{f' (and {len(extra) - 1} more layers)' if len(extra) > 1 else ''}, but its config "
                                   f"has {len(self.layers)} layers: they would be dropped (fix num_hidden_layers)")
+
+    def _index(self) -> None:
+        """``by_layer``: per decoder layer (None: outside the layers), per shard, the tensor names."""
+        self.by_layer: dict[int | None, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+        for key, file in self.files.items():
+            m = LAYER_KEY.match(key)
+            self.by_layer[int(m.group(1)) if m else None][file].append(key)
 
     def _check_whole(self) -> None:
         """At open, from the headers alone: every stored dtype fits the weight it loads into, and (a zoo checkpoint,
