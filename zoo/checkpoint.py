@@ -353,7 +353,6 @@ class Checkpoint:
         os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
         try:
             lazy = {k: ShardTensor(file, k) for file, keys in keys_by_file.items() for k in keys}
-            check_stored_dtypes(self.path, {k: t.dtype for k, t in lazy.items()}, model)
             info, _ = convert_and_load_state_dict_in_model(
                 model, lazy, LoadStateDictConfig(dtype=self.dtype, weight_mapping=self.weight_mapping,
                                                  device_map={"": "cpu"}))
