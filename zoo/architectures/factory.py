@@ -153,6 +153,9 @@ def adopt(model, family) -> None:
     """Turn a native model instance of ``family`` into its zoo class in place (modules untouched)."""
     cfg_cls, inner_cls, lm_cls = zoo_classes(family)
     model.config.__class__ = cfg_cls
+    # the native type copied onto the instance would hide the zoo's: tools that read ``config.model_type`` (PEFT's
+    # MoE target names, transformers' conversion tables) would take the zoo model for the native one
+    model.config.__dict__.pop("model_type", None)
     model.config.zoo_recipe = list(model.config.zoo_recipe or [])
     for module, cls in ((model, lm_cls), (model.model, inner_cls)):
         module.__class__ = cls

@@ -177,9 +177,11 @@ class Family:
                                 "float weights); export to GGUF, which keeps quantized weights")
 
     def register_auto_classes(self) -> None:
+        from zoo.architectures import peft_names
         from zoo.architectures.factory import zoo_classes, zoo_config_class
 
         zoo_config_class(self) if getattr(self, "generic", False) else zoo_classes(self)
+        peft_names.register(self)
 
 
 def _rename(key: str, table: dict[str, str]) -> str:

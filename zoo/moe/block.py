@@ -95,7 +95,7 @@ class SparseMoE(nn.Module):
     def num_experts(self) -> int:
         # the router's count: expert parallelism leaves ``experts.num_experts`` at the experts this rank holds;
         # behind an expert map, the merged experts the router's rows are served by
-        return self.router.num_experts if self._expert_map is None else max(self._expert_map) + 1
+        return unwrapped(self.router).num_experts if self._expert_map is None else max(self._expert_map) + 1
 
     def unmapped(self) -> SparseMoE:
         """The same function without the map: each of the router's E experts gets its own copy of the merged
@@ -115,7 +115,7 @@ class SparseMoE(nn.Module):
 
     @property
     def top_k(self) -> int:
-        return self.router.top_k
+        return unwrapped(self.router).top_k
 
     def forward(self, hidden: torch.Tensor, **family_inputs):
         """``family_inputs``: what a family's decoder layer hands its block besides the hidden states (DeepSeek-V4
@@ -136,7 +136,8 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> Routing:
         """The router's choice for tokens ``x [T, H]``, with the routing context when the router reads it."""
-        return self.router(x, context.current()) if self.router.uses_context else self.router(x)
+        # called through a PEFT wrapper where there is one (LoRA on ``router.weight``), its facts read off the router
+        return self.router(x, context.current()) if unwrapped(self.router).uses_context else self.router(x)
 
     def _input_scaled_experts(self, x: torch.Tensor, routing) -> torch.Tensor:
         """Each (token, slot) pair as its own row, scaled by its weight, sent to its expert with weight 1."""
@@ -175,6 +176,12 @@ class SparseMoE(nn.Module):
             **({"weights_scale_input": True} if self.weights_scale_input else {}),
             **({"expert_map": list(self._expert_map)} if self._expert_map is not None else {}),
         }
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The module a PEFT layer wraps (LoRA on one of its parameters, e.g. ``target_parameters=["router.weight"]``
+    or the router's own name in ``target_modules``), else the module itself."""
+    return module.get_base_layer() if hasattr(module, "get_base_layer") else module
 
 
 def check_expert_map(expert_map, router_experts: int, num_merged: int) -> tuple[int, ...]:
