@@ -1,11 +1,15 @@
 """compressed-tensors export (zoo.export(model, path, format="compressed-tensors")): int8 experts and linear layers
-as W8A16 pack-quantized in the family's own checkpoint layout. A fresh Python process that never imports zoo loads
-each folder with transformers' own compressed-tensors support: its weights are bit-exact the zoo model's (the float
-weights the native export of the dequantized model holds) and its logits the zoo model's; the packed codes are the
-zoo's own. What the format has no exact form for is refused before anything is written."""
+as W8A16 pack-quantized in the family's own checkpoint layout, symmetric int4 (quantize(symmetric=True)) as W4A16
+group-wise. A fresh Python process that never imports zoo loads each folder with transformers' own compressed-tensors
+support: its weights are bit-exact the zoo model's (the float weights the native export of the dequantized model
+holds) and its logits the zoo model's; the packed codes are the zoo's own. What the format has no exact form for is
+refused before anything is written. Also here: the quantize compressor's symmetric option (its checks, its grid
+against a naive reference, and the default grid unchanged)."""
 import copy
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,10 +28,14 @@ from zoo.compressed_tensors_export import NotCompressedTensorsExportable
 IDS = torch.tensor([[5, 17, 30, 42, 7, 100, 9, 64, 23, 2, 77, 3]])
 # (model, quantize options): the shipped Mixtral's experts; quantize(targets="all") on each family (Qwen2-MoE: a dense
 # layer and float shared experts; DeepSeek-V3: MLA projections and a dense layer)
+# symmetric int4 (W4A16): Mixtral's experts alone; Qwen3-MoE's experts and attention (targets="all"), one group size
+SYMMETRIC = {"bits": 4, "group_size": 32, "symmetric": True}
 CASES = {
     "zoo-tiny-moe": ("zoo-tiny-moe", {}),
     **{family: (family, {"targets": "all"}) for family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                                                            "deepseek_v3")},
+    "mixtral-w4a16": ("mixtral", SYMMETRIC),
+    "qwen3_moe-w4a16": ("qwen3_moe", {**SYMMETRIC, "targets": "all"}),
 }
 
 FRESH = textwrap.dedent("""
@@ -54,7 +62,7 @@ FRESH = textwrap.dedent("""
 def quantized_model(source: str, options: dict):
     model = (zoo.load(source, dtype=torch.float32) if source == "zoo-tiny-moe"
              else zoo.convert(tiny_native(source)).float()).eval()
-    return zoo.apply(model, "quantize", bits=8, **options)
+    return zoo.apply(model, "quantize", **{"bits": 8, **options})
 
 
 def dequantized_twin(model, linears: bool = True):
@@ -186,9 +194,16 @@ def test_linear_layers_are_quantized_and_the_float_ones_ignored(exported):
 
 
 @pytest.mark.parametrize("label, make, reason", [
-    ("4-bit experts", lambda m: zoo.apply(m, "quantize", bits=4, group_size=32), "integer zero point"),
-    ("4-bit layers", lambda m: zoo.apply(m, "quantize", bits=4, group_size=32, targets="all"), "integer zero point"),
+    ("4-bit experts", lambda m: zoo.apply(m, "quantize", bits=4, group_size=32),
+     "integer zero point.*quantize with symmetric=True"),
+    ("4-bit layers", lambda m: zoo.apply(m, "quantize", bits=4, group_size=32, targets="all"),
+     "integer zero point.*quantize with symmetric=True"),
     ("3-bit experts", lambda m: zoo.apply(m, "quantize", bits=3, group_size=32), "read 4 and 8 bits"),
+    ("3-bit symmetric", lambda m: zoo.apply(m, "quantize", bits=3, group_size=32, symmetric=True),
+     "read 4 and 8 bits.*bits=4 and symmetric=True"),
+    # the experts' groups are 32 (the expert width 96), the attention's 64: W4A16 has one group size
+    ("symmetric, two group sizes", lambda m: zoo.apply(m, "quantize", bits=4, symmetric=True, targets="all"),
+     "groups of 32 but .* of 64.*one group size"),
     ("mixed widths", lambda m: zoo.apply(m, "quantize", bits=6, allocation="random", group_size=32),
      "mixes expert widths"),
     ("float", lambda m: m, "nothing is quantized"),
@@ -239,3 +254,207 @@ def test_cli_export_format_compressed_tensors(tmp_path):
     result = CliRunner().invoke(cli, ["export", str(tmp_path / "m"), str(tmp_path / "s"), "--stream",
                                       "--format", "compressed-tensors"])
     assert result.exit_code == 2 and not (tmp_path / "s").exists()
+
+
+# ------------------------------------------------------------------------------------- symmetric int4 (W4A16)
+
+def test_symmetric_int4_is_written_as_w4a16_with_the_zoos_codes(exported):
+    """The experts' and linear layers' codes q (w = q s, -8..7) and bf16 scales, group-wise, with no zero point."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from zoo.moe.quantized_linear import QuantizedLinear
+
+    cases, _ = exported
+    for name in ("mixtral-w4a16", "qwen3_moe-w4a16"):
+        q = json.load(open(f"{cases[name]['folder']}/config.json"))["quantization_config"]
+        [group] = q["config_groups"].values()
+        assert group["targets"] == ["Linear"] and group["format"] == q["format"] == "pack-quantized"
+        assert {k: group["weights"][k] for k in ("num_bits", "type", "symmetric", "strategy", "group_size")} == \
+            {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+
+    def zoo_codes(w, scale_zero):  # the zoo's q and s of one matrix [N, K]: w = q s exactly, zero 0
+        s = scale_zero.float()[..., 0].t()
+        assert torch.equal(scale_zero[..., 1].float(), torch.zeros_like(s).t())
+        q = w.view(w.shape[0], -1, 32) / s[..., None]
+        assert torch.equal(q, q.round()) and q.min() >= -8 and q.max() <= 7
+        return q.view_as(w).to(torch.int8), s
+
+    model, folder = cases["mixtral-w4a16"]["model"], cases["mixtral-w4a16"]["folder"]
+    experts = model.model.layers[1].mlp.experts
+    inter, hidden = experts.intermediate_size, experts.hidden_size
+    seen = set()
+    with safe_open(f"{folder}/model.safetensors", "pt") as f:
+        assert not any(k.endswith("weight_zero_point") for k in f.keys())  # symmetric: no zero point at all
+        for e in (0, 3):
+            gate_up, down = experts.dequantized(e)
+            codes_gu, s_gu = zoo_codes(gate_up, experts.stored("gate_up", 4)[1][e])
+            codes_dn, s_dn = zoo_codes(down, experts.stored("down", 4)[1][e])
+            for part, codes, scale in (("w1", codes_gu[:inter], s_gu[:inter]), ("w3", codes_gu[inter:], s_gu[inter:]),
+                                       ("w2", codes_dn, s_dn)):
+                key = f"model.layers.1.block_sparse_moe.experts.{e}.{part}"
+                packed, shape = f.get_tensor(f"{key}.weight_packed"), tuple(f.get_tensor(f"{key}.weight_shape"))
+                assert packed.dtype == torch.int32 and shape == tuple(codes.shape)
+                assert packed.shape[-1] == shape[1] // 8  # eight 4-bit codes per int32 word
+                assert torch.equal(unpack_from_int32(packed, 4, shape), codes)
+                assert torch.equal(f.get_tensor(f"{key}.weight_scale"), scale)  # float32: the bf16 scales exactly
+                seen |= set(codes.unique().tolist())
+    assert {-8, 7} <= seen  # both ends of the signed range are used
+
+    model, folder = cases["qwen3_moe-w4a16"]["model"], cases["qwen3_moe-w4a16"]["folder"]
+    linear = model.model.layers[0].self_attn.q_proj
+    assert isinstance(linear, QuantizedLinear) and linear.bits == 4
+    codes, scale = zoo_codes(linear.dequantized(), linear.weight_scale_zero)
+    with safe_open(f"{folder}/model.safetensors", "pt") as f:
+        key = "model.layers.0.self_attn.q_proj"
+        assert torch.equal(unpack_from_int32(f.get_tensor(f"{key}.weight_packed"), 4, tuple(codes.shape)), codes)
+        assert torch.equal(f.get_tensor(f"{key}.weight_scale"), scale)
+
+
+def test_symmetric_int4_beside_an_int8_fallback_is_refused(tmp_path):
+    """DeepSeek-V3's q_a_proj (24 outputs) has no 4-bit layout and stays int8: one scheme cannot hold both."""
+    model = zoo.convert(tiny_native("deepseek_v3")).float().eval()
+    zoo.apply(model, "quantize", **SYMMETRIC, targets="all")
+    with pytest.raises(NotCompressedTensorsExportable, match="is 4-bit but .*q_a_proj is 8-bit: the checkpoint holds one scheme"):
+        zoo.export(model, tmp_path / "out", format="compressed-tensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("options, message", [
+    # a wrong type: zoo.apply's option check (from the annotation), or the compressor's own when built directly
+    ({"bits": 4, "symmetric": "yes"}, r"symmetric'?( of quantize)? must be (True or False|bool), got 'yes'"),
+    ({"bits": 4, "symmetric": 1}, r"symmetric'?( of quantize)? must be (True or False|bool), got 1"),
+    ({"bits": 4, "dtype": "bitmod", "symmetric": True}, re.escape("symmetric=True applies to dtype='int'")),
+    ({"bits": 8, "symmetric": True}, re.escape("symmetric=True changes nothing at bits=8")),
+    ({"bits": 4, "group_size": "adaptive", "symmetric": True}, re.escape("symmetric=True needs a fixed group_size")),
+])
+def test_the_symmetric_option_is_checked_before_the_model_is_touched(options, message):
+    from zoo.registry import registry
+
+    model = zoo.convert(tiny_native("mixtral"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message) as error:
+        zoo.apply(model, "quantize", **options)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=message):
+        registry.get("compressor", "quantize").obj(**options)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+# the default grid's codes and bf16 scale/zero at 2, 3 and 4 bits (``default_grid_digest``), as quantize_grouped gave
+# them before the symmetric option existed
+DEFAULT_GRID = "083d121901d3b0e718ec40bfa03a20bf648800dc0e8a7e3fc9b400066575a7ad"
+
+
+def default_grid_digest(quantize) -> str:
+    h = hashlib.sha256()
+    for bits in (2, 3, 4):
+        w = torch.randn(48, 128, generator=torch.Generator().manual_seed(bits)) * 0.05
+        _, scale_zero, codes = quantize(w, 32, bits)
+        h.update(codes.to(torch.uint8).numpy().tobytes())
+        h.update(scale_zero.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_the_default_grid_is_unchanged():
+    """Without symmetric the codes are the asymmetric ones of before, bit for bit, and the recipe reads as before."""
+    from zoo.moe.experts import SwiGLUExperts
+    from zoo.moe.quantized import QuantizedExperts, quantize_grouped
+
+    assert default_grid_digest(quantize_grouped) == DEFAULT_GRID
+    assert default_grid_digest(lambda w, g, b: quantize_grouped(w, g, b, symmetric=False)) == DEFAULT_GRID
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(4)) * 0.05
+    _, scale_zero, codes = quantize_grouped(w, 32, 4)  # the documented form: (q - 8) s + z, z = min + 8 s
+    g = w.view(48, 4, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    assert torch.equal(codes, ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).int().view(48, 128))
+    assert torch.equal(scale_zero, torch.stack([scale.t(), (lo + 8 * scale).t()], -1).bfloat16())
+    torch.manual_seed(0)
+    dense = SwiGLUExperts(4, 64, 96)
+    plain, explicit = (QuantizedExperts.from_dense(dense, [4, 3, 2, 8], 32, **kw) for kw in ({}, {"symmetric": False}))
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), explicit.state_dict().values()))
+    models = [zoo.apply(zoo.convert(tiny_native("mixtral")).eval(), "quantize", bits=4, group_size=32, **kw)
+              for kw in ({}, {"symmetric": False})]
+    assert models[0].config.zoo_recipe[-1]["options"] == {"bits": 4, "group_size": 32}  # as older recipes read
+    a, b = (m.state_dict() for m in models)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_symmetric_experts_run_as_a_naive_dequantize_then_matmul(bits):
+    """The zoo's forward on symmetric experts (its int4 kernels, 2/3 bits through their int4 working copy) against
+    float experts holding q s built here from the codes; every weight within half a step of its original (no code
+    clipped), and the stored pack standing for q s exactly."""
+    from zoo.moe import Routing
+    from zoo.moe.experts import SwiGLUExperts
+    from zoo.moe.quantized import QuantizedExperts, quantize_grouped
+
+    torch.manual_seed(0)
+    dense = SwiGLUExperts(4, 64, 96)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.normal_(0, 0.1)
+    experts = QuantizedExperts.from_dense(dense, bits, group_size=32, symmetric=True)
+    naive, half = SwiGLUExperts(4, 64, 96), 2 ** (bits - 1)
+    with torch.no_grad():
+        for e in range(4):
+            for i, (w, target) in enumerate(((dense.gate_up_proj[e], naive.gate_up_proj),
+                                             (dense.down_proj[e], naive.down_proj))):
+                n, k = w.shape
+                _, scale_zero, codes = quantize_grouped(w, 32, bits, symmetric=True)
+                q = codes.view(n, k // 32, 32) - half  # the signed codes
+                assert q.min() >= -half and q.max() <= half - 1
+                s = scale_zero.float()[..., 0].t()[..., None]  # [N, K/32, 1]
+                assert torch.equal(scale_zero[..., 1].float(), (8 - half) * scale_zero[..., 0].float())  # 0 at 4 bits
+                ref = (q.float() * s).view(n, k)
+                assert bool(((ref - w).view(n, k // 32, 32).abs() <= s / 2 * (1 + 1e-6)).all())
+                assert torch.equal(experts.dequantized(e)[i], ref)
+                target[e] = ref
+    x = torch.randn(12, 64)
+    routing = Routing(torch.rand(12, 2), torch.randint(0, 4, (12, 2)))
+    with torch.no_grad():
+        out, want = experts(x, routing), naive(x, routing)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_symmetric_linear_runs_as_a_naive_dequantize_then_matmul():
+    from zoo.moe.quantized import quantize_grouped
+    from zoo.moe.quantized_linear import QuantizedLinear
+
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(64, 48)
+    linear = QuantizedLinear.from_linear(dense, 4, 32, symmetric=True)
+    _, scale_zero, codes = quantize_grouped(dense.weight.detach(), 32, 4, symmetric=True)
+    assert torch.equal(linear.weight_scale_zero, scale_zero) and not scale_zero[..., 1].any()
+    ref = ((codes.view(48, 2, 32) - 8).float() * scale_zero.float()[..., 0].t()[..., None]).view(48, 64)
+    assert torch.equal(linear.dequantized(), ref)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, ref, dense.bias), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [SYMMETRIC, {"bits": 3.5, "allocation": "alphaq", "group_size": 32,
+                                                 "symmetric": True}])
+def test_quantize_symmetric_records_itself_and_survives_a_save(tmp_path, options):
+    """The recipe records symmetric=True; every sub-8-bit group is stored as q s (zero (8 - 2**(b-1)) s: 0 at 4
+    bits), also after save and load, where the logits are the same."""
+    from zoo.layout import moe_layers
+
+    model = zoo.apply(zoo.convert(tiny_native("mixtral")).float().eval(), "quantize", **options)
+    assert model.config.zoo_recipe[-1]["options"]["symmetric"] is True
+    model.save_pretrained(tmp_path / "m")
+    loaded = zoo.load(str(tmp_path / "m"), dtype=torch.float32).eval()
+    assert loaded.config.zoo_recipe[-1]["options"]["symmetric"] is True
+    widths = set()
+    for m in (model, loaded):
+        for _, moe in moe_layers(m):
+            for b in moe.experts.widths:
+                widths.add(b)
+                for proj in ("gate_up", "down"):
+                    if b < 8:
+                        sz = moe.experts.stored(proj, b)[1].float()
+                        assert torch.equal(sz[..., 1], (8 - 2 ** (b - 1)) * sz[..., 0]), (b, proj)
+    assert 4 in widths
+    ids = IDS % model.config.vocab_size
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)

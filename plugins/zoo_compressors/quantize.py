@@ -1,7 +1,8 @@
 """quantize: weight-only low-bit experts (packed 2/3/4/8-bit, torch's CPU int4/int8 kernels) with a bit
 allocation: ``uniform``, ``pmq`` (MC#, needs calibration) or ``alphaq`` (AlphaQ, no calibration); formats:
 ``group_size="adaptive"`` (FineQuant: a group size per matrix by the error it causes) and ``dtype="bitmod"``
-(BitMoD: each group picks the low-bit floating-point type that fits it best)."""
+(BitMoD: each group picks the low-bit floating-point type that fits it best); ``symmetric=True`` stores the
+2/3/4-bit integer groups as ``w = q s`` (no zero: what compressed-tensors' symmetric W4A16 holds exactly)."""
 import numpy as np
 import torch
 
@@ -40,13 +41,13 @@ def auto_group_size(sizes) -> int | None:
     return None
 
 
-def relative_error(w: torch.Tensor, bits: int, group_size: int) -> float:
-    """||W - Q(W)||^2 / ||W||^2 for one weight at ``bits``."""
+def relative_error(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = False) -> float:
+    """||W - Q(W)||^2 / ||W||^2 for one weight at ``bits`` (``symmetric``: on the symmetric grid below 8 bits)."""
     if bits == 8:
         q, s = quantize_int8(w)
         deq = dequantize(8, q, s, w.shape, group_size)
     else:
-        q, s, codes = quantize_grouped(w, group_size, bits)
+        q, s, codes = quantize_grouped(w, group_size, bits, symmetric)
         deq = dequantize(bits, q, s, w.shape, group_size, codes=codes)
     return float((w.float() - deq).pow(2).sum() / w.float().pow(2).sum().clamp(min=1e-30))
 
@@ -95,10 +96,15 @@ class Quantize(Compressor):
         return {"mild": {"bits": 8, **group}, "strong": {"bits": 3.5, "allocation": "pmq", **group}}
 
     def __init__(self, bits: float = 8, allocation: str = "uniform", group_size: int | str | None = None, widths=WIDTHS,
-                 targets: str = "experts", dtype: str = "int", group_alpha: float | None = None):
+                 targets: str = "experts", dtype: str = "int", group_alpha: float | None = None,
+                 symmetric: bool = False):
         """group_size: weights per scale below 8 bits; None picks one per layer, "adaptive" per matrix (FineQuant).
         dtype: "int" (the integer grid), "bitmod" (BitMoD's per-group FP types) or "fp" (one FP type, a baseline).
-        group_alpha: with group_size="adaptive", how much more error than the finest group a coarser one may cost."""
+        group_alpha: with group_size="adaptive", how much more error than the finest group a coarser one may cost.
+        symmetric: 2/3/4-bit integer groups as w = q s (codes -8..7 at 4 bits, no zero), compressed-tensors' W4A16.
+        The default is w = (q - 8) s + z with a real-valued zero per group; int8 is symmetric anyway."""
+        if not isinstance(symmetric, bool):
+            raise ValueError(f"symmetric must be True or False, got {symmetric!r}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}{suggest(str(dtype), DTYPES)}")
         if isinstance(group_size, str) and group_size != ADAPTIVE:
@@ -135,11 +141,21 @@ class Quantize(Compressor):
                                                         or group_size < 32 or group_size % 32):
             raise ValueError(f"group_size must be a positive multiple of 32 (or None: chosen per layer, or "
                              f"{ADAPTIVE!r}: per matrix), got {group_size!r}")
+        if symmetric and dtype != "int":
+            raise ValueError(f"symmetric=True applies to dtype='int' (the integer grid); dtype={dtype!r} groups are "
+                             "scaled symmetrically already")
+        if symmetric and bits == 8:
+            raise ValueError("symmetric=True changes nothing at bits=8: int8 is already symmetric (w = q s, one scale "
+                             "per output row); use it below 8 bits")
+        if symmetric and adaptive:
+            raise ValueError("symmetric=True needs a fixed group_size (or None): group_size='adaptive' chooses groups "
+                             "by the asymmetric grid's error")
         options = dict(bits=bits, allocation=allocation, group_size=group_size, widths=list(widths))
-        extra = {k: v for k, v in (("targets", targets), ("dtype", dtype), ("group_alpha", group_alpha))
-                 if v != {"targets": "experts", "dtype": "int", "group_alpha": None}[k]}
+        defaults = {"targets": "experts", "dtype": "int", "group_alpha": None, "symmetric": False}
+        extra = {k: v for k, v in (("targets", targets), ("dtype", dtype), ("group_alpha", group_alpha),
+                                   ("symmetric", symmetric)) if v != defaults[k]}
         super().__init__(**options, **extra)  # the defaults stay out of the recipe (older recipes read the same)
-        self.dtype, self.adaptive = dtype, adaptive
+        self.dtype, self.adaptive, self.symmetric = dtype, adaptive, symmetric
         self.group_alpha = GROUP_ALPHA if group_alpha is None else float(group_alpha)
         group_size = None if adaptive else group_size
         self.bits, self.allocation, self.group_size, self.widths = bits, allocation, group_size, widths
@@ -202,7 +218,7 @@ class Quantize(Compressor):
             summary.setdefault("group_size", {})[name] = group
         if bits != self.bits:
             summary.setdefault("at_8_bits", []).append(name)  # its shape has no 4-bit layout
-        return QuantizedLinear.from_linear(linear, bits, group)
+        return QuantizedLinear.from_linear(linear, bits, group, symmetric=self.symmetric)
 
     @classmethod
     def build_module(cls, replaced, spec: dict) -> QuantizedLinear:
@@ -222,7 +238,7 @@ class Quantize(Compressor):
             return
         weights = [(ex.gate_up_proj[e].detach(), ex.down_proj[e].detach()) for e in range(block.num_experts)]
         g = self.group_for(index)
-        self._errors += [[sum(relative_error(w, b, g) for w in pair) for b in self.widths]
+        self._errors += [[sum(relative_error(w, b, g, self.symmetric) for w in pair) for b in self.widths]
                          for pair in weights]
         if self.allocation == "alphaq":
             self._importance += [float(np.mean([esd_alpha(w) for w in pair])) for pair in weights]
@@ -266,7 +282,8 @@ class Quantize(Compressor):
         groups = self.adaptive_groups(block.experts, widths) if self.adaptive and min(widths) < 8 else None
         if self.adaptive and groups is None:
             self.results["adaptive_note"] = "8 bits are int8 per output channel: no groups to choose"
-        experts = QuantizedExperts.from_dense(block.experts, widths, group, group_sizes=groups)
+        experts = QuantizedExperts.from_dense(block.experts, widths, group, group_sizes=groups,
+                                              symmetric=self.symmetric)
         if min(widths) < 8:
             self.results.setdefault("group_size", {})[str(index)] = groups or group
         return block.with_parts(experts=experts)

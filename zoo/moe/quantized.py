@@ -32,9 +32,12 @@ def quantize_int8(w: torch.Tensor):
     return q, scale
 
 
-def quantize_grouped(w: torch.Tensor, group_size: int, bits: int = 4):
+def quantize_grouped(w: torch.Tensor, group_size: int, bits: int = 4, symmetric: bool = False):
     """Asymmetric per-group codes in [0, 2**bits); returns the stored weight (torch's int4 pack for 4 bits,
-    dense 2/3-bit packing otherwise), the [K/g, N, 2] bf16 scale/zero and the codes."""
+    dense 2/3-bit packing otherwise), the [K/g, N, 2] bf16 scale/zero and the codes.
+    ``symmetric``: ``w = q s`` instead (``quantize_symmetric``), in the same layout."""
+    if symmetric:
+        return quantize_symmetric(w, group_size, bits)
     n, k = w.shape
     g = w.to(torch.float32, copy=True).view(n, k // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)
@@ -46,6 +49,30 @@ def quantize_grouped(w: torch.Tensor, group_size: int, bits: int = 4):
     stored = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1) if bits == 4 else pack(q, bits)
     # the int4 kernel computes (q - 8) * scale + zero, so zero = lo + 8 * scale (for every width)
     scale_zero = torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous()
+    return stored, scale_zero, q
+
+
+def quantize_symmetric(w: torch.Tensor, group_size: int, bits: int = 4):
+    """Symmetric per-group codes: ``w = q s`` with ``q`` in the signed range ``-2**(bits-1) .. 2**(bits-1) - 1``
+    (-8..7 at 4 bits, compressed-tensors' symmetric int4) and one scale per group, no zero. The scale is the
+    smallest that puts every weight of the group in that range before rounding, ``max(-min / 2**(bits-1),
+    max / (2**(bits-1) - 1))`` (``max|w| / 8`` when the largest magnitude is negative, ``max|w| / 7`` when positive
+    at 4 bits), so no code is clipped. Stored as ``quantize_grouped`` stores its codes, so the same kernels compute
+    it: codes ``u = q + 2**(bits-1)`` in [0, 2**bits) and the int4 kernel's ``(u - 8) s + z`` with
+    ``z = (8 - 2**(bits-1)) s``: 0 at 4 bits, 4 s at 3 and 6 s at 2, each exact in bf16 (a 2-bit scale is rounded
+    up to 6 significant bits for it), so the stored weight is exactly ``q s``."""
+    n, k = w.shape
+    half = 2 ** (bits - 1)
+    g = w.to(torch.float32, copy=True).view(n, k // group_size, group_size)
+    scale = torch.maximum(-g.amin(-1) / half, g.amax(-1) / (half - 1)).clamp_(min=1e-12)
+    if bits == 2:  # 6 s is exact in bf16 for a scale of at most 6 significant bits; rounded up, nothing clips
+        mantissa, exponent = torch.frexp(scale)
+        scale = torch.ldexp(torch.ceil(mantissa * 64) / 64, exponent)
+    scale = scale.to(torch.bfloat16).float()  # the codes are those of the scale as stored
+    q = g.div_(scale[..., None]).round_().clamp_(-half, half - 1).add_(half).to(torch.int32).view(n, k)
+    del g
+    stored = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1) if bits == 4 else pack(q, bits)
+    scale_zero = torch.stack([scale.t(), ((8 - half) * scale).t()], -1).to(torch.bfloat16).contiguous()
     return stored, scale_zero, q
 
 
@@ -174,12 +201,13 @@ class QuantizedExperts(SwiGLUExperts):
     @classmethod
     @torch.no_grad()
     def from_dense(cls, experts: SwiGLUExperts, bits, group_size: int = 64,
-                   group_sizes: dict | None = None) -> QuantizedExperts:
+                   group_sizes: dict | None = None, symmetric: bool = False) -> QuantizedExperts:
+        """``symmetric``: the 2/3/4-bit experts as ``w = q s`` (``quantize_symmetric``); int8 is symmetric anyway."""
         opts = experts.options()
         new = cls(bits=bits, group_size=group_size, group_sizes=group_sizes, **opts)
         for e, b in enumerate(new.bits):
             for proj, weight in (("gate_up", experts.gate_up_proj[e]), ("down", experts.down_proj[e])):
-                q, s = quantize_int8(weight) if b == 8 else quantize_grouped(weight, new.groups[proj], b)[:2]
+                q, s = quantize_int8(weight) if b == 8 else quantize_grouped(weight, new.groups[proj], b, symmetric)[:2]
                 stored, scale = new.stored(proj, b)
                 stored[new.slot[e]].copy_(q)
                 scale[new.slot[e]].copy_(s)

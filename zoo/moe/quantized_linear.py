@@ -39,10 +39,12 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int = 64) -> QuantizedLinear:
+    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int = 64,
+                    symmetric: bool = False) -> QuantizedLinear:
+        """``symmetric``: a 4-bit weight as ``w = q s`` (``quantize_symmetric``); int8 is symmetric anyway."""
         new = cls(linear.in_features, linear.out_features, bits, group_size, bias=linear.bias is not None)
         w = linear.weight.detach()
-        q, s = quantize_int8(w) if bits == 8 else quantize_grouped(w, group_size, 4)[:2]
+        q, s = quantize_int8(w) if bits == 8 else quantize_grouped(w, group_size, 4, symmetric)[:2]
         new.packed[0].copy_(q)
         new.packed[1].copy_(s)
         if linear.bias is not None:
