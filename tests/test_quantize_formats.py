@@ -26,11 +26,20 @@ def _one_thread(one_thread):
     """Tiny tensors: one thread (see conftest)."""
 
 
+def e2m1_magnitudes() -> set[float]:
+    """FP4 E2M1 from its definition: exponent bias 1, a subnormal when the exponent field is 0."""
+    return {(m / 2 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2)) for e in range(4) for m in range(2)}
+
+
 def test_bitmod_tables_are_the_papers_types():
-    """FP4 (E2M1 x 2) and FP3 with the second zero's code given to +-5 / +-16 (FP4) or +-3 / +-6 (FP3)."""
-    fp4 = {0, 1, 2, 3, 4, 6, 8, 12}
-    for row, special in zip(table(4), (5, -5, 16, -16)):
+    """BitMoD (arXiv:2411.11745): FP4 (E2M1: 0, 0.5, ..., 6) with the second zero's code given to the extra-resolution
+    value +-5 (inside the gap between 4 and 6) or the extra-asymmetry value +-8 (past 6); FP3 likewise with +-3 / +-6.
+    The zoo's FP4 table is E2M1 times 2 (integers), so it is compared halved."""
+    fp4 = e2m1_magnitudes()
+    assert sorted(fp4) == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    for row, special in zip(table(4) / 2, (5, -5, 8, -8)):
         assert sorted(set(row.tolist())) == sorted({v for m in fp4 for v in (m, -m)} | {special}) and len(row) == 16
+        assert row.tolist().count(0.0) == 1  # -0's code is the special value's
     for row, special in zip(table(3), (3, -3, 6, -6)):
         assert sorted(row.tolist()) == sorted({0, 1, -1, 2, -2, 4, -4, special}) and len(row) == 8
 

@@ -2,9 +2,10 @@
 low-bit floating-point types, the one that quantizes it with the least squared error.
 
 The types are FP4 (E2M1) and FP3 with the code that plain FP wastes on a second zero (-0) given a special value:
-  * extra resolution (ER): a value inside the largest gap near the top, +-5 in FP4 (between 4 and 6 of E2M1 x 2),
+  * extra resolution (ER): a value inside the largest gap near the top, +-5 in FP4 (between E2M1's 4 and 6),
     +-3 in FP3 (between 2 and 4);
-  * extra asymmetry (EA): a value past the top on one side only, +-16 in FP4 (past 12), +-6 in FP3 (past 4).
+  * extra asymmetry (EA): a value past the top on one side only, +-8 in FP4 (past 6), +-6 in FP3 (past 4).
+The FP4 table is kept times 2 (every E2M1 value an integer), so there ER is +-10 and EA +-16.
 With a sign each, four types per width, so a group's type costs 2 bits (four type ids packed in a byte).
 A group is scaled symmetrically, scale = max|w| / (the type's largest magnitude), and each weight rounds to the
 nearest value of the type. Codes are indices into the type's sorted values (16 at 4 bits, 8 at 3 bits), so a
@@ -19,7 +20,7 @@ from zoo.moe.packing import pack, unpack
 BITMOD_BITS = (3, 4)
 _FP4 = [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]  # E2M1's magnitudes, times 2 so all are integers
 _FP3 = [0.0, 1.0, 2.0, 4.0]
-_SPECIAL = {4: {"er": 5.0, "ea": 16.0}, 3: {"er": 3.0, "ea": 6.0}}
+_SPECIAL = {4: {"er": 10.0, "ea": 16.0}, 3: {"er": 3.0, "ea": 6.0}}  # FP4 in the x2 units of _FP4
 
 
 DTYPES = ("bitmod", "fp")  # fp: plain FP4/FP3 alone (its second zero unused), the single-type baseline
