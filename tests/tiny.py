@@ -33,6 +33,47 @@ def tiny_config(family: str):
         return GptOssConfig(**COMMON, intermediate_size=48, num_hidden_layers=2, num_local_experts=4,
                             num_experts_per_tok=2, head_dim=16, sliding_window=16,
                             layer_types=["sliding_attention", "full_attention"])
+    if family in ("granitemoe", "granitemoeshared"):
+        from transformers import GraniteMoeConfig, GraniteMoeSharedConfig
+
+        shared = dict(shared_intermediate_size=40) if family == "granitemoeshared" else {}
+        return (GraniteMoeSharedConfig if shared else GraniteMoeConfig)(
+            **COMMON, intermediate_size=32, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+            embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.5, **shared)
+    if family == "ernie4_5_moe":
+        from transformers import Ernie4_5_MoeConfig
+
+        return Ernie4_5_MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                                  moe_num_experts=6, moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1,
+                                  tie_word_embeddings=False)
+    if family == "hunyuan_v1_moe":
+        from transformers import HunYuanMoEV1Config
+
+        return HunYuanMoEV1Config(**COMMON, intermediate_size=48, num_hidden_layers=2, num_experts=6, moe_topk=2,
+                                  head_dim=16)
+    if family == "dots1":
+        from transformers import Dots1Config
+
+        return Dots1Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=32,
+                           num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                           n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
+                           routed_scaling_factor=2.0, sliding_window=None)
+    if family == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        return Glm4MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                             n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
+                             first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.5,
+                             use_qk_norm=True, attention_bias=True)
+    if family == "deepseek_v2":
+        from transformers import DeepseekV2Config
+
+        return DeepseekV2Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                                n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                                routed_scaling_factor=2.0, topk_method="greedy", kv_lora_rank=16, q_lora_rank=24,
+                                qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
+                                max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     raise KeyError(family)
 
 

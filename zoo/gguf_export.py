@@ -19,6 +19,26 @@ What maps where (the family -> llama.cpp's architecture, and what that architect
     ``first_k_dense_replace`` leading dense layers (``leading_dense_block_count``) and multi-head latent attention
     in llama.cpp's absorbed form: ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and ``attn_v_b``.
     Rotary rows are reordered when the checkpoint is not interleaved (``rope_interleave=False``).
+  * Granite-MoE (and Granite-MoE-Shared) -> ``granitemoe``: softmax top-k renormalised, pairwise rotation (rows
+    reordered as for ``llama``), the multipliers under ``embedding_scale``, ``residual_scale``, ``attention.scale``
+    and ``logit_scale`` (the logits' divisor); the decoder layer's shared MLP (one [gate; up] projection, split) as
+    ``ffn_*_shexp`` with ``expert_shared_feed_forward_length``; experts sized by ``feed_forward_length``.
+  * ERNIE-4.5-MoE -> ``ernie4_5-moe``: softmax scores, the selection bias (``exp_probs_b``) on them, renormalised; the
+    plain shared expert where there is one; its leading dense layers (``moe_layer_start_index``), every later layer
+    MoE (``interleave_moe_layer_step`` 1: llama.cpp loads no dense layer after the first MoE one).
+  * Hunyuan-MoE (HunYuanMoEV1) -> ``hunyuan-moe``: softmax top-k renormalised plus the shared MLP; per-head
+    query/key norms after the rotation; experts sized by ``feed_forward_length``.
+  * dots.llm1 -> ``dots1`` and GLM-4.5 (Glm4Moe) -> ``glm4moe``: the gating the file states (``expert_gating_func``,
+    sigmoid here, the selection bias, groups, ``expert_weights_norm``/``scale``), shared experts
+    (``expert_shared_count``), leading dense layers, per-head query/key norms before the rotation; glm4moe also
+    rotates part of each head (``partial_rotary_factor``: ``rope.dimension_count``) and has q/k/v biases.
+  * DeepSeek-V2 -> ``deepseek2`` with softmax gating (no selection bias), not renormalised, scaled; its group-limited
+    routing scores a group by its best expert where llama.cpp sums the two best: refused where the group limit
+    changes the choice. Its rotary embedding is interleaved already.
+  * these families convert through the zoo's generic adapter: the zoo model (or a zoo folder) exports; a native one
+    is sent to ``zoo.convert`` first.
+  * PhiMoE is refused: llama.cpp's ``phimoe`` runs RMSNorm (plus bias) and softmax top-k routing, PhiMoE LayerNorm and
+    sparsemixer routing.
   * GPT-OSS is refused: llama.cpp's ``gpt-oss`` runs YaRN with its correction range rounded to whole dimensions
     (and fixed SwiGLU clamps); GPT-OSS's YaRN leaves it unrounded (``truncate=False``), so llama.cpp would compute
     other logits.
@@ -45,28 +65,59 @@ import numpy as np
 import torch
 
 ARCHS = {"mixtral": "llama", "mistral": "llama", "llama": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
-         "olmoe": "olmoe", "deepseek_v3": "deepseek2"}
+         "olmoe": "olmoe", "deepseek_v3": "deepseek2", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
+         "ernie4_5_moe": "ernie4_5-moe", "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1", "glm4_moe": "glm4moe",
+         "deepseek_v2": "deepseek2"}
+# families the zoo converts with its generic adapter: exported from the converted model (or a zoo folder) only
+GENERIC = ("granitemoe", "granitemoeshared", "ernie4_5_moe", "hunyuan_v1_moe", "dots1", "glm4_moe", "deepseek_v2")
+PARTIAL_ROPE = ("glm4moe",)  # architectures that rotate only part of each head (rope.dimension_count)
 # native folders read tensor by tensor (transformers' fused expert stacks); other families' folders are loaded
 STREAMED = ("mixtral", "mistral", "llama", "qwen3_moe")
-PERMUTED = ("llama",)  # architectures whose rotary embedding interleaves pairs (q/k rows reordered)
-OUTPUT_REQUIRED = ("qwen2moe", "olmoe", "deepseek2")  # loaders without a tied-embedding fallback: output.weight
+PERMUTED = ("llama", "granitemoe")  # architectures whose rotary embedding interleaves pairs (q/k rows reordered)
+# loaders without a tied-embedding fallback: output.weight
+OUTPUT_REQUIRED = ("qwen2moe", "olmoe", "deepseek2", "dots1")
+FFN_SIZES_EXPERTS = ("olmoe", "granitemoe", "hunyuan-moe")  # loaders that size the experts by feed_forward_length
+# Granite's multipliers (config attribute) and the GGUF keys llama.cpp's granitemoe reads them from
+GRANITE_SCALES = (("embedding_multiplier", "embedding_scale"), ("residual_multiplier", "residual_scale"),
+                  ("attention_multiplier", "attention_scale"), ("logits_scaling", "logit_scale"))
 QK = 32  # GGUF's block length for Q8_0 and Q4_1
 
 
 @dataclass(frozen=True)
 class MoESpec:
-    """What llama.cpp's MoE layer of one architecture computes: the zoo router with its gating, whether the kept
-    weights are renormalised (None: the file says, ``expert_weights_norm``) and the shared expert it adds (None,
-    "gated": Qwen2-MoE's, scaled by a sigmoid gate, "plain": DeepSeek's)."""
-    router: str
-    norm: bool | None
+    """What llama.cpp's MoE layer of one architecture computes: its gating (``label`` names it): the score functions
+    it can run (more than one: the file's ``expert_gating_func`` says which), whether the kept weights are
+    renormalised (None: the file says, ``expert_weights_norm``), the shared expert it adds (None, "gated":
+    Qwen2-MoE's, scaled by a sigmoid gate, "plain": DeepSeek's), whether it adds a selection bias (``exp_probs_b``;
+    None: where the layer has one), scales the kept weights (``expert_weights_scale``) and limits the choice to
+    expert groups (scored by their two best experts)."""
+    label: str
+    scores: tuple = ("softmax",)
+    norm: bool | None = True
     shared: str | None = None
+    selection_bias: bool | None = False
+    scaled: bool = False
+    groups: bool = False
 
 
-MOE = {"llama": MoESpec("topk-softmax", True), "qwen3moe": MoESpec("topk-softmax", True),
-       "qwen2moe": MoESpec("topk-softmax", False, "gated"), "olmoe": MoESpec("topk-softmax", False),
-       "deepseek2": MoESpec("sigmoid-bias", None, "plain")}
-GATING = {"topk-softmax": "softmax top-k routing", "sigmoid-bias": "DeepSeek's sigmoid routing with a selection bias"}
+SOFTMAX = "softmax top-k routing"
+MOE = {"llama": MoESpec(SOFTMAX), "qwen3moe": MoESpec(SOFTMAX),
+       "qwen2moe": MoESpec(SOFTMAX, norm=False, shared="gated"), "olmoe": MoESpec(SOFTMAX, norm=False),
+       "deepseek2": MoESpec("DeepSeek's sigmoid routing with a selection bias", ("sigmoid",), None, "plain", True,
+                            True, True),
+       "granitemoe": MoESpec(SOFTMAX),
+       "ernie4_5-moe": MoESpec("softmax top-k routing (a selection bias where the layer has one)", shared="optional",
+                               selection_bias=None),
+       "hunyuan-moe": MoESpec(SOFTMAX, shared="plain"),
+       "dots1": MoESpec("softmax or sigmoid top-k routing (a selection bias where the layer has one)",
+                        ("sigmoid", "softmax"), None, "plain", None, True, True),
+       "glm4moe": MoESpec("sigmoid or softmax top-k routing with a selection bias", ("sigmoid", "softmax"), None,
+                          "plain", True, True, True)}
+# families whose layers run another of their architecture's gatings than MOE's (deepseek2 reads it from the file)
+MOE_OF_FAMILY = {"deepseek_v2": MoESpec("DeepSeek-V2's softmax top-k routing", ("softmax",), None, "plain", False, True,
+                                        True)}
+# architectures that read their gating from the file (expert_gating_func, expert_weights_norm/scale, groups, ...)
+GATED = ("deepseek2", "dots1", "glm4moe")
 
 
 class NotGGUFExportable(ValueError):
@@ -174,7 +225,7 @@ def quantized_blocks(kind: str, codes, scale, low) -> tuple[np.ndarray, torch.Te
 
 # ----------------------------------------------------------------------------------------------- the sources
 
-def model_tensors(model, arch: str = "llama"):
+def model_tensors(model, arch: str = "llama", spec: MoESpec | None = None):
     """(native name, tensor or quantized module) of an in-memory zoo or native model, layer by layer. A quantized
     expert stack comes as ``("...experts", QuantizedExperts)`` under the layer's ``mlp.experts`` name, a quantized
     linear layer as ``("....weight", QuantizedLinear)``. Each MoE block is checked against llama.cpp's ``arch``
@@ -196,7 +247,7 @@ def model_tensors(model, arch: str = "llama"):
         else:
             yield name, tensor
     for prefix, block in moe.items():
-        check_moe(block, prefix, arch)
+        check_moe(block, prefix, arch, spec)
         yield from block_tensors(block, prefix)
 
 
@@ -223,22 +274,45 @@ def block_tensors(block, prefix: str):
             yield prefix + "shared_expert_gate.weight", shared.gate.weight
 
 
-def check_moe(block, where: str, arch: str = "llama") -> None:
+def routing_rule(router) -> dict | None:
+    """The rule a zoo router computes, in scored-topk's terms (score function, renormalisation, scale, selection bias,
+    expert groups and how they are scored, logit soft-cap, what the selection bias is added to); None for a router
+    whose rule is none of these (top-p, sparsemixer, ...)."""
+    name = getattr(router, "name", "")
+    rule = {"score": "softmax", "norm": bool(getattr(router, "norm_topk_prob", True)), "scale": 1.0,
+            "selection_bias": False, "n_group": 1, "topk_group": 1, "group_score": "top2", "softcap": 0.0,
+            "bias_on": "scores"}
+    if name == "topk-softmax":
+        return rule
+    if name not in ("sigmoid-bias", "scored-topk"):
+        return None
+    rule.update(score="sigmoid", scale=float(router.routed_scaling_factor), selection_bias=True,
+                n_group=int(router.n_group), topk_group=int(router.topk_group))
+    if name == "scored-topk":
+        rule.update(score=router.score, selection_bias=router.e_score_correction_bias is not None,
+                    group_score=router.group_score, softcap=float(router.logit_softcap), bias_on=router.bias_on)
+    return rule
+
+
+def check_moe(block, where: str, arch: str = "llama", spec: MoESpec | None = None) -> None:
     """The layer computes what llama.cpp's ``arch`` MoE layer computes: its gating (renormalisation and expert groups
     are checked once for all layers, ``check_routing``), its shared expert and plain (or uniformly quantized) SwiGLU
     experts."""
     from zoo.moe.experts import SwiGLUExperts
     from zoo.moe.quantized import QuantizedExperts
 
-    spec = MOE[arch]
+    spec = spec or MOE[arch]
     router = type(block.router).__name__
-    if getattr(block.router, "name", "") != spec.router or getattr(block.router, "bias", None) is not None:
-        raise NotGGUFExportable(f"{where}: llama.cpp's {arch} layers run {GATING[spec.router]}; this layer's router "
-                                f"is {router} ({getattr(block.router, 'name', '?')})")
+    rule = routing_rule(block.router)
+    if rule is None or rule["score"] not in spec.scores or getattr(block.router, "bias", None) is not None \
+            or (spec.selection_bias is not None and rule["selection_bias"] != spec.selection_bias):
+        raise NotGGUFExportable(f"{where}: llama.cpp's {arch} layers run {spec.label}; this layer's router "
+                                f"is {router} ({getattr(block.router, 'name', '?')}"
+                                f"{', ' + str(block.router.options) if rule else ''})")
     if getattr(block.router, "serving_map", None) is not None:
         raise NotGGUFExportable(f"{where}: the router maps several rows to one expert (hc-smoe's expert map); "
                                 "export it natively (zoo.export expands the map), then to GGUF from that folder")
-    check_shared(getattr(block, "shared_experts", None), where, arch)
+    check_shared(getattr(block, "shared_experts", None), where, arch, spec)
     experts = block.experts
     if isinstance(experts, QuantizedExperts):
         if len(set(experts.bits)) > 1:
@@ -251,11 +325,15 @@ def check_moe(block, where: str, arch: str = "llama") -> None:
                                 "GGUF form (plain or quantized SwiGLU experts only)")
 
 
-def check_shared(shared, where: str, arch: str) -> None:
+def check_shared(shared, where: str, arch: str, spec: MoESpec | None = None) -> None:
     """The shared expert is the one llama.cpp's ``arch`` layer adds: a SiLU SwiGLU MLP, sigmoid-gated for qwen2moe."""
     from zoo.moe.block import SharedMLP
 
-    want = MOE[arch].shared
+    want = (spec or MOE[arch]).shared
+    if want == "optional":  # the file says whether there is one (expert_shared_feed_forward_length)
+        if shared is None:
+            return
+        want = "plain"
     if want is None:
         if shared is not None:
             raise NotGGUFExportable(f"{where}: a shared expert has no place in llama.cpp's {arch} layers")
@@ -363,13 +441,21 @@ def check_config(config) -> str:
     arch = ARCHS.get(family)
     if family == "gpt_oss":
         raise NotGGUFExportable(_gpt_oss_problem(config))
+    if family in REFUSED:
+        raise NotGGUFExportable(REFUSED[family])
     if arch is None:
         raise NotGGUFExportable(f"GGUF export covers {', '.join(sorted(ARCHS))} models, got {config.model_type}")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if rope.get("rope_type", "default") != "default":
         raise NotGGUFExportable(f"rope_type {rope.get('rope_type')!r}: only the default rotary embedding is mapped")
+    if rotary_fraction(config) != 1.0 and arch not in PARTIAL_ROPE:
+        raise NotGGUFExportable(f"partial_rotary_factor={rotary_fraction(config)}: llama.cpp's {arch} rotates whole "
+                                "heads")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise NotGGUFExportable(f"hidden_act {config.hidden_act!r}: llama.cpp's layers here are SwiGLU")
+    if family in GENERIC and not config.model_type.startswith("zoo_"):
+        raise NotGGUFExportable(f"a native {family} model: GGUF export reads the zoo's conversion of it (zoo.convert "
+                                "the model, or zoo.load the folder, then export that)")
     problem = FAMILY_CHECKS.get(family, lambda c: None)(config)
     if problem:
         raise NotGGUFExportable(problem)
@@ -403,11 +489,20 @@ def _olmoe_problem(config) -> str | None:
 def _deepseek_problem(config) -> str | None:
     if getattr(config, "attention_bias", False):
         return "attention_bias: llama.cpp's deepseek2 attention has no biases"
+    if getattr(config, "mlp_bias", False):
+        return "mlp_bias: llama.cpp's deepseek2 MLPs have no biases"
     lite = config.num_hidden_layers in (26, 27) or (config.num_hidden_layers, config.vocab_size) == (48, 128256)
     if config.q_lora_rank and lite:  # llama.cpp then never reads q_lora_rank
         return (f"q_lora_rank={config.q_lora_rank} with {config.num_hidden_layers} layers: llama.cpp reads such a "
                 "deepseek2 as a \"lite\" model (DeepSeek-V2-Lite), without a query LoRA")
     return None
+
+
+REFUSED = {  # families whose llama.cpp architecture computes something else
+    "phimoe": "PhiMoE has no exact GGUF form: llama.cpp's phimoe normalises with RMSNorm (plus a bias) where PhiMoE "
+              "has LayerNorms (which subtract the mean), and routes by softmax top-k renormalised where PhiMoE runs "
+              "sparsemixer (each pick weighted by a softmax over the logits close to it)",
+}
 
 
 def _gpt_oss_problem(config) -> str:
@@ -420,8 +515,54 @@ def _gpt_oss_problem(config) -> str:
             "llama.cpp's gpt-oss yet")
 
 
+def _granite_problem(config) -> str | None:
+    for name, key in GRANITE_SCALES:
+        if not getattr(config, name, 1.0):
+            return (f"{name}=0: llama.cpp's granitemoe reads a {key} of 0 as no scaling at all (the model multiplies "
+                    "by 0)")
+    return None
+
+
+def _hunyuan_problem(config) -> str | None:
+    if getattr(config, "attention_bias", False):
+        return "attention_bias: llama.cpp's hunyuan-moe has no bias on the attention output"
+    return None
+
+
+def _dots1_problem(config) -> str | None:
+    if config.num_key_value_heads != config.num_attention_heads:
+        return (f"{config.num_key_value_heads} key/value heads for {config.num_attention_heads} query heads: "
+                "llama.cpp's dots1 loader sizes the key and value projections for as many heads as queries")
+    if getattr(config, "attention_bias", False):
+        return "attention_bias: llama.cpp's dots1 has no bias on the attention output"
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        return "sliding-window layers: llama.cpp's dots1 attends over the whole context in every layer"
+    return None
+
+
+def _glm4_moe_problem(config) -> str | None:
+    if not config.n_shared_experts:
+        return "no shared expert: llama.cpp's glm4moe runs one in every MoE layer"
+    return None
+
+
+def _ernie_problem(config) -> str | None:
+    if getattr(config, "use_bias", False):
+        return ("use_bias: llama.cpp's ernie4_5-moe leaves out the attention output's bias (and has none for the "
+                "MLPs and the LM head)")
+    last = config.num_hidden_layers - 1
+    if config.moe_layer_interval != 1 or config.moe_layer_end_index not in (-1, last):
+        return (f"MoE layers every {config.moe_layer_interval} from {config.moe_layer_start_index} to "
+                f"{config.moe_layer_end_index}: llama.cpp's ernie4_5-moe loads MoE layers from the first MoE layer to "
+                "the last one (its interleave step runs the dense ones with tensors it never loads)")
+    return None
+
+
 FAMILY_CHECKS = {"qwen2_moe": _qwen_problem, "qwen3_moe": _qwen_problem, "olmoe": _olmoe_problem,
-                 "deepseek_v3": _deepseek_problem}
+                 "deepseek_v3": _deepseek_problem, "deepseek_v2": _deepseek_problem, "granitemoe": _granite_problem,
+                 "granitemoeshared": _granite_problem, "ernie4_5_moe": _ernie_problem,
+                 "hunyuan_v1_moe": _hunyuan_problem, "dots1": _dots1_problem,
+                 "glm4_moe": _glm4_moe_problem}
 
 
 def moe_blocks(source, config) -> list:
@@ -436,39 +577,58 @@ def moe_blocks(source, config) -> list:
                 if entry]
 
 
-def routing_facts(blocks: list, config) -> dict:
-    """The routing of every MoE layer, which GGUF holds once for all: k, renormalisation, the routed weights' scale
-    and DeepSeek's expert groups; read off the routers (``moe_blocks``), else off the config."""
-    routers = [block.router for _, block in blocks]
-    seen = {(int(r.top_k), bool(getattr(r, "norm_topk_prob", True)), float(getattr(r, "routed_scaling_factor", 1.0)),
-             int(getattr(r, "n_group", 1)), int(getattr(r, "topk_group", 1))) for r in routers}
-    if not routers:
-        seen = {(getattr(config, "num_experts_per_tok", None), bool(getattr(config, "norm_topk_prob", True)),
-                 float(getattr(config, "routed_scaling_factor", 1.0)), int(getattr(config, "n_group", None) or 1),
-                 int(getattr(config, "topk_group", None) or 1))}
+FACTS = ("top_k", "score", "norm", "scale", "selection_bias", "n_group", "topk_group", "group_score", "softcap",
+         "bias_on")
+
+
+def routing_facts(blocks: list, config, arch: str = "llama", spec: MoESpec | None = None) -> dict:
+    """The routing of every MoE layer, which GGUF holds once for all: k, the score function, renormalisation, the
+    routed weights' scale, the selection bias and expert groups; read off the routers (``moe_blocks``), else off the
+    config (a native checkpoint: its family's routing, the one its architecture runs)."""
+    rules = [{"top_k": int(block.router.top_k), **(routing_rule(block.router) or {})} for _, block in blocks]
+    seen = {tuple(rule.get(k) for k in FACTS) for rule in rules}
+    if not rules:
+        spec = spec or MOE[arch]
+        seen = {(getattr(config, "num_experts_per_tok", None), spec.scores[0],
+                 bool(getattr(config, "norm_topk_prob", True)), float(getattr(config, "routed_scaling_factor", 1.0)),
+                 bool(spec.selection_bias), int(getattr(config, "n_group", None) or 1),
+                 int(getattr(config, "topk_group", None) or 1), "top2", 0.0, "scores")}
     ks = {k for k, *_ in seen}
     if len(ks) > 1:
         raise NotGGUFExportable(f"layers route to different numbers of experts {sorted(ks)}: GGUF has one "
                                 "expert_used_count")
     if len(seen) > 1:
-        raise NotGGUFExportable(f"layers route differently (k, norm_topk_prob, routed_scaling_factor, n_group, "
-                                f"topk_group: {sorted(seen)}): GGUF holds one routing for all layers")
-    top_k, norm, scale, n_group, topk_group = seen.pop()
-    return {"top_k": top_k, "norm": norm, "scale": scale, "n_group": n_group, "topk_group": topk_group}
+        raise NotGGUFExportable(f"layers route differently ({', '.join(FACTS)}: {sorted(seen, key=str)}): GGUF holds "
+                                "one routing for all layers")
+    return dict(zip(FACTS, seen.pop()))
 
 
-def check_routing(facts: dict, arch: str, experts: int | None = None) -> None:
-    """llama.cpp's ``arch`` can hold that routing: its renormalisation, and expert groups it can score."""
-    want = MOE[arch].norm
+def check_routing(facts: dict, arch: str, experts: int | None = None, spec: MoESpec | None = None) -> None:
+    """llama.cpp's ``arch`` can hold that routing: its renormalisation, scale, and expert groups it can score."""
+    spec = spec or MOE[arch]
+    want = spec.norm
     if want is not None and facts["norm"] != want:
         raise NotGGUFExportable(f"norm_topk_prob={facts['norm']}: llama.cpp's {arch} "
                                 f"{'renormalises' if want else 'does not renormalise'} the top-k weights")
-    if facts["scale"] != 1.0 and arch != "deepseek2":
+    if facts["scale"] != 1.0 and not spec.scaled:
         raise NotGGUFExportable(f"routed_scaling_factor={facts['scale']}: llama.cpp's {arch} does not scale the "
                                 "routed weights")
-    if grouped(facts) and experts is not None and experts // facts["n_group"] < 2:
-        raise NotGGUFExportable(f"{facts['n_group']} expert groups of {experts // facts['n_group']} expert: "
-                                "llama.cpp scores a group by its two best experts")
+    if facts["softcap"]:
+        raise NotGGUFExportable(f"router logits soft-capped at {facts['softcap']}: llama.cpp's {arch} does not cap "
+                                "them")
+    if facts["selection_bias"] and facts["bias_on"] != "scores":
+        raise NotGGUFExportable(f"the selection bias is added to the router's logits: llama.cpp's {arch} adds it to "
+                                "the scores")
+    if grouped(facts):
+        if not spec.groups:
+            raise NotGGUFExportable(f"expert groups ({facts['topk_group']} of {facts['n_group']}): llama.cpp's {arch} "
+                                    "picks among all experts")
+        if facts["group_score"] != "top2":
+            raise NotGGUFExportable(f"expert groups scored by their {facts['group_score']} expert: llama.cpp scores "
+                                    "a group by the sum of its two best experts")
+        if experts is not None and experts // facts["n_group"] < 2:
+            raise NotGGUFExportable(f"{facts['n_group']} expert groups of {experts // facts['n_group']} expert: "
+                                    "llama.cpp scores a group by its two best experts")
 
 
 def grouped(facts: dict) -> bool:
@@ -476,17 +636,33 @@ def grouped(facts: dict) -> bool:
     return 1 < facts["n_group"] and facts["topk_group"] < facts["n_group"]
 
 
-def check_layers(blocks: list, config, arch: str) -> None:
+def dense_lead(config, arch: str) -> int:
+    """How many leading dense layers llama.cpp's ``arch`` runs before its MoE layers (``leading_dense_block_count``)."""
+    if arch == "ernie4_5-moe":
+        return int(config.moe_layer_start_index)
+    if arch in ("deepseek2", "dots1", "glm4moe"):
+        return int(config.first_k_dense_replace or 0)
+    return 0
+
+
+def check_layers(blocks: list, config, arch: str, spec: MoESpec | None = None) -> None:
     """The MoE layers (``moe_blocks``) are ones llama.cpp's ``arch`` runs (``check_moe``), where it has them: every
-    layer, or (deepseek2) every layer after the ``first_k_dense_replace`` leading dense ones."""
+    layer, or every layer after the leading dense ones (``dense_lead``)."""
     for i, block in blocks:
-        check_moe(block, f"layer {i}", arch)  # the router's kind before its settings (check_routing)
+        check_moe(block, f"layer {i}", arch, spec)  # the router's kind before its settings (check_routing)
     ids = [i for i, _ in blocks]
-    first = config.first_k_dense_replace if arch == "deepseek2" else 0
+    first = dense_lead(config, arch)
     want = list(range(first, config.num_hidden_layers))
     if ids and ids != want:
         dense = sorted(set(range(config.num_hidden_layers)) - set(ids))
         raise NotGGUFExportable(f"MoE layers {ids}, dense layers {dense}: llama.cpp's {arch} has MoE layers {want}")
+
+
+def gguf_arch(arch: str):
+    """gguf's MODEL_ARCH member of llama.cpp's architecture name (``ernie4_5-moe`` is ``ERNIE4_5_MOE``)."""
+    import gguf
+
+    return next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
 
 
 def write_metadata(writer, config, arch: str, experts: int | None, expert_ffn: int | None,
@@ -505,20 +681,29 @@ def write_metadata(writer, config, arch: str, experts: int | None, expert_ffn: i
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_dimension_count(int(head_dim * rotary_fraction(config)))
     rope = getattr(config, "rope_parameters", None) or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "granitemoe":  # Granite's multipliers (logits are divided by logits_scaling, the others multiply)
+        for name, key in GRANITE_SCALES:
+            getattr(writer, f"add_{key}")(float(getattr(config, name)))
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(used or config.num_experts_per_tok)
-        # olmoe sizes its experts by feed_forward_length, the others by expert_feed_forward_length
-        dense_ffn = expert_ffn if arch == "olmoe" else getattr(config, "intermediate_size", expert_ffn)
+        # olmoe and granitemoe size their experts by feed_forward_length, the others by expert_feed_forward_length
+        dense_ffn = expert_ffn if arch in FFN_SIZES_EXPERTS else getattr(config, "intermediate_size", expert_ffn)
         writer.add_feed_forward_length(dense_ffn)
         writer.add_expert_feed_forward_length(expert_ffn)
         write_moe_extras(writer, config, arch, expert_ffn, moe or {})
     else:
         writer.add_feed_forward_length(config.intermediate_size)
+
+
+def rotary_fraction(config) -> float:
+    """The part of each head the rotary embedding turns (partial_rotary_factor; 1: all of it)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
 
 
 def write_mla(writer, config) -> None:
@@ -540,19 +725,23 @@ def write_moe_extras(writer, config, arch: str, expert_ffn: int, moe: dict) -> N
     """Shared experts, leading dense layers and DeepSeek's gating, where the architecture has them."""
     import gguf
 
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "hunyuan-moe") or (arch in ("granitemoe", "ernie4_5-moe") and moe.get("shared_ffn")):
         writer.add_expert_shared_feed_forward_length(moe["shared_ffn"])
-    if arch != "deepseek2":
+    if arch == "ernie4_5-moe":
+        writer.add_leading_dense_block_count(dense_lead(config, arch))
+        writer.add_interleave_moe_layer_step(1)
+    if arch not in GATED:
         return
     shared, rest = divmod(moe["shared_ffn"], expert_ffn)
     if rest:
         raise NotGGUFExportable(f"shared experts {moe['shared_ffn']} wide are no whole number of {expert_ffn}-wide "
-                                "experts: llama.cpp's deepseek2 sizes them expert_shared_count x the experts' width")
-    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+                                f"experts: llama.cpp's {arch} sizes them expert_shared_count x the experts' width")
+    writer.add_leading_dense_block_count(dense_lead(config, arch))
     writer.add_expert_shared_count(shared)
     writer.add_expert_weights_scale(moe["scale"])
     writer.add_expert_weights_norm(moe["norm"])
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if moe["score"] == "sigmoid"
+                                  else gguf.ExpertGatingFuncType.SOFTMAX)
     if grouped(moe):
         writer.add_expert_group_count(moe["n_group"])
         writer.add_expert_group_used_count(moe["topk_group"])
@@ -614,12 +803,13 @@ def export_gguf(source, path, progress: bool = True) -> Report:
         folder = Path(origin) if origin and os.path.isdir(origin) else None
     arch = check_config(config)
     blocks = moe_blocks(source, config)
-    check_layers(blocks, config, arch)
-    facts = routing_facts(blocks, config)
-    check_routing(facts, arch)
-    tensors = folder_tensors(folder) if isinstance(source, (str, os.PathLike)) else model_tensors(source, arch)
+    spec = MOE_OF_FAMILY.get(config.model_type.removeprefix("zoo_"), MOE[arch])
+    check_layers(blocks, config, arch, spec)
+    facts = routing_facts(blocks, config, arch, spec)
+    check_routing(facts, arch, spec=spec)
+    tensors = folder_tensors(folder) if isinstance(source, (str, os.PathLike)) else model_tensors(source, arch, spec)
     tokenizer = read_tokenizer(folder, config.vocab_size)  # refused before any tensor is written
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf_arch(arch), config.num_hidden_layers)
     tied = getattr(config, "tie_word_embeddings", False)
     report, shapes = Report(os.fspath(path)), Shapes()
     with atomic_file(path) as staged:
@@ -636,7 +826,7 @@ def export_gguf(source, path, progress: bool = True) -> Report:
                 if gname == "token_embd.weight" and tied and arch in OUTPUT_REQUIRED:
                     writer.add_tensor("output.weight", array, raw_dtype=kind)  # ...except these loaders
         count, expert_ffn, shared_ffn = shapes.moe(facts["top_k"])
-        check_routing(facts, arch, count)
+        check_routing(facts, arch, count, spec)
         write_metadata(writer, config, arch, count, expert_ffn or getattr(config, "moe_intermediate_size", None)
                        or getattr(config, "intermediate_size", None), facts["top_k"],
                        {**facts, "shared_ffn": shared_ffn})
@@ -684,7 +874,7 @@ MLA_ROPE_ROWS = ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight", "self_a
 
 def native_name(name: str) -> str:
     """A zoo folder's name of a router or shared-expert gate as the family's checkpoints (and gguf's map) name it."""
-    if ".mlp." in name:
+    if ".mlp." in name or ".block_sparse_moe." in name:
         for zoo_part, native in ZOO_NAMES:
             name = name.replace(zoo_part, native)
     return name
@@ -707,6 +897,18 @@ def gguf_tensors(name: str, value, names, arch: str, config):
     if isinstance(value, torch.Tensor) and name.endswith("experts.down_proj"):
         array, kind = float_array(value)
         yield tensor_name("FFN_DOWN_EXP", layer), array, kind, None, 1.0
+        return
+    if name.endswith("shared_mlp.input_linear.weight"):  # Granite's shared MLP: [gate; up] in one projection
+        parts = ("FFN_GATE_SHEXP", "FFN_UP_SHEXP")
+        if isinstance(value, torch.Tensor):
+            for part, w in zip(parts, value.chunk(2)):
+                yield tensor_name(part, layer), *float_array(w), None, 1.0
+            return
+        kind, codes, s, low, ref = linear_codes(value)  # quantized: codes, scales and lows are per row too
+        half = codes.shape[0] // 2
+        for part, rows in zip(parts, (slice(0, half), slice(half, None))):
+            data, got = quantized_blocks(kind, codes[rows], s[rows], None if low is None else low[rows])
+            yield tensor_name(part, layer), data, T[kind], got - ref[rows], float(ref[rows].abs().max())
         return
     if name.endswith("e_score_correction_bias"):  # DeepSeek's selection bias
         yield tensor_name("FFN_EXP_PROBS_B", layer, "bias"), *float_array(value, keep=False), None, 1.0
@@ -768,7 +970,7 @@ def zero_qkv_bias(gname: str, rows: int, arch: str, config):
 def rope_rows(w: torch.Tensor, name: str, arch: str, config) -> torch.Tensor:
     """Query/key rows (weights, codes or scales: rows first) in the order llama.cpp's rotation of ``arch`` pairs
     them: the ``llama`` architecture's pairs always, DeepSeek's rotary part where the checkpoint rotates halves."""
-    if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+    if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
         return permute_rope(w, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
     if arch == "deepseek2" and not getattr(config, "rope_interleave", True) and name.endswith(MLA_ROPE_ROWS):
         heads = 1 if "kv_a_proj" in name else config.num_attention_heads  # kv_a: [latent, rotary key] rows
