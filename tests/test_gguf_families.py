@@ -4,8 +4,9 @@ back with gguf's own reader: every tensor is one llama.cpp's loader creates for 
 checks, and none is missing or left over; the metadata holds the zoo model's routing under the keys llama.cpp reads;
 and a forward pass written from llama.cpp's graph for the architecture (its rotary mode, gating, shared experts,
 scales, latent attention in the absorbed form), fed only from the file, gives the zoo model's logits. Where
-llama-cpp-python is installed, llama.cpp itself runs each file. What llama.cpp's architectures cannot run is refused
-before a file appears."""
+llama-cpp-python is installed, llama.cpp itself runs each file. Layers of different expert counts are padded to one
+where llama.cpp's graph keeps that exact (sigmoid scores with the selection bias: DeepSeek-V3, dots1). What llama.cpp's
+architectures cannot run is refused before a file appears."""
 import math
 
 import gguf
@@ -16,7 +17,9 @@ import torch.nn.functional as F
 
 import tiny
 import zoo
-from zoo.gguf_export import NotGGUFExportable, export_gguf, gguf_arch
+from zoo.gguf_export import EXPERT_ROWS, NotGGUFExportable, export_gguf, gguf_arch
+from zoo.layout import decoder_layers, moe_layers, put_block, sync_layout
+from zoo.moe.surgery import keep_experts
 
 IDS = torch.tensor([5, 17, 100, 42, 7, 120, 9, 64, 23, 3, 77, 31])
 
@@ -556,6 +559,166 @@ def test_deepseek_v2_exports_as_deepseek2_with_softmax_gating(tmp_path):
     check_logits(model, tmp_path / "d.gguf")
 
 
+# ------------------------------------------------------------------ layers of different expert counts (padded)
+
+def keep_in_groups(moe, keep):
+    """``keep_experts``, the router keeping its expert groups (the zoo's pruning turns them off): each group must
+    keep as many experts."""
+    cut, old = keep_experts(moe, keep), moe.router
+    router = type(old)(old.hidden_size, len(keep), old.top_k, **old.options)
+    router.load_state_dict(cut.router.state_dict())
+    return cut.with_parts(router, cut.experts)
+
+
+def pruned(model, keep: dict, cut=keep_experts):
+    """The zoo model with layer i's experts cut to ``keep[i]`` (experts, router rows and selection bias sliced), as
+    per-layer pruning leaves it."""
+    layers = decoder_layers(model)
+    for i, moe in moe_layers(model):
+        if i in keep:
+            put_block(layers[i], cut(moe, keep[i]))
+    sync_layout(model)
+    return model.eval()
+
+
+def padding_holds(path, model, report):
+    """The file holds every layer at the largest count: each layer's experts at their slots (its groups' first), the
+    padded ones with zero router rows and weights and the lowest f32 as their selection bias; the report counts
+    them and the bytes they add."""
+    W, F_, shapes, arch = read(path)
+    reader = gguf.GGUFReader(path)
+    counts = {i: moe.num_experts for i, moe in moe_layers(model)}
+    count = max(counts.values())
+    assert F_[key(arch, gguf.Keys.LLM.EXPERT_COUNT)] == count
+    groups = F_.get(key(arch, gguf.Keys.LLM.EXPERT_GROUP_COUNT), 1)
+    added = 0
+    for i, moe in moe_layers(model):
+        own = torch.arange(counts[i])
+        slots = own // (counts[i] // groups) * (count // groups) + own % (counts[i] // groups)
+        padded = torch.ones(count, dtype=torch.bool).scatter_(0, slots, False)
+        assert torch.equal(W[f"blk.{i}.ffn_gate_inp.weight"][slots], moe.router.weight)
+        assert torch.equal(W[f"blk.{i}.exp_probs_b.bias"][slots], moe.router.e_score_correction_bias)
+        assert (W[f"blk.{i}.exp_probs_b.bias"][padded] == torch.finfo(torch.float32).min).all()
+        for part in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            assert not W[f"blk.{i}.{part}.weight"][padded].any(), (i, part)
+        rows = sum(t.n_bytes for t in reader.tensors if t.name.startswith(f"blk.{i}.")
+                   and t.name.split(".", 2)[2] in EXPERT_ROWS)
+        added += rows // count * (count - counts[i])
+    layers = {i: count - c for i, c in counts.items() if c < count}
+    assert report.padding == {"num_experts": count, "layers": layers, "bytes": added}
+    assert (report.padded_experts, report.padded_bytes) == (sum(layers.values()), added) and added > 0
+    check_file_layout(shapes, F_, arch, model.config)
+
+
+def deepseek_ungrouped(**changes):
+    """The tiny DeepSeek-V3 without expert groups, routing each token to 4 experts."""
+    return zoo.convert(native("deepseek_v3", n_group=1, topk_group=1, num_experts_per_tok=4, **changes))
+
+
+def test_deepseek_v3_layers_of_different_counts_export_padded(tmp_path):
+    """Layer 1 pruned to 6 of 8 experts: the file holds 8 in every layer, layer 1's last two never chosen (sigmoid
+    scores plus the lowest f32 as selection bias; with 4 of 6 picked, a padded expert's score 0.5 alone would often
+    win); llama.cpp's graph gives the model's logits. The zoo folder it saves exports the same file."""
+    model = pruned(deepseek_ungrouped(), {1: [0, 2, 3, 5, 6, 7]})
+    assert [moe.num_experts for _, moe in moe_layers(model)] == [6, 8]
+    report = export_gguf(model, tmp_path / "d.gguf", progress=False)
+    padding_holds(tmp_path / "d.gguf", model, report)
+    print(f"padded {report.padded_experts} experts: {report.padded_bytes} bytes")
+    check_logits(model, tmp_path / "d.gguf")
+    model.save_pretrained(tmp_path / "m")
+    export_gguf(tmp_path / "m", tmp_path / "f.gguf", progress=False)
+    assert same_file(tmp_path / "d.gguf", tmp_path / "f.gguf")
+
+
+def test_deepseek_v3_groups_are_padded_equally(tmp_path):
+    """12 experts in 4 groups of 3 (2 groups kept); layer 1 keeps 2 of each group, its router its groups: each group
+    is padded with one expert, so llama.cpp's groups of 3 hold the layer's groups of 2, scored by the same two
+    best."""
+    model = pruned(zoo.convert(native("deepseek_v3", n_routed_experts=12)), {1: [0, 1, 3, 4, 6, 7, 9, 10]},
+                   keep_in_groups)
+    assert (moe_layers(model)[0][1].router.n_group, moe_layers(model)[0][1].num_experts) == (4, 8)
+    report = export_gguf(model, tmp_path / "d.gguf", progress=False)
+    assert report.padding["layers"] == {1: 4}
+    padding_holds(tmp_path / "d.gguf", model, report)  # layer 1's experts at slots 0, 1, 3, 4, 6, 7, 9, 10
+    _, F_, _, _ = read(tmp_path / "d.gguf")
+    assert (F_["deepseek2.expert_group_count"], F_["deepseek2.expert_group_used_count"]) == (4, 2)
+    check_logits(model, tmp_path / "d.gguf")
+
+
+def test_quantized_experts_are_padded_with_zero_blocks(tmp_path):
+    """Int8 experts: the padded experts are Q8_0 blocks of scale 0 (zero weights)."""
+    model = pruned(deepseek_ungrouped(), {1: [1, 2, 4, 5, 7]})
+    model = zoo.apply(model, "quantize", bits=8)
+    report = export_gguf(model, tmp_path / "q.gguf", progress=False)
+    assert report.types["Q8_0"] == 3 * 2 and report.padding["layers"] == {1: 3}
+    W, _, _, _ = read(tmp_path / "q.gguf")
+    down = W["blk.1.ffn_down_exps.weight"]
+    assert not down[5:].any() and down[:5].abs().amax((1, 2)).all()
+    q8_0 = 2 * 32 * (64 // 32 * 34) + 64 * (32 // 32 * 34)  # one expert's gate, up ([32, 64]) and down ([64, 32])
+    assert report.padded_bytes == 3 * (q8_0 + 64 * 4 + 4)  # the experts, their F32 router rows and biases
+    with torch.no_grad():
+        want = model(IDS[None]).logits[0]
+    assert (gguf_forward(tmp_path / "q.gguf", IDS) - want).abs().max() < 0.05 * want.abs().max()
+
+
+def sigmoid_without_selection_bias(model):
+    """The zoo model with each router swapped for scored-topk's sigmoid routing without a selection bias (its rows,
+    renormalisation and scale kept)."""
+    from zoo.registry import registry
+
+    scored, layers = registry.get("router", "scored-topk").obj, decoder_layers(model)
+    for i, moe in moe_layers(model):
+        old = moe.router
+        router = scored(old.hidden_size, old.num_experts, old.top_k, score="sigmoid",
+                        norm_topk_prob=old.norm_topk_prob, routed_scaling_factor=old.routed_scaling_factor)
+        router.load_state_dict({"weight": old.weight})
+        put_block(layers[i], moe.with_parts(router))
+    sync_layout(model)
+    return model
+
+
+def test_a_padded_layer_without_a_selection_bias_gets_one(tmp_path):
+    """dots1 with sigmoid routing and no selection bias (llama.cpp's dots1 reads one where a layer has it): the padded
+    layer gets exp_probs_b, 0 for its own experts (chosen by their scores alone) and the lowest f32 for the padded."""
+    model = pruned(sigmoid_without_selection_bias(zoo.convert(native("dots1", n_group=1, topk_group=1,
+                                                                      num_experts_per_tok=4))), {1: [0, 2, 3, 5, 6, 7]})
+    report = export_gguf(model, tmp_path / "d.gguf", progress=False)
+    W, F_, shapes, arch = read(tmp_path / "d.gguf")
+    assert [n for n in shapes if "exp_probs_b" in n] == ["blk.1.exp_probs_b.bias"]
+    assert torch.equal(W["blk.1.exp_probs_b.bias"], torch.tensor([0.0] * 6 + [torch.finfo(torch.float32).min] * 2))
+    assert report.padding == {"num_experts": 8, "layers": {1: 2}, "bytes": 2 * 3 * 32 * 64 * 4 + 2 * 64 * 4 + 8 * 4}
+    check_file_layout(shapes, F_, arch, model.config)
+    check_logits(model, tmp_path / "d.gguf")
+
+
+def drop_one_k(model):
+    moe_layers(model)[0][1].router.top_k = 1  # layer 1 routes to 1 expert, layer 2 to 4
+    sync_layout(model)
+    return model
+
+
+@pytest.mark.parametrize("label, make, needle", [
+    ("softmax without a bias", lambda: pruned(zoo.convert(tiny.tiny_native("mixtral")), {0: [0, 1, 3]}),
+     "no bias with which a padded expert could never be chosen"),
+    ("qwen2moe", lambda: pruned(zoo.convert(native("qwen2_moe", mlp_only_layers=[])), {1: [0, 2, 3, 5]}),
+     "no bias with which a padded expert could never be chosen"),
+    ("softmax with a bias arch", lambda: pruned(zoo.convert(tiny.tiny_native("deepseek_v2")), {1: [0, 1, 3]}),
+     r"share exp\(0\) of every token's softmax"),
+    ("different k", lambda: drop_one_k(deepseek_ungrouped()),
+     r"different numbers of experts \[1, 4\]: GGUF has one expert_used_count"),
+    ("groups turned off by pruning",
+     lambda: pruned(zoo.convert(tiny.tiny_native("deepseek_v3")), {1: [0, 1, 2, 4, 5, 6]}),
+     "layer 1: 6 experts, picked among all; layer 2: 8 experts, picked among the best 2 of 4 groups of 2"),
+    ("groups of one", lambda: pruned(zoo.convert(tiny.tiny_native("deepseek_v3")), {1: [0, 2, 4, 6]}, keep_in_groups),
+     "keeps 1 expert in each of its 4 groups: llama.cpp scores a group by its two best"),
+])
+def test_padding_llama_cpp_cannot_make_exact_is_refused(tmp_path, label, make, needle):
+    model = make()
+    with pytest.raises(NotGGUFExportable, match=needle):
+        export_gguf(model, tmp_path / "x.gguf", progress=False)
+    assert list(tmp_path.iterdir()) == [], label
+
+
 def tiny_native_generic(family: str):
     """A tiny native model of a family ``tests/tiny.py`` has no config for (``tests/families``' tiny configs)."""
     from families.tiny_configs import tiny_config
@@ -684,14 +847,35 @@ def test_what_llama_cpp_cannot_run_is_refused_and_no_file_is_left(tmp_path, labe
 def test_llama_cpp_runs_each_family_with_the_zoos_logits(tmp_path, family, changes):
     """Where llama-cpp-python is installed (``make test-clients`` builds it): llama.cpp itself loads the file (with
     the zoo's tokenizer, which llama.cpp needs: the vocabulary is made its size) and gives the zoo model's logits."""
+    llama_cpp_matches(tmp_path, family, lambda vocab: zoo.convert(native(family, vocab_size=vocab, **changes)))
+
+
+@pytest.mark.parametrize("label, make", [
+    ("layer 1 pruned to 6 of 8", lambda vocab: pruned(deepseek_ungrouped(vocab_size=vocab), {1: [0, 2, 3, 5, 6, 7]})),
+    ("layer 1 keeping 2 of each group of 3", lambda vocab: pruned(
+        zoo.convert(native("deepseek_v3", n_routed_experts=12, vocab_size=vocab)), {1: [0, 1, 3, 4, 6, 7, 9, 10]},
+        keep_in_groups)),
+    ("dots1 without a selection bias", lambda vocab: pruned(sigmoid_without_selection_bias(zoo.convert(
+        native("dots1", n_group=1, topk_group=1, num_experts_per_tok=4, vocab_size=vocab))), {1: [0, 2, 3, 5, 6, 7]})),
+])
+def test_llama_cpp_runs_padded_layers_with_the_zoos_logits(tmp_path, label, make):
+    """llama.cpp itself never picks the padded experts: the zoo model's logits and greedy tokens."""
+    report = llama_cpp_matches(tmp_path, label, make)
+    assert report.padded_experts in (2, 4)
+
+
+def llama_cpp_matches(tmp_path, label: str, make):
+    """llama.cpp (where llama-cpp-python is installed) runs the GGUF file of the zoo model ``make(vocab_size)``,
+    saved beside the zoo's tokenizer and loaded back, and gives its logits: the same greedy next token after every
+    prefix. The export's report."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make test-clients)")
     from zoo.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()
-    zoo.convert(native(family, vocab_size=len(tokenizer), **changes)).save_pretrained(tmp_path / "m")
+    make(len(tokenizer)).save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
     model = zoo.load(tmp_path / "m", dtype=torch.float32).eval()
-    export_gguf(model, tmp_path / "m.gguf", progress=False)
+    report = export_gguf(model, tmp_path / "m.gguf", progress=False)
     f32 = int(gguf.GGMLQuantizationType.F32)  # an fp32 cache: fp16 keys/values would blur a mistake (1e-3)
     llm = llama_cpp.Llama(str(tmp_path / "m.gguf"), n_ctx=64, logits_all=True, verbose=False, n_threads=1,
                           type_k=f32, type_v=f32)
@@ -699,7 +883,8 @@ def test_llama_cpp_runs_each_family_with_the_zoos_logits(tmp_path, family, chang
     with torch.no_grad():
         want = model(IDS[None]).logits[0]
     got = torch.tensor(np.array(llm.scores[:len(IDS)]))
-    print(f"{family}: llama.cpp's max |logit difference| {float((got - want).abs().max()):.2e} (logits up to "
+    print(f"{label}: llama.cpp's max |logit difference| {float((got - want).abs().max()):.2e} (logits up to "
           f"{float(want.abs().max()):.2f})")
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))  # the same greedy next token after every prefix
+    return report

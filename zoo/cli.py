@@ -200,6 +200,9 @@ def export(src, out, fmt, stream, max_memory):
             report = export_gguf(folder if folder is not None else loaded(), out)
         if report.max_abs_change:
             click.echo(f"quantized experts: scales rounded to fp16, largest weight change {report.max_abs_change:.2e}")
+        if report.padding:
+            click.echo(f"padded layers {sorted(report.padding['layers'])} to {report.padding['num_experts']} experts "
+                       f"the router never picks: {report.padding['bytes'] / 1e6:.2f} MB more")
         click.echo(f"exported {src} (gguf) to {out}")
         return
     save_folder(click.get_current_context(), None, out)

@@ -50,8 +50,17 @@ What maps where (the family -> llama.cpp's architecture, and what that architect
     that fp16 rounding of the scales: ``report`` says by how much.
   * quantized linear layers (``quantize(targets="all")``: attention projections, shared experts, the LM head) go
     the same way, except DeepSeek's ``kv_b_proj`` (llama.cpp wants it transposed per head; blocks do not transpose).
-  * uniform layouts only: every expert of a layer the same width, one routing for all layers, routers llama.cpp
-    computes; anything else is refused with ``NotGGUFExportable`` naming the part, before a file appears.
+  * layers of different expert counts (per-layer pruning) are padded to the largest count with experts the router
+    never picks, where llama.cpp's graph makes that exact (``padding_plan``): sigmoid scores with the selection bias
+    (deepseek2, dots1, glm4moe), a padded expert getting a zero router row, zero weights and the lowest f32 as its
+    selection bias (written where the layer has none), so top-k never reaches it and its score enters nothing; with
+    expert groups each group is padded equally (its experts' groups unchanged, a group's two best still its own).
+    Refused with the reason: architectures without a selection bias (a padded expert's logit would be 0, which
+    top-k can pick), softmax scores (a padded expert still takes its share of every token's softmax), groups that
+    padding cannot keep. ``Report.padding`` says how many experts were added and the bytes they cost.
+  * otherwise uniform layouts only: every expert of a layer the same width, one routing (and one k) for all
+    layers, routers llama.cpp computes; anything else is refused with ``NotGGUFExportable`` naming the part, before
+    a file appears.
 """
 from __future__ import annotations
 
@@ -127,11 +136,25 @@ class NotGGUFExportable(ValueError):
 @dataclass
 class Report:
     """What the export did: per GGUF type the tensors written, and the largest change the fp16 rounding of
-    the quantized experts' scales made to a weight (absolute, and relative to that tensor's largest weight)."""
+    the quantized experts' scales made to a weight (absolute, and relative to that tensor's largest weight); where
+    layers were padded to one expert count, ``padding`` in ``zoo.convert.export_padding``'s form: ``{"num_experts":
+    n, "layers": {layer: experts added}, "bytes": bytes the padding added to the file}`` (the padded experts' zero
+    weights in their layer's GGUF types, their router rows and selection biases), else None."""
     path: str
     types: dict = field(default_factory=dict)
     max_abs_change: float = 0.0
     max_rel_change: float = 0.0
+    padding: dict | None = None
+
+    @property
+    def padded_experts(self) -> int:
+        """Experts added by the padding, over all layers (0: none)."""
+        return sum(self.padding["layers"].values()) if self.padding else 0
+
+    @property
+    def padded_bytes(self) -> int:
+        """Bytes the padding added to the file (0: none)."""
+        return self.padding["bytes"] if self.padding else 0
 
     def note(self, kind: str, change: torch.Tensor | None = None, scale: float = 1.0) -> None:
         self.types[kind] = self.types.get(kind, 0) + 1
@@ -586,6 +609,9 @@ def routing_facts(blocks: list, config, arch: str = "llama", spec: MoESpec | Non
     routed weights' scale, the selection bias and expert groups; read off the routers (``moe_blocks``), else off the
     config (a native checkpoint: its family's routing, the one its architecture runs)."""
     rules = [{"top_k": int(block.router.top_k), **(routing_rule(block.router) or {})} for _, block in blocks]
+    for rule in rules:
+        if rule.get("n_group") is not None and not grouped(rule):
+            rule.update(n_group=1, topk_group=1)  # groups that limit nothing: plain top-k, as llama.cpp runs it
     seen = {tuple(rule.get(k) for k in FACTS) for rule in rules}
     if not rules:
         spec = spec or MOE[arch]
@@ -598,9 +624,33 @@ def routing_facts(blocks: list, config, arch: str = "llama", spec: MoESpec | Non
         raise NotGGUFExportable(f"layers route to different numbers of experts {sorted(ks)}: GGUF has one "
                                 "expert_used_count")
     if len(seen) > 1:
+        apart = {tuple(v for k, v in zip(FACTS, s) if k not in ("n_group", "topk_group")) for s in seen}
+        if len(apart) == 1:
+            raise NotGGUFExportable(groups_problem(blocks, rules))
         raise NotGGUFExportable(f"layers route differently ({', '.join(FACTS)}: {sorted(seen, key=str)}): GGUF holds "
                                 "one routing for all layers")
     return dict(zip(FACTS, seen.pop()))
+
+
+def groups_problem(blocks: list, rules: list[dict]) -> str:
+    """Why layers that route alike but for their expert groups have no GGUF form (``routing_facts``)."""
+    def how(block, rule) -> str:
+        n, kept = rule["n_group"], rule["topk_group"]
+        count = int(block.num_experts)
+        if n == 1:
+            return f"{count} experts, picked among all"
+        return f"{count} experts, picked among the best {kept} of {n} groups of {count // n}"
+
+    kinds = {}
+    for (i, block), rule in zip(blocks, rules):
+        kinds.setdefault(how(block, rule), []).append(i)
+    layers = "; ".join(f"layer{'s' * (len(ids) > 1)} {', '.join(map(str, ids))}: {label}"
+                       for label, ids in kinds.items())
+    return (f"layers differ in their expert groups ({layers}): llama.cpp applies one expert_group_count to every "
+            "layer of a file, and padding a layer (experts the router never picks) cannot give it groups it does not "
+            "route by nor take away the groups another routes by, so llama.cpp would choose other experts (the "
+            "zoo's pruning turns off the groups of a layer it cuts; a layer that keeps its router's groups, each with "
+            "as many experts, at least two, is padded exactly)")
 
 
 def check_routing(facts: dict, arch: str, experts: int | None = None, spec: MoESpec | None = None) -> None:
@@ -634,6 +684,107 @@ def check_routing(facts: dict, arch: str, experts: int | None = None, spec: MoES
 def grouped(facts: dict) -> bool:
     """Whether the group limit selects anything (all groups kept is plain top-k; llama.cpp asserts fewer kept)."""
     return 1 < facts["n_group"] and facts["topk_group"] < facts["n_group"]
+
+
+# ------------------------------------------------------------------------------------- padding to one count
+
+NEVER = float(np.finfo(np.float32).min)  # a padded expert's selection bias: score + NEVER is the lowest f32
+# the GGUF tensors of a layer that hold one row per expert (padded along their first dimension)
+EXPERT_ROWS = ("ffn_gate_inp.weight", "exp_probs_b.bias", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+              "ffn_down_exps.weight")
+BLOCK_NAME = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<part>.+)$")
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How layers of fewer experts are padded to ``count``: ``slots[layer]``, the positions the layer's experts take
+    among the ``count`` (the others are padded experts); ``add_bias``: the layers have no selection bias of their
+    own, so a padded layer gets one (0 for its experts, ``NEVER`` for the padded ones)."""
+    count: int
+    slots: dict
+    add_bias: bool
+
+    def layers(self) -> dict:
+        return {i: self.count - len(s) for i, s in sorted(self.slots.items())}
+
+
+def padding_plan(blocks: list, facts: dict, arch: str) -> Padding | None:
+    """How the MoE layers (``moe_blocks``, routed alike: ``routing_facts``) go to GGUF's one expert count: None when
+    they hold one already, else the padding that leaves llama.cpp's ``arch`` computing what each layer computes, or
+    NotGGUFExportable saying why there is none.
+
+    llama.cpp's build_moe_ffn scores every expert of the file (``probs``), adds the selection bias ``exp_probs_b``
+    for the choice only, keeps the best ``n_group_used`` groups of ``n_expert / n_expert_groups`` (a group scored by
+    the sum of its two best), picks the top k and weights them by their own ``probs``. A padded expert has a zero
+    router row, zero weights and the selection bias ``NEVER``: its score is the lowest f32, so top-k never reaches
+    it while a layer has k experts of its own to pick. That is exact where the scores are sigmoids (each expert's
+    own; a padded one's enters no other weight) and the architecture reads a selection bias; groups are kept by
+    padding each group equally (the layer's experts keep their groups, a group's two best stay its own while it has
+    two experts of its own)."""
+    counts = {i: int(block.num_experts) for i, block in blocks}
+    if len(set(counts.values())) <= 1:
+        return None
+    low, high = min(counts, key=counts.get), max(counts, key=counts.get)
+    differ = (f"layer {low} has {counts[low]} experts and layer {high} {counts[high]}: GGUF holds one expert_count for "
+              "every layer, so the smaller layers would be padded with experts the router never picks")
+    if MOE[arch].selection_bias is False:
+        raise NotGGUFExportable(f"{differ}; llama.cpp's {arch} routes by {MOE[arch].label} and its router has no bias "
+                                "with which a padded expert could never be chosen (its zero router row gives it logit "
+                                "0, which top-k can pick), so padding would not be exact")
+    if facts["score"] != "sigmoid":
+        undo = ("renormalising the kept weights undoes that only until their sum underflows or falls under llama.cpp's "
+                "clamp" if facts["norm"] else "the kept weights are not renormalised, so every one would shrink")
+        raise NotGGUFExportable(f"{differ}; llama.cpp's {arch} takes the {facts['score']} over all the file's experts, "
+                                "and a padded expert, though a selection bias would keep it from being chosen, still "
+                                "takes its share exp(0) of every token's softmax (its zero router row gives it logit "
+                                f"0, and the router has no bias to lower it): {undo}, so padding would not be exact "
+                                "(with sigmoid scores, each expert's own, it is)")
+    groups = facts["n_group"] if grouped(facts) else 1
+    for i, count in counts.items():
+        own = count // groups
+        if count % groups:
+            raise NotGGUFExportable(f"{differ}; layer {i}'s {count} experts are no whole number of experts in each of "
+                                    f"its {groups} groups")
+        if groups > 1 and own < 2:
+            raise NotGGUFExportable(f"{differ}; layer {i} keeps {own} expert in each of its {groups} groups: llama.cpp "
+                                    "scores a group by its two best experts, and a padded expert would be one of them")
+        if groups > 1 and facts["top_k"] > facts["topk_group"] * own:
+            raise NotGGUFExportable(f"{differ}; layer {i} picks {facts['top_k']} experts from {facts['topk_group']} "
+                                    f"groups of {own} of its own: llama.cpp would pick padded experts")
+    width = max(counts.values()) // groups  # experts per group once padded
+    slots = {}
+    for i, count in counts.items():
+        if count < width * groups:
+            own = np.arange(count)
+            slots[i] = own // (count // groups) * width + own % (count // groups)  # group g's experts lead its slots
+    return Padding(width * groups, slots, not facts["selection_bias"])
+
+
+def padded(items, plan: Padding | None, added: dict):
+    """``gguf_tensors``' items with the per-expert tensors of a padded layer (``plan``) widened to ``plan.count``
+    experts: zero bytes for the padded experts' weights and router rows (zero in every GGUF type: F32, F16, BF16,
+    and Q8_0/Q4_1 blocks of scale 0), ``NEVER`` for their selection bias; the layer's selection bias written where it
+    has none. ``added[layer]`` sums the bytes the padding adds."""
+    import gguf
+
+    for gname, array, kind, change, scale in items:
+        m = BLOCK_NAME.match(gname)
+        slots = plan.slots.get(int(m["layer"])) if plan is not None and m else None
+        if slots is None or m["part"] not in EXPERT_ROWS:
+            yield gname, array, kind, change, scale
+            continue
+        layer = int(m["layer"])
+        if array.shape[0] != len(slots):
+            raise NotGGUFExportable(f"{gname} holds {array.shape[0]} experts where its layer has {len(slots)}")
+        out = np.full((plan.count, *array.shape[1:]), NEVER if m["part"] == "exp_probs_b.bias" else 0, array.dtype)
+        out[slots] = array
+        added[layer] = added.get(layer, 0) + out.nbytes - array.nbytes
+        yield gname, out, kind, change, scale
+        if m["part"] == "ffn_gate_inp.weight" and plan.add_bias:
+            bias = np.full(plan.count, NEVER, np.float32)
+            bias[slots] = 0.0  # the layer's own experts: chosen by their scores alone, as before
+            added[layer] += bias.nbytes
+            yield tensor_name("FFN_EXP_PROBS_B", str(layer), "bias"), bias, gguf.GGMLQuantizationType.F32, None, 1.0
 
 
 def dense_lead(config, arch: str) -> int:
@@ -807,17 +958,19 @@ def export_gguf(source, path, progress: bool = True) -> Report:
     check_layers(blocks, config, arch, spec)
     facts = routing_facts(blocks, config, arch, spec)
     check_routing(facts, arch, spec=spec)
+    plan = padding_plan(blocks, facts, arch)
     tensors = folder_tensors(folder) if isinstance(source, (str, os.PathLike)) else model_tensors(source, arch, spec)
     tokenizer = read_tokenizer(folder, config.vocab_size)  # refused before any tensor is written
     names = gguf.get_tensor_name_map(gguf_arch(arch), config.num_hidden_layers)
     tied = getattr(config, "tie_word_embeddings", False)
-    report, shapes = Report(os.fspath(path)), Shapes()
+    report, shapes, added = Report(os.fspath(path)), Shapes(), {}
     with atomic_file(path) as staged:
         writer = gguf.GGUFWriter(staged, arch, use_temp_file=True)
         for name, value in tqdm(tensors, desc="gguf", disable=not progress, unit=" tensors"):
             if name == "lm_head.weight" and tied:
                 continue  # llama.cpp reads the output projection from token_embd when there is none
-            for gname, array, kind, change, scale in gguf_tensors(name, value, names, arch, config):
+            for gname, array, kind, change, scale in padded(gguf_tensors(name, value, names, arch, config), plan,
+                                                            added):
                 if gname == "token_embd.weight" and array.shape[0] != config.vocab_size:
                     raise NotGGUFExportable(f"{name} has {array.shape[0]} rows but vocab_size is {config.vocab_size}")
                 writer.add_tensor(gname, array, raw_dtype=kind)
@@ -836,6 +989,8 @@ def export_gguf(source, path, progress: bool = True) -> Report:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=False)
         writer.close()
+    if plan is not None:
+        report.padding = {"num_experts": plan.count, "layers": plan.layers(), "bytes": sum(added.values())}
     return report
 
 
