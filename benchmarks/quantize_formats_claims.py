@@ -5,42 +5,53 @@
 * BitMoD (dtype="bitmod"): each group's choice among FP types with special values beats one type for all groups
   (plain FP, dtype="fp") and the integer grid (dtype="int") at the same group size and about the same bytes.
 
-Bytes are the experts' stored bytes (codes, bf16 scales and zeros, BitMoD's 2-bit type id per group), as
-``nbytes()`` counts them; perplexity is ``zoo.eval``'s held-out perplexity per domain, on one thread; the weight
-error (sum ||W - Q(W)||^2 / sum ||W||^2 over all experts) is the quantity both methods minimise, shown beside it.
+Rounding is deterministic, so the repeats are evaluation draws: ``--draws`` disjoint sets of ``--windows`` held-out
+windows per domain, the same for every arm. The measure of a draw is the geometric mean over domains of its
+perplexity; ``zoo.claims.judge`` (paired) decides each comparison against the spread of the per-draw differences,
+an arm that is the same model as its control (``zoo.claims.same_weights``) is inconclusive, and ``combine`` gives
+each claim's verdict. Bytes are the experts' stored bytes (codes, bf16 scales and zeros, BitMoD's 2-bit type id per
+group), as ``nbytes()`` counts them; the weight error (sum ||W - Q(W)||^2 / sum ||W||^2 over all experts), the
+quantity both methods minimise, is shown beside it.
 
-    python benchmarks/quantize_formats_claims.py                 # 8 windows x 256 tokens per domain
+    python benchmarks/quantize_formats_claims.py                 # 4 draws x 16 windows x 256 tokens per domain
     python benchmarks/quantize_formats_claims.py --no-record     # print only
+    python benchmarks/quantize_formats_claims.py --quick         # 2 draws x 2 windows, 4 bits; records nothing
 """
 from __future__ import annotations
 
 import copy
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from claim_args import claim_parser, geo, show  # noqa: E402
+from claim_args import claim_parser, draw_args, draws_geo, judgement_line, show  # noqa: E402
 import zoo  # noqa: E402
-from zoo.eval import perplexity_and_usage  # noqa: E402
+from zoo.claims import VERDICTS, combine, judge, same_weights  # noqa: E402
 from zoo.layout import moe_layers  # noqa: E402
 
 ALPHAS = (0.3, 0.6, 1.0)  # FineQuant bounds: how much more error than group 32 a coarser group may cost
 GROUP = 64  # BitMoD's comparisons: one group size for every data type
+UNIFORM = (256, 128, 64, 32)
 
 
-def runs():
+def runs(widths, alphas=ALPHAS):
     out = []
-    for bits in (4, 3):
-        out += [(f"{bits}b int g{g}", {"bits": bits, "group_size": g}) for g in (256, 128, 64, 32)]
-        out += [(f"{bits}b adaptive a={a}", {"bits": bits, "group_size": "adaptive", "group_alpha": a}) for a in ALPHAS]
+    for bits in widths:
+        out += [(f"{bits}b int g{g}", {"bits": bits, "group_size": g}) for g in UNIFORM]
+        out += [(f"{bits}b adaptive a={a}", {"bits": bits, "group_size": "adaptive", "group_alpha": a}) for a in alphas]
         out += [(f"{bits}b {d} g{GROUP}", {"bits": bits, "dtype": d, "group_size": GROUP}) for d in ("fp", "bitmod")]
     return out
 
 
 def main(argv=None):
-    args = claim_parser(__doc__.splitlines()[0], calibration_tokens=0).parse_args(argv)
+    started = time.perf_counter()
+    args = draw_args(claim_parser(__doc__.splitlines()[0], calibration_tokens=0)).parse_args(argv)
+    if args.quick:  # a smoke run of the whole path: 2 draws of 2 windows, 4 bits, one FineQuant bound
+        args.windows, args.draws, args.no_record = 2, min(args.draws, 2), True
+    widths, alphas = ((4,), (0.6,)) if args.quick else ((4, 3), ALPHAS)
     torch.set_num_threads(args.threads)
     base = zoo.load(args.model).eval()
     tok = zoo.load_tokenizer(args.model)
@@ -56,21 +67,23 @@ def main(argv=None):
                 norm += sum(float(w.pow(2).sum()) for w in ref)
         return err / norm
 
+    geos, models = {}, {}
+
     def row(label, model, extra=None):
         with torch.no_grad():
-            ppl, _ = perplexity_and_usage(model, tok, max_windows=args.windows)
-            werr = weight_error(model)
+            geos[label], ppl = draws_geo(model, tok, args.draws, args.windows)
+            werr = None if args.quick else weight_error(model)  # slow (int4 dequantized through the kernel): full runs
         nbytes = sum(m.experts.nbytes() for _, m in moe_layers(model))
         r = {"method": label, "bits per weight": round(8 * nbytes / weights, 4), "expert MB": round(nbytes / 1e6, 4),
-             "weight error": round(werr, 5), **{f"ppl {d}": round(v, 3) for d, v in ppl.items()},
-             "ppl geo-mean": round(geo(ppl), 3), **(extra or {})}
+             **({} if werr is None else {"weight error": round(werr, 5)}),
+             **{f"ppl {d}": round(v, 3) for d, v in ppl.items()},
+             "ppl geo-mean": round(sum(geos[label]) / len(geos[label]), 3),
+             "geo-mean by draw": "/".join(f"{g:.3f}" for g in geos[label]), **(extra or {})}
         print(r, flush=True)
-        return r, ppl
+        return r
 
-    rows, ppl = [], {}
-    r, _ = row("base (fp32)", base)
-    rows.append(r)
-    for label, options in runs():
+    rows = [row("base (fp32)", base)]
+    for label, options in runs(widths, alphas):
         model = zoo.apply(copy.deepcopy(base), "quantize", **options)
         res = model.config.zoo_recipe[-1]["results"]
         extra = {}
@@ -83,65 +96,86 @@ def main(argv=None):
                 for t, n in layer.items():
                     totals[t] = totals.get(t, 0) + n
             extra["types er+/er-/ea+/ea-"] = "/".join(str(totals[t]) for t in ("er+", "er-", "ea+", "ea-"))
-        r, ppl[label] = row(label, model, extra)
-        rows.append(r)
-    print(f"\nmodel {args.model}, {args.windows} windows x 256 tokens per domain (held-out split), experts only, "
-          f"torch threads {args.threads}")
+        models[label] = model
+        rows.append(row(label, model, extra))
+    print(f"\nmodel {args.model}, {args.draws} draws x {args.windows} windows x 256 tokens per domain (held-out split), "
+          f"experts only, torch threads {args.threads}")
     show(rows)
 
-    domains = list(ppl[rows[1]["method"]])
     bpw = {r["method"]: r["bits per weight"] for r in rows}
-
-    def beats(a, b):  # per domain: "yes" (a's perplexity lower), "no", or "tie" (the same numbers: the same codes)
-        return ["tie" if ppl[a][d] == ppl[b][d] else "yes" if ppl[a][d] < ppl[b][d] else "no" for d in domains]
-
-    fine = {}
-    for bits in (4, 3):
-        for a in ALPHAS:
-            label = f"{bits}b adaptive a={a}"
-            # against the uniform group with the fewest bytes that still has at least as many as the adaptive row
-            peers = [f"{bits}b int g{g}" for g in (256, 128, 64, 32) if bpw[f"{bits}b int g{g}"] >= bpw[label] - 1e-9]
-            fine[f"{label} ({bpw[label]} b/w) < {peers[0]} ({bpw[peers[0]]} b/w)"] = beats(label, peers[0])
-    mod, werr = {}, {r["method"]: r["weight error"] for r in rows}
-    mod_error = []
-    for bits in (4, 3):
-        for other in ("fp", "int"):
-            a, b = f"{bits}b bitmod g{GROUP}", f"{bits}b {other} g{GROUP}"
-            mod[f"{a} ({bpw[a]} b/w) < {b} ({bpw[b]} b/w)"] = beats(a, b)
-            mod_error.append(f"{a} {werr[a]} vs {b} {werr[b]}")
+    werr = {r["method"]: r.get("weight error", "-") for r in rows}
     groups = {r["method"]: r.get("groups (gate_up+down stacks)") for r in rows if "adaptive" in r["method"]}
 
-    def verdict(cmp):
-        wins = [w == "yes" for v in cmp.values() for w in v]
-        return "holds" if all(wins) else "does not hold" if not any(wins) else "holds in part"
+    def compare(mech, ctrl, why_same=""):
+        same = same_weights(models[mech], models[ctrl])
+        return judge(geos[mech], geos[ctrl], paired=True, same_model=same, why_same=why_same if same else "")
 
-    def describe(cmp):
-        return "; ".join(f"{k}: " + ", ".join(f"{d} {w}" for d, w in zip(domains, v)) for k, v in cmp.items())
-    settings = (f"{args.model}, held-out split, {args.windows} windows x 256 tokens per domain, experts only, "
-                f"one thread; bytes per weight count codes, bf16 scales/zeros and BitMoD's 2-bit type ids")
+    fine = {}
+    for bits in widths:
+        for a in alphas:
+            label = f"{bits}b adaptive a={a}"
+            # against the uniform group with the fewest bytes that still has at least as many as the adaptive row
+            peer = next(f"{bits}b int g{g}" for g in UNIFORM if bpw[f"{bits}b int g{g}"] >= bpw[label] - 1e-9)
+            why = (f"the rule gave every projection stack group size {peer.rsplit('g', 1)[1]} ({groups[label]}), "
+                   f"which is the uniform run")
+            fine[f"{label} ({bpw[label]} b/w) vs {peer} ({bpw[peer]} b/w)"] = compare(label, peer, why)
+    mod = {}
+    for bits in widths:
+        for other in ("fp", "int"):
+            a, b = f"{bits}b bitmod g{GROUP}", f"{bits}b {other} g{GROUP}"
+            mod[f"{a} ({bpw[a]} b/w) vs {b} ({bpw[b]} b/w)"] = compare(a, b)
+    fine_verdict = combine(j["verdict"] for j in fine.values())
+    mod_verdict = combine(j["verdict"] for j in mod.values())
+
     chosen = ", ".join(f"{k}: {v}" for k, v in groups.items())
-    if all(" " not in v for v in groups.values()):  # one size per run: the adaptive run is a uniform run
+    if all(" " not in v for v in groups.values()):  # one size per run: every adaptive run is a uniform run
         fine_note = (f"the rule gave every projection stack of a run the same group size ({chosen}): the experts' "
                      "error curves over group sizes are alike (near-Gaussian weights without outlier columns), so "
-                     "there is nothing for a per-matrix choice to adapt to")
+                     "there is nothing for a per-matrix choice to adapt to, and each adaptive run is the uniform run "
+                     "of that size")
     else:
         fine_note = f"group sizes chosen per projection stack: {chosen}"
-    mod_note = "weight error (what the per-group choice minimises): " + "; ".join(mod_error)
-    print("\nFineQuant:", verdict(fine), "-", describe(fine), "-", fine_note)
-    print("BitMoD:", verdict(mod), "-", describe(mod), "-", mod_note)
+    mod_note = "weight error (what the per-group choice minimises): " + "; ".join(
+        f"{bits}b bitmod {werr[f'{bits}b bitmod g{GROUP}']} vs fp {werr[f'{bits}b fp g{GROUP}']} vs int "
+        f"{werr[f'{bits}b int g{GROUP}']}" for bits in widths)
+    if args.quick:
+        mod_note = "weight error not measured in a quick run"
+    print(f"\nFineQuant: {fine_verdict} ({fine_note})")
+    for name, j in fine.items():
+        print("  - " + judgement_line(name, j))
+    print(f"BitMoD: {mod_verdict} ({mod_note}; FP4 types: E2M1 with -0 as +-5 or +-8)")
+    for name, j in mod.items():
+        print("  - " + judgement_line(name, j))
+    print(f"\n{'quick run, ' if args.quick else ''}{time.perf_counter() - started:.0f} s"
+          + (", nothing recorded" if args.no_record else ""))
     if args.no_record:
         return
     from zoo.claims import record
 
     command = "python benchmarks/quantize_formats_claims.py"
-    command += f" --windows {args.windows}" if args.windows != 8 else ""
-    record("quantize", "FineQuant (group_size='adaptive'): group sizes chosen per matrix by the error they cause beat "
-           "uniform group sizes at no more bytes", verdict(fine),
-           f"{describe(fine)}. Why: {fine_note}. Settings: {settings}.", rows, command, args.model)
-    record("quantize", "BitMoD (dtype='bitmod'): a per-group choice among FP types with special values beats a single "
-           "type and the integer grid at the same group size", verdict(mod),
-           f"{describe(mod)}. The {mod_note}. Settings: {settings}.",
-           rows, command, args.model)
+    command += f" --draws {args.draws}" if args.draws != 4 else ""
+    command += f" --windows {args.windows}" if args.windows != 16 else ""
+    settings = (f"{args.model}, held-out split, {args.draws} disjoint evaluation draws of {args.windows} windows x 256 "
+                f"tokens per domain, the same for every arm (paired); measure: geometric mean of the per-domain "
+                f"perplexity; experts only, one thread; bytes per weight count codes, bf16 scales/zeros and BitMoD's "
+                f"2-bit type ids")
+
+    def parts(cmp):
+        return "; ".join(f"{k}: {j['verdict']}" for k, j in cmp.items())
+    claims = [("FineQuant (group_size='adaptive'): group sizes chosen per matrix by the error they cause beat uniform "
+               "group sizes at no more bytes", fine_verdict, f"{parts(fine)}. Why: {fine_note}. Settings: {settings}.",
+               fine),
+              ("BitMoD (dtype='bitmod'): a per-group choice among FP types with special values beats a single type and "
+               "the integer grid at the same group size", mod_verdict,
+               f"{parts(mod)}. FP4's types are E2M1 with its second zero as +-5 (extra resolution) or +-8 (extra "
+               f"asymmetry). The {mod_note}. Settings: {settings}.", mod)]
+    refused = [c for c in claims if c[1] not in VERDICTS]
+    for claim, verdict, summary, judgements in claims:
+        if verdict in VERDICTS:
+            record("quantize", claim, verdict, summary, rows, command, args.model, judgements=judgements)
+    if refused:
+        names = ", ".join(f"{c[0].split(' (')[0]} ({c[1]})" for c in refused)
+        sys.exit(f"not recorded: {names}: zoo.claims.record accepts only {VERDICTS}")
 
 
 if __name__ == "__main__":

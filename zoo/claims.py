@@ -21,7 +21,7 @@ from pathlib import Path
 
 from zoo.atomic import write_text
 
-VERDICTS = ("holds", "holds in part", "does not hold", "untestable here")
+VERDICTS = ("holds", "holds in part", "does not hold", "inconclusive", "untestable here")
 FOLDER = "docs/claims"
 FIELDS = ("claim", "verdict", "summary", "numbers", "command", "model", "commit", "date")
 SAME_MODEL = "the arms are the same model"
