@@ -1,6 +1,6 @@
 """AdaMoE's claim on zoo-tiny-dense (Shen et al., 2025, arXiv:2510.14300), with the harness of
 ``benchmarks/upcycle.py`` (same batches, lr schedule, AdamW, bf16 autocast, clipping, balance loss 0.01, held-out
-perplexity per domain from ``zoo.eval``). Three arms start from the shipped zoo-tiny-dense and train N more steps
+perplexity per domain from ``zoo.evaluation.eval``). Three arms start from the shipped zoo-tiny-dense and train N more steps
 on the same tokens, each with two dense FFNs' worth of active expert compute per token:
 
 * plain upcycling (Sparse Upcycling): ``upcycle`` with 4 copies, top-2 (lossless at init);
@@ -25,7 +25,7 @@ import zoo
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokenizer import load_tokenizer
 from zoo.data.tokens import token_stream
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 
 from upcycle import continue_training, measure, table  # noqa: E402  (run from benchmarks/, as upcycle.py is)
 
@@ -113,7 +113,7 @@ def main(argv=None):
         verdict, text = compare(mine, other)
         print(f"adamoe: {verdict} ({mine} vs {other}: {text})")
         if not args.no_record:
-            from zoo.claims import record
+            from zoo.evaluation.claims import record
 
             record("adamoe", claim, verdict, f"{mine} vs {other}: {text}. {note}.", numbers, command,
                    "zoo-tiny-dense")

@@ -20,9 +20,10 @@ import time
 import torch
 
 import zoo
-from zoo import calibration, claims
-from zoo.eval import perplexity_and_usage
-from zoo.layout import moe_layers
+from zoo.editing import calibration
+from zoo.evaluation import claims
+from zoo.evaluation.eval import perplexity_and_usage
+from zoo.moe.layout import moe_layers
 from zoo.moe.channel_topk import ReadCounter
 
 BUDGETS = (0.25, 0.5, 0.75)

@@ -26,7 +26,7 @@ def show(rows: list[dict]) -> None:
         print(" | ".join(str(r.get(k, "")) for k in keys))
 
 
-# ------------------------------------------------------------------ evaluation draws, for zoo.claims.judge(paired=True)
+# ------------------------------------------------------------------ evaluation draws, for zoo.evaluation.claims.judge(paired=True)
 
 def draw_args(ap: argparse.ArgumentParser, draws: int = 4, windows: int = 16) -> argparse.ArgumentParser:
     """``--draws`` disjoint evaluation draws of ``--windows`` held-out windows per domain each (the repeats of a
@@ -58,7 +58,7 @@ def draw_windows(tokenizer, draw: int, windows: int, seq_len: int = 256) -> dict
 
 def draw_geo(model, tokenizer, draw: int, windows: int, seq_len: int = 256, batch: int = 8) -> tuple[float, dict]:
     """``model`` on evaluation draw ``draw``: (geometric mean over domains of the perplexity, {domain: perplexity}),
-    measured as ``zoo.eval.perplexity_and_usage`` does (mean token loss over the draw's windows)."""
+    measured as ``zoo.evaluation.eval.perplexity_and_usage`` does (mean token loss over the draw's windows)."""
     import torch
 
     ppl = {}

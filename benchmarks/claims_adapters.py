@@ -1,6 +1,6 @@
-"""Adapters' paper claims on zoo-tiny-moe, measured with short ``zoo.finetune`` runs on one thread and recorded
-with zoo.claims (``docs/claims/<component>.json``). Every arm: same model, same code-domain batches, same
-schedule (``zoo.finetune``), held-out perplexity of both domains before and after.
+"""Adapters' paper claims on zoo-tiny-moe, measured with short ``zoo.training.finetune`` runs on one thread and recorded
+with zoo.evaluation.claims (``docs/claims/<component>.json``). Every arm: same model, same code-domain batches, same
+schedule (``zoo.training.finetune``), held-out perplexity of both domains before and after.
 
 - ``mixture-of-loras``: MoLoRA's claim (a mixture of LoRAs, softly merged, beats a single LoRA at a comparable
   parameter budget): N=4 LoRAs of rank 4, all four active (MoLoRA's soft merging: learned softmax over all),
@@ -21,11 +21,11 @@ import time
 import torch
 
 import zoo
-from zoo.claims import record
+from zoo.evaluation.claims import record
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokens import token_stream, train_batch
-from zoo.finetune import finetune, held_out, lr_at
-from zoo.layout import moe_layers
+from zoo.training.finetune import finetune, held_out, lr_at
+from zoo.moe.layout import moe_layers
 
 from claim_args import show  # noqa: E402
 
@@ -51,7 +51,7 @@ def arm(args, label: str, adapter: str, options: dict, steps: int | None = None,
 
 
 def full_experts(args, label: str) -> dict:
-    """Fine-tune every expert weight (nothing else), as zoo.finetune would train an adapter."""
+    """Fine-tune every expert weight (nothing else), as zoo.training.finetune would train an adapter."""
     torch.manual_seed(0)
     model = zoo.load(MODEL, dtype=torch.float32)
     tok = zoo.load_tokenizer(MODEL)
@@ -89,7 +89,7 @@ def full_experts(args, label: str) -> dict:
 
 
 def settings(args, steps=None) -> str:
-    return (f"{steps or args.steps} steps x {args.batch} x {args.seq_len} {args.domain} tokens (zoo.finetune's schedule, "
+    return (f"{steps or args.steps} steps x {args.batch} x {args.seq_len} {args.domain} tokens (zoo.training.finetune's schedule, "
             f"bf16 autocast), {args.windows} held-out windows x {args.seq_len} tokens per domain, one thread")
 
 

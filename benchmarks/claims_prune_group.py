@@ -1,4 +1,4 @@
-"""prune-group's paper claim on zoo-tiny-mm, recorded with zoo.claims (docs/claims/prune-group.json).
+"""prune-group's paper claim on zoo-tiny-mm, recorded with zoo.evaluation.claims (docs/claims/prune-group.json).
 
 REAP's claim: scoring experts by router-weighted output norm (REAP saliency) keeps quality better than scoring
 them by routing frequency when one-shot pruning experts. Here within one modality group of zoo-tiny-mm (MoHAVE's
@@ -18,7 +18,7 @@ import torch
 import zoo  # noqa: F401  (loads the plugins first)
 
 # isort: split
-from zoo.claims import record
+from zoo.evaluation.claims import record
 from zoo_multimodal.evaluate_mm import accuracy, load_model, load_split
 
 MODEL = "zoo-tiny-mm"

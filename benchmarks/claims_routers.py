@@ -1,4 +1,4 @@
-"""Routers' paper claims on zoo-tiny-moe, measured in short runs on one thread and recorded with zoo.claims.
+"""Routers' paper claims on zoo-tiny-moe, measured in short runs on one thread and recorded with zoo.evaluation.claims.
 
 Each ``--component`` runs its own small experiment, prints the rows side by side and records the verdict in
 ``docs/claims/<component>.json``:
@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 
 import zoo
-from zoo.claims import record
+from zoo.evaluation.claims import record
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokens import token_stream, train_batch
-from zoo.eval import perplexity_and_usage
-from zoo.finetune import lr_at
-from zoo.layout import moe_layers
+from zoo.evaluation.eval import perplexity_and_usage
+from zoo.training.finetune import lr_at
+from zoo.moe.layout import moe_layers
 from zoo.moe.losses import load_balancing_loss
 
 from claim_args import show  # noqa: E402
@@ -60,7 +60,7 @@ def evaluate(model, tok, windows: int) -> dict:
 
 
 def tune(model, tok, args, aux: float = 0.0) -> list[float]:
-    """Fine-tune every parameter for ``args.steps`` (AdamW, zoo.finetune's schedule, bf16 autocast) on both
+    """Fine-tune every parameter for ``args.steps`` (AdamW, zoo.training.finetune's schedule, bf16 autocast) on both
     domains; ``aux``: weight of the Switch balance loss (mean over layers). Routers with ``after_step`` get it
     after every optimizer step, as ``moe-zoo finetune`` does."""
     layers = moe_layers(model)
@@ -236,7 +236,7 @@ def scored_topk(args, tok) -> None:
 
 def steer(args, tok) -> None:
     from routers import find_experts, random_like  # benchmarks/routers.py (not edited here)
-    from zoo.calibration import corpus
+    from zoo.editing.calibration import corpus
 
     base = fresh(args).eval()
     num_experts = max(m.num_experts for _, m in moe_layers(base))

@@ -15,9 +15,9 @@ import time
 import torch
 
 import zoo
-from zoo import calibration
-from zoo.eval import perplexity_and_usage, sizes
-from zoo.layout import moe_layers
+from zoo.editing import calibration
+from zoo.evaluation.eval import perplexity_and_usage, sizes
+from zoo.moe.layout import moe_layers
 
 RUNS = [  # (label, component, options): 25% and 50% fewer expert bytes, or 8 / 4 / 3-bit average
     ("prune-frequency 6/8", "prune-frequency", {"num_experts": 6}),
@@ -51,7 +51,7 @@ def per_expert_svd(model, data, keep: float):
     rank that keeps the same number of expert parameters as moe-svd with ``ratio=keep`` decomposing every
     layer. The low-rank product is written back into the dense weights (quality only, not speed). Runs on the
     layer-at-a-time engine, so its calibration inputs come through the already factored layers, as moe-svd's."""
-    from zoo.layerwise import InMemory, calibration_inputs, run
+    from zoo.editing.layerwise import InMemory, calibration_inputs, run
     from zoo_compressors.moe_svd import layer_grams
 
     class PerExpertSvd:

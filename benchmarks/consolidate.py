@@ -4,7 +4,7 @@ The paper serves several fine-tuned copies of one MoE by sharing the experts tha
 them all) and keeping the dissimilar experts and the non-expert layers per model; it reports output quality
 competitive with serving each model alone, at a much smaller memory footprint. Here:
 
-1. fine-tunes: zoo-tiny-moe with ``zoo.finetune.finetune`` (lora-experts on every expert, merged), one on each
+1. fine-tunes: zoo-tiny-moe with ``zoo.training.finetune.finetune`` (lora-experts on every expert, merged), one on each
    domain of the zoo's corpus (``english``, ``code``) and a second ``code`` run with another seed;
 2. thresholds: chosen from the measured similarities (cosine of each expert's flattened weights to the base's
    same expert, or between the fine-tunes' same expert), so that about 25/50/75/100% of them are at or above;
@@ -32,7 +32,7 @@ RUNS = (("english", 0), ("code", 0), ("code", 1))  # (domain, seed) per fine-tun
 
 
 def finetunes(base, steps: int, seq_len: int, lr: float):
-    from zoo.finetune import finetune
+    from zoo.training.finetune import finetune
 
     models = []
     for domain, seed in RUNS:
@@ -46,8 +46,8 @@ def finetunes(base, steps: int, seq_len: int, lr: float):
 
 def similarities(models, base=None) -> list[float]:
     """Per (layer, expert): each model's similarity to the base's copy (with ``base``), else every pair of models'."""
-    from zoo.consolidation import cosine, expert_vectors
-    from zoo.layout import moe_layers
+    from zoo.editing.consolidation import cosine, expert_vectors
+    from zoo.moe.layout import moe_layers
 
     sims = []
     for j in range(len(moe_layers(models[0]))):
@@ -63,7 +63,7 @@ def similarities(models, base=None) -> list[float]:
 
 def random_control(models, base, count: int, seed: int = 0) -> list:
     """Copies of the models with ``count`` random (model, layer, expert) pairs replaced by the base's expert."""
-    from zoo.layout import moe_layers
+    from zoo.moe.layout import moe_layers
 
     copies = [copy.deepcopy(m) for m in models]
     pairs = [(i, j, e) for i, m in enumerate(copies) for j, (_, moe) in enumerate(moe_layers(m))
@@ -89,8 +89,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     import zoo
-    from zoo.consolidation import held_out_perplexity
-    from zoo.loading import tokenizer_for
+    from zoo.editing.consolidation import held_out_perplexity
+    from zoo.io.loading import tokenizer_for
 
     base = zoo.load(args.model, dtype=torch.float32).eval()
     tokenizer = tokenizer_for(base, required=True)
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
 
 
 def record(rows, own, base_ppl, domains, args) -> None:
-    from zoo.claims import record as write
+    from zoo.evaluation.claims import record as write
 
     half = next(r for r in rows if r["sharing"] == "~50% of similarities" and r["against"] == "base")
 

@@ -25,8 +25,8 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import zoo
-from zoo import kernels
-from zoo.decode import greedy, timed_generate, timed_greedy
+from zoo.moe import kernels
+from zoo.runtime.decode import greedy, timed_generate, timed_greedy
 
 
 def mixtral_shaped(smoke: bool) -> MixtralForCausalLM:
@@ -186,7 +186,7 @@ def main(argv=None):
               f"{loop[0]:>8} {loop[1]:>6} {jit:>8} {r['prefill']:13.0f} {r['prefill'] / ref['prefill']:6.2f} {compile_s:>9} {r['first_ms']:12.1f} "
               f"{same:>11}")
     print("(same tokens: equal to the first engine's greedy tokens; quantized experts may differ by design;\n"
-          " zoo loop: zoo.decode.greedy instead of generate, its step compiled ahead of time (AOTInductor);\n"
+          " zoo loop: zoo.runtime.decode.greedy instead of generate, its step compiled ahead of time (AOTInductor);\n"
           " jit loop: the same loop with the JIT-compiled step generate uses (torch.compile, C++ wrapper);\n"
           " compiled rows read the experts with zoo::moe_gemv, 'torch kernels' rows are the same step without it:\n"
           f" {'kernel ' + kernels.isa() if kernels.ready() else 'kernel unavailable: ' + str(kernels.unavailable_reason())})")

@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from merging import expert_cosine, measure, score, verdict  # noqa: E402  (the merging benchmark's harness)
 
 import zoo  # noqa: E402
-from zoo import calibration, claims  # noqa: E402
+from zoo.editing import calibration
+from zoo.evaluation import claims  # noqa: E402
 
 BASELINES = ("prune-reap", "hc-smoe map", "sub-moe")
 MATCH = math.log(1.02)  # "matches": within 2% of the best baseline's (geometric mean) perplexity

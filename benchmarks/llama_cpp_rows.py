@@ -20,7 +20,7 @@ from pathlib import Path
 
 def gguf_files(models: dict, tokenizer, out: Path) -> dict[str, Path]:
     """``models``: {"bf16": zoo model, "int8": ..., "int4": ...} -> {row label: GGUF file}."""
-    from zoo.gguf_export import export_gguf
+    from zoo.io.gguf_export import export_gguf
 
     tokenizer.save_pretrained(out / "tokenizer")
     files = {}

@@ -62,7 +62,7 @@ def worker(variant: str, model: str, batch: int, seq_len: int, steps: int, warmu
     import zoo
     from zoo.data.tokenizer import load_tokenizer
     from zoo.data.tokens import eval_windows, token_stream
-    from zoo.layout import moe_layers
+    from zoo.moe.layout import moe_layers
 
     torch.set_num_threads(1)
     base = zoo.load(model, dtype=torch.float32)

@@ -2,7 +2,7 @@
 calibration), hc-smoe (the paper's expert map and the zoo's cut router) and sub-moe (the paper's cosine
 clustering with rank truncation, plain averaging of the same clusters, and the zoo's old Euclidean settings), at
 25% and 50% fewer experts, perplexity per domain side by side; then each paper's claim is recorded in
-docs/claims/<component>.json (zoo.claims.record).
+docs/claims/<component>.json (zoo.evaluation.claims.record).
 
     python benchmarks/merging.py                       # a few minutes on one thread
     python benchmarks/merging.py --windows 4 --no-record
@@ -18,9 +18,10 @@ import time
 import torch
 
 import zoo
-from zoo import calibration, claims
-from zoo.eval import perplexity_and_usage
-from zoo.layout import moe_layers
+from zoo.editing import calibration
+from zoo.evaluation import claims
+from zoo.evaluation.eval import perplexity_and_usage
+from zoo.moe.layout import moe_layers
 
 PAPER = "the paper's"
 

@@ -5,13 +5,13 @@ For each fraction, a fresh copy of the model gets ``zoo.apply(model, "mixture-of
 head count is rounded down: zoo-tiny-moe has 4 heads, so 90% is 3 heads, like 75%; such duplicates are measured
 once). Only the new head routers train (everything else frozen), for ``--steps`` AdamW steps on random train
 windows of both domains (``zoo.data.tokens.train_batch``), with MoH's balance loss on the routed heads; held-out
-perplexity per domain (``zoo.eval``, fp32) is measured before and after. A control row tunes the routers with all
+perplexity per domain (``zoo.evaluation.eval``, fp32) is measured before and after. A control row tunes the routers with all
 heads on (gates only), to separate the gain of tuning from the cost of dropping heads.
 
     python benchmarks/mixture_of_heads.py                  # 150 steps, 8 x 256 tokens, 24 windows, 1 thread
     python benchmarks/mixture_of_heads.py --smoke          # 2 steps, 2 windows
     python benchmarks/mixture_of_heads.py --steps 40 --windows 6 --record   # records MoH's verdict in
-                                                           # docs/claims/mixture-of-heads.json (zoo.claims)
+                                                           # docs/claims/mixture-of-heads.json (zoo.evaluation.claims)
 """
 # zoo is imported before zoo_routers on purpose: importing a plugin first would register it half-initialised.
 from __future__ import annotations  # noqa: I001
@@ -26,7 +26,7 @@ import torch
 import zoo
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokens import token_stream, train_batch
-from zoo.eval import perplexity_and_usage
+from zoo.evaluation.eval import perplexity_and_usage
 from zoo_routers.mixture_of_heads import MixtureOfHeads, head_balance_loss, head_count
 
 
@@ -85,7 +85,7 @@ def main():
     ap.add_argument("--windows", type=int, default=24, help="held-out windows of 256 tokens per domain")
     ap.add_argument("--no-control", action="store_true", help="skip the all-heads tuned-gates row")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--record", action="store_true", help="record MoH's claim from this run (zoo.claims)")
+    ap.add_argument("--record", action="store_true", help="record MoH's claim from this run (zoo.evaluation.claims)")
     args = ap.parse_args()
     if args.smoke:
         args.steps, args.batch, args.seq_len, args.windows = 2, 2, 32, 2
@@ -138,7 +138,7 @@ def record(args, heads: int, ref: dict, runs: list) -> None:
     """MoH's claim: routing each token to 50-90% of the heads matches or beats attention with all heads.
     Verdict from the run just measured: holds when a routed fraction is at or below the all-heads perplexity in
     every domain after the tune, in part when within 2% (or in one domain), else does not hold."""
-    from zoo.claims import record as record_claim
+    from zoo.evaluation.claims import record as record_claim
 
     rows, best = [], None
     for label, active, r in runs:

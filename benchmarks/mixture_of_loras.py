@@ -18,7 +18,7 @@ least 1% of the weight mass; and held-out perplexity per domain before / after.
     python benchmarks/mixture_of_loras.py --routers learned --steps 600   # learned at remix's compute
     python benchmarks/mixture_of_loras.py --smoke         # a few seconds
     python benchmarks/mixture_of_loras.py --steps 40 --windows 6 --record   # records remix's verdict
-                                                          # in docs/claims/remix.json (zoo.claims)
+                                                          # in docs/claims/remix.json (zoo.evaluation.claims)
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ import zoo
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokenizer import load_tokenizer
 from zoo.data.tokens import eval_windows, token_stream, train_batch
-from zoo.eval import perplexity_and_usage
-from zoo.finetune import lr_at
+from zoo.evaluation.eval import perplexity_and_usage
+from zoo.training.finetune import lr_at
 
 # isort: split
 # (after ``import zoo``: importing a plugin module first would run the plugin hooks on a half-imported module)
@@ -186,7 +186,7 @@ def main():
 def record(results: dict, args) -> None:
     """ReMix's claim: routing weights of a learned router collapse onto a few LoRAs; RL routing with equal weights
     keeps them all in use and fine-tunes better. Verdict from the run just measured."""
-    from zoo.claims import record as record_claim
+    from zoo.evaluation.claims import record as record_claim
 
     rows = []
     for router, r in results.items():

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from zoo import kernels
+from zoo.moe import kernels
 from zoo.moe.quantized import quantize_grouped, quantize_int8
 
 

@@ -23,9 +23,9 @@ from compression import per_expert_svd  # noqa: E402  (the per-expert SVD baseli
 
 from claim_args import claim_parser, geo  # noqa: E402
 import zoo  # noqa: E402
-from zoo import calibration  # noqa: E402
-from zoo.eval import perplexity_and_usage  # noqa: E402
-from zoo.layout import moe_layers  # noqa: E402
+from zoo.editing import calibration  # noqa: E402
+from zoo.evaluation.eval import perplexity_and_usage  # noqa: E402
+from zoo.moe.layout import moe_layers  # noqa: E402
 
 RUNS = [  # (label, options); every layer at 0.5 (layer_ratio 1.0) for the equal-parameter comparisons
     ("shared V, all layers 0.5", {"ratio": 0.5, "layer_ratio": 1.0}),
@@ -97,7 +97,7 @@ def main(argv=None):
         print(f"{claim}: {verdict(c)} - {say(a, b, c)}")
     if args.no_record:
         return
-    from zoo.claims import record
+    from zoo.evaluation.claims import record
 
     energy = cmp("selective (paper score) 0.75", "selective (energy score) 0.75")
     command = "python benchmarks/moe_svd_claims.py"

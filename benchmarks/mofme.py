@@ -8,9 +8,9 @@
   weights) beats the plain linear top-k softmax router with the same initial rows, at equal steps.
 
 Every arm starts as the dense model (identity FiLM, renormalised top-k weights) and trains with
-``benchmarks/upcycle.py``'s loop (``zoo.train``'s AdamW, warm-up + cosine, bf16 autocast, clipping, the
+``benchmarks/upcycle.py``'s loop (``zoo.training.train``'s AdamW, warm-up + cosine, bf16 autocast, clipping, the
 load-balancing loss at 0.01), the FiLM vectors and routers at their own rate (``--film-lr``). Perplexity is
-``zoo.eval`` on held-out windows (fp32, routers in eval mode). A difference under ``TIE`` (0.5%) counts as none.
+``zoo.evaluation.eval`` on held-out windows (fp32, routers in eval mode). A difference under ``TIE`` (0.5%) counts as none.
 
     python benchmarks/mofme.py --steps 30 --batch 4 --windows 6     # the recorded run (a few CPU minutes)
     python benchmarks/mofme.py --steps 2 --windows 2 --no-record     # smoke
@@ -31,8 +31,8 @@ import zoo  # noqa: E402
 from zoo.data.corpus import DOMAINS  # noqa: E402
 from zoo.data.tokenizer import load_tokenizer  # noqa: E402
 from zoo.data.tokens import token_stream, train_batch  # noqa: E402
-from zoo.layout import moe_layers, set_block, sync_layout  # noqa: E402
-from zoo.train import TrainConfig, lr_at  # noqa: E402
+from zoo.moe.layout import moe_layers, set_block, sync_layout  # noqa: E402
+from zoo.training.train import TrainConfig, lr_at  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 SCOPE = ("Scope: a short continued-training run of an upcycled, already trained dense model; the paper trains MoFME "
@@ -172,7 +172,7 @@ def main(argv=None):
     print(f"uncertainty-aware: {rverdict} ({rtext})")
     if args.no_record:
         return
-    from zoo.claims import record
+    from zoo.evaluation.claims import record
 
     command = (f"python benchmarks/mofme.py --steps {args.steps} --batch {args.batch} --windows {args.windows} "
                f"--lr {args.lr} --film-lr {args.film_lr} --experts {' '.join(map(str, args.experts))}")

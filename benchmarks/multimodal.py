@@ -37,7 +37,7 @@ def bound_share(res: dict, modality: str) -> float:
 
 
 def claim(args) -> None:
-    from zoo.claims import record
+    from zoo.evaluation.claims import record
     from zoo_multimodal.commands import RECIPE
     from zoo_multimodal.train_mm import train
 
@@ -95,8 +95,8 @@ def ship(args) -> None:
     from click.testing import CliRunner
 
     from zoo.cli import cli
-    from zoo.plugins import commands_hook
-    from zoo.registry import get_model
+    from zoo.components.plugins import commands_hook
+    from zoo.components.registry import get_model
 
     commands_hook(cli)  # the plugins' commands (digits-mm), as moe-zoo's main adds them
     folder = Path(get_model("zoo-tiny-mm").local_path)

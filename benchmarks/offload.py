@@ -8,7 +8,7 @@ weights. One table, one run.
     python benchmarks/offload.py --repeats 3      # each zoo row in 3 fresh processes (the noise the verdict uses)
 
 The run records its verdict in docs/claims/offload.json (``--no-record``: print only; a ``--smoke`` run never
-records) under the claims' one rule (``zoo.claims.judge``): the memory part compares the offloaded model with a 25%
+records) under the claims' one rule (``zoo.evaluation.claims.judge``): the memory part compares the offloaded model with a 25%
 cache against the same checkpoint in memory (peak RSS above the imports, lower is better), the compression part
 int4 experts against bf16 experts, both offloaded with a 25% cache (decode tok/s, higher is better); each row's
 repeats in fresh processes give the noise. FloE's other parts (activation sparsity, its channel predictors,
@@ -19,7 +19,7 @@ premise, experts stored compressed so that a miss reads fewer bytes). Every row 
 its peak RSS (VmHWM) is its own; "start" is the child's RSS after its imports, before the model. Rows:
 the checkpoint in memory (``zoo.load``), offloaded with a cache of 50% and 25% of the experts (all layers
 together), and llama.cpp with mmap (its default) on the GGUF of the same weights (bf16; the zoo's int4 codes as
-Q4_1). The zoo rows decode eagerly (``zoo.decode.greedy(..., compile=False)``: the offloaded experts cannot run
+Q4_1). The zoo rows decode eagerly (``zoo.runtime.decode.greedy(..., compile=False)``: the offloaded experts cannot run
 inside a compiled step); llama.cpp runs its own C++ loop.
 
 Decode tok/s = (new tokens - 1) / (time of a full run - time of a 1-token run), after one warm-up run, median of
@@ -62,8 +62,8 @@ def worker(spec: dict) -> dict:
     import torch
 
     import zoo
-    from zoo.decode import greedy
-    from zoo.offloading import cache_of
+    from zoo.runtime.decode import greedy
+    from zoo.runtime.offloading import cache_of
 
     torch.set_num_threads(spec["threads"])
     start = rss_mb("VmRSS")
@@ -191,7 +191,7 @@ def main(argv=None):
     sys.path.insert(0, str(HERE))
     import torch
 
-    from zoo.checkpoint import checkpoint_bytes
+    from zoo.io.checkpoint import checkpoint_bytes
 
     if args.smoke:
         args.new_tokens = 6
@@ -247,7 +247,7 @@ def main(argv=None):
     print(f"\nverdict: {verdict['verdict']}; " + "; ".join(f"{k}: {j['verdict']} ({j['reason']})"
                                                          for k, j in verdict["judgements"].items()))
     if not args.smoke and not args.no_record:
-        from zoo.claims import record
+        from zoo.evaluation.claims import record
 
         command = "python benchmarks/offload.py" + (f" --repeats {args.repeats}" if args.repeats != 2 else "")
         record("offload", CLAIM, verdict["verdict"], verdict["summary"], verdict["numbers"], command,
@@ -261,7 +261,7 @@ CLAIM = ("FloE: with experts kept compressed outside memory and fetched on deman
 
 def judged(rows: list[dict]) -> dict:
     """The claim's two parts under the one rule, from the zoo rows' repeats (llama.cpp is shown, not judged)."""
-    from zoo.claims import combine, judge
+    from zoo.evaluation.claims import combine, judge
 
     def values(storage, label_start, key):
         return [key(r) for r in rows if r["storage"] == storage and r["label"].startswith(label_start)]

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 import zoo
-from zoo import claims
+from zoo.evaluation import claims
 from zoo.data.corpus import DOMAINS
-from zoo.eval import evaluate, plot_usage
-from zoo.registry import get_model
+from zoo.evaluation.eval import evaluate, plot_usage
+from zoo.components.registry import get_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE, DENSE, UPCYCLED, CONTINUED = "zoo-tiny-moe", "zoo-tiny-dense", "zoo-tiny-upcycled", "zoo-tiny-dense-continued"

@@ -4,10 +4,10 @@
 * AlphaQ: its calibration-free allocation (weight-spectrum alphas) beats uniform at the same average bits.
 
 Quantization by rounding is deterministic, so the repeats are evaluation draws: ``--draws`` disjoint sets of
-``--windows`` held-out windows per domain, the same for both arms (``zoo.claims.judge(paired=True)``); the measure of
+``--windows`` held-out windows per domain, the same for both arms (``zoo.evaluation.claims.judge(paired=True)``); the measure of
 a draw is the geometric mean over domains of its perplexity. PMQ also varies with its calibration, so its repeat i is
 calibrated on calibration draw i (``calibration.corpus(seed=i)``) and evaluated on evaluation draw i: the noise the
-judge sees holds both. An arm that is the same model as its control (``zoo.claims.same_weights``) is inconclusive.
+judge sees holds both. An arm that is the same model as its control (``zoo.evaluation.claims.same_weights``) is inconclusive.
 
 The comparisons (widths 2/3/4 unless said): PMQ at 3 bits against uniform and random, at 2.5 bits against random
 (uniform cannot make 2.5); AlphaQ at 3 bits against uniform, and, where its allocation has room to differ from one
@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from claim_args import claim_parser, draw_args, draw_geo, draws_geo, judgement_line, show  # noqa: E402
 import zoo  # noqa: E402
-from zoo import calibration  # noqa: E402
-from zoo.claims import VERDICTS, combine, judge, same_weights  # noqa: E402
-from zoo.layout import moe_layers  # noqa: E402
+from zoo.editing import calibration  # noqa: E402
+from zoo.evaluation.claims import VERDICTS, combine, judge, same_weights  # noqa: E402
+from zoo.moe.layout import moe_layers  # noqa: E402
 
 NARROW = [2, 3, 4]
 
@@ -167,7 +167,7 @@ def main(argv=None):
           + (", nothing recorded" if args.no_record else ""))
     if args.no_record:
         return
-    from zoo.claims import record
+    from zoo.evaluation.claims import record
 
     command = "python benchmarks/quantize_claims.py"
     command += f" --draws {args.draws}" if args.draws != 4 else ""
@@ -200,7 +200,7 @@ def main(argv=None):
             record("quantize", claim, verdict, summary, rows, command, args.model, judgements=judgements)
     if refused:
         names = ", ".join(f"{c[0].split(':')[0].split(' (')[0]} ({c[1]})" for c in refused)
-        sys.exit(f"not recorded: {names}: zoo.claims.record accepts only {VERDICTS}")
+        sys.exit(f"not recorded: {names}: zoo.evaluation.claims.record accepts only {VERDICTS}")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@
 
 Rounding is deterministic, so the repeats are evaluation draws: ``--draws`` disjoint sets of ``--windows`` held-out
 windows per domain, the same for every arm. The measure of a draw is the geometric mean over domains of its
-perplexity; ``zoo.claims.judge`` (paired) decides each comparison against the spread of the per-draw differences,
-an arm that is the same model as its control (``zoo.claims.same_weights``) is inconclusive, and ``combine`` gives
+perplexity; ``zoo.evaluation.claims.judge`` (paired) decides each comparison against the spread of the per-draw differences,
+an arm that is the same model as its control (``zoo.evaluation.claims.same_weights``) is inconclusive, and ``combine`` gives
 each claim's verdict. Bytes are the experts' stored bytes (codes, bf16 scales and zeros, BitMoD's 2-bit type id per
 group), as ``nbytes()`` counts them; the weight error (sum ||W - Q(W)||^2 / sum ||W||^2 over all experts), the
 quantity both methods minimise, is shown beside it.
@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from claim_args import claim_parser, draw_args, draws_geo, judgement_line, show  # noqa: E402
 import zoo  # noqa: E402
-from zoo.claims import VERDICTS, combine, judge, same_weights  # noqa: E402
-from zoo.layout import moe_layers  # noqa: E402
+from zoo.evaluation.claims import VERDICTS, combine, judge, same_weights  # noqa: E402
+from zoo.moe.layout import moe_layers  # noqa: E402
 
 ALPHAS = (0.3, 0.6, 1.0)  # FineQuant bounds: how much more error than group 32 a coarser group may cost
 GROUP = 64  # BitMoD's comparisons: one group size for every data type
@@ -150,7 +150,7 @@ def main(argv=None):
           + (", nothing recorded" if args.no_record else ""))
     if args.no_record:
         return
-    from zoo.claims import record
+    from zoo.evaluation.claims import record
 
     command = "python benchmarks/quantize_formats_claims.py"
     command += f" --draws {args.draws}" if args.draws != 4 else ""
@@ -175,7 +175,7 @@ def main(argv=None):
             record("quantize", claim, verdict, summary, rows, command, args.model, judgements=judgements)
     if refused:
         names = ", ".join(f"{c[0].split(' (')[0]} ({c[1]})" for c in refused)
-        sys.exit(f"not recorded: {names}: zoo.claims.record accepts only {VERDICTS}")
+        sys.exit(f"not recorded: {names}: zoo.evaluation.claims.record accepts only {VERDICTS}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 
 Every arm: the same model, everything but the routers frozen (``zoo.apply(model, "roma", ...)``), the same
 batches (random windows of both domains' train split, half each: the paper trains on a mixture of tasks), the same
-schedule as ``zoo.finetune`` (AdamW, warm-up then cosine, clip 1.0), trained on ``Roma.loss``; only ``lam``
+schedule as ``zoo.training.finetune`` (AdamW, warm-up then cosine, clip 1.0), trained on ``Roma.loss``; only ``lam``
 differs, at each of two learning rates (at 1e-3 router-only tuning barely moves in 60 steps). Held out: next-token accuracy (the task's correctness signal) and perplexity on consecutive windows of
 each domain's val split and of its ood split (text of other origins, never trained on).
 
@@ -19,11 +19,11 @@ import time
 import torch
 
 import zoo
-from zoo.claims import record
+from zoo.evaluation.claims import record
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokens import eval_windows, token_stream, train_batch
-from zoo.finetune import lr_at
-from zoo.loading import tokenizer_for
+from zoo.training.finetune import lr_at
+from zoo.io.loading import tokenizer_for
 from zoo_adapters.roma import Roma
 from zoo_adapters.roma_manifold import next_token_accuracy
 

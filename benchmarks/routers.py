@@ -10,13 +10,13 @@ token and held-out perplexity per domain, with ratios to the base model.
   similar quality): per held-out token, the experts top-p gives it (mean over layers) against its difficulty (the
   base model's loss on the next token), and perplexity against base top-2 and top-1; recorded in
   docs/claims/top-p.json;
-- ``--claim otp``: MC#'s online top-any pruning, fine-tuned with ``zoo.finetune`` (only the pruner trains), then
+- ``--claim otp``: MC#'s online top-any pruning, fine-tuned with ``zoo.training.finetune`` (only the pruner trains), then
   average experts per token and perplexity against base top-2 and top-1; recorded in docs/claims/otp.json.
 
     python benchmarks/routers.py                 # full table (a few minutes on one thread)
     python benchmarks/routers.py --windows 4     # fewer held-out windows, faster
     python benchmarks/routers.py --claim top-p --windows 8
-- ``--claim top-p-loss``: top-p's router fine-tuned with ``zoo.finetune`` (only the gates train) with and without
+- ``--claim top-p-loss``: top-p's router fine-tuned with ``zoo.training.finetune`` (only the gates train) with and without
   the paper's dynamic (entropy) loss, at equal steps: average experts per token and perplexity; recorded in
   docs/claims/top-p.json.
 
@@ -32,11 +32,11 @@ import random
 import torch
 
 import zoo
-from zoo.calibration import corpus
+from zoo.editing.calibration import corpus
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokens import eval_windows, token_stream
-from zoo.eval import perplexity_and_usage
-from zoo.layout import moe_layers
+from zoo.evaluation.eval import perplexity_and_usage
+from zoo.moe.layout import moe_layers
 from zoo_routers.steer_experts import find_experts
 
 SEQ_LEN = 256
@@ -100,7 +100,7 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def claim_top_p(args, base, tok) -> None:
-    from zoo.claims import record
+    from zoo.evaluation.claims import record
 
     ref = per_token(base, tok, args.windows)
     top1 = per_token(zoo.apply(copy.deepcopy(base), "topk-softmax", top_k=1), tok, args.windows)
@@ -143,8 +143,8 @@ def claim_top_p(args, base, tok) -> None:
 
 
 def claim_otp(args, base, tok) -> None:
-    from zoo.claims import record
-    from zoo.finetune import finetune
+    from zoo.evaluation.claims import record
+    from zoo.training.finetune import finetune
 
     ref = per_token(base, tok, args.windows)
     top1 = per_token(zoo.apply(copy.deepcopy(base), "topk-softmax", top_k=1), tok, args.windows)
@@ -172,7 +172,7 @@ def claim_otp(args, base, tok) -> None:
         verdicts.append("holds" if cut >= 0.2 and loss <= 0.01 else
                         "holds in part" if cut >= 0.2 and loss < line else "does not hold")
     verdict = next((v for v in ("holds", "holds in part") if v in verdicts), "does not hold")
-    summary = (f"zoo-tiny-moe (top-2) with otp fine-tuned by zoo.finetune for {args.otp_steps} steps of "
+    summary = (f"zoo-tiny-moe (top-2) with otp fine-tuned by zoo.training.finetune for {args.otp_steps} steps of "
                f"{args.otp_batch}x{SEQ_LEN} tokens on the {args.otp_domain} train split (only the pruner trains; "
                f"lr {args.otp_lr:g}, Gumbel temperature 1, sparsity weights {list(args.sparsity)}), one thread; "
                f"{args.windows} held-out windows of {SEQ_LEN} tokens per domain. The paper's claim: over 20% fewer "
@@ -186,8 +186,8 @@ def claim_otp(args, base, tok) -> None:
 
 def claim_top_p_loss(args, base, tok) -> None:
     """The dynamic loss at equal fine-tuning steps: does it make top-p take fewer experts at similar quality?"""
-    from zoo.claims import record
-    from zoo.finetune import finetune
+    from zoo.evaluation.claims import record
+    from zoo.training.finetune import finetune
 
     ref = per_token(base, tok, args.windows)
     p = args.p[0] if len(args.p) == 1 else 0.4  # the paper's threshold unless one p is given
@@ -214,7 +214,7 @@ def claim_top_p_loss(args, base, tok) -> None:
     paper = k(tuned[1e-4]) < k(plain) if 1e-4 in tuned else None
     verdict = "holds" if all(wins) else "does not hold" if not any(wins) else "holds in part"
     summary = (f"zoo-tiny-moe (top-2) with its router swapped for top-p (p={p:g}) and the gates fine-tuned by "
-               f"zoo.finetune for {args.otp_steps} steps of {args.otp_batch}x{SEQ_LEN} tokens on the {args.otp_domain} "
+               f"zoo.training.finetune for {args.otp_steps} steps of {args.otp_batch}x{SEQ_LEN} tokens on the {args.otp_domain} "
                f"train split (lr {args.otp_lr:g}, the balance loss on), with dynamic-loss weights "
                f"{list(args.dynamic_coefs)} (0: without it; 1e-4: the paper's); {args.windows} held-out windows per "
                f"domain. With the loss, fewer experts than without it at perplexity within "

@@ -34,7 +34,7 @@ def make_checkpoint(path, layers, hidden=2048, intermediate=5632, experts=8, voc
     from transformers.core_model_loading import revert_weight_conversion
     from tqdm.auto import tqdm
 
-    from zoo.shards import ShardWriter
+    from zoo.io.shards import ShardWriter
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -126,7 +126,7 @@ def eval_json(output: str) -> dict:
 
 def same_tensors(a, b) -> bool:
     """Whether two checkpoint folders hold the same tensors (read one tensor at a time)."""
-    from zoo.checkpoint import weight_map, read_tensors
+    from zoo.io.checkpoint import weight_map, read_tensors
 
     ma, mb = weight_map(a), weight_map(b)
     if set(ma) != set(mb):

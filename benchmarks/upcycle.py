@@ -10,8 +10,8 @@
 
 Both arms start from the shipped zoo-tiny-dense (Mistral, 6.0M params) and see the same batches (the train
 split, data seed 1: other windows than the base's training), the same lr schedule (warm-up, cosine to 10%),
-AdamW, bf16 autocast and gradient clipping as ``zoo.train``. The upcycled arm adds the load-balancing loss
-(coefficient 0.01, as the zoo's own MoE was trained). Held-out perplexity per domain is ``zoo.eval`` (fp32).
+AdamW, bf16 autocast and gradient clipping as ``zoo.training.train``. The upcycled arm adds the load-balancing loss
+(coefficient 0.01, as the zoo's own MoE was trained). Held-out perplexity per domain is ``zoo.evaluation.eval`` (fp32).
 
     python benchmarks/upcycle.py                          # N=150, 8 experts top-2 (about 30 min, one thread)
     python benchmarks/upcycle.py --steps 40 --batch 8 --windows 8   # the recorded run (about 10 min)
@@ -29,13 +29,13 @@ import zoo
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokenizer import load_tokenizer
 from zoo.data.tokens import token_stream, train_batch
-from zoo.eval import perplexity_and_usage, sizes
-from zoo.layout import moe_layers
-from zoo.train import TrainConfig, lr_at
+from zoo.evaluation.eval import perplexity_and_usage, sizes
+from zoo.moe.layout import moe_layers
+from zoo.training.train import TrainConfig, lr_at
 
 
 def continue_training(model, args, streams, label: str, setup=None) -> dict:
-    """``args.steps`` more steps of ``zoo.train``'s loop; returns seconds and the mean LM loss of the last 20.
+    """``args.steps`` more steps of ``zoo.training.train``'s loop; returns seconds and the mean LM loss of the last 20.
     ``setup(optimizer)``: installs training-time hooks (EWA) and returns their handle."""
     cfg = TrainConfig(lr=args.lr, warmup=args.warmup, steps=args.steps, min_lr_ratio=0.1)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -172,7 +172,7 @@ def main(argv=None):
         verdict, text = compare(name)
         print(f"{component}: {verdict} ({text})")
         if not args.no_record:
-            from zoo.claims import record
+            from zoo.evaluation.claims import record
 
             record(component, claim, verdict, f"{name} vs {dense_name}: {text}. {note}.", numbers, command,
                    "zoo-tiny-dense")

@@ -8,7 +8,7 @@ from tiny import COMMON, padded_batch, reload_max_diff
 from transformers import MistralConfig, MistralForCausalLM
 
 import zoo
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from zoo.testing import check_reference
 from zoo_routers.adamoe import AdaMoE
 

@@ -9,9 +9,9 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import zoo
-from zoo.adapter_folder import base_name, hub_id_of, is_adapter_folder, portable_base
-from zoo.finetune import finetune
-from zoo.loading import ZOO_VOCAB
+from zoo.io.adapter_folder import base_name, hub_id_of, is_adapter_folder, portable_base
+from zoo.training.finetune import finetune
+from zoo.io.loading import ZOO_VOCAB
 from tiny import COMMON
 
 IDS = torch.tensor([[5, 17, 33, 9, 70, 11, 3, 44]])
@@ -41,7 +41,7 @@ def test_the_folder_loads_as_its_base_with_the_adapter(trained):
     assert type(model).__name__ == "ZooPeftModel"  # lora-experts' own reload (its grouped forward)
     with torch.no_grad():
         torch.testing.assert_close(model(IDS).logits, logits)
-    assert zoo.layout.moe_layers(model)  # the zoo's layer helpers see through the PEFT wrapper
+    assert zoo.moe.layout.moe_layers(model)  # the zoo's layer helpers see through the PEFT wrapper
 
 
 def test_without_the_zoos_record_peft_loads_it(trained, tmp_path):
@@ -88,7 +88,7 @@ def test_the_card_is_the_zoos_and_names_no_local_base(trained):
 
 
 def test_base_names_are_portable_and_only_hub_ids_reach_the_card(tmp_path):
-    from zoo.registry import get_model
+    from zoo.components.registry import get_model
 
     assert portable_base("zoo-tiny-moe") == os.path.abspath(get_model("zoo-tiny-moe").local_path)  # PEFT opens it
     assert portable_base("mixtral.8x7b-v0.1") == "mistralai/Mixtral-8x7B-v0.1"

@@ -8,7 +8,7 @@ from tiny import COMMON, padded_batch, reload_max_diff, tiny_native
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 import zoo
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 
 IDS, MASK = padded_batch()
 pytestmark = pytest.mark.usefixtures("one_thread")

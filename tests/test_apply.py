@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import zoo
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from tiny import padded_batch, tiny_native
 
 IDS, MASK = padded_batch()
@@ -68,7 +68,7 @@ def test_topk_softmax_top1_swaps_every_router_and_keeps_the_gate(tmp_path):
 
     step = model.config.zoo_recipe[-1]
     assert step == {"name": "topk-softmax", "kind": "router", "options": {"top_k": 1}, "calibration": None,
-                    "distribution": "moe-zoo", "version": zoo.plugins.provenance("router", "topk-softmax")["version"]}
+                    "distribution": "moe-zoo", "version": zoo.components.plugins.provenance("router", "topk-softmax")["version"]}
     model.save_pretrained(tmp_path / "m")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
     assert loaded.config.zoo_recipe == model.config.zoo_recipe

@@ -28,7 +28,7 @@ def test_decode_benchmark_smoke():
 
 def test_moe_gemv_benchmark_smoke():
     """The kernel's bandwidth table: a row per stored form beside the compiled sum (or the reason it is absent)."""
-    from zoo import kernels
+    from zoo.moe import kernels
 
     run = subprocess.run([sys.executable, str(SCRIPT.parent / "moe_gemv.py"), "--smoke", "--threads", "1"],
                          capture_output=True, text=True, timeout=300)

@@ -79,7 +79,7 @@ def test_router_explorer_in_chromium(browser, default_model):  # noqa: F811
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from zoo.spaces import load_app
+    from zoo.demos.spaces import load_app
 
     with serve(load_app("router-explorer").build_demo()) as url:
         browser.get(url)
@@ -115,7 +115,7 @@ def test_router_explorer_in_chromium(browser, default_model):  # noqa: F811
 def test_compression_lab_in_chromium(browser, default_model, monkeypatch):  # noqa: F811
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from zoo.spaces import load_app
+    from zoo.demos.spaces import load_app
 
     monkeypatch.setenv("MOE_ZOO_LAB_WINDOWS", "1")
     monkeypatch.setenv("MOE_ZOO_LAB_TOKENS", "1024")
@@ -135,7 +135,7 @@ def test_compression_lab_in_chromium(browser, default_model, monkeypatch):  # no
 def test_adapter_lab_in_chromium(browser, default_model, monkeypatch):  # noqa: F811
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from zoo.spaces import load_app
+    from zoo.demos.spaces import load_app
 
     monkeypatch.setenv("MOE_ZOO_LAB_WINDOWS", "1")
     with serve(load_app("adapter-lab").build_demo()) as url:
@@ -153,7 +153,7 @@ def test_adapter_lab_in_chromium(browser, default_model, monkeypatch):  # noqa: 
 def test_model_zoo_in_chromium(browser, default_model):  # noqa: F811
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from zoo.spaces import load_app
+    from zoo.demos.spaces import load_app
 
     with serve(load_app("model-zoo").build_demo()) as url:
         browser.get(url)
@@ -172,7 +172,7 @@ def test_multimodal_digits_in_chromium(browser, tmp_path):
     import numpy as np
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from zoo.spaces import load_app
+    from zoo.demos.spaces import load_app
 
     clip = tmp_path / "tone.wav"
     rate = 22050

@@ -49,7 +49,7 @@ def test_a_model_converted_from_a_hub_checkpoint_names_it_as_base_model(tmp_path
 
 def test_card_metadata_the_hub_links():
     """base_model with its relation for a converted Hub model; the license of the model it came from."""
-    from zoo.cards import base_relation
+    from zoo.publishing.cards import base_relation
 
     model = zoo.load("zoo-tiny-moe")
     assert zoo.card(model).data.license == "apache-2.0"  # the shipped model's, from the registry

@@ -7,8 +7,8 @@ import torch
 from huggingface_hub import ModelCard
 
 import zoo
-from zoo.cards import ARXIV, render_component_card, unique_citations
-from zoo.registry import registry
+from zoo.publishing.cards import ARXIV, render_component_card, unique_citations
+from zoo.components.registry import registry
 from zoo.testing import tiny_model
 from test_check_component import OPTIONS
 

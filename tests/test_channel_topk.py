@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import zoo
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from zoo.moe import Routing
 from zoo.moe.channel_topk import (GATHER_TOKENS, SELECTORS, ChannelTopKExperts, ReadCounter, pack2, ternarize,
                                   unpack2)

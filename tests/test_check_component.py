@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import zoo
-from zoo.snapshot import Fingerprint
+from zoo.editing.snapshot import Fingerprint
 from zoo.testing import TINY, check_component, check_components, tiny_model
 
 # kind:name -> options that change the model

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from zoo import claims
+from zoo.evaluation import claims
 
 
 class Cited:
@@ -53,7 +53,7 @@ def test_the_readme_table_lists_every_claim(tmp_path):
 
 
 def test_the_readme_table_is_the_recorded_one():
-    """README.md's table of claims is what docs/claims/ holds (python -m zoo.claims --readme rewrites it)."""
+    """README.md's table of claims is what docs/claims/ holds (python -m zoo.evaluation.claims --readme rewrites it)."""
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -65,7 +65,7 @@ def test_the_readme_table_is_the_recorded_one():
 # ------------------------------------------------------------------------------------------------ the one rule
 
 def test_the_rule_holds_only_beyond_the_noise_of_the_repeats():
-    from zoo.claims import judge
+    from zoo.evaluation.claims import judge
 
     # lower is better: the mechanism 0.5 better, seeds spread 0.2 -> holds
     j = judge([10.0, 10.2, 10.1], [10.6, 10.7, 10.5])
@@ -81,7 +81,7 @@ def test_the_rule_holds_only_beyond_the_noise_of_the_repeats():
 
 
 def test_paired_draws_measure_the_noise_of_the_differences():
-    from zoo.claims import judge
+    from zoo.evaluation.claims import judge
 
     # every draw moves both arms alike (large spread per arm) but the mechanism wins each by 0.1 +- 0.01
     mech, ctrl = [5.0, 9.0, 7.0], [5.1, 9.11, 7.1]
@@ -93,7 +93,7 @@ def test_paired_draws_measure_the_noise_of_the_differences():
 
 
 def test_one_repeat_has_no_noise_and_is_refused():
-    from zoo.claims import judge
+    from zoo.evaluation.claims import judge
 
     with pytest.raises(ValueError, match="at least two repeats"):
         judge([1.0], [2.0, 3.0])
@@ -102,7 +102,7 @@ def test_one_repeat_has_no_noise_and_is_refused():
 def test_identical_arms_are_inconclusive_whatever_the_numbers():
     import torch
 
-    from zoo.claims import SAME_MODEL, judge, same_weights
+    from zoo.evaluation.claims import SAME_MODEL, judge, same_weights
 
     a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     b.load_state_dict(a.state_dict())
@@ -115,7 +115,7 @@ def test_identical_arms_are_inconclusive_whatever_the_numbers():
 
 
 def test_parts_combine_into_one_verdict():
-    from zoo.claims import combine
+    from zoo.evaluation.claims import combine
 
     assert combine(["holds", "holds"]) == "holds"
     assert combine(["holds", "inconclusive"]) == "holds in part"
@@ -127,7 +127,7 @@ def test_parts_combine_into_one_verdict():
 def test_a_record_keeps_the_judgements_and_the_card_shows_them(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from zoo import claims
+    from zoo.evaluation import claims
 
     j = claims.judge([1.0, 1.1], [2.0, 2.05])
     claims.record("widget", "c", j["verdict"], "s", [], "python x.py", "m", root=tmp_path, judgements={"a vs b": j})

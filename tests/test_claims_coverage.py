@@ -1,12 +1,12 @@
 """Every first-party router, compressor, adapter and experts kind that cites a paper has its verdict recorded
-(``docs/claims/<component>.json``, written by a claim benchmark through ``zoo.claims.record``) and its card shows
+(``docs/claims/<component>.json``, written by a claim benchmark through ``zoo.evaluation.claims.record``) and its card shows
 it under "Does the paper's claim hold here?"."""
 import pytest
 
 import zoo
-from zoo.cards import render_component_card
-from zoo.claims import FIELDS, VERDICTS, find, load
-from zoo.registry import registry
+from zoo.publishing.cards import render_component_card
+from zoo.evaluation.claims import FIELDS, VERDICTS, find, load
+from zoo.components.registry import registry
 
 KINDS = ("router", "compressor", "adapter", "experts")
 

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 import zoo
 from tiny import tiny_native
-from zoo.compressed_tensors_export import NotCompressedTensorsExportable
+from zoo.io.compressed_tensors_export import NotCompressedTensorsExportable
 
 IDS = torch.tensor([[5, 17, 30, 42, 7, 100, 9, 64, 23, 2, 77, 3]])
 # (model, quantize options): the shipped Mixtral's experts; quantize(targets="all") on each family (Qwen2-MoE: a dense
@@ -68,7 +68,7 @@ def quantized_model(source: str, options: dict):
 def dequantized_twin(model, linears: bool = True):
     """The same model with every quantized part (the experts only, unless ``linears``) as the float weights it
     stands for (the zoo's reference)."""
-    from zoo.layout import moe_layers, set_block, sync_layout
+    from zoo.moe.layout import moe_layers, set_block, sync_layout
     from zoo.moe.experts import SwiGLUExperts
     from zoo.moe.quantized import QuantizedExperts
     from zoo.moe.quantized_linear import QuantizedLinear
@@ -103,7 +103,7 @@ def exported(tmp_path_factory):
         ids = IDS % model.config.vocab_size
         with pytest.MonkeyPatch.context() as patch:
             if name == "olmoe":  # written in several shards with their index
-                patch.setattr("zoo.compressed_tensors_export.SHARD_BYTES", 200_000)
+                patch.setattr("zoo.io.compressed_tensors_export.SHARD_BYTES", 200_000)
             folder = zoo.export(model, root / name, format="compressed-tensors")
         zoo.export(dequantized_twin(model), root / f"{name}.native")
         save_file({"ids": ids}, f"{folder}.ids.safetensors")
@@ -225,7 +225,7 @@ def test_fused_experts_with_biases_are_refused(tmp_path):
 
 
 def test_the_export_never_writes_into_the_folder_the_model_came_from(tmp_path):
-    from zoo.atomic import SaveTargetError
+    from zoo.io.atomic import SaveTargetError
 
     quantized_model("mixtral", {}).save_pretrained(tmp_path / "m")
     model = zoo.load(str(tmp_path / "m"))
@@ -327,7 +327,7 @@ def test_symmetric_int4_beside_an_int8_fallback_is_refused(tmp_path):
     ({"bits": 4, "group_size": "adaptive", "symmetric": True}, re.escape("symmetric=True needs a fixed group_size")),
 ])
 def test_the_symmetric_option_is_checked_before_the_model_is_touched(options, message):
-    from zoo.registry import registry
+    from zoo.components.registry import registry
 
     model = zoo.convert(tiny_native("mixtral"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -438,7 +438,7 @@ def test_a_symmetric_linear_runs_as_a_naive_dequantize_then_matmul():
 def test_quantize_symmetric_records_itself_and_survives_a_save(tmp_path, options):
     """The recipe records symmetric=True; every sub-8-bit group is stored as q s (zero (8 - 2**(b-1)) s: 0 at 4
     bits), also after save and load, where the logits are the same."""
-    from zoo.layout import moe_layers
+    from zoo.moe.layout import moe_layers
 
     model = zoo.apply(zoo.convert(tiny_native("mixtral")).float().eval(), "quantize", **options)
     assert model.config.zoo_recipe[-1]["options"]["symmetric"] is True

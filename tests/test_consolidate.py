@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import zoo
-from zoo.consolidation import unshare
-from zoo.layout import moe_layers
+from zoo.editing.consolidation import unshare
+from zoo.moe.layout import moe_layers
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.pooled import PooledExperts
 from zoo.moe.routing import Routing

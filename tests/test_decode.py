@@ -5,7 +5,7 @@ import torch
 from tiny import tiny_native
 
 import zoo
-from zoo.decode import generate
+from zoo.runtime.decode import generate
 
 IDS = torch.tensor([[1, 17, 33, 5, 90, 12, 64, 3]])
 
@@ -71,9 +71,9 @@ def test_zoo_fp32_greedy_matches_transformers(shipped):
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
 def test_lean_greedy_loop_matches_generate(family):
-    """zoo.decode.greedy (static cache, the model's compiled call, no generate bookkeeping) gives
+    """zoo.runtime.decode.greedy (static cache, the model's compiled call, no generate bookkeeping) gives
     generate's greedy tokens, compiled in one graph or eager."""
-    from zoo.decode import greedy as lean
+    from zoo.runtime.decode import greedy as lean
 
     model = zoo.convert(tiny_native(family))
     eager = greedy(model, compile=False)
@@ -103,7 +103,7 @@ def test_compiled_quantized_experts_read_in_place_and_match_the_dequantized_refe
     and the dequantized reference's output, empty slots included."""
     import contextlib
 
-    from zoo import kernels
+    from zoo.moe import kernels
     from zoo.moe import Routing
 
     if path == "kernel" and not kernels.load():
@@ -174,7 +174,7 @@ def test_a_copy_of_a_compiled_model_decodes_with_its_own_modules_after_apply():
 
 
 def test_lean_greedy_stops_at_eos_as_generate_does(shipped):
-    from zoo.decode import greedy as lean
+    from zoo.runtime.decode import greedy as lean
 
     model, ids = shipped
     new = lean(model, ids, 16, compile=False)[0, ids.shape[1]:].tolist()
@@ -205,8 +205,8 @@ def test_ahead_of_time_step_gives_eager_tokens_and_reads_the_models_own_weights(
     """greedy's default step (AOTInductor): fp32 tokens equal eager, with the attention projections and LM head
     quantized too; built once per model and shape; the library reads the model's tensors (no copy), so an in-place
     change to a weight shows in its next tokens; a new model (apply) builds its own."""
-    from zoo.decode import greedy as lean
-    from zoo.decode_aot import AotStep
+    from zoo.runtime.decode import greedy as lean
+    from zoo.runtime.decode_aot import AotStep
 
     model = zoo.apply(zoo.convert(tiny_native("mixtral")), "quantize", bits=8, targets="all")
     attention = model.config._attn_implementation
@@ -224,7 +224,7 @@ def test_ahead_of_time_step_gives_eager_tokens_and_reads_the_models_own_weights(
 
 
 def test_a_step_that_cannot_be_exported_falls_back_to_the_jit_step(monkeypatch):
-    from zoo.decode import greedy as lean
+    from zoo.runtime.decode import greedy as lean
 
     model = zoo.convert(tiny_native("qwen3_moe"))
 

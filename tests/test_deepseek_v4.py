@@ -11,7 +11,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashR
 import zoo
 from tests.families.tiny_configs import TINY
 from zoo.architectures.family import NotExportable
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from zoo.moe import RoutingContext, routing_context
 from zoo.moe.surgery import keep_experts
 from zoo_routers.scored_topk import ScoredTopK

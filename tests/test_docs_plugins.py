@@ -10,7 +10,7 @@ How a page is run (the conventions the pages follow):
 - A project with a ``pyproject.toml`` is installed as ``pip install -e .`` would install it, before the page's first
   python block runs: a ``<name>-<version>.dist-info`` with its ``moe_zoo`` entry points is written into the project
   folder, and that folder is put on ``sys.path`` and ``PYTHONPATH`` (fresh processes find it too); then
-  ``zoo.plugins.load_new_plugins()`` loads it, as ``import zoo`` in a fresh process would.
+  ``zoo.components.plugins.load_new_plugins()`` loads it, as ``import zoo`` in a fresh process would.
 - Every other python block runs in the page's namespace, with the page's temporary folder as working directory.
 After each page everything it registered is taken out again: registry entries, pluggy plugins, plugin errors and
 bookkeeping, CLI commands, transformers Auto-class registrations, imported modules of its project, sys.path.
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 import zoo
-import zoo.plugins as P
+import zoo.components.plugins as P
 from zoo import hookspecs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ BASES = {
     "Compressor": ("compressor.md", "zoo.Compressor"),
     "Adapter": ("adapter.md", "zoo.Adapter"),
     "Family": ("architecture.md", "zoo.architectures.family.Family"),
-    "ModelEntry": ("models-and-commands.md", "zoo.registry.ModelEntry"),
+    "ModelEntry": ("models-and-commands.md", "zoo.components.registry.ModelEntry"),
 }
 HOOKS = sorted(n for n in dir(hookspecs) if getattr(getattr(hookspecs, n), "moe_zoo_spec", None) is not None)
 
@@ -96,7 +96,7 @@ def _auto_mappings():
 @contextmanager
 def sandbox(folder: Path):
     """Restore every piece of global state a page may change (see the module docstring); the plugin loader's and
-    the registry's through ``zoo.plugins.restored_state``."""
+    the registry's through ``zoo.components.plugins.restored_state``."""
     from zoo.architectures import factory
     from zoo.cli import cli
 
@@ -169,7 +169,7 @@ def _run(block: Block, page: str, namespace: dict) -> None:
 def _record(result: PageResult, commands_before: set) -> None:
     """What the page's plugins registered, from ``plugin_report()`` (what ``moe-zoo plugins`` prints) and the CLI."""
     from zoo.cli import cli
-    from zoo.registry import KINDS
+    from zoo.components.registry import KINDS
 
     rows = {row["name"]: row for row in P.plugin_report()}
     for name, module in result.plugins.items():

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import zoo
-import zoo.stream
+import zoo.editing.stream
 from tiny import tiny_native
 from zoo.architectures.family import NotExportable
-from zoo.convert import export_padding
-from zoo.layout import moe_layers, put_block, decoder_layers, sync_layout
+from zoo.io.convert import export_padding
+from zoo.moe.layout import moe_layers, put_block, decoder_layers, sync_layout
 from zoo.moe.surgery import keep_experts
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -60,7 +60,7 @@ def test_gpt_oss_layers_of_different_counts_export_exactly(tmp_path):
     assert "padded to 4 experts" in zoo.card(model).text  # the card states the padding and its cost
     # streamed, the same checkpoint
     model.save_pretrained(tmp_path / "zoo")
-    zoo.stream.export(tmp_path / "zoo", tmp_path / "streamed")
+    zoo.editing.stream.export(tmp_path / "zoo", tmp_path / "streamed")
     a = zoo.load(tmp_path / "native", convert=False).state_dict()
     b = zoo.load(tmp_path / "streamed", convert=False).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 import zoo
 from zoo.architectures.family import NotExportable
-from zoo.convert import family_of
-from zoo.layout import build_block, moe_layers
+from zoo.io.convert import family_of
+from zoo.moe.layout import build_block, moe_layers
 from zoo.moe import SparseMoE
 from tiny import FAMILIES, padded_batch, tiny_native
 
@@ -159,8 +159,8 @@ def test_family_of_prefers_the_most_specific_family():
 
     from tiny import tiny_config
     from zoo.architectures.mixtral import Mixtral
-    from zoo.convert import family_of
-    from zoo.registry import Registered, registry
+    from zoo.io.convert import family_of
+    from zoo.components.registry import Registered, registry
 
     class DerivedMixtral(MixtralForCausalLM):
         pass

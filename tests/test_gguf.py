@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import zoo
-from zoo.gguf_export import NotGGUFExportable, export_gguf
+from zoo.io.gguf_export import NotGGUFExportable, export_gguf
 
 
 
@@ -163,7 +163,7 @@ def test_qwen3_moe_exports_as_qwen3moe(tmp_path):
 
 
 def test_bf16_checkpoint_folder_streams_to_the_same_file_as_the_model(tmp_path):
-    from zoo.registry import get_model
+    from zoo.components.registry import get_model
 
     folder = get_model("zoo-tiny-moe").local_path
     report = export_gguf(folder, tmp_path / "f.gguf", progress=False)
@@ -215,7 +215,7 @@ def test_quantized_attention_keeps_its_codes(tmp_path, bits, kind):
                        ("output", model.lm_head)):
         want = proj.dequantized()
         if name == "attn_k":
-            from zoo.gguf_export import permute_rope
+            from zoo.io.gguf_export import permute_rope
             want = permute_rope(want, model.config.num_key_value_heads)
         got = tensors["output.weight" if name == "output" else f"blk.1.{name}.weight"]
         assert (got - want).abs().max() <= report.max_abs_change + 1e-7
@@ -231,7 +231,7 @@ def test_what_llama_cpp_cannot_run_is_refused_and_no_file_is_left(base, tmp_path
         "top-p": lambda m: zoo.apply(m, "top-p", p=0.5),
         "mixed widths": lambda m: zoo.apply(m, "quantize", bits=6, allocation="random"),
         "expert map": lambda m: zoo.apply(m, "hc-smoe", num_experts=6,
-                                          calibration=zoo.calibration.corpus("mixed", tokens=256)),
+                                          calibration=zoo.editing.calibration.corpus("mixed", tokens=256)),
     }
     for label, make in cases.items():
         model = make(copy.deepcopy(base))
@@ -246,7 +246,7 @@ def test_what_llama_cpp_cannot_run_is_refused_and_no_file_is_left(base, tmp_path
 
 def test_pruned_model_exports_with_its_expert_count(base, tmp_path):
     pruned = zoo.apply(copy.deepcopy(base), "prune-frequency", num_experts=6,
-                       calibration=zoo.calibration.corpus("mixed", tokens=256))
+                       calibration=zoo.editing.calibration.corpus("mixed", tokens=256))
     export_gguf(pruned, tmp_path / "p.gguf", progress=False)
     _, fields, _ = read(tmp_path / "p.gguf")
     assert fields["llama.expert_count"] == 6

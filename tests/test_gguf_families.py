@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import tiny
 import zoo
-from zoo.gguf_export import EXPERT_ROWS, NotGGUFExportable, export_gguf, gguf_arch
-from zoo.layout import decoder_layers, moe_layers, put_block, sync_layout
+from zoo.io.gguf_export import EXPERT_ROWS, NotGGUFExportable, export_gguf, gguf_arch
+from zoo.moe.layout import decoder_layers, moe_layers, put_block, sync_layout
 from zoo.moe.surgery import keep_experts
 
 IDS = torch.tensor([5, 17, 100, 42, 7, 120, 9, 64, 23, 3, 77, 31])
@@ -664,7 +664,7 @@ def test_quantized_experts_are_padded_with_zero_blocks(tmp_path):
 def sigmoid_without_selection_bias(model):
     """The zoo model with each router swapped for scored-topk's sigmoid routing without a selection bias (its rows,
     renormalisation and scale kept)."""
-    from zoo.registry import registry
+    from zoo.components.registry import registry
 
     scored, layers = registry.get("router", "scored-topk").obj, decoder_layers(model)
     for i, moe in moe_layers(model):
@@ -771,7 +771,7 @@ def test_cli_loads_native_folders_it_cannot_stream(tmp_path):
     from click.testing import CliRunner
 
     from zoo.cli import cli
-    from zoo.gguf_export import native_folder
+    from zoo.io.gguf_export import native_folder
 
     for family in ("deepseek_v3", "mixtral"):
         model = tiny.tiny_native(family)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import zoo
-from zoo.apply import NoChange
-from zoo.layout import moe_layers
+from zoo.editing.apply import NoChange
+from zoo.moe.layout import moe_layers
 from zoo.moe.surgery import merge_experts
 from zoo_compressors.hodge import boundary_matrices, cliques, edges_below, greedy_cover, hodge_decomposition
 from zoo_compressors.hodge_cover import MergeBarriers, hodge_cover_plan

@@ -1,4 +1,4 @@
-"""zoo.hub.push_to_hub end to end over HTTP, against tests/hub_server.py (olah + upload endpoints).
+"""zoo.publishing.hub.push_to_hub end to end over HTTP, against tests/hub_server.py (olah + upload endpoints).
 
 The push and the pulls run in subprocesses: huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE when it
 is imported, and this suite runs with HF_HUB_OFFLINE=1 (conftest), which the subprocesses drop."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zoo
-import zoo.hub
+import zoo.publishing.hub
 from tiny import tiny_native
 
 HERE = Path(__file__).resolve().parent
@@ -22,14 +22,14 @@ REPO = "org/name"
 SPACE = "org/name-router-explorer"  # topk-softmax names the router-explorer Space
 
 PUSH = f"""
-import json, sys, torch, zoo, zoo.hub
+import json, sys, torch, zoo, zoo.publishing.hub
 from tiny import tiny_native
 from zoo.data.tokenizer import load_tokenizer
 model = zoo.apply(zoo.convert(tiny_native("mixtral")), "topk-softmax", top_k=1)
 ids = torch.tensor([[5, 17, 33, 9, 70, 11, 3, 44], [8, 21, 66, 12, 90, 1, 2, 3]])
 with torch.no_grad():
     logits = model(ids).logits
-result = zoo.hub.push_to_hub(model, {REPO!r}, space=True, tokenizer=load_tokenizer(), token={TOKEN!r},
+result = zoo.publishing.hub.push_to_hub(model, {REPO!r}, space=True, tokenizer=load_tokenizer(), token={TOKEN!r},
                              space_dir=sys.argv[1])
 torch.save({{"ids": ids, "logits": logits, "state": model.state_dict()}}, sys.argv[2])
 print(json.dumps(result))
@@ -180,11 +180,11 @@ def test_push_folder_contents_tokenizer_from_name_or_path_and_space_fallback(tmp
     zoo.convert(tiny_native("mixtral")).save_pretrained(tmp_path / "saved")
     load_tokenizer().save_pretrained(tmp_path / "saved")
     model = zoo.load(tmp_path / "saved")  # config._name_or_path is that folder: its tokenizer files go along
-    assert zoo.hub.space_for(model) == ("router-explorer", None)  # empty recipe: the default Space
+    assert zoo.publishing.hub.space_for(model) == ("router-explorer", None)  # empty recipe: the default Space
     space_src = minimal_space(tmp_path / "space-src")
     (space_src / "README.md").unlink()  # a Space without README still gets front matter pointing at the model
 
-    result = zoo.hub.push_to_hub(model, "org/plain", token=TOKEN, space_dir=space_src)
+    result = zoo.publishing.hub.push_to_hub(model, "org/plain", token=TOKEN, space_dir=space_src)
     assert result["space_id"] == "org/plain-router-explorer" and TOKEN not in json.dumps(result)
     files, space_files = FakeApi.last.uploads["org/plain"], FakeApi.last.uploads["org/plain-router-explorer"]
     assert {"config.json", "model.safetensors", "README.md", "tokenizer.json", "tokenizer_config.json"} <= set(files)
@@ -193,20 +193,20 @@ def test_push_folder_contents_tokenizer_from_name_or_path_and_space_fallback(tmp
     assert b"models:\n- org/plain" in space_files["README.md"] and b"sdk: gradio" in space_files["README.md"]
 
     topk = zoo.apply(model, "topk-softmax", top_k=1)
-    name, owner = zoo.hub.space_for(topk)
+    name, owner = zoo.publishing.hub.space_for(topk)
     assert name == "router-explorer" and owner.name == "topk-softmax"
-    assert zoo.hub.push_to_hub(topk, "org/nospace", space=False)["space_id"] is None
+    assert zoo.publishing.hub.push_to_hub(topk, "org/nospace", space=False)["space_id"] is None
     assert list(FakeApi.last.uploads) == ["org/nospace"]
 
     # a saved folder goes up as it is, weights byte for byte, with the card rendered for the repo
-    result = zoo.hub.push_to_hub(tmp_path / "saved", "org/folder", space=False)
+    result = zoo.publishing.hub.push_to_hub(tmp_path / "saved", "org/folder", space=False)
     files = FakeApi.last.uploads["org/folder"]
     assert files["model.safetensors"] == (tmp_path / "saved" / "model.safetensors").read_bytes()
     assert b'from_pretrained("org/folder")' in files["README.md"] and "tokenizer.json" in files
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".moe-zoo-push")) == []
 
     with pytest.raises(TypeError, match="zoo.convert"):
-        zoo.hub.push_to_hub(tiny_native("mixtral"), "org/native")
+        zoo.publishing.hub.push_to_hub(tiny_native("mixtral"), "org/native")
     with pytest.raises(RuntimeError, match="bad token hf_\\*\\*\\*") as excinfo:
-        zoo.hub.push_to_hub(model, "org/fails", token=TOKEN)
+        zoo.publishing.hub.push_to_hub(model, "org/fails", token=TOKEN)
     assert TOKEN not in str(excinfo.value)

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from throwaway_venv import make_venv, run
 from zoo.cli import cli
-from zoo.install import constraints_text, pinned
+from zoo.components.install import constraints_text, pinned
 
 EXAMPLE = Path(__file__).parent / "plugin_example"
 OFFLINE = ("--no-index", "--no-build-isolation")

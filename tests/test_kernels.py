@@ -4,7 +4,7 @@ it serves in compiled decode."""
 import pytest
 import torch
 
-from zoo import kernels
+from zoo.moe import kernels
 from zoo.moe.quantized import quantize_grouped, quantize_int8
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"kernel unavailable: {kernels.unavailable_reason()}")
@@ -153,13 +153,13 @@ def test_dequantize_int4_matches_reference(isa, dtype):
 
 @torch.no_grad()
 def test_compiled_greedy_reads_linear_layers_with_the_kernel(monkeypatch):
-    """zoo.decode.greedy swaps plain nn.Linear layers to KernelLinear (same state dict, same eager forward); the
+    """zoo.runtime.decode.greedy swaps plain nn.Linear layers to KernelLinear (same state dict, same eager forward); the
     compiled step then reads them with zoo::moe_gemv and, in fp32, gives the eager greedy tokens."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     import zoo
-    from zoo.decode import greedy
-    from zoo.kernels import linear
+    from zoo.runtime.decode import greedy
+    from zoo.moe.kernels import linear
 
     monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)  # the tiny model's layers are far below the real threshold
     cfg = MixtralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,

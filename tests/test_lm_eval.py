@@ -13,7 +13,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import zoo  # noqa: E402
 from zoo.data import eval_tasks  # noqa: E402
-from zoo.harness import TASKS_DIR, check_tasks, run_tasks, task_names  # noqa: E402
+from zoo.evaluation.harness import TASKS_DIR, check_tasks, run_tasks, task_names  # noqa: E402
 
 FOLDER = Path(zoo.__file__).resolve().parent / "_data" / "models" / "zoo-tiny-moe"
 MC, PPL = "zoo_continuation_code", "zoo_perplexity_code"
@@ -169,7 +169,7 @@ def test_numbers_equal_plain_lm_eval_on_the_saved_folder_in_a_fresh_process(zoo_
 def test_a_quantized_model_runs(model, zoo_results):
     import copy
 
-    from zoo.layout import moe_layers
+    from zoo.moe.layout import moe_layers
 
     quantized = zoo.apply(copy.deepcopy(model), "quantize", bits=8)
     kinds = {type(moe.experts).__name__ for _, moe in moe_layers(quantized)}
@@ -181,7 +181,7 @@ def test_a_quantized_model_runs(model, zoo_results):
 
 
 def test_an_offloaded_model_runs(zoo_results):
-    from zoo.offloading import cache_of
+    from zoo.runtime.offloading import cache_of
 
     offloaded = zoo.offload("zoo-tiny-moe", cache_experts=4).train()
     result = run_tasks(offloaded, [PPL], limit=PPL_LIMIT)[PPL]
@@ -193,7 +193,7 @@ def test_an_offloaded_model_runs(zoo_results):
 def test_results_fit_a_model_cards_model_index(zoo_results):
     from huggingface_hub import ModelCardData
 
-    from zoo.harness import card_rows, model_index
+    from zoo.evaluation.harness import card_rows, model_index
 
     entries = ModelCardData(model_name="zoo-tiny-moe", eval_results=model_index(zoo_results)).to_dict()["model-index"]
     results = {r["dataset"]["config"]: {m["type"]: m["value"] for m in r["metrics"]} for r in entries[0]["results"]}

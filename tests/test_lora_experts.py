@@ -9,7 +9,7 @@ from peft import PeftModel
 from tiny import tiny_native
 
 import zoo
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from zoo.moe import Routing
 
 # isort: split
@@ -194,7 +194,7 @@ def test_finetune_cli_trains_only_the_adapter_and_lowers_the_loss(tiny_folder, t
 
 def test_adapter_lab_runs_a_short_finetune(tiny_folder, monkeypatch):
     """The Space's handler itself (build/launch/mentions are test_meta's): a table per domain and a figure."""
-    from zoo.spaces import load_app
+    from zoo.demos.spaces import load_app
 
     monkeypatch.setenv("MOE_ZOO_MODEL", tiny_folder)
     monkeypatch.setenv("MOE_ZOO_LAB_WINDOWS", "1")

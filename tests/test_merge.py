@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from zoo_compressors.hc_smoe import cluster_experts
 from tiny import reload_max_diff, sequential, tiny_native
 
@@ -320,7 +320,7 @@ def test_hc_smoe_router_rows_needs_the_cut_router():
 
 
 def test_streamed_export_of_an_expert_map_says_why_not(tmp_path):
-    from zoo import stream
+    from zoo.editing import stream
     from zoo.architectures.family import NotExportable
 
     model = zoo.convert(tiny_native("mixtral"))

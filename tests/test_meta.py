@@ -13,10 +13,10 @@ import pytest
 from huggingface_hub import SpaceCard
 
 import zoo
-from zoo.cards import render_component_card
-from zoo.registry import registry
-from zoo.resources import resource_path
-from zoo.spaces import load_app, space_dir
+from zoo.publishing.cards import render_component_card
+from zoo.components.registry import registry
+from zoo.components.resources import resource_path
+from zoo.demos.spaces import load_app, space_dir
 
 from test_spaces import default_model, serve  # noqa: F401  (shared fixture and helper)
 

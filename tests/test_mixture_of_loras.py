@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import zoo
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 
 # isort: split
 # (after ``import zoo``: importing a plugin module first would run the plugin hooks on a half-imported module)

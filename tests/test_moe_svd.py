@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import zoo
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from zoo.moe import Routing
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.factored import FactoredExperts

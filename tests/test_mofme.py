@@ -9,7 +9,7 @@ from tiny import COMMON, padded_batch, reload_max_diff
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 import zoo
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from zoo.moe import Routing
 from zoo.testing import check_reference
 from zoo_adapters.mofme import MofmeExperts

@@ -356,7 +356,7 @@ def test_the_space_answers_from_a_drawn_digit_and_speech(subset):
     """The multimodal-digits Space's answer function on the shipped model: an RGB drawing (white ink on
     black, larger than 8x8, as a Sketchpad gives) and a spoken digit give ten probabilities, a group-usage
     plot and one usage row per modality present."""
-    from zoo.spaces import load_app
+    from zoo.demos.spaces import load_app
 
     app = load_app("multimodal-digits")
     images, labels = dm.load_images()

@@ -5,12 +5,12 @@ from safetensors.torch import load_file, save_file
 
 import zoo
 from tests.tiny import padded_batch, tiny_native
-from zoo.decode import greedy
-from zoo.checkpoint import CheckpointError
-from zoo.layout import sync_layout
-from zoo.moe.offloaded import ExpertCache, NotOffloadable, OffloadedExperts
+from zoo.runtime.decode import greedy
+from zoo.io.checkpoint import CheckpointError
+from zoo.moe.layout import sync_layout
+from zoo.runtime.offloaded import ExpertCache, NotOffloadable, OffloadedExperts
 from zoo.moe.quantized import QuantizedExperts
-from zoo.offloading import cache_of
+from zoo.runtime.offloading import cache_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

@@ -1,6 +1,6 @@
 """otp: MC#'s online top-any pruning. Against a naive per-token loop (outputs and gradients), only ever removes
 experts from the base top-k set, starts as exactly the base routing, trains with the Gumbel-softmax straight-through
-estimator and its sparsity penalty, and trains through zoo.finetune (only the pruner moves), saving and reloading."""
+estimator and its sparsity penalty, and trains through zoo.training.finetune (only the pruner moves), saving and reloading."""
 import copy
 
 import pytest
@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import zoo
-from zoo.layout import moe_layers
-from zoo.snapshot import Fingerprint
+from zoo.moe.layout import moe_layers
+from zoo.editing.snapshot import Fingerprint
 from zoo.testing import check_component, tiny_model
 from zoo.testing.reference import check_reference
 from zoo_routers.otp import OnlineTopAnyPruning
@@ -117,7 +117,7 @@ def test_check_component():
 
 
 def test_finetune_trains_only_the_pruner_and_the_result_reloads(tmp_path):
-    from zoo.finetune import finetune
+    from zoo.training.finetune import finetune
 
     torch.manual_seed(0)
     base = zoo.load("zoo-tiny-moe", dtype=torch.float32)
@@ -141,7 +141,7 @@ def test_finetune_trains_only_the_pruner_and_the_result_reloads(tmp_path):
 
 
 def test_finetune_refuses_a_router_it_cannot_train():
-    from zoo.finetune import finetune
+    from zoo.training.finetune import finetune
 
     with pytest.raises(ValueError, match="is a router, not an adapter"):
         finetune("zoo-tiny-moe", "expert-choice", {}, steps=1)

@@ -26,7 +26,7 @@ from transformers.distributed import DistributedConfig
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace_layer_number_by_wildcard
 from zoo.architectures import parallel
 from zoo.architectures.factory import _CLASSES, zoo_classes
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from zoo.moe import Routing, SparseMoE, SwiGLUExperts
 from zoo.moe.channel_topk import ChannelTopKExperts
 from zoo.moe.factored import FactoredExperts
@@ -45,7 +45,7 @@ def zoo_plans(monkeypatch):
 
 
 def family(name):
-    from zoo.registry import registry
+    from zoo.components.registry import registry
 
     return registry.get("architecture", name).obj
 

@@ -50,7 +50,7 @@ def test_native_names_tune_the_zoo_router_and_experts(family, names, params):
     assert tuned and all("lora_" in n for n in tuned)
     assert any(".router." in n and "lora_A" in n and p.grad.abs().sum() > 0
                for n, p in peft_model.named_parameters() if p.grad is not None)
-    assert sum(1 for n in tuned if ".router." in n) == 2 * len(zoo.layout.moe_layers(model))  # A and B per layer
+    assert sum(1 for n in tuned if ".router." in n) == 2 * len(zoo.moe.layout.moe_layers(model))  # A and B per layer
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
@@ -61,7 +61,7 @@ def test_gate_lora_is_the_router_with_weight_plus_b_a(family):
     reference = copy.deepcopy(model)
     peft_model = get_peft_model(model, LoraConfig(target_modules=["gate"], r=4, lora_alpha=8, init_lora_weights=False))
     with torch.no_grad():
-        for i, moe in zoo.layout.moe_layers(reference):
+        for i, moe in zoo.moe.layout.moe_layers(reference):
             path = f"base_model.model.model.layers.{i}.mlp.router"
             moe.router.weight += lora_delta(peft_model, path)
         want = reference(input_ids=IDS).logits

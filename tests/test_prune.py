@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import zoo
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from tiny import sequential, tiny_native
 
 CAL = [torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(i)) for i in range(3)]

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from zoo_compressors.allocation import alphaq, esd_alpha, pmq
 
 import zoo
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from zoo.moe import Routing
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.packing import pack, unpack
@@ -156,7 +156,7 @@ def test_bad_options_leave_the_model_untouched(options, message):
 @pytest.mark.parametrize("bits", [8, 4, 3])
 def test_quantizing_changes_bytes_not_parameter_counts(bits):
     """Packed codes and scales are bytes: parameter counts (total and active) stay those of the weights."""
-    from zoo.eval import sizes
+    from zoo.evaluation.eval import sizes
 
     model = zoo.convert(tiny_native("mixtral"))
     before = sizes(model)

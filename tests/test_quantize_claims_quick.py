@@ -1,4 +1,4 @@
-"""The quantize claim benchmarks' quick modes run end to end, print the verdicts the one rule (``zoo.claims.judge`` and
+"""The quantize claim benchmarks' quick modes run end to end, print the verdicts the one rule (``zoo.evaluation.claims.judge`` and
 ``combine``) gives, and record nothing (their numbers are not asserted: two windows per draw are a smoke test)."""
 import os
 import re
@@ -41,7 +41,7 @@ def test_quick_mode_prints_the_rules_verdicts_and_records_nothing(script, claims
         parts = parts[:next((i for i, m in enumerate(parts) if m is None), len(parts))]
         assert parts, f"{claim}'s verdict has no judged comparison under it:\n{run.stdout[-3000:]}"
         # the claim's verdict is combine() of its parts' verdicts
-        from zoo.claims import combine
+        from zoo.evaluation.claims import combine
 
         assert re.match(rf"^{claim}: {re.escape(combine(m.group(2) for m in parts))}( \(|$)", lines[heads[0]])
     identical = [line for line in lines if line.startswith(f"  - {same}")]

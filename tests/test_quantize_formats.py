@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 from zoo_compressors.finequant import adaptive_group, candidates, grouped_error
 
 import zoo
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from zoo.moe import Routing
 from zoo.moe.bitmod import (dequantize_bitmod, pack_codes, pack_types, quantize_bitmod, table, unpack_codes,
                             unpack_types)
@@ -144,7 +144,7 @@ def test_per_projection_groups_run_on_the_int4_kernels_and_match_the_reference()
 
         one = Routing(routing.weights[:2], routing.indices[:2])
         torch.testing.assert_close(lowbit_experts(*q.in_place_args(x[:2], one)), ref(x[:2], one), rtol=1e-4, atol=1e-5)
-        from zoo import kernels
+        from zoo.moe import kernels
 
         if kernels.load():  # zoo::moe_gemv with each projection's own group size
             torch.testing.assert_close(q._forward_in_place(x[:2], one), ref(x[:2], one), rtol=1e-4, atol=1e-5)
@@ -202,7 +202,7 @@ def test_bad_format_options_leave_the_model_untouched(options, message):
 
 @pytest.mark.parametrize("options", [FORMATS[1], FORMATS[3], {**FORMATS[0], "targets": "all"}])
 def test_streamed_layer_at_a_time_gives_identical_tensors(options, tmp_path):
-    from zoo import stream
+    from zoo.editing import stream
 
     tiny_native("mixtral").save_pretrained(tmp_path / "native")
     model = zoo.apply(zoo.load(tmp_path / "native"), "quantize", calibration=CAL, **options)

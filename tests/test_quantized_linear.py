@@ -9,9 +9,9 @@ from tiny import tiny_native
 from transformers import AutoModelForCausalLM
 
 import zoo
-from zoo import kernels
+from zoo.moe import kernels
 from zoo.components import Compressor
-from zoo.layerwise import compress_in_memory
+from zoo.editing.layerwise import compress_in_memory
 from zoo.moe.init import MissingWeightsError
 from zoo.moe.quantized import QuantizedExperts
 from zoo.moe.quantized_linear import QuantizedLinear

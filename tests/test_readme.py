@@ -55,7 +55,7 @@ def command_lines() -> list[str]:
 
 
 def test_every_moe_zoo_line_names_a_real_command_and_real_options():
-    from zoo.plugins import commands_hook
+    from zoo.components.plugins import commands_hook
 
     commands_hook(cli)  # the plugins' commands (digits-mm), as `moe-zoo` adds them; a second call adds nothing
     lines = command_lines()
@@ -82,7 +82,7 @@ def test_every_make_line_names_a_target():
 
 
 def test_the_entry_point_block_is_the_group_the_zoo_reads():
-    from zoo.plugins import pm
+    from zoo.components.plugins import pm
 
     (block,) = blocks("toml")
     assert list(tomllib.loads(block)["project"]["entry-points"]) == [pm.project_name]  # the entry-point group

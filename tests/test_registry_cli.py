@@ -7,9 +7,9 @@ from click.testing import CliRunner
 
 import zoo
 from zoo.cli import cli
-from zoo.options import parse_step
-from zoo.layout import moe_layers
-from zoo.loading import HubUnavailable
+from zoo.components.options import parse_step
+from zoo.moe.layout import moe_layers
+from zoo.io.loading import HubUnavailable
 from tiny import FAMILIES, padded_batch, tiny_native
 
 IDS, MASK = padded_batch()
@@ -106,7 +106,7 @@ def test_info_shows_every_option_with_type_default_and_help():
 
 
 def test_describe_options_reads_signatures_along_the_mro_and_docstrings():
-    from zoo.options import describe_options
+    from zoo.components.options import describe_options
 
     class Base:
         """A base.

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import zoo
-from zoo.apply import NoChange
-from zoo.finite import NonFiniteWeightsError
-from zoo.layerwise import LayerInputs
+from zoo.editing.apply import NoChange
+from zoo.io.finite import NonFiniteWeightsError
+from zoo.editing.layerwise import LayerInputs
 from tiny import tiny_config, tiny_native
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,7 +97,7 @@ def test_failed_adapter_attach_restores_the_model(monkeypatch):
     before = state(model)
 
     def broken(self, m):
-        for _, moe in zoo.layout.moe_layers(m):
+        for _, moe in zoo.moe.layout.moe_layers(m):
             moe.router = torch.nn.Identity()  # half-done surgery, then a failure
         raise RuntimeError("peft failed")
 
@@ -122,7 +122,7 @@ def test_a_step_that_cannot_follow_fails_before_calibration(monkeypatch):
 
 def test_zoo_model_without_moe_layers_is_refused():
     from zoo.architectures.factory import zoo_classes
-    from zoo.registry import registry
+    from zoo.components.registry import registry
 
     cfg_cls, _, lm_cls = zoo_classes(registry.get("architecture", "mixtral").obj)
     model = lm_cls(cfg_cls(**tiny_config("mixtral").to_dict()))
@@ -162,9 +162,9 @@ def test_recipe_grows_only_on_success():
 
 
 def test_streamed_steer_checks_its_layers_before_writing(tmp_path):
-    import zoo.stream
+    import zoo.editing.stream
 
     tiny_native("mixtral").save_pretrained(tmp_path / "native")
     with pytest.raises(ValueError, match=r"layers \[99\]"):
-        zoo.stream.apply(tmp_path / "native", [("steer", {"disable": {99: [0]}})], tmp_path / "out")
+        zoo.editing.stream.apply(tmp_path / "native", [("steer", {"disable": {99: [0]}})], tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -8,8 +8,8 @@ import torch
 from click.testing import CliRunner
 
 import zoo
-import zoo.eval
-import zoo.finetune
+import zoo.evaluation.eval
+import zoo.training.finetune
 from zoo.cli import cli
 from tiny import tiny_native
 
@@ -109,9 +109,9 @@ def test_eval_plot_into_a_missing_folder_before_evaluating(tmp_path, never):
 
 
 def test_library_save_error_becomes_one_line():
-    """A ValueError subclass (zoo.atomic.SaveTargetError) or an OSError from a library call is one line."""
-    from zoo.atomic import SaveTargetError
-    from zoo.cli_helpers import one_line
+    """A ValueError subclass (zoo.io.atomic.SaveTargetError) or an OSError from a library call is one line."""
+    from zoo.io.atomic import SaveTargetError
+    from zoo.cli.helpers import one_line
 
     for exc in (SaveTargetError("cannot save into 'x': it is a file, not a folder"),
                 PermissionError(13, "Permission denied", "/root/x"), KeyError("no component named 'x'")):
@@ -169,7 +169,7 @@ def test_finetune_numbers_out_of_range(option, value, never):
 
 def test_finetune_seq_len_beyond_the_model_positions(never, tmp_path):
     """zoo-tiny-moe has 1024 positions: refused right after loading, before perplexity or training."""
-    never(zoo.finetune, "held_out")
+    never(zoo.training.finetune, "held_out")
     fails(FINETUNE + ["--seq-len", "100000", "--out", str(tmp_path / "o")], "100000", "max_position_embeddings")
     assert not (tmp_path / "o").exists()
 
@@ -212,18 +212,18 @@ def test_generate_threads_must_be_positive(never):
 @pytest.mark.parametrize("text,needle", [("[1, 2]", "JSON object"), ("{bad", "Expecting property name"),
                                          ('{"stepz": 3}', "unknown keys")])
 def test_train_bad_config(text, needle, tmp_path, never):
-    import zoo.train
+    import zoo.training.train
 
-    never(zoo.train, "train")
+    never(zoo.training.train, "train")
     config = tmp_path / "c.json"
     config.write_text(text)
     fails(["train", str(config)], str(config), needle)
 
 
 def test_train_out_is_a_file(afile, tmp_path, never):
-    import zoo.train
+    import zoo.training.train
 
-    never(zoo.train, "train")
+    never(zoo.training.train, "train")
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"out": afile}))
     fails(["train", str(config)], "'out' in", "is a file, not a folder")
@@ -286,9 +286,9 @@ def tiny():
 @pytest.mark.parametrize("kwargs,needle", [({"max_windows": 0}, "max_windows"), ({"seq_len": 1}, "seq_len"),
                                            ({"seq_len": 129}, "max_position_embeddings")])
 def test_evaluate_refuses_bad_arguments(tiny, kwargs, needle, never):
-    never(zoo.eval, "perplexity_and_usage")
+    never(zoo.evaluation.eval, "perplexity_and_usage")
     with pytest.raises(ValueError, match=needle):
-        zoo.eval.evaluate(tiny, **kwargs)
+        zoo.evaluation.eval.evaluate(tiny, **kwargs)
 
 
 @pytest.mark.parametrize("kwargs,needle", [({"steps": 0}, "steps"), ({"lr": float("nan")}, "lr"),
@@ -297,20 +297,20 @@ def test_evaluate_refuses_bad_arguments(tiny, kwargs, needle, never):
 def test_finetune_refuses_bad_arguments_before_loading(kwargs, needle, never):
     never(zoo, "load")
     with pytest.raises(ValueError, match=needle):
-        zoo.finetune.finetune("zoo-tiny-moe", "lora-experts", **kwargs)
+        zoo.training.finetune.finetune("zoo-tiny-moe", "lora-experts", **kwargs)
 
 
 def test_finetune_refuses_seq_len_beyond_positions(tiny, never):
-    never(zoo.finetune, "held_out")
+    never(zoo.training.finetune, "held_out")
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        zoo.finetune.finetune(tiny, "lora-experts", seq_len=129)
+        zoo.training.finetune.finetune(tiny, "lora-experts", seq_len=129)
 
 
 @pytest.mark.parametrize("ids,new,needle", [(torch.zeros(1, 0, dtype=torch.long), 4, "at least one token"),
                                             (torch.tensor([[1, 2]]), 0, "max_new_tokens"),
                                             (torch.tensor([[1, 2]]), 127, "max_position_embeddings")])
 def test_decode_refuses_bad_arguments(tiny, ids, new, needle):
-    from zoo.decode import generate, greedy
+    from zoo.runtime.decode import generate, greedy
 
     for decode in (greedy, generate):
         with pytest.raises(ValueError, match=needle):

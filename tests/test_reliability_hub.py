@@ -9,9 +9,9 @@ import traceback
 import pytest
 
 import zoo
-import zoo.hub
-import zoo.token_masking
-import zoo.ship
+import zoo.publishing.hub
+import zoo.publishing.token_masking
+import zoo.publishing.ship
 from tiny import tiny_native
 
 TOKEN = "hf_Xq7Zk29vLmN3pQwErTy5uIoP8aSdFgHjKl"  # random-looking, as real tokens are
@@ -61,9 +61,9 @@ def model():
     return zoo.convert(tiny_native("mixtral"))
 
 
-def push_error(hub, model, token=None) -> zoo.token_masking.HubError:
-    with pytest.raises(zoo.token_masking.HubError) as excinfo:
-        zoo.hub.push_to_hub(model, "org/name", space=False, token=token, endpoint=hub.url)
+def push_error(hub, model, token=None) -> zoo.publishing.token_masking.HubError:
+    with pytest.raises(zoo.publishing.token_masking.HubError) as excinfo:
+        zoo.publishing.hub.push_to_hub(model, "org/name", space=False, token=token, endpoint=hub.url)
     assert hub.seen and hub.seen[0] == f"Bearer {TOKEN}"  # the token went out, and the server echoed it
     return excinfo.value
 
@@ -71,7 +71,7 @@ def push_error(hub, model, token=None) -> zoo.token_masking.HubError:
 def assert_masked(error: Exception) -> None:
     shown = "".join(traceback.format_exception(error))  # what an uncaught error prints
     assert TOKEN[:8] not in shown and TOKEN[-8:] not in shown, shown
-    assert "401" in str(error) and zoo.token_masking.MASK in str(error)  # still says what went wrong
+    assert "401" in str(error) and zoo.publishing.token_masking.MASK in str(error)  # still says what went wrong
     assert error.__cause__ is None and error.__suppress_context__  # the response (headers) is not chained
     assert isinstance(error, OSError) and isinstance(error, RuntimeError)
 
@@ -94,11 +94,11 @@ def test_token_prefix_is_masked(echo_hub, model):
     echo_hub.echo = lambda token: token[:10] + "..."  # a server that shows only the start of the token
     error = push_error(echo_hub, model, token=TOKEN)
     assert_masked(error)
-    assert f"Invalid credentials: {zoo.token_masking.MASK}..." in str(error)
+    assert f"Invalid credentials: {zoo.publishing.token_masking.MASK}..." in str(error)
 
 
 def test_ship_masks_hub_errors(monkeypatch, tmp_path):
-    """zoo.ship loads SRC with transformers, which may be a hub id: a token in its error is masked too."""
+    """zoo.publishing.ship loads SRC with transformers, which may be a hub id: a token in its error is masked too."""
     import transformers
 
     def from_pretrained(src, **kwargs):
@@ -106,15 +106,15 @@ def test_ship_masks_hub_errors(monkeypatch, tmp_path):
 
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
-    with pytest.raises(zoo.token_masking.HubError, match="org/gated is gated; token hf_\\*\\*\\* has no access") as excinfo:
-        zoo.ship.ship("org/gated", str(tmp_path / "out"), "gated")
+    with pytest.raises(zoo.publishing.token_masking.HubError, match="org/gated is gated; token hf_\\*\\*\\* has no access") as excinfo:
+        zoo.publishing.ship.ship("org/gated", str(tmp_path / "out"), "gated")
     assert TOKEN[:8] not in "".join(traceback.format_exception(excinfo.value))
 
 
 def test_errors_without_a_token_pass_unchanged(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     with pytest.raises(FileNotFoundError, match="no such folder"):
-        with zoo.token_masking.masked_errors():
+        with zoo.publishing.token_masking.masked_errors():
             raise FileNotFoundError("no such folder")
 
 
@@ -127,10 +127,10 @@ def test_zoo_load_masks_hub_errors(monkeypatch):
 
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
-    with pytest.raises(zoo.loading.HubUnavailable) as excinfo:
+    with pytest.raises(zoo.io.loading.HubUnavailable) as excinfo:
         zoo.load("org/private-model")
     shown = "".join(traceback.format_exception(excinfo.value))
-    assert TOKEN[:8] not in shown and zoo.token_masking.MASK in str(excinfo.value)
+    assert TOKEN[:8] not in shown and zoo.publishing.token_masking.MASK in str(excinfo.value)
 
 
 # ---- exact pushes: only what belongs to the model ---------------------------------------------------------------
@@ -172,7 +172,7 @@ def test_push_of_a_folder_takes_only_the_models_files(recording, model, tmp_path
     (folder / ".git" / "config").write_text("[core]")
     (folder / "model-00009-of-00009.safetensors").write_bytes(b"a stale shard the index does not name")
     (folder / "optimizer.safetensors").write_bytes(b"training state")
-    result = zoo.hub.push_to_hub(folder, "org/exact", space=False)
+    result = zoo.publishing.hub.push_to_hub(folder, "org/exact", space=False)
     sent = recording.uploads["org/exact"]
     assert sent == result["files"]
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -188,16 +188,16 @@ def test_extra_files_go_up_only_when_named(recording, model, tmp_path):
     model.save_pretrained(folder)
     (folder / "notes.txt").write_text("share these")
     (tmp_path / "outside.txt").write_text("not the model's")
-    result = zoo.hub.push_to_hub(folder, "org/extra", space=False, extra_files=["notes.txt"])
+    result = zoo.publishing.hub.push_to_hub(folder, "org/extra", space=False, extra_files=["notes.txt"])
     assert "notes.txt" in recording.uploads["org/extra"] and "notes.txt" in result["files"]
     for bad in (["../outside.txt"], ["missing.txt"], [str(tmp_path / "outside.txt")]):
         with pytest.raises(FileNotFoundError, match="not a file inside"):
-            zoo.hub.push_to_hub(folder, "org/extra", space=False, extra_files=bad)
+            zoo.publishing.hub.push_to_hub(folder, "org/extra", space=False, extra_files=bad)
     with pytest.raises(ValueError, match="push the folder"):
-        zoo.hub.push_to_hub(model, "org/extra", space=False, extra_files=["notes.txt"])
+        zoo.publishing.hub.push_to_hub(model, "org/extra", space=False, extra_files=["notes.txt"])
 
 
 def test_push_of_a_model_in_memory_says_what_it_sent(recording, model):
-    result = zoo.hub.push_to_hub(model, "org/mem", space=False)
+    result = zoo.publishing.hub.push_to_hub(model, "org/mem", space=False)
     assert result["files"] == recording.uploads["org/mem"]
     assert {"README.md", "config.json", "model.safetensors"} <= set(result["files"]) and result["left_out"] == []

@@ -5,11 +5,11 @@ import torch
 from click.testing import CliRunner
 
 import zoo
-import zoo.stream
+import zoo.editing.stream
 from cli_checks import fails
 from tiny import tiny_native
 from zoo.cli import cli
-from zoo.options import parse_step
+from zoo.components.options import parse_step
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -50,17 +50,17 @@ def test_calibration_larger_than_the_corpus_is_refused_at_once(tmp_path):
            "--calibration", "code:2000000000"], "more than the code training text holds")
     assert time.perf_counter() - start < 30  # (it drew windows for minutes)
     with pytest.raises(ValueError, match="more than the mixed training text holds"):
-        zoo.calibration.corpus("mixed", tokens=10**12)
+        zoo.editing.calibration.corpus("mixed", tokens=10**12)
     with pytest.raises(ValueError, match="whole number"):
-        zoo.calibration.corpus("code", tokens=2.5)
-    assert zoo.calibration.corpus("code", tokens=4096)["tokens"] == 4096
+        zoo.editing.calibration.corpus("code", tokens=2.5)
+    assert zoo.editing.calibration.corpus("code", tokens=4096)["tokens"] == 4096
 
 
 def test_calibration_beyond_memory_is_refused_before_capture(monkeypatch):
-    import zoo.stream as stream
+    import zoo.io.memory as memory
 
     model = zoo.convert(tiny_native("mixtral"))
-    monkeypatch.setattr(stream, "available_memory", lambda: 10_000)
+    monkeypatch.setattr(memory, "available_memory", lambda: 10_000)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="more than the .* of memory available"):
         zoo.apply(model, "prune-frequency", num_experts=3, calibration=[torch.randint(3, 128, (4, 64))])
@@ -68,7 +68,7 @@ def test_calibration_beyond_memory_is_refused_before_capture(monkeypatch):
 
 
 def test_ids_outside_the_vocabulary_are_refused_with_its_size():
-    from zoo.decode import greedy
+    from zoo.runtime.decode import greedy
 
     model = zoo.convert(tiny_native("mixtral")).eval()
     for ids in (torch.tensor([[3, 128]]), torch.tensor([[-1, 4]])):
@@ -99,7 +99,7 @@ def test_a_working_order_still_streams(saved, tmp_path):
 
 
 def test_consolidated_model_moved_to_another_dtype_says_why():
-    from zoo.consolidation import consolidate, unshare
+    from zoo.editing.consolidation import consolidate, unshare
 
     a, b = zoo.convert(tiny_native("mixtral")).eval(), zoo.convert(tiny_native("mixtral")).eval()
     with torch.no_grad():

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from transformers.modeling_utils import PreTrainedModel
 
 import zoo
-from zoo.finite import NonFiniteWeightsError
+from zoo.io.finite import NonFiniteWeightsError
 from zoo.moe.factored import FactoredExperts
 from zoo.moe.init import MissingWeightsError
 from zoo.moe.quantized import QuantizedExperts
@@ -112,7 +112,7 @@ def test_quantized_index_tables_are_rebuilt_on_load(tmp_path):
     model = build(CASES["quantized-int4"])
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    for (_, a), (_, b) in zip(zoo.layout.moe_layers(model), zoo.layout.moe_layers(loaded)):
+    for (_, a), (_, b) in zip(zoo.moe.layout.moe_layers(model), zoo.moe.layout.moe_layers(loaded)):
         assert torch.equal(a.experts.width_of, b.experts.width_of)
         assert torch.equal(a.experts.slot_of, b.experts.slot_of)
 
@@ -170,7 +170,7 @@ def test_plugin_module_without_init_is_refused_when_its_tensor_is_missing(tmp_pa
 
 
 def layout_error(tmp_path, edit):
-    from zoo.layout import LayoutError
+    from zoo.moe.layout import LayoutError
 
     model = build(CASES["qwen2-shared-experts"])
     model.save_pretrained(tmp_path)
@@ -209,8 +209,8 @@ def test_layout_problems_are_reported_together(tmp_path):
 
 
 def test_streamed_layer_with_nan_is_refused_and_nothing_written(tmp_path):
-    from zoo.checkpoint import CheckpointError
-    import zoo.stream
+    from zoo.io.checkpoint import CheckpointError
+    import zoo.editing.stream
 
     tiny_native("mixtral").save_pretrained(tmp_path / "native")
     tensors = load_file(tmp_path / "native" / "model.safetensors")
@@ -218,7 +218,7 @@ def test_streamed_layer_with_nan_is_refused_and_nothing_written(tmp_path):
     tensors[key].view(-1)[0] = float("nan")
     save_file(tensors, tmp_path / "native" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"NaN or inf in model\.layers\.1\.mlp"):
-        zoo.stream.convert(tmp_path / "native", tmp_path / "out")
+        zoo.editing.stream.convert(tmp_path / "native", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

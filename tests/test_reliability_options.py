@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import zoo
-from zoo.options import accepted_options
-from zoo.registry import registry
-from zoo.plugins import load_plugins
+from zoo.components.options import accepted_options
+from zoo.components.registry import registry
+from zoo.components.plugins import load_plugins
 from tiny import tiny_native
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,10 +16,10 @@ import pytest
 from click.testing import CliRunner
 
 import zoo
-import zoo.plugins as P
+import zoo.components.plugins as P
 from zoo.cli import cli as builtin_cli
-from zoo.registry import get_model
-from zoo.loading import resolve_path
+from zoo.components.registry import get_model
+from zoo.io.loading import resolve_path
 
 ROUTER = """
 import zoo
@@ -31,7 +31,7 @@ def register_routers(register):
 """
 MODEL = """
 import zoo
-from zoo.registry import ModelEntry
+from zoo.components.registry import ModelEntry
 @zoo.hookimpl
 def register_models(register):
     register(ModelEntry({name!r}, "org/{name}", "mixtral", "mit", "a paper"))
@@ -322,7 +322,7 @@ def test_a_plugin_imported_before_zoo_still_registers(tmp_path):
     """``import late`` imports zoo, which loads plugins while ``late`` is mid-import: its hooks must be
     registered on the next load, not lost. ``import zoo`` survives the exiting plugins too."""
     code = ("import late\nimport zoo\n"
-            "print(sorted(c['name'] for c in zoo.list_components('router')), sorted(zoo.plugins.errors))")
+            "print(sorted(c['name'] for c in zoo.list_components('router')), sorted(zoo.components.plugins.errors))")
     res = _subprocess(tmp_path, {"late": ROUTER.format(name="late-router"), **ATTACKERS}, ["-c", code])
     assert res.returncode == 0, res.stderr[-2000:]
     assert "'late-router'" in res.stdout and "'topk-softmax'" in res.stdout, res.stdout

@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import zoo
-import zoo.stream
+import zoo.editing.stream
 from tiny import tiny_native
-from zoo.checkpoint import CheckpointError, Checkpoint
-from zoo.gguf_export import export_gguf
-from zoo.moe.offloaded import NotOffloadable
+from zoo.io.checkpoint import CheckpointError, Checkpoint
+from zoo.io.gguf_export import export_gguf
+from zoo.runtime.offloaded import NotOffloadable
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 IDS = torch.tensor([[5, 9, 17, 33, 2, 64, 100, 7]])
@@ -42,7 +42,7 @@ def copy(folder: Path, dest: Path) -> Path:
 def readers(folder):
     """Every way the zoo reads a checkpoint folder's weights."""
     return {"load": lambda: zoo.load(folder),
-            "stream": lambda: zoo.stream.convert(folder, Path(folder).parent / "streamed"),
+            "stream": lambda: zoo.editing.stream.convert(folder, Path(folder).parent / "streamed"),
             "offload": lambda: zoo.offload(folder),
             "checkpoint": lambda: Checkpoint(folder)}
 
@@ -117,7 +117,7 @@ def test_extra_layers_are_not_dropped(clean, tmp_path):
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     all_refuse(folder, "layer")  # (transformers names the extra tensors; the stream says "layer 2")
     with pytest.raises(CheckpointError, match="tensors of layer 2"):
-        zoo.stream.convert(folder, tmp_path / "out")
+        zoo.editing.stream.convert(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -134,7 +134,7 @@ def test_a_folder_rewritten_in_this_process_is_read_anew(tmp_path):
     again in the same process, reads the new header (not the old one, which would say 'truncated')."""
     folder = tmp_path / "m"
     zoo.convert(tiny_native("mixtral", seed=0)).save_pretrained(folder)
-    zoo.stream.convert(folder, tmp_path / "a")
+    zoo.editing.stream.convert(folder, tmp_path / "a")
     from transformers import MixtralConfig, MixtralForCausalLM
     from tiny import COMMON
     bigger = MixtralForCausalLM(MixtralConfig(**{**COMMON, "vocab_size": 256}, intermediate_size=96,
@@ -142,7 +142,7 @@ def test_a_folder_rewritten_in_this_process_is_read_anew(tmp_path):
     (folder / "model.safetensors").unlink()
     (folder / "config.json").unlink()
     zoo.convert(bigger).save_pretrained(folder)
-    zoo.stream.convert(folder, tmp_path / "b")
+    zoo.editing.stream.convert(folder, tmp_path / "b")
     assert zoo.load(tmp_path / "b").model.embed_tokens.weight.shape[0] == 256
 
 
@@ -238,7 +238,7 @@ def test_what_the_family_drops_on_purpose_is_not_an_extra_layer(tmp_path, monkey
     with pytest.raises(CheckpointError, match="layer 3"):
         Checkpoint(tmp_path / "m")
     monkeypatch.setattr(DeepseekV3ForCausalLM, "_keys_to_ignore_on_load_unexpected", [r"model\.layers\.3\..*"])
-    zoo.stream.convert(tmp_path / "m", tmp_path / "out")
+    zoo.editing.stream.convert(tmp_path / "m", tmp_path / "out")
     with torch.no_grad():
         ids = torch.tensor([[5, 9, 17, 33]])
         torch.testing.assert_close(zoo.load(tmp_path / "out")(input_ids=ids).logits,

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import zoo
-import zoo.stream
-from zoo.atomic import STAGING_PREFIX, SaveTargetError, atomic_directory
+import zoo.editing.stream
+from zoo.io.atomic import STAGING_PREFIX, SaveTargetError, atomic_directory
 from tiny import tiny_native
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -120,7 +120,7 @@ def test_failed_save_keeps_everything_and_leaves_no_litter(model, tmp_path, monk
     def broken_card(*a, **k):
         raise RuntimeError("disk full, say")
 
-    monkeypatch.setattr("zoo.cards.card", broken_card)
+    monkeypatch.setattr("zoo.publishing.cards.card", broken_card)
     with pytest.raises(RuntimeError, match="disk full"):
         model.save_pretrained(dest)
     assert snapshot(dest) == before
@@ -128,7 +128,7 @@ def test_failed_save_keeps_everything_and_leaves_no_litter(model, tmp_path, monk
 
 
 def test_failed_first_save_leaves_no_folder(model, tmp_path, monkeypatch):
-    monkeypatch.setattr("zoo.cards.card", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr("zoo.publishing.cards.card", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         model.save_pretrained(tmp_path / "new")
     assert list(tmp_path.iterdir()) == []
@@ -176,8 +176,8 @@ def test_streamed_convert_and_export_merge(tmp_path):
     for out in ("zoo", "back"):
         (tmp_path / out).mkdir()
         (tmp_path / out / "mine.txt").write_text(out)
-    zoo.stream.convert(tmp_path / "native", tmp_path / "zoo")
-    zoo.stream.export(tmp_path / "zoo", tmp_path / "back")
+    zoo.editing.stream.convert(tmp_path / "native", tmp_path / "zoo")
+    zoo.editing.stream.export(tmp_path / "zoo", tmp_path / "back")
     for out in ("zoo", "back"):
         assert (tmp_path / out / "mine.txt").read_text() == out
         assert (tmp_path / out / "config.json").is_file()

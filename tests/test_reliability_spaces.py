@@ -10,8 +10,8 @@ import gradio as gr
 import numpy as np
 import pytest
 
-from zoo.resources import resource_path
-from zoo.spaces import (MAX_AUDIO_SECONDS, MAX_OPTIONS_CHARS, MAX_PROMPT_CHARS, UnknownSpace, launch, load_app,
+from zoo.components.resources import resource_path
+from zoo.demos.spaces import (MAX_AUDIO_SECONDS, MAX_OPTIONS_CHARS, MAX_PROMPT_CHARS, UnknownSpace, launch, load_app,
                         space_dir)
 
 from test_spaces import default_model, free_port  # noqa: F401  (shared fixture and helper)

@@ -12,9 +12,9 @@ from click.testing import CliRunner
 import zoo
 from cli_checks import fails
 from tiny import tiny_native
-from zoo.atomic import STAGING_PREFIX, SaveTargetError, atomic_file, check_apart, write_text
+from zoo.io.atomic import STAGING_PREFIX, SaveTargetError, atomic_file, check_apart, write_text
 from zoo.cli import cli
-from zoo.gguf_export import NotGGUFExportable, export_gguf
+from zoo.io.gguf_export import NotGGUFExportable, export_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -164,7 +164,7 @@ def test_gguf_vocabulary_is_the_embeddings_not_a_larger_tokenizers(tmp_path):
 def adapter(tmp_path):
     """A saved zoo base model (its own tokenizer) and a lora-experts adapter fine-tuned on it, in two folders."""
     from zoo.data.tokenizer import load_tokenizer
-    from zoo.finetune import finetune
+    from zoo.training.finetune import finetune
 
     from transformers import MixtralConfig
     torch.manual_seed(0)
@@ -181,7 +181,7 @@ def adapter(tmp_path):
 
 
 def test_finetune_and_merge_never_write_into_their_inputs(adapter, tmp_path, monkeypatch):
-    import zoo.finetune as ft
+    import zoo.training.finetune as ft
 
     base, ad = adapter
     kept = snapshot(tmp_path)
@@ -217,13 +217,13 @@ def test_convert_apply_export_refuse_their_own_folder(saved, command):
 
 
 def test_library_calls_refuse_their_own_folder(saved):
-    import zoo.stream
+    import zoo.editing.stream
 
     kept = snapshot(saved)
     with pytest.raises(SaveTargetError, match="input folder"):
         zoo.export(zoo.load(saved), saved)
-    for call in (lambda: zoo.stream.convert(saved, saved), lambda: zoo.stream.export(saved, saved / "x"),
-                 lambda: zoo.stream.apply(saved, [("topk-softmax", {"top_k": 1})], saved)):
+    for call in (lambda: zoo.editing.stream.convert(saved, saved), lambda: zoo.editing.stream.export(saved, saved / "x"),
+                 lambda: zoo.editing.stream.apply(saved, [("topk-softmax", {"top_k": 1})], saved)):
         with pytest.raises(SaveTargetError, match="input folder"):
             call()
     assert snapshot(saved) == kept
@@ -238,7 +238,7 @@ def test_eval_plot_never_replaces_a_file(saved, tmp_path):
 
 
 def test_claims_file_is_replaced_whole_never_through_a_link(tmp_path):
-    from zoo import claims
+    from zoo.evaluation import claims
 
     folder = tmp_path / "docs" / "claims"
     folder.mkdir(parents=True)

@@ -12,7 +12,7 @@ import torch
 
 import zoo
 from tiny import tiny_native
-from zoo.remote_code import CODE_FILE
+from zoo.architectures.remote_code import CODE_FILE
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 IDS = [[5, 9, 17, 33, 2, 64, 100, 7]]
@@ -82,7 +82,7 @@ print("RESULT " + json.dumps({"text": text, "ids": ids}))
 
 
 def test_a_quantized_model_generates_the_zoos_tokens_in_a_pipeline(tmp_path):
-    from zoo.loading import tokenizer_for
+    from zoo.io.loading import tokenizer_for
 
     model = zoo.apply(zoo.load("zoo-tiny-moe", dtype=torch.float32), "quantize", bits=8).eval()
     model.save_pretrained(tmp_path / "q")
@@ -134,7 +134,7 @@ def test_lm_eval_hf_model_opens_a_quantized_zoo_folder(tmp_path):
     """lm-eval's own ``hf`` model (``pretrained=DIR,trust_remote_code=True``), as its docs teach it, on a zoo folder
     with int8 experts: the same numbers as the zoo's run_tasks on the model in memory."""
     from zoo.data.eval_tasks import TASKS_DIR
-    from zoo.harness import run_tasks
+    from zoo.evaluation.harness import run_tasks
 
     model = zoo.apply(zoo.load("zoo-tiny-moe", dtype=torch.float32), "quantize", bits=8).eval()
     model.save_pretrained(tmp_path / "q")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.layout import build_block, moe_layers
+from zoo.moe.layout import build_block, moe_layers
 from zoo.moe import SparseMoE, SwiGLUExperts
 from zoo.moe.routing import Routing
 from zoo_routers.steer_experts import activation_rates, find_experts
@@ -169,8 +169,8 @@ def test_top_p_finetune_trains_only_the_gates_and_sharpens_them():
     import copy
 
     import zoo
-    from zoo.finetune import finetune
-    from zoo.layout import moe_layers
+    from zoo.training.finetune import finetune
+    from zoo.moe.layout import moe_layers
 
     base = zoo.load("zoo-tiny-moe", dtype=torch.float32)
     result = finetune(copy.deepcopy(base), "top-p", {"p": 0.7, "dynamic_loss_coef": 5.0}, domain="code", steps=3,

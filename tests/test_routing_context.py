@@ -6,10 +6,10 @@ import torch
 
 import zoo
 from tiny import tiny_native
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from zoo.moe import Router, Routing, RoutingContext, routing_context
 from zoo.moe.context import TEXT, VISION
-from zoo.registry import Registered, registry
+from zoo.components.registry import Registered, registry
 
 
 class HashRouter(Router):
@@ -144,7 +144,7 @@ def test_vision_language_context_tags_image_tokens():
 
 
 def test_calibrated_compression_publishes_the_context_layer_by_layer(hash_router):
-    """prune-reap runs each layer on its calibration inputs (zoo.layerwise): the hash router still sees the
+    """prune-reap runs each layer on its calibration inputs (zoo.editing.layerwise): the hash router still sees the
     calibration batch's token ids there, so the experts it keeps are the ones those tokens hash to."""
     model = zoo.apply(tiny_native("mixtral"), "test-hash")
     ids = torch.tensor([[1, 5, 1, 5, 1, 5, 2, 1]])  # 1 -> 3, 5 -> 3, 2 -> 2 (x * 7 % 4)

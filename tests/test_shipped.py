@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 import zoo
 from zoo.cli import cli
-from zoo.eval import evaluate
-from zoo.registry import get_model
+from zoo.evaluation.eval import evaluate
+from zoo.components.registry import get_model
 
 MOE, DENSE = get_model("zoo-tiny-moe"), get_model("zoo-tiny-dense")
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 from zoo_routers.sigmoid_bias import SigmoidBias
 
 
@@ -69,8 +69,8 @@ def test_a_bad_speed_is_refused(bad):
 def test_finetune_calls_after_step_and_the_speed_survives_a_reload(tmp_path):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from zoo.finetune import finetune
-    from zoo.loading import ZOO_VOCAB
+    from zoo.training.finetune import finetune
+    from zoo.io.loading import ZOO_VOCAB
     from tiny import COMMON
 
     torch.manual_seed(0)

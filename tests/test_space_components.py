@@ -1,4 +1,4 @@
-"""Every registered component works in the Space of its kind, with the controls it declares (zoo.demo_controls).
+"""Every registered component works in the Space of its kind, with the controls it declares (zoo.components.controls).
 
 1. Every first-party component's declared defaults, presets and control ranges pass its own validation.
 2. Every registered router, compressor and adapter (plugins' included) is driven through router-explorer,
@@ -13,9 +13,9 @@ import os
 import pytest
 
 import zoo
-from zoo.apply import NoChange
-from zoo.demo_controls import PRESETS, Control, controls_for, defaults_of, presets_for, unfit_reason
-from zoo.registry import registry
+from zoo.editing.apply import NoChange
+from zoo.components.controls import PRESETS, Control, controls_for, defaults_of, presets_for, unfit_reason
+from zoo.components.registry import registry
 
 from test_spaces import TEXT, client_for, default_model  # noqa: F401  (shared fixture and helpers)
 
@@ -31,7 +31,7 @@ def registered(kind, first_party=False):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from zoo.convert import convert
+    from zoo.io.convert import convert
     from zoo.testing import tiny_model
 
     return convert(tiny_model("mixtral")).eval()
@@ -57,7 +57,7 @@ def check(kind, name, cls, options, model):
     """Raise unless ``options`` pass the component's own checks (on ``model``, where given)."""
     if kind == "router":
         if model is None:
-            return zoo.options.check_options(cls, options, skip=("hidden_size", "num_experts"))
+            return zoo.components.options.check_options(cls, options, skip=("hidden_size", "num_experts"))
         try:
             zoo.apply(copy.deepcopy(model), name, **options)
         except NoChange:
@@ -65,14 +65,14 @@ def check(kind, name, cls, options, model):
     elif kind == "compressor":
         compressor = cls(**options)
         if model is not None and not unfit_reason(cls, model):
-            from zoo.layout import moe_layers
+            from zoo.moe.layout import moe_layers
 
             for i, block in moe_layers(model):
                 compressor.check_layer(i, block)
     elif kind == "adapter":
         cls(**options)
     else:
-        zoo.options.check_options(cls, options)
+        zoo.components.options.check_options(cls, options)
 
 
 @pytest.mark.parametrize("kind, name", [(k, n) for k in KINDS for n in registered(k, first_party=True)])
@@ -102,7 +102,7 @@ def test_declared_controls_and_presets_pass_validation(kind, name, tiny):
 
 
 def test_controls_from_a_bare_signature():
-    """A component that declares nothing gets controls built from its __init__ (zoo.options.describe_options)."""
+    """A component that declares nothing gets controls built from its __init__ (zoo.components.options.describe_options)."""
     class Bare(zoo.Compressor):
         name = "bare"
 
@@ -234,7 +234,7 @@ def test_every_adapter_in_adapter_lab(adapter_lab, name):
 def plugin_router():
     import torch.nn.functional as F
 
-    from zoo.registry import Registered
+    from zoo.components.registry import Registered
 
     class Tempered(zoo.Router):
         """Top-k softmax over logits divided by a temperature.

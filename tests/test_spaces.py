@@ -1,4 +1,4 @@
-"""The Gradio Spaces driven through their HTTP API with gradio_client, plus zoo.spaces and ``moe-zoo demo``.
+"""The Gradio Spaces driven through their HTTP API with gradio_client, plus zoo.demos.spaces and ``moe-zoo demo``.
 
 The helpers at the top (``default_model``, ``serve``) are shared with test_meta.py and test_browser.py.
 """
@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 import zoo
-from zoo.registry import get_model
+from zoo.components.registry import get_model
 
 
 def build_standin(path):
@@ -76,7 +76,7 @@ def serve(demo):
 def client_for(name):
     from gradio_client import Client
 
-    from zoo.spaces import load_app
+    from zoo.demos.spaces import load_app
 
     with serve(load_app(name).build_demo()) as url:
         yield Client(url, verbose=False, analytics_enabled=False, download_files=False)
@@ -189,10 +189,10 @@ def test_model_zoo_renders_component_and_model_cards(model_zoo, default_model):
         assert card.startswith("# zoo-tiny-moe") and card in shipped
 
 
-# ---- zoo.spaces and the CLI -----------------------------------------------------------------------------
+# ---- zoo.demos.spaces and the CLI -----------------------------------------------------------------------------
 
 def test_space_dir_and_unknown_names():
-    from zoo.spaces import UnknownSpace, list_spaces, space_dir
+    from zoo.demos.spaces import UnknownSpace, list_spaces, space_dir
 
     assert {"router-explorer", "model-zoo"} <= set(list_spaces())
     assert (space_dir("router-explorer") / "app.py").is_file()
@@ -238,7 +238,7 @@ def test_lab_compresses_and_compares_with_the_base(lab):
 
 def test_lab_saliency_marks_the_pruned_experts(lab):
     """The saliency map crosses out the experts the last run removed (from its recipe step's results)."""
-    from zoo.spaces import load_app
+    from zoo.demos.spaces import load_app
 
     app = load_app("compression-lab")
     result = {"label": "prune-reap num_experts=6", "removed": {0: [1, 5], 1: [0, 7]}}
@@ -258,7 +258,7 @@ def fake_plugin(tmp_path, monkeypatch):
     missing Space and none."""
     import sys
 
-    from zoo.registry import Registered, registry
+    from zoo.components.registry import Registered, registry
 
     pkg = tmp_path / "moe_zoo_fake"
     (pkg / "parts").mkdir(parents=True)
@@ -286,7 +286,7 @@ def fake_plugin(tmp_path, monkeypatch):
 
 
 def test_find_space_by_component_or_space_name(fake_plugin):
-    from zoo.spaces import find_space, load_app, space_dir
+    from zoo.demos.spaces import find_space, load_app, space_dir
 
     space, owner = find_space("fake-router")  # the component's own package first, though it sits one level up
     assert (space, owner) == ("fake-space", fake_plugin.Fake)
@@ -300,7 +300,7 @@ def test_find_space_by_component_or_space_name(fake_plugin):
 
 
 def test_find_space_errors_are_one_line_with_suggestions(fake_plugin):
-    from zoo.spaces import UnknownSpace, find_space
+    from zoo.demos.spaces import UnknownSpace, find_space
 
     with pytest.raises(UnknownSpace, match="no Space named 'fake-routr'; did you mean 'fake-router'"):
         find_space("fake-routr")
@@ -315,7 +315,7 @@ def test_find_space_errors_are_one_line_with_suggestions(fake_plugin):
 def test_demo_command_takes_component_names(fake_plugin, monkeypatch):
     from click.testing import CliRunner
 
-    import zoo.spaces
+    import zoo.demos.spaces
     from zoo.cli import cli
 
     served = []
@@ -331,7 +331,7 @@ def test_demo_command_takes_component_names(fake_plugin, monkeypatch):
         served.append((space, owner))
         return App
 
-    monkeypatch.setattr(zoo.spaces, "load_app", load_app)
+    monkeypatch.setattr(zoo.demos.spaces, "load_app", load_app)
     result = CliRunner().invoke(cli, ["demo", "fake-router"])
     assert result.exit_code == 0, result.output
     assert served == [("fake-space", fake_plugin.Fake), "127.0.0.1"]

@@ -35,9 +35,9 @@ def test_import_zoo_imports_nothing_heavy():
         import zoo
         names = dir(zoo)
         hookimpl = zoo.hookimpl  # pluggy only
-        import zoo.plugins
+        import zoo.components.plugins
         print(json.dumps({{"heavy": [m for m in {HEAVY!r} if m in sys.modules],
-                          "plugins_loaded": zoo.plugins._loaded, "all": zoo.__all__,
+                          "plugins_loaded": zoo.components.plugins._loaded, "all": zoo.__all__,
                           "missing_from_dir": [n for n in zoo.__all__ if n not in names]}}))
     """))
     assert found["heavy"] == [] and not found["plugins_loaded"]
@@ -48,9 +48,9 @@ def test_public_names_and_submodules_resolve_after_a_bare_import():
     found = last_json(python("""
         import json, types
         import zoo
-        corpus = zoo.calibration.corpus  # a submodule, as the README uses it
+        corpus = zoo.editing.calibration.corpus  # a submodule, as the README uses it
         from zoo import Router  # what a plugin module does
-        import zoo.apply, zoo.convert  # the submodules of the same names do not replace the functions
+        import zoo.editing.apply, zoo.convert  # the submodules of the same names do not replace the functions
         names = {n: getattr(zoo, n) for n in zoo.__all__}
         print(json.dumps({"corpus": callable(corpus), "router": Router is zoo.moe.Router,
                           "functions": [n for n in ("apply", "convert", "export", "load", "card", "list_components")
@@ -146,7 +146,7 @@ def test_auto_processor_finds_a_plugin_processor_after_import_zoo(order):
         import json
         {(imports if order == "zoo-first" else imports[::-1])[0]}
         {(imports if order == "zoo-first" else imports[::-1])[1]}
-        from zoo.registry import get_model
+        from zoo.components.registry import get_model
         path = get_model("zoo-tiny-mm").local_path
         print(json.dumps(type(AutoProcessor.from_pretrained(path)).__name__))
     """))
@@ -157,7 +157,7 @@ def test_generate_says_it_compiles(monkeypatch):
     """The first compiled call takes a while: ``moe-zoo generate`` says so on stderr first (not with --no-compile)."""
     from click.testing import CliRunner
 
-    import zoo.decode
+    import zoo.runtime.decode
     from zoo.cli import cli
 
     calls = []
@@ -166,7 +166,7 @@ def test_generate_says_it_compiles(monkeypatch):
         calls.append(compile)
         return {"tokens": ids, "decode_tok_s": 1.0, "first_token_s": 0.1, "warmup_s": 0.0}
 
-    monkeypatch.setattr(zoo.decode, "timed_greedy", fake_greedy)
+    monkeypatch.setattr(zoo.runtime.decode, "timed_greedy", fake_greedy)
     args = ["generate", "zoo-tiny-moe", "def add(a, b):", "--max-new-tokens", "2", "--threads", "1"]
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output

@@ -1,4 +1,4 @@
-"""Layer-at-a-time from the shards (zoo.stream) against the in-memory path: the same tensors, bit for bit."""
+"""Layer-at-a-time from the shards (zoo.editing.stream) against the in-memory path: the same tensors, bit for bit."""
 import json
 import os
 
@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import zoo
-from zoo import stream
-from zoo.checkpoint import Checkpoint, CheckpointError
+from zoo.editing import stream
+from zoo.io.checkpoint import Checkpoint, CheckpointError
 from tiny import FAMILIES, folder_tensors, tiny_native
 
 CAL = [torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(i)) for i in range(3)]
@@ -122,7 +122,7 @@ def test_streamed_export_writes_the_native_checkpoint_export_writes(family, nati
 
 
 def test_streamed_eval_matches_in_memory_eval(one_thread):
-    from zoo.eval import evaluate
+    from zoo.evaluation.eval import evaluate
 
     memory = evaluate(zoo.load("zoo-tiny-moe").eval(), max_windows=2, measure_speed=False)
     streamed = stream.evaluate("zoo-tiny-moe", max_windows=2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from zoo.data.tokens import eval_windows, train_batch
-from zoo.train import TrainConfig, lr_at, train
+from zoo.training.train import TrainConfig, lr_at, train
 
 TINY = dict(hidden_size=48, num_layers=2, num_heads=2, num_kv_heads=1, num_experts=4, expert_intermediate=48,
             seq_len=32, batch_size=4, warmup=3, lr=3e-3, eval_every=4, eval_windows=2, threads=1)
@@ -69,7 +69,7 @@ def test_training_can_start_from_an_upcycled_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from zoo.data.tokenizer import load_tokenizer
-    from zoo.train import initial_model
+    from zoo.training.train import initial_model
 
     tiny = {k: v for k, v in TINY.items() if k != "eval_every"}
     train(TrainConfig(arch="dense", steps=2, eval_every=2, out=str(tmp_path / "dense"), **tiny), progress=False)
@@ -92,7 +92,7 @@ def test_init_options_are_checked(tmp_path):
     with pytest.raises(ValueError, match="init_recipe needs init"):
         TrainConfig(init_recipe="upcycle")
     from zoo.data.tokenizer import load_tokenizer
-    from zoo.train import initial_model
+    from zoo.training.train import initial_model
 
     with pytest.raises(ValueError, match="is a mistral model; arch 'mixtral' expects zoo_mixtral"):
         initial_model(TrainConfig(arch="mixtral", init="zoo-tiny-dense", out=str(tmp_path)), load_tokenizer())

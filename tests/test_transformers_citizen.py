@@ -11,7 +11,7 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSequenceC
 import zoo
 from zoo.architectures.factory import zoo_classes
 from zoo.moe import SparseMoE
-from zoo.registry import registry
+from zoo.components.registry import registry
 from tiny import FAMILIES, tiny_config, tiny_native
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,7 +54,7 @@ def test_aux_loss_with_layers_that_differ_is_the_per_layer_mean():
     model = zoo.convert(tiny_native("mixtral"))
     model.model.layers[1].mlp = keep_experts(model.model.layers[1].mlp, [0, 1, 2])  # 4 and 3 experts
     out = model(IDS, output_router_logits=True)
-    blocks = [m for _, m in zoo.layout.moe_layers(model)]
+    blocks = [m for _, m in zoo.moe.layout.moe_layers(model)]
     expected = torch.stack([m.top_k * load_balancing_loss(lg, m.top_k) for lg, m in zip(out.router_logits, blocks)])
     torch.testing.assert_close(out.aux_loss, expected.mean())
 
@@ -65,10 +65,10 @@ def test_base_model_is_the_lm_backbone(family, tmp_path):
     model.save_pretrained(tmp_path)
     base = AutoModel.from_pretrained(tmp_path)
     assert type(base).__name__ == f"Zoo{type(model.model).__name__.removeprefix('Zoo')}"
-    assert sum(isinstance(layer.mlp, SparseMoE) for layer in base.layers) == len(zoo.layout.moe_layers(model))
+    assert sum(isinstance(layer.mlp, SparseMoE) for layer in base.layers) == len(zoo.moe.layout.moe_layers(model))
     with torch.no_grad():
         torch.testing.assert_close(base(IDS).last_hidden_state, model.model(IDS).last_hidden_state)
-        assert len(base(IDS, output_router_logits=True).router_logits) == len(zoo.layout.moe_layers(model))
+        assert len(base(IDS, output_router_logits=True).router_logits) == len(zoo.moe.layout.moe_layers(model))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -13,7 +13,7 @@ from transformers import MixtralConfig, PreTrainedTokenizerFast
 import zoo
 from zoo.cli import cli
 from zoo.data.corpus import load_text
-from zoo.loading import ZOO_VOCAB, TokenizerMismatch, check_tokenizer, source_folder, tokenizer_for
+from zoo.io.loading import ZOO_VOCAB, TokenizerMismatch, check_tokenizer, source_folder, tokenizer_for
 from tiny import COMMON
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -93,7 +93,7 @@ def test_convert_and_apply_keep_the_tokenizer_and_generate_runs_on_the_result(pa
     step = json.loads((applied / "config.json").read_text())["zoo_recipe"][-1]
     cal = step["calibration"]
     assert cal is not None and cal["type"] == "corpus" and cal["default"] is True
-    assert {k: cal[k] for k in ("domain", "tokens", "seq_len", "seed")} == zoo.calibration.default()
+    assert {k: cal[k] for k in ("domain", "tokens", "seq_len", "seed")} == zoo.editing.calibration.default()
     assert cal["source"] and cal["tokens_used"] == 8192
     out = ok("generate", applied, "def main", "--no-compile", "--max-new-tokens", "2")
     assert out.strip()
@@ -150,9 +150,9 @@ def test_a_model_without_a_tokenizer_is_refused_in_one_line_unless_its_vocabular
         with pytest.raises(TokenizerMismatch, match="no tokenizer found.*20000.*save"):
             use()
     ids = torch.randint(3, 20_000, (2, 16), generator=torch.Generator().manual_seed(0))
-    assert zoo.calibration.batches([ids], missing)[0].equal(ids)
+    assert zoo.editing.calibration.batches([ids], missing)[0].equal(ids)
     with pytest.raises(TokenizerMismatch, match="no tokenizer found"):
-        zoo.calibration.batches(zoo.calibration.corpus("code", tokens=256), missing)
+        zoo.editing.calibration.batches(zoo.editing.calibration.corpus("code", tokens=256), missing)
     zoo_sized = tmp_path / "zoo-sized"
     tiny_mixtral(ZOO_VOCAB).save_pretrained(zoo_sized)
     assert len(tokenizer_for(zoo.load(zoo_sized))) == ZOO_VOCAB  # the zoo's own stands in
@@ -182,7 +182,7 @@ def test_a_hub_id_in_the_local_cache_gives_its_tokenizer_files(paths, tmp_path, 
     """A cached hub snapshot (files are links to blobs) lends its side files; an uncached id lends none."""
     from huggingface_hub import constants
 
-    from zoo.loading import copy_side_files
+    from zoo.io.loading import copy_side_files
 
     cache = tmp_path / "hub"
     repo = cache / "models--someone--tiny-mixtral"

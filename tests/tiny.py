@@ -83,8 +83,8 @@ FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_os
 def tiny_native(family: str, seed: int = 0):
     """A randomly initialised native model. Router weights and biases get real spread (the families
     initialise some of them to zero, which would make routing ties and hide mistakes)."""
-    from zoo.convert import family_of  # noqa: F401  (ensures plugins load)
-    from zoo.registry import registry
+    from zoo.io.convert import family_of  # noqa: F401  (ensures plugins load)
+    from zoo.components.registry import registry
 
     torch.manual_seed(seed)
     fam = registry.get("architecture", family).obj
@@ -122,7 +122,7 @@ def sequential(original, compressed, reference):
     so layer i sees the tokens the already compressed layers before it produce."""
     import copy
 
-    from zoo.layout import moe_layers
+    from zoo.moe.layout import moe_layers
 
     out = {}
     for i, _ in moe_layers(original):

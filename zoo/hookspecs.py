@@ -40,7 +40,7 @@ def register_compressors(register):
 
 @hookspec
 def register_models(register):
-    """Register ``zoo.registry.ModelEntry`` records for ``zoo.list_models`` and ``zoo.load(name)``."""
+    """Register ``zoo.components.registry.ModelEntry`` records for ``zoo.list_models`` and ``zoo.load(name)``."""
 
 
 @hookspec

@@ -15,8 +15,8 @@ def to_adamoe(model, mlps, gate_rows, top_k: int, std: float, generator: torch.G
     """Turn ``model`` (just upcycled from the dense ``mlps``, its routers holding ``gate_rows``) into AdaMoE's
     layers: per layer a shared expert copied from the dense FFN and an AdaMoE router whose gate is the given
     rows and whose scale adapter is drawn from N(0, std^2), independently of the gate. Returns the model."""
-    from zoo.convert import hook_new_routers
-    from zoo.layout import moe_layers
+    from zoo.io.convert import hook_new_routers
+    from zoo.moe.layout import moe_layers
     from zoo.moe.block import SharedMLP
     from zoo.moe.surgery import place_like
     from zoo_routers.adamoe import AdaMoE

@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 
 from zoo import Adapter
-from zoo.layout import moe_layers, replace_blocks
+from zoo.moe.layout import moe_layers, replace_blocks
 from zoo.moe import Routing
 from zoo.moe.surgery import merge_experts
-from zoo.options import check_float
-from zoo.demo_controls import Control
+from zoo.components.options import check_float
+from zoo.components.controls import Control
 
 
 ROUTINGS = ("random-partition", "router")

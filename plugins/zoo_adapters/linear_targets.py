@@ -20,7 +20,7 @@ def find_linears(model, names: tuple[str, ...], who: str) -> list[tuple[str, nn.
 
     Raises (before anything changes) when a name matches nothing, or matches a layer another adapter already wraps.
     """
-    from zoo.layout import moe_layers
+    from zoo.moe.layout import moe_layers
 
     if not moe_layers(model):
         raise TypeError(f"{who} needs a zoo model (an MoE model the zoo loads or converts, e.g. zoo-tiny-moe)")

@@ -10,15 +10,15 @@ from __future__ import annotations
 from peft import LoraConfig, PeftModel, PeftModelForCausalLM
 
 from zoo import Adapter
-from zoo.layout import block_prefix, moe_layers
+from zoo.moe.layout import block_prefix, moe_layers
 from zoo.moe import SwiGLUExperts
 from zoo_adapters.lora_grouped import TARGETS, ParamWrapper
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 
 
 class ZooPeftModel(PeftModelForCausalLM):
     """A PeftModel of a zoo causal LM. Its ``.model`` is the decoder, as on the zoo's own causal LMs (PEFT would
-    forward ``.model`` to the causal LM itself), so ``zoo.apply``, ``zoo.eval`` and layouts see the MoE layers."""
+    forward ``.model`` to the causal LM itself), so ``zoo.apply``, ``zoo.evaluation.eval`` and layouts see the MoE layers."""
 
     @property
     def model(self):

@@ -6,7 +6,7 @@ weights. ``router="remix"``: ReMix, equal non-learnable weights 1/k, the router 
 train with ``MixtureOfLoras.loss`` (it runs ``num_samples`` draws per sequence), a plain LM loss never reaches a
 remix router. At eval both pick the top-k of their logits.
 
-The structure is recorded in ``config.zoo_modules`` (see ``zoo.layout.read_modules``), so ``save_pretrained``
+The structure is recorded in ``config.zoo_modules`` (see ``zoo.moe.layout.read_modules``), so ``save_pretrained``
 writes one safetensors file with the base weights and the adapters, and ``AutoModelForCausalLM.from_pretrained``
 (after ``import zoo``) rebuilds the same modules: identical logits, and the recipe step kept.
 """
@@ -21,14 +21,14 @@ from transformers import initialization as init
 
 from zoo import Adapter
 from zoo_adapters.linear_targets import ATTENTION, find_linears, parse_target, swap
-from zoo.options import check_float, check_int
-from zoo.demo_controls import Control
+from zoo.components.options import check_float, check_int
+from zoo.components.controls import Control
 
 ROUTERS = {"remix": "remix", "learned": "topk-softmax"}  # option value -> registered router
 
 
 def router_class(kind: str):
-    from zoo.registry import registry
+    from zoo.components.registry import registry
 
     return registry.get("router", ROUTERS[kind]).obj
 
@@ -141,7 +141,7 @@ class MixtureOfLoras(Adapter):
 
     @classmethod
     def build_module(cls, linear: nn.Linear, spec: dict) -> MixtureOfLorasLinear:
-        """The empty module ``config.zoo_modules`` describes (``zoo.layout.apply_modules`` calls this on load)."""
+        """The empty module ``config.zoo_modules`` describes (``zoo.moe.layout.apply_modules`` calls this on load)."""
         return MixtureOfLorasLinear(linear, **{k: v for k, v in spec.items() if k != "adapter"})
 
     def loss(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):

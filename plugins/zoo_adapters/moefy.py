@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from zoo import Adapter
-from zoo.options import check_float, check_int
+from zoo.components.options import check_float, check_int
 from zoo_adapters.upcycle import dense_mlps, ffn_weights, to_sibling
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 
 INITS = ("grouped", "split")
 

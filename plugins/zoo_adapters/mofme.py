@@ -20,7 +20,7 @@ from transformers import initialization as init
 
 from zoo.moe.dispatch import gather_rows
 from zoo.moe.experts import ACTIVATIONS, PARAMETERS, Experts, SwiGLUExperts, naive_experts
-from zoo.options import check_options
+from zoo.components.options import check_options
 
 FILM_ON = ("hidden", "output")
 PAPER = ("Zhang et al., Efficient Deweather Mixture-of-Experts with Uncertainty-aware Feature-wise Linear "

@@ -19,10 +19,10 @@ from torch import nn
 from transformers import initialization as init
 
 from zoo import Adapter
-from zoo.layout import sync_layout
+from zoo.moe.layout import sync_layout
 from zoo_adapters.linear_targets import ATTENTION, find_linears, parse_target, swap
-from zoo.options import check_float, check_int
-from zoo.demo_controls import Control
+from zoo.components.options import check_float, check_int
+from zoo.components.controls import Control
 
 
 class RepLoraLinear(nn.Linear):
@@ -113,7 +113,7 @@ class RepLora(Adapter):
 
     @classmethod
     def build_module(cls, linear: nn.Linear, spec: dict) -> RepLoraLinear:
-        """The empty module ``config.zoo_modules`` describes (``zoo.layout.apply_modules`` calls this on load)."""
+        """The empty module ``config.zoo_modules`` describes (``zoo.moe.layout.apply_modules`` calls this on load)."""
         return RepLoraLinear(linear, spec["r"], spec["alpha"], spec["hidden"])
 
     def merge(self, model):

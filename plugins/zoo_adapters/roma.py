@@ -23,10 +23,10 @@ import torch
 from tqdm.auto import tqdm
 
 from zoo import Adapter
-from zoo.demo_controls import Control
-from zoo.finetune import base_of
-from zoo.layout import moe_layers
-from zoo.options import check_float, check_int
+from zoo.components.controls import Control
+from zoo.training.finetune import base_of
+from zoo.moe.layout import moe_layers
+from zoo.components.options import check_float, check_int
 from zoo_adapters.roma_embed import EMBEDDINGS, check_embedding, hidden_embed, texts_of, wordllama_embed
 from zoo_adapters.roma_manifold import (Bank, capture_routing, ids_key, manifold_penalty, neighbours,
                                         next_token_accuracy, normalised, routing_profile)
@@ -99,7 +99,7 @@ class Roma(Adapter):
 
     def tokenizer(self, model):
         if self._tokenizer is None:
-            from zoo.loading import tokenizer_for
+            from zoo.io.loading import tokenizer_for
 
             self._tokenizer = tokenizer_for(model, required=True)
         return self._tokenizer

@@ -21,7 +21,7 @@ WORDLLAMA_TOKENIZER = ("tokenizers", "l2_supercat_tokenizer_config.json")
 def check_embedding(embedding: str) -> None:
     """Raise (one line) unless ``embedding`` can be used here."""
     if embedding not in EMBEDDINGS:
-        from zoo.options import suggest
+        from zoo.components.options import suggest
 
         raise ValueError(f"roma: embedding must be one of {', '.join(EMBEDDINGS)}, got {embedding!r}"
                          f"{suggest(str(embedding), EMBEDDINGS)}")

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 
 from zoo import Adapter
-from zoo.loading import tokenizer_for
-from zoo.options import suggest, check_float, check_int
-from zoo.demo_controls import Control
+from zoo.io.loading import tokenizer_for
+from zoo.components.options import suggest, check_float, check_int
+from zoo.components.controls import Control
 
 GATES = ("random", "hidden")
 ROUTERS = ("topk-softmax", "adamoe")  # the sibling's own top-k softmax (Sparse Upcycling), or AdaMoE's layer
@@ -103,8 +103,8 @@ def to_sibling(dense, blocks: list[tuple], top_k: int, router_aux_loss_coef: flo
     dense model is left as it was."""
     from transformers import AutoModelForCausalLM
 
-    from zoo.convert import convert
-    from zoo.layout import moe_layers
+    from zoo.io.convert import convert
+    from zoo.moe.layout import moe_layers
 
     _, gate_up, down = blocks[0]
     config = sibling_config(dense, gate_up.shape[0], top_k, down.shape[2], router_aux_loss_coef)
@@ -226,7 +226,7 @@ class Upcycle(Adapter):
     def attach_mofme(self, model, mlps, routers):
         """The sibling built with one expert per layer, then each block given the shared FFN as MoFME experts and
         the router rows behind the uncertainty-aware router (both built before the model is put together)."""
-        from zoo.layout import component_class, moe_layers, set_block, sync_layout
+        from zoo.moe.layout import component_class, moe_layers, set_block, sync_layout
 
         mofme, uar = component_class("experts", "mofme"), component_class("router", "uncertainty-aware")
         E, k, H = self.num_experts, self.top_k, model.config.hidden_size
@@ -283,7 +283,7 @@ class Upcycle(Adapter):
                                      "(texts are tokenized with the model's tokenizer, else the zoo's)")
                 out.append(batches)
             return out, f"{len(out)} user prompt sets"
-        from zoo import calibration
+        from zoo.editing import calibration
         from zoo.data.corpus import DOMAINS
 
         try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 from zoo import Compressor
 from zoo.moe import SwiGLUExperts
 from zoo.moe.experts import MLPExperts
-from zoo.stats import layer_stats
-from zoo.demo_controls import expert_fraction, num_experts_control
+from zoo.editing.stats import layer_stats
+from zoo.components.controls import expert_fraction, num_experts_control
 
 
 class ExpertCountCompressor(Compressor):

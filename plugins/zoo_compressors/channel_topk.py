@@ -1,7 +1,7 @@
 """channel-topk: per token and routed expert, read only the channels a selector picks before reading the weights
 (Channel Selection for MoE Decoding Needs No Calibration Data, 2026; WINA, 2025). See zoo/moe/channel_topk.py."""
 from zoo import Compressor
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 from zoo.moe.channel_topk import SELECTORS, ChannelTopKExperts, check_options
 from zoo.moe.experts import SwiGLUExperts
 

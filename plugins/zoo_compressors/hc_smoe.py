@@ -17,7 +17,7 @@ import torch
 from zoo.moe.surgery import merge_experts
 
 from zoo_compressors.base import ExpertCountCompressor
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 
 LINKAGES = ("average", "single", "complete")
 ROUTERS = ("map", "cut")

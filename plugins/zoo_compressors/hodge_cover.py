@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 from zoo.moe.surgery import keep_experts, merge_experts
-from zoo.options import check_float
+from zoo.components.options import check_float
 
 from zoo_compressors.base import ExpertCountCompressor
 from zoo_compressors.hodge import boundary_matrices, cliques, edges_below, greedy_cover, hodge_decomposition

@@ -23,7 +23,7 @@ import torch
 from zoo import Compressor
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.factored import FactoredExperts
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 
 SENSITIVITIES = ("paper", "energy")
 ENERGY = 0.9  # principal rank: the singular values that hold this share of the squared spectrum

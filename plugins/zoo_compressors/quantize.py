@@ -18,11 +18,11 @@ from zoo.moe.quantized import (
 )
 from zoo.moe.bitmod import BITMOD_BITS, DTYPES as LOOKUP_DTYPES
 from zoo.moe.quantized_lookup import LookupQuantizedExperts
-from zoo.options import suggest
-from zoo.stats import layer_stats
+from zoo.components.options import suggest
+from zoo.editing.stats import layer_stats
 from zoo_compressors.allocation import WIDTHS, allocate, alphaq, esd_alpha, pmq
 from zoo_compressors.finequant import adaptive_group, candidates
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 
 ALLOCATIONS = ("uniform", "pmq", "alphaq", "random")  # random: the same budget spent blindly (a baseline)
 TARGETS = ("experts", "all")  # all: the attention projections, dense MLPs and LM head too (as llama.cpp's q8_0/Q4_0)
@@ -83,7 +83,7 @@ class Quantize(Compressor):
     @staticmethod
     def demo_group_sizes(model) -> tuple:
         """(default, choices): the group sizes of 32, 64, 128 that divide every layer's widths (64 if it does)."""
-        from zoo.layout import moe_layers
+        from zoo.moe.layout import moe_layers
 
         sizes = {s for _, moe in (moe_layers(model) if model is not None else [])
                  for s in (getattr(moe.experts, "hidden_size", 0), getattr(moe.experts, "intermediate_size", 0))}
@@ -222,7 +222,7 @@ class Quantize(Compressor):
 
     @classmethod
     def build_module(cls, replaced, spec: dict) -> QuantizedLinear:
-        """The empty quantized linear ``config.zoo_modules`` describes (``zoo.layout.apply_modules`` calls this)."""
+        """The empty quantized linear ``config.zoo_modules`` describes (``zoo.moe.layout.apply_modules`` calls this)."""
         return QuantizedLinear(**{k: v for k, v in spec.items() if k != "compressor"})
 
     def group_for(self, index) -> int:

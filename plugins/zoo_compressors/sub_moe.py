@@ -19,10 +19,10 @@ import torch
 
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.surgery import merge_experts
-from zoo.stats import expert_output, layer_stats
+from zoo.editing.stats import expert_output, layer_stats
 
 from zoo_compressors.base import ExpertCountCompressor
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 
 CLUSTERINGS = ("cosine", "euclidean")
 ROUTERS = ("map", "cut")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from zoo.atomic import write_text
-from zoo.cli_helpers import new_file, one_line, save_folder
+from zoo.io.atomic import write_text
+from zoo.cli.helpers import new_file, one_line, save_folder
 
 RECIPE = {"hidden_size": 64, "num_hidden_layers": 3, "moe_intermediate_size": 128, "group_sizes": [2, 4, 4], "top_groups": 1,
               "num_experts_per_tok": 2, "vision_experts": 4, "vision_experts_per_tok": 1}
@@ -70,7 +70,7 @@ def eval_command(model, plot, as_json):
     """Accuracy per modality and per SNR, and expert-group usage per modality."""
     from transformers import AutoConfig
 
-    from zoo.loading import resolve_path
+    from zoo.io.loading import resolve_path
     from zoo_multimodal.evaluate_mm import evaluate, format_results, plot_usage
 
     with one_line():

@@ -34,7 +34,7 @@ class ZooMMConfig(PreTrainedConfig):
     zoo_layout: list | None = None  # per decoder layer, SparseMoE.layout() (None: built from the fields above)
     zoo_vision_moe: dict | None = None  # the visual-token block's layout
     zoo_recipe: list | None = None
-    zoo_components: dict | None = None  # the zoo's config keys: zoo.config_keys
+    zoo_components: dict | None = None  # the zoo's config keys: zoo.io.config_keys
 
     def __post_init__(self, **kwargs):
         if self.groups is None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zoo.atomic import atomic_file, write_text
+from zoo.io.atomic import atomic_file, write_text
 
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 TRAIN_VOICES = ("en-us", "en-gb", "en-gb-scotland", "en-gb-x-rp", "en-029", "en-us+f3", "en+m3", "en-us-nyc+f2")

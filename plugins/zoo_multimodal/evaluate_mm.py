@@ -20,7 +20,7 @@ def load_model(name_or_path):
     from transformers import AutoProcessor
 
     import zoo
-    from zoo.loading import resolve_path
+    from zoo.io.loading import resolve_path
 
     path = resolve_path(os.fspath(name_or_path))
     return zoo.load(path).eval(), AutoProcessor.from_pretrained(path)
@@ -127,7 +127,7 @@ def plot_usage(res: dict, path) -> None:
         ax.set_title(f"layer {i}: group gate")
     fig.suptitle("zoo_mm: mean group-gate probability per token modality (clean audio + image)")
     fig.tight_layout()
-    from zoo.atomic import atomic_file
+    from zoo.io.atomic import atomic_file
 
     try:
         with atomic_file(path) as staged:

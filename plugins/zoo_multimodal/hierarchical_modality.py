@@ -24,7 +24,7 @@ from transformers import initialization as init
 
 from zoo.moe import Router, Routing
 from zoo.moe.context import AUDIO, TEXT, VISION
-from zoo.demo_controls import Control, layer_experts, layer_top_k
+from zoo.components.controls import Control, layer_experts, layer_top_k
 
 MODALITY_TAGS = {"text": TEXT, "vision": VISION, "audio": AUDIO}
 
@@ -141,7 +141,7 @@ class HierarchicalModality(Router):
 def bind_groups(model) -> list[HierarchicalModality]:
     """Bind every ``hierarchical-modality`` router of a zoo_mm model to its experts' group names (modality-groups:
     text, vision, audio); returns the routers."""
-    from zoo.layout import moe_layers
+    from zoo.moe.layout import moe_layers
 
     routers = []
     for _, moe in moe_layers(model):

@@ -7,7 +7,7 @@ Which group a token reaches is the router's decision (``hierarchical-modality``)
 """
 from __future__ import annotations
 
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 from zoo.moe import SwiGLUExperts
 
 MODALITIES = ("text", "vision", "audio")

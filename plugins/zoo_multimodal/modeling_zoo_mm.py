@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
-from zoo.layout import apply_attention, apply_layout, apply_modules, build_block, moe_layers, sync_layout
+from zoo.moe.layout import apply_attention, apply_layout, apply_modules, build_block, moe_layers, sync_layout
 from zoo.moe import RoutingContext, SparseMoE, SwiGLUExperts, model_load_balancing_loss, routing_context
 from zoo.moe.context import AUDIO, TEXT, VISION
 from zoo.moe.init import init_zoo_module, initialize_missing_keys
@@ -206,13 +206,13 @@ class ZooMMForCausalLM(ZooMMPreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, model_card=None, **kwargs):
         """Record the current layouts, then save atomically, with the model card as README.md."""
-        from zoo.atomic import atomic_directory
-        from zoo.cards import card
+        from zoo.io.atomic import atomic_directory
+        from zoo.publishing.cards import card
 
         sync_layout(self)
         if self.model.vision_moe is not None:
             self.config.zoo_vision_moe = self.model.vision_moe.layout()
-        from zoo import remote_code
+        from zoo.architectures import remote_code
 
         with atomic_directory(save_directory) as tmp:
             remote_code.write(self.config, tmp)  # auto_map: any transformers process opens the folder

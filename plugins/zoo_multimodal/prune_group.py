@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from zoo import Compressor
-from zoo.layout import moe_layers, replace_blocks
+from zoo.moe.layout import moe_layers, replace_blocks
 from zoo.moe import SparseMoE
 from zoo_multimodal.hierarchical_modality import HierarchicalModality
 from zoo_multimodal.modality_groups import ModalityGroupExperts
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 
 SCORES = ("reap", "frequency")
 
@@ -40,7 +40,7 @@ class PruneGroup(Compressor):
 
     @classmethod
     def demo_unfit(cls, model):
-        from zoo.layout import moe_layers
+        from zoo.moe.layout import moe_layers
 
         kinds = {moe.experts.name for _, moe in moe_layers(model)}
         if kinds == {"modality-groups"}:

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from zoo.demo_controls import Control, layer_top_k
+from zoo.components.controls import Control, layer_top_k
 from zoo.moe import Router, Routing
-from zoo.options import check_float
+from zoo.components.options import check_float
 
 
 class AdaMoE(Router):

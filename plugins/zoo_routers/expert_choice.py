@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from zoo.moe import Router, Routing
-from zoo.demo_controls import Control, layer_experts
+from zoo.components.controls import Control, layer_experts
 
 
 class ExpertChoice(Router):

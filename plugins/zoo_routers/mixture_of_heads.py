@@ -15,8 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from zoo.layout import decoder_layers
-from zoo.demo_controls import Control
+from zoo.moe.layout import decoder_layers
+from zoo.components.controls import Control
 
 
 class HeadRouting(NamedTuple):
@@ -150,7 +150,7 @@ class MixedHeadsAttention(nn.Module):
         self.attention, self.o_proj, self.router = attention, o_proj, router
 
     def layout(self) -> dict:
-        """What ``zoo_attention`` records for this layer (``zoo.layout`` rebuilds it on load)."""
+        """What ``zoo_attention`` records for this layer (``zoo.moe.layout`` rebuilds it on load)."""
         return {"router": self.router.name, "options": dict(self.router.options)}
 
     def forward(self, hidden_states, *args, **kwargs):

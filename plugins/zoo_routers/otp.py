@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 from zoo.moe import Router, Routing
-from zoo.options import check_float
+from zoo.components.options import check_float
 
 INIT_BIAS, INIT_SLOPE = 1.0, 4.0  # keep-logit of slot j at initialisation: INIT_BIAS + INIT_SLOPE * k * w_j
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from zoo.moe import Router, Routing
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 
 
 class Remix(Router):

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import initialization as init
 
 from zoo.moe import Router, Routing
-from zoo.demo_controls import Control, layer_top_k
+from zoo.components.controls import Control, layer_top_k
 
 
 class SigmoidBias(Router):

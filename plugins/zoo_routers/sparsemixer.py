@@ -4,7 +4,7 @@ the winner is then masked out for the next pick."""
 import torch
 
 from zoo.moe import Router, Routing
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 
 
 class SparseMixer(Router):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.moe import Router, Routing
-from zoo.demo_controls import Control, layer_experts
+from zoo.components.controls import Control, layer_experts
 
 BASES = ("topk-softmax", "sigmoid-bias")
 
@@ -55,7 +55,7 @@ class Steer(Router):
     @classmethod
     def demo_presets(cls, model=None):
         """mild: the first quarter of each MoE layer's experts off; strong: the first half (always leaving k)."""
-        from zoo.layout import moe_layers
+        from zoo.moe.layout import moe_layers
 
         layers = [(i, moe.num_experts, moe.top_k) for i, moe in moe_layers(model)] if model is not None else \
             [(0, 8, 2)]

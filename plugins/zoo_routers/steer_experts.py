@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from zoo.calibration import batches
-from zoo.eval import UsageRecorder
+from zoo.editing.calibration import batches
+from zoo.evaluation.eval import UsageRecorder
 
 
 @torch.no_grad()
 def activation_rates(model, data, tokenizer=None, desc: str = "routing") -> dict[int, torch.Tensor]:
     """``{layer: [E]}``: the share of tokens routed to each expert (each token counts once per expert).
 
-    ``data``: anything ``zoo.calibration.batches`` accepts (texts, token batches, a corpus spec)."""
+    ``data``: anything ``zoo.editing.calibration.batches`` accepts (texts, token batches, a corpus spec)."""
     model.eval()
     tokens = 0
     with UsageRecorder(model) as rec:

@@ -20,7 +20,7 @@ from transformers import initialization as init
 
 from zoo.moe import Router, Routing
 from zoo_routers.scored_topk import SCORE_FUNCTIONS, SCORES
-from zoo.demo_controls import Control, layer_top_k
+from zoo.components.controls import Control, layer_top_k
 
 GOLDEN = (math.sqrt(5) - 1) / 2
 

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from torch import nn
 
-from zoo.demo_controls import Control, layer_experts
+from zoo.components.controls import Control, layer_experts
 from zoo.moe import Router, Routing
-from zoo.options import check_float
+from zoo.components.options import check_float
 
 
 class TopP(Router):

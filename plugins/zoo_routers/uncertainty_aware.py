@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zoo.demo_controls import Control
+from zoo.components.controls import Control
 from zoo.moe import Router, Routing
-from zoo.options import check_float, check_int
+from zoo.components.options import check_float, check_int
 
 PAPER = ("Zhang et al., Efficient Deweather Mixture-of-Experts with Uncertainty-aware Feature-wise Linear "
          "Modulation, AAAI 2024, arXiv:2312.16610")

@@ -1,9 +1,9 @@
 """adapter-lab: fine-tune the embedded model live with any registered adapter, with the options it declares
-(``zoo.demo_controls``: mild and strong presets, and each option), on one domain, for a few steps, and see
+(``zoo.components.controls``: mild and strong presets, and each option), on one domain, for a few steps, and see
 held-out perplexity per domain before/after, the training loss, and expert usage before/after.
 
 Each run attaches the adapter (``zoo.apply``) to a fresh copy of the base model and trains it with
-``zoo.finetune.finetune``, the code behind ``moe-zoo finetune``. An adapter that builds an MoE from a dense model
+``zoo.training.finetune.finetune``, the code behind ``moe-zoo finetune``. An adapter that builds an MoE from a dense model
 (``accepts_dense``: upcycle, moefy) starts from ``zoo-tiny-dense``. Models load lazily, on first use.
 Expert kinds such as MoFME's (``mofme``: one shared FFN, a FiLM per expert) are shown through the adapter that
 builds them: ``upcycle`` with ``experts="mofme"``.
@@ -21,9 +21,9 @@ import torch
 
 import zoo
 from zoo.data.corpus import DOMAINS
-from zoo.finetune import finetune
-from zoo.registry import get_model
-from zoo.spaces import (MAX_FILE_SIZE, MAX_OPTION_VALUE, ControlPanel, check_number, integer_ticks,
+from zoo.training.finetune import finetune
+from zoo.components.registry import get_model
+from zoo.demos.spaces import (MAX_FILE_SIZE, MAX_OPTION_VALUE, ControlPanel, check_number, integer_ticks,
                         one_at_a_time)
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")

@@ -1,5 +1,5 @@
 """compression-lab: compress the embedded model with any registered compressor, with the options it declares
-(``zoo.demo_controls``: a mild and a strong preset, and each option), and see what it costs: expert bytes
+(``zoo.components.controls``: a mild and a strong preset, and each option), and see what it costs: expert bytes
 against perplexity for every run so far (the Pareto view), and per-expert saliency with the experts the last
 run pruned or merged marked.
 
@@ -19,12 +19,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import zoo  # noqa: E402
-from zoo import calibration  # noqa: E402
-from zoo.apply import NoChange  # noqa: E402
-from zoo.eval import evaluate  # noqa: E402
-from zoo.layout import moe_layers  # noqa: E402
-from zoo.stats import collect  # noqa: E402
-from zoo.spaces import MAX_FILE_SIZE, ControlPanel, apply_component, integer_ticks, one_at_a_time  # noqa: E402
+from zoo.editing import calibration  # noqa: E402
+from zoo.editing.apply import NoChange  # noqa: E402
+from zoo.evaluation.eval import evaluate  # noqa: E402
+from zoo.moe.layout import moe_layers  # noqa: E402
+from zoo.editing.stats import collect  # noqa: E402
+from zoo.demos.spaces import MAX_FILE_SIZE, ControlPanel, apply_component, integer_ticks, one_at_a_time  # noqa: E402
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
 WINDOWS = int(os.environ.get("MOE_ZOO_LAB_WINDOWS", "4"))

@@ -10,9 +10,9 @@ import os
 import gradio as gr
 
 import zoo
-from zoo.cards import render_component_card
-from zoo.registry import registry
-from zoo.spaces import MAX_FILE_SIZE, one_at_a_time
+from zoo.publishing.cards import render_component_card
+from zoo.components.registry import registry
+from zoo.demos.spaces import MAX_FILE_SIZE, one_at_a_time
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 import zoo  # noqa: F401  (loads the plugins: zoo_mm, its processor and components)
-from zoo.spaces import (MAX_AUDIO_SECONDS, MAX_FILE_SIZE, MAX_IMAGE_PIXELS, check_audio, check_number, check_text,
+from zoo.demos.spaces import (MAX_AUDIO_SECONDS, MAX_FILE_SIZE, MAX_IMAGE_PIXELS, check_audio, check_number, check_text,
                         one_at_a_time)
 
 MODEL = os.environ.get("MOE_ZOO_MM_MODEL", "zoo-tiny-mm")
@@ -34,8 +34,8 @@ def components() -> list[str]:
 
 
 def card(name):
-    from zoo.cards import render_component_card
-    from zoo.registry import registry
+    from zoo.publishing.cards import render_component_card
+    from zoo.components.registry import registry
 
     kind = next(c["kind"] for c in zoo.list_components() if c["name"] == name and c["space"] == "multimodal-digits")
     return render_component_card(registry.get(kind, name).obj, {"family": "zoo_mm", "layout_summary": "see the model",

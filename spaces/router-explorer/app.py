@@ -1,5 +1,5 @@
 """router-explorer: which experts fire for each token, in each MoE layer, under any registered router and
-the options it declares (``zoo.demo_controls``: top-k, p, the experts steer switches off, ...).
+the options it declares (``zoo.components.controls``: top-k, p, the experts steer switches off, ...).
 
 Every analysis applies the chosen router (``zoo.apply``, gate weights kept) to a fresh copy of the base
 model, so nothing accumulates between runs. A router that cannot run on the model says why instead of showing
@@ -18,9 +18,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import zoo  # noqa: E402
-from zoo.apply import NoChange  # noqa: E402
-from zoo.layout import moe_layers  # noqa: E402
-from zoo.spaces import (MAX_FILE_SIZE, MAX_PROMPT_CHARS, ControlPanel, apply_component, cut_text,  # noqa: E402
+from zoo.editing.apply import NoChange  # noqa: E402
+from zoo.moe.layout import moe_layers  # noqa: E402
+from zoo.demos.spaces import (MAX_FILE_SIZE, MAX_PROMPT_CHARS, ControlPanel, apply_component, cut_text,  # noqa: E402
                         one_at_a_time)
 
 MODEL = os.environ.get("MOE_ZOO_MODEL", "zoo-tiny-moe")

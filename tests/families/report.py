@@ -26,7 +26,7 @@ def measure(model_type: str) -> dict:
 
     import zoo
     from tests.families.test_generic_families import greedy, input_ids, logits, native_model, rel
-    from zoo.layout import moe_layers
+    from zoo.moe.layout import moe_layers
 
     native = native_model(model_type)
     ids = input_ids(native)

@@ -10,7 +10,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 import zoo
 from tests.families.tiny_configs import model_class, tiny_config
 from zoo.architectures.families import EXCEPTIONS, FIRST_PARTY, GENERIC
-from zoo.layout import moe_layers
+from zoo.moe.layout import moe_layers
 
 AUTO = {"causal-lm": AutoModelForCausalLM, "image-text-to-text": AutoModelForImageTextToText}
 # decoder layers that hand the next layer more than hidden states (the top-k indices of sparse attention) or take

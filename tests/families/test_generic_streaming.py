@@ -1,4 +1,4 @@
-"""Generic families streamed layer by layer from their shards (zoo.stream) write the tensors the in-memory path
+"""Generic families streamed layer by layer from their shards (zoo.editing.stream) write the tensors the in-memory path
 writes; vision-language ones are refused with the reason (their layers sit below the language model)."""
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 
 import zoo
 from tests.families.test_generic_families import CONVERTED, native_model
-from zoo import stream
+from zoo.editing import stream
 from zoo.architectures.families import GENERIC
-from zoo.checkpoint import CheckpointError
+from zoo.io.checkpoint import CheckpointError
 from tiny import folder_tensors
 
 TEXT = [t for t in CONVERTED if GENERIC[t] == "causal-lm"]

@@ -9,7 +9,7 @@ from transformers_suite.zoo_variants import zoo_classes_of, zoo_heads_of, zoo_te
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_variants_build_the_classes_they_name(family):
-    from zoo.layout import moe_layers
+    from zoo.moe.layout import moe_layers
     from zoo.moe import SparseMoE
 
     native = native_tester(family)(parent=None)

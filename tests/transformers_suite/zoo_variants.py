@@ -37,8 +37,8 @@ from .families import FAMILIES, make_test_class, native_classes, native_tester
 
 
 def family_object(family: str):
-    from zoo.registry import registry
-    from zoo.plugins import load_plugins
+    from zoo.components.registry import registry
+    from zoo.components.plugins import load_plugins
 
     load_plugins()
     return registry.get("architecture", family).obj

@@ -2,8 +2,10 @@
 through the generic adapter (``zoo.architectures.families``), registered through ``register_architectures``.
 Their ``zoo_<family>`` model types join transformers' Auto classes when the plugins load
 (``register_auto_classes``): at the registry's first lookup, or when transformers first looks up a ``zoo_`` model
-type (see ``zoo.plugins``), so ``AutoModelForCausalLM.from_pretrained`` loads a saved zoo model after a bare
-``import zoo``. Importing this package is cheap (the hooks import the families, torch and transformers)."""
+type (see ``zoo.components.plugins``), so ``AutoModelForCausalLM.from_pretrained`` loads a saved zoo model after a bare
+``import zoo``. Importing this package is cheap (the hooks import the families, torch and transformers). The room
+imports the MoE core, the components' registry and io's low parts (atomic saves, side files); the card a save
+writes comes from publishing."""
 from functools import cache
 
 from zoo.hookspecs import hookimpl
@@ -35,7 +37,7 @@ def family_specs() -> tuple:
     from zoo.architectures.olmoe import Olmoe
     from zoo.architectures.qwen2_moe import Qwen2Moe
     from zoo.architectures.qwen3_moe import Qwen3Moe
-    from zoo.model_entries import GENERIC_PUBLIC
+    from zoo.components.model_entries import GENERIC_PUBLIC
 
     # generic families with a small spec of their own
     specs = {"llama4_text": Llama4Text, "cohere2_moe": Cohere2Moe, "deepseek_v4": DeepseekV4}

@@ -21,7 +21,7 @@ import torch
 
 from zoo.architectures.family import Family, NotConvertible, NotExportable
 from zoo.architectures.generic import GenericFamily, first_difference
-from zoo.layout import build_block
+from zoo.moe.layout import build_block
 from zoo.moe import RoutingContext, routing_context
 
 # native key -> zoo key, in every block and in each kind's

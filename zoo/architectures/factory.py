@@ -15,9 +15,9 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder
 
 from zoo.architectures import parallel
-from zoo.atomic import atomic_directory
-from zoo.config_keys import CLASS_KEYS
-from zoo.layout import (
+from zoo.io.atomic import atomic_directory
+from zoo.io.config_keys import CLASS_KEYS
+from zoo.moe.layout import (
     apply_attention,
     apply_layout,
     apply_modules,
@@ -270,10 +270,10 @@ def _save_pretrained(self, save_directory, *args, model_card=None, **kwargs):
     """Record the current layout, then save atomically, with the model card as README.md (``model_card``: a
     card already rendered, e.g. with evaluation results; else the default one) and the tokenizer files and
     generation config of the folder the model was loaded from (those the target folder does not hold already)."""
-    from zoo.cards import card
-    from zoo.loading import copy_side_files
+    from zoo.publishing.cards import card
+    from zoo.io.loading import copy_side_files
 
-    from zoo import remote_code
+    from zoo.architectures import remote_code
 
     sync_layout(self)
     with atomic_directory(save_directory) as tmp:

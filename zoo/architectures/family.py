@@ -3,15 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from zoo.layout import build_block
-
-
-class NotExportable(ValueError):
-    """The layout cannot be written in the family's native format."""
-
-
-class NotConvertible(TypeError):
-    """A native model (or block) the zoo cannot hold without changing what it computes; the message says why."""
+from zoo.architectures.lookup import NotConvertible, NotExportable, family_of  # noqa: F401  (their names here too)
+from zoo.moe.layout import build_block
 
 
 class Family:
@@ -175,6 +168,12 @@ class Family:
             kinds = sorted({spec.get("compressor", "?") for spec in modules.values()})
             raise NotExportable(f"{len(modules)} linear layers are compressed by {kinds} (native {self.name} stores "
                                 "float weights); export to GGUF, which keeps quantized weights")
+
+    def classes(self) -> tuple:
+        """(config class, base-model class, top model class) of ``zoo_<family>``, made on first need."""
+        from zoo.architectures.factory import zoo_classes
+
+        return zoo_classes(self)
 
     def register_auto_classes(self) -> None:
         from zoo.architectures import peft_names

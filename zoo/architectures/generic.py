@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from zoo.architectures.family import Family, NotConvertible, NotExportable
-from zoo.layout import build_block
+from zoo.moe.layout import build_block
 
 E_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k")
@@ -457,7 +457,7 @@ def _candidates(config, E, vectors):
 def _probe(block, router_name, config, E, H, gate_name, tensors):
     """Run the block's own routing on random tokens (experts and shared parts stubbed out) and find the zoo
     router that reproduces it."""
-    from zoo.registry import registry
+    from zoo.components.registry import registry
 
     twin = _routing_twin(block, router_name)
     gen = torch.Generator().manual_seed(0)

@@ -104,7 +104,7 @@ def _zoo_key(key: str, renames: dict[str, str]) -> str:
 def _family(family):
     if hasattr(family, "renames") and hasattr(family, "config_class"):
         return family
-    from zoo.registry import registry
+    from zoo.components.registry import registry
 
     families = [r.obj for r in registry.all("architecture")]
     if isinstance(family, str):

@@ -50,7 +50,7 @@ class ExpertTargetMissing(ValueError):
 
 def check_expert_targets(peft_config, model) -> None:
     """Every expert parameter the translated config targets is held by every MoE layer's experts."""
-    from zoo.layout import moe_layers
+    from zoo.moe.layout import moe_layers
     from zoo.moe.block import unwrapped
 
     wanted = {t for t in (getattr(peft_config, "target_parameters", None) or ())

@@ -18,7 +18,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from zoo.atomic import atomic_file, write_text
+from zoo.io.atomic import atomic_file, write_text
 
 DOMAINS = ("english", "code")
 SPLITS = ("train", "val", "ood")  # ood: text of other origins, never trained on (``build_ood``)

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from zoo.atomic import atomic_file
+from zoo.io.atomic import atomic_file
 from zoo.data.corpus import DOMAINS, load_manifest, load_split
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "_data" / "tasks"

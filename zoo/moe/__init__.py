@@ -1,4 +1,6 @@
-"""The canonical MoE block: routing apart from experts, experts apart from dispatch."""
+"""The MoE core: the canonical block (routing apart from experts, experts apart from dispatch), the expert kinds,
+their CPU kernels (``kernels/``) and layouts. Imports only itself and the component declarations (controls,
+options, the registry): nothing of io, editing, the demos or the command line."""
 from zoo.moe.block import SharedMLP, SparseMoE
 from zoo.moe.context import RoutingContext, routing_context
 from zoo.moe.experts import Experts, SwiGLUExperts

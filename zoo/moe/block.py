@@ -61,6 +61,8 @@ class SparseMoE(nn.Module):
     output is mapped, see ``zoo.moe.routing.map_routing``). ``num_experts`` is then the merged count.
     """
 
+    zoo_moe_block = True  # how code that must not import the MoE core finds the blocks (demo-control declarations)
+
     def __init__(self, router: Router, experts: Experts, shared_experts: nn.Module | None = None,
                  returns_router_scores: bool = False, weights_scale_input: bool = False, expert_map=None):
         super().__init__()
@@ -160,7 +162,7 @@ class SparseMoE(nn.Module):
         return self.experts(x, indices, weights)
 
     def layout(self) -> dict:
-        """A JSON-able description that ``zoo.layout.build_block`` turns back into an empty block."""
+        """A JSON-able description that ``zoo.moe.layout.build_block`` turns back into an empty block."""
         experts_options = self.experts.options()
         if "num_experts" in experts_options:  # the global count, also where expert parallelism narrowed the module's
             experts_options["num_experts"] = self.num_experts

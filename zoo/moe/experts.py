@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 
-from zoo import kernels
+from zoo.moe import kernels
 from zoo.moe.dispatch import gather_rows, run_sorted
-from zoo.demo_controls import DemoControls
+from zoo.components.controls import DemoControls
 from zoo.moe.routing import Routing
-from zoo.options import check_options
+from zoo.components.options import check_options
 
 
 def _accepts_native_call(forward):
@@ -49,7 +49,7 @@ class Experts(nn.Module, DemoControls):
     # ``forward`` (same signature, same result). ``zoo.testing.check_component`` compares the two, outputs and
     # gradients, on random inputs.
     reference = None
-    # demo controls (zoo.demo_controls): the options of __init__ but the layer's shape, which the layer fixes
+    # demo controls (zoo.components.controls): the options of __init__ but the layer's shape, which the layer fixes
     demo_skip = ("num_experts", "hidden_size", "intermediate_size")
 
     def __init_subclass__(cls, **kwargs):
@@ -127,7 +127,7 @@ _TP_METHODS = ("forward", "expert", "glu", "_forward_sorted", "_forward_gather")
 
 
 def use_kernel(hidden: torch.Tensor, routing, *stored: torch.Tensor) -> bool:
-    """Whether a few-token inference step can run on ``zoo::moe_gemv`` (loaded by ``zoo.decode``'s compile
+    """Whether a few-token inference step can run on ``zoo::moe_gemv`` (loaded by ``zoo.runtime.decode``'s compile
     config): no gradients, at most ``kernels.MAX_TOKENS`` tokens, CPU tensors of float32/bfloat16 activations and
     contiguous stored weights."""
     return (kernels.ready() and not torch.is_grad_enabled() and routing.indices.shape[0] <= kernels.MAX_TOKENS

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from zoo import kernels
+from zoo.moe import kernels
 from zoo.moe.dispatch import run_each, run_sorted
 from zoo.moe.experts import ACTIVATIONS
 

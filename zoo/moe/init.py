@@ -53,7 +53,7 @@ def refuse_missing(module: nn.Module, names=None) -> None:
 def initialize_missing_keys(model, native, is_quantized: bool) -> None:
     """A zoo model's ``_initialize_missing_keys``: transformers' own (``native``), with zoo modules free to
     refuse; then every floating-point weight is checked to be finite (``MOE_ZOO_CHECK_FINITE=0`` skips it)."""
-    from zoo import finite
+    from zoo.io import finite
 
     with loading():
         native(model, is_quantized)

@@ -1,4 +1,5 @@
-"""Dense bit packing of 2- and 3-bit codes into bytes (the on-disk and in-memory storage).
+"""Dense bit packing of 2- and 3-bit codes into bytes (the on-disk and in-memory storage), and ``dequantize``: the
+float weight any packed one stands for, the reference every kernel is tested against.
 
 2 bits: four codes per byte. 3 bits: eight codes in three bytes (one 24-bit word, little end first).
 Rows are packed independently, so a weight [N, K] becomes uint8 [N, K * bits / 8].
@@ -31,3 +32,19 @@ def unpack(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     word = (b << (8 * torch.arange(nbytes, dtype=torch.int32))).sum(-1)
     shifts = torch.arange(per_word, dtype=torch.int32) * bits
     return ((word[..., None] >> shifts) & ((1 << bits) - 1)).view(n, k).to(torch.int32)
+
+
+def dequantize(bits: int, q: torch.Tensor, scale: torch.Tensor, shape, group_size: int, codes=None):
+    """The float weight a packed one stands for (the reference every kernel is tested against)."""
+    n, k = shape
+    if bits == 8:
+        return q.float() * scale.float()[:, None]
+    if codes is None and bits in (2, 3):
+        codes = unpack(q, bits, k)
+    if codes is None:  # unpack by multiplying the identity: exact, and needs no knowledge of the pack layout
+        eye = torch.eye(k, dtype=torch.float32)
+        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, q, group_size, scale.float())
+        return w_t.t().contiguous()
+    sz = scale.float()
+    s, z = sz[..., 0].t(), sz[..., 1].t()  # [N, K/g]
+    return ((codes.view(n, k // group_size, group_size).float() - 8) * s[..., None] + z[..., None]).view(n, k)

@@ -16,7 +16,7 @@ import torch
 from zoo.moe.experts import Experts
 from zoo.moe.routing import Routing
 
-SHARED_HINT = ("these experts are shared with other consolidated models; zoo.consolidation.unshare(model) gives "
+SHARED_HINT = ("these experts are shared with other consolidated models; zoo.editing.consolidation.unshare(model) gives "
                "the model its own experts first")
 
 
@@ -70,7 +70,7 @@ class PooledExperts(Experts):
             raise ValueError(f"this consolidated model runs in {hidden.dtype} but its shared experts are {pool_dtype}: "
                              "the pool is one module shared by every consolidated model, and one of them was moved to "
                              "another dtype; move them all together, or give a model its own experts first "
-                             "(zoo.consolidation.unshare(model))")
+                             "(zoo.editing.consolidation.unshare(model))")
         indices = self.table[routing.indices]  # a gather: no host sync on the decode path
         return self.pool(hidden, Routing(routing.weights, indices, routing.logits))
 

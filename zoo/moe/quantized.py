@@ -17,11 +17,11 @@ import torch
 from transformers import initialization as init
 
 from zoo.moe.dispatch import gather_rows
-from zoo import kernels
+from zoo.moe import kernels
 from zoo.moe.experts import SwiGLUExperts, use_kernel
 from zoo.moe.init import refuse_missing
 from zoo.moe.in_place import PREFILL_ROWS, kernel_linear, lowbit_experts
-from zoo.moe.packing import pack, unpack
+from zoo.moe.packing import dequantize, pack, unpack  # dequantize: the reference, named here too
 
 BITS = (2, 3, 4, 8)
 
@@ -79,22 +79,6 @@ def quantize_symmetric(w: torch.Tensor, group_size: int, bits: int = 4):
 def int4_pack(bits: int, q: torch.Tensor, k: int) -> torch.Tensor:
     """The int4-kernel form of a stored 2/3/4-bit weight."""
     return q if bits == 4 else torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack(q, bits, k), 1)
-
-
-def dequantize(bits: int, q: torch.Tensor, scale: torch.Tensor, shape, group_size: int, codes=None):
-    """The float weight a packed one stands for (the reference every kernel is tested against)."""
-    n, k = shape
-    if bits == 8:
-        return q.float() * scale.float()[:, None]
-    if codes is None and bits in (2, 3):
-        codes = unpack(q, bits, k)
-    if codes is None:  # unpack by multiplying the identity: exact, and needs no knowledge of the pack layout
-        eye = torch.eye(k, dtype=torch.float32)
-        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, q, group_size, scale.float())
-        return w_t.t().contiguous()
-    sz = scale.float()
-    s, z = sz[..., 0].t(), sz[..., 1].t()  # [N, K/g]
-    return ((codes.view(n, k // group_size, group_size).float() - 8) * s[..., None] + z[..., None]).view(n, k)
 
 
 @torch.library.custom_op("zoo::int8_weight_mm", mutates_args=())

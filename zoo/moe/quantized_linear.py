@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zoo import kernels
+from zoo.moe import kernels
 from zoo.moe.init import refuse_missing
 from zoo.moe.quantized import dequantize, lowbit_linear, quantize_grouped, quantize_int8
 

@@ -10,9 +10,9 @@ from torch import nn
 import torch.nn.functional as F
 from transformers import initialization as init
 
-from zoo.demo_controls import (Control, DemoControls, controls_from_signature, defaults_of, layer_experts,
+from zoo.components.controls import (Control, DemoControls, controls_from_signature, defaults_of, layer_experts,
                                 layer_top_k)
-from zoo.options import check_options
+from zoo.components.options import check_options
 
 
 class Routing(NamedTuple):
@@ -72,7 +72,7 @@ class Router(nn.Module, DemoControls):
     positions, attention mask, modality tags; see ``zoo.moe.context``), or None outside a model call.
     ``target``: "experts" (the MoE block's router) or "attention" (the router wraps self-attention heads and
     is put in place by a classmethod ``attach(model, layers=None, **options)``).
-    Demo controls (``zoo.demo_controls``): ``demo_controls(model)`` defaults to a top-k slider plus the options
+    Demo controls (``zoo.components.controls``): ``demo_controls(model)`` defaults to a top-k slider plus the options
     of ``__init__``; ``demo_presets(model)`` and ``demo_unfit(model)`` as for every component.
     """
 

@@ -38,7 +38,7 @@ def check_components(checks, *, families=None, plugins=(), calibration="auto", s
     ``calibration`` (which override the arguments here). Returns one report per check, in order. ``strict``
     (default) raises ``AssertionError`` at the first failure; ``strict=False`` puts it in that report's
     ``"failure"`` instead and checks everything else."""
-    from zoo.plugins import load_plugins
+    from zoo.components.plugins import load_plugins
 
     load_plugins()
     added = [e for m in plugins for e in register_plugin(m)]
@@ -138,7 +138,7 @@ def _failing_as(where: str, step: str):
 def _lookup(name: str):
     """The registered component ``name`` (``kind:name`` picks a kind; by default the applicable kinds come first,
     as for ``zoo.apply``, so ``channel-topk`` is the compressor and ``experts:channel-topk`` its experts kind)."""
-    from zoo.registry import registry
+    from zoo.components.registry import registry
 
     kind, _, bare = name.rpartition(":")
     for k in [kind] if kind else ["router", "compressor", "adapter", "experts", "architecture", "model"]:
@@ -152,7 +152,7 @@ def _lookup(name: str):
 
 
 def _label(model) -> str:
-    from zoo.layout import family_and_base
+    from zoo.moe.layout import family_and_base
 
     fam, _ = family_and_base(model)
     return fam.name if fam is not None else model.config.model_type
@@ -161,7 +161,7 @@ def _label(model) -> str:
 def _state(model):
     """What must not change: the class, the structure, the config and every tensor's bytes (buffers that are not
     saved included)."""
-    from zoo.snapshot import Fingerprint
+    from zoo.editing.snapshot import Fingerprint
 
     return (type(model), Fingerprint(model), json.dumps(model.config.to_dict(), sort_keys=True, default=repr),
             {n: _bytes(t) for n, t in _tensors(model)})
@@ -200,7 +200,7 @@ WRONG = {int: "2", float: "0.5", bool: "yes", str: 3}
 def bad_options(cls, options: dict, skip=()) -> list[tuple[str, dict]]:
     """``[(what, options)]``: ``options`` with one name misspelt (or an unknown one added), and, where the class
     annotates an option ``int``, ``float``, ``bool`` or ``str``, one value of another type."""
-    from zoo.options import accepted_options, annotated_types
+    from zoo.components.options import accepted_options, annotated_types
 
     accepted = accepted_options(cls, skip=skip)
     key = next(iter(options), accepted[0] if accepted else "option")
@@ -286,7 +286,7 @@ def _needs_calibration(cls, options) -> bool:
 
 def build_experts(cls, block, options: dict, seed: int = 0):
     """Experts of kind ``cls`` for ``block`` (see the module docstring)."""
-    from zoo.options import accepted_options
+    from zoo.components.options import accepted_options
 
     old = block.experts
     if hasattr(cls, "from_dense"):
@@ -304,8 +304,8 @@ def build_experts(cls, block, options: dict, seed: int = 0):
 
 def _experts_case(cls, model, options, where):
     import zoo
-    from zoo.layout import moe_layers, set_block, sync_layout
-    from zoo.options import accepted_options
+    from zoo.moe.layout import moe_layers, set_block, sync_layout
+    from zoo.components.options import accepted_options
 
     try:
         model = zoo.convert(model)
@@ -352,7 +352,7 @@ def _architecture_case(fam, model, where):
 
 
 def _part_classes(model) -> list[type]:
-    from zoo.layout import moe_layers
+    from zoo.moe.layout import moe_layers
 
     try:
         layers = moe_layers(model)
@@ -363,8 +363,8 @@ def _part_classes(model) -> list[type]:
 
 def _save(case) -> None:
     """Save the model (and the base of a PEFT adapter) and record what the fresh process must reproduce."""
-    from zoo.convert import family_of
-    from zoo.layout import read_layout
+    from zoo.architectures.lookup import family_of
+    from zoo.moe.layout import read_layout
 
     model, where = case["model"], case["where"]
     case["inputs"] = sample_inputs(model)
@@ -391,8 +391,8 @@ _SENTINEL = "\x00layout\x00"
 def _check_card(case, component, kind) -> None:
     """The card holds every line of the component's rendered section (lines that show the layout summary aside)."""
     import zoo
-    from zoo.cards import render_component_card
-    from zoo.convert import family_of
+    from zoo.publishing.cards import render_component_card
+    from zoo.architectures.lookup import family_of
 
     model, where = unwrapped(case["model"]), case["where"]
     text = str(zoo.card(model))

@@ -63,7 +63,7 @@ def reload_job(path: str) -> None:
     import transformers
     from safetensors.torch import load_file, save_file
 
-    from zoo.layout import read_layout
+    from zoo.moe.layout import read_layout
 
     job = json.loads(Path(path).read_text())
     torch.set_num_threads(job["threads"])

@@ -10,7 +10,7 @@ def register_plugin(module) -> list:
     """Register the components of a plugin module (``@zoo.hookimpl register_*`` functions) that is not installed
     through an entry point; returns the new registry entries (``unregister`` takes them out again). Components
     already registered from this module are left as they are."""
-    from zoo.registry import KINDS, Registered, registry
+    from zoo.components.registry import KINDS, Registered, registry
 
     module = importlib.import_module(module) if isinstance(module, str) else module
     entries = []
@@ -29,7 +29,7 @@ def register_plugin(module) -> list:
 
 
 def unregister(entries) -> None:
-    from zoo.registry import registry
+    from zoo.components.registry import registry
 
     for e in entries:
         registry.by_kind[e.kind].pop(e.name, None)

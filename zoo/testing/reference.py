@@ -14,7 +14,7 @@ REFERENCE_TOLERANCE = 1e-5
 
 def check_references(case, where) -> list[str]:
     """Compare every part class the step added (all of them for an architecture) with its ``reference``."""
-    from zoo.layout import moe_layers
+    from zoo.moe.layout import moe_layers
 
     model, checked = unwrapped(case["model"]), []
     for _, moe in moe_layers(model):

@@ -1,0 +1,337 @@
+"""The layer-at-a-time engine behind every component that changes weights.
+
+One decoder layer is worked on at a time, whether the model is in memory (``zoo.apply``) or streamed from its
+shards (``zoo.editing.stream``): the same code runs on both, so they give the same tensors.
+
+Calibration hidden states are carried from layer to layer (as GPTQ and llm-compressor do): a step sees, at
+layer i, the inputs that layers 0..i-1 produce *after* that step (and every step before it) changed them. A
+step that needs a global view (``needs_plan``) first gets a statistics pass (``observe`` per layer, then
+``plan`` once), on the inputs the layers produce before that step changes them.
+
+The per-layer contract (a ``Compressor`` implements it; see docs/plugins/compressor.md)::
+
+    inputs_for: tuple          phases that receive layer inputs: "observe", "compress" (or neither)
+    needs_plan: bool           run observe()/plan() in a first pass
+    check_layer(i, block)      raise before anything changes if the block cannot be worked on
+    observe(i, block, x)       x: [T, H] tokens entering the block, or None
+    plan()                     once, after every layer was observed
+    compress_layer(i, block, x) -> block   a new SparseMoE (or the same one, unchanged)
+    targets_linears: bool      also hand it the plain linears outside the MoE blocks:
+    check_linear(path, linear)     raise before anything changes
+    compress_linear(path, linear) -> module   after the layer's blocks (the LM head after the last layer)
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from zoo.moe.layout import decoder_layers, get_block, layer_block_attr, layer_prefix, moe_layers, put_block
+from zoo.moe import SparseMoE, context, routing_context
+
+
+class _Stop(Exception):
+    """Raised inside a forward once what was wanted has been recorded."""
+
+
+def call_model(model, batch):
+    return model(**batch, use_cache=False) if isinstance(batch, dict) else model(input_ids=batch, use_cache=False)
+
+
+class LayerInputs:
+    """Per calibration batch, the hidden states entering the next layer, per layer the keyword arguments the
+    model passes to it (masks, rotary tables: computed once by the model's own forward), and the routing
+    context of the batch (published again whenever a layer runs, for routers that read it)."""
+
+    def __init__(self, hidden: list[torch.Tensor], kwargs: list[list[dict]], contexts: list | None = None):
+        self.hidden, self.kwargs = hidden, kwargs
+        self.contexts = contexts or [None] * len(hidden)
+
+    def joined_context(self):
+        """One context for the tokens of every batch together (the rows ``block_inputs`` returns), or None."""
+        if any(c is None for c in self.contexts):
+            return None
+        fields = {}
+        for name in ("input_ids", "positions", "attention_mask", "modality"):
+            values = [getattr(c, name) for c in self.contexts]
+            if all(v is not None for v in values):
+                fields[name] = torch.cat([v.reshape(1, -1) for v in values], 1)
+        return context.RoutingContext(**fields)
+
+    @classmethod
+    @torch.no_grad()
+    def capture(cls, model, batches) -> LayerInputs:
+        """Run each batch through the embeddings only (the decoder layers are stood in for, the rest skipped)."""
+        layers = decoder_layers(model)
+        hidden, kwargs, contexts = [], [], []
+        for batch in batches:
+            seen: list[dict] = []
+
+            def stand_in(h, *args, i, **kw):
+                if i == 0:
+                    hidden.append(h)
+                    contexts.append(context.current())  # published by the model call, if a router reads it
+                seen.append(kw)
+                if args:
+                    raise TypeError("decoder layers are expected to take their extra inputs as keywords")
+                if i == len(layers) - 1:
+                    raise _Stop  # every layer's inputs are known: nothing after the layers is needed
+                return h
+
+            for i, layer in enumerate(layers):
+                layer.forward = lambda h, *a, i=i, **kw: stand_in(h, *a, i=i, **kw)
+            try:
+                call_model(model, batch)
+            except _Stop:
+                pass
+            except (ValueError, TypeError) as exc:  # the layers take, or hand on, more than the engine carries
+                raise ValueError(f"{type(model).__name__}'s decoder layers take or hand each other more than hidden "
+                                 f"states and keyword inputs ({exc}); components that calibrate layer by layer cannot "
+                                 "run on it") from None
+            finally:
+                for layer in layers:
+                    layer.__dict__.pop("forward", None)
+            kwargs.append(seen)
+        return cls(hidden, kwargs, contexts)
+
+    def block_inputs(self, i: int, layer) -> torch.Tensor:
+        """The tokens ``[T, H]`` that enter layer i's MLP block (its attention runs; the block does not)."""
+        seen = []
+
+        def record(module, args):
+            seen.append(args[0].reshape(-1, args[0].shape[-1]))
+            raise _Stop
+
+        handle = get_block(layer).register_forward_pre_hook(record)
+        try:
+            with torch.no_grad():
+                for h, kw, ctx in zip(self.hidden, self.kwargs, self.contexts):
+                    try:
+                        with routing_context(ctx):
+                            layer(h, **kw[i])
+                    except _Stop:
+                        pass
+        finally:
+            handle.remove()
+        return torch.cat(seen)
+
+    def advance(self, i: int, layer, block=None) -> LayerInputs:
+        """The inputs of layer i + 1: these run through layer i (with ``block`` as its MLP, if given)."""
+        old = get_block(layer)
+        if block is not None:
+            put_block(layer, block)
+        try:
+            with torch.no_grad():
+                out = []
+                for h, kw, ctx in zip(self.hidden, self.kwargs, self.contexts):
+                    with routing_context(ctx):
+                        out.append(layer(h, **kw[i]))
+        finally:
+            put_block(layer, old)
+        return LayerInputs([o[0] if isinstance(o, tuple) else o for o in out], self.kwargs, self.contexts)
+
+
+def is_plain_linear(module) -> bool:
+    from zoo.moe.kernels.linear import KernelLinear
+
+    return type(module) in (nn.Linear, KernelLinear)
+
+
+def layer_linears(layer) -> list[tuple[str, nn.Linear]]:
+    """(path in the layer, module) of a decoder layer's plain linears outside its MoE block (the attention
+    projections; a dense layer's MLP). Routers and expert stacks are not ``nn.Linear``s; shared experts sit in the
+    block, which compressors work on whole."""
+    block = get_block(layer)
+    skip = f"{layer_block_attr(layer)}." if isinstance(block, SparseMoE) else None
+    return [(name, m) for name, m in layer.named_modules()
+            if is_plain_linear(m) and not (skip and f"{name}.".startswith(skip))]
+
+
+def outer_linears(model) -> list[tuple[str, nn.Linear]]:
+    """The LM head, when it is a plain linear with weights of its own (a tied head is the input embedding)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not is_plain_linear(head) or (embed is not None and head.weight is getattr(embed, "weight", None)):
+        return []
+    return [(name, m) for name, m in model.named_modules() if m is head][:1]
+
+
+def set_module(root, path: str, module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def compress_linears(steps, root, linears, prefix: str = "") -> dict:
+    """``{path under root: new module}`` from every step that targets linears, each step seeing the previous
+    one's result (a module a step replaced is no longer a plain linear: later steps leave it)."""
+    new = {}
+    for step in steps:
+        if not getattr(step, "targets_linears", False):
+            continue
+        for path, linear in linears:
+            current = new.get(path, linear)
+            if is_plain_linear(current):
+                out = step.compress_linear(prefix + path, current)
+                if out is not current:
+                    new[path] = out
+    return new
+
+
+class InMemory:
+    """The layers of a model in memory; new blocks are swapped in only when every layer has succeeded."""
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = decoder_layers(model)
+        self.new: dict[int, SparseMoE] = {}
+        self.new_linears: list[tuple[nn.Module, str, nn.Module]] = []  # (owner, path, new module)
+
+    def keep_linears(self, i, layer, modules: dict):
+        self.new_linears += [(layer, path, m) for path, m in modules.items()]
+
+    def load_layer(self, i):
+        return self.layers[i]
+
+    def replaced(self, i, layer, block):
+        pass  # the old block stays in place until commit()
+
+    def keep(self, i, layer, block):
+        if block is not get_block(layer):
+            self.new[i] = block
+
+    def release(self, i):
+        pass
+
+    def commit(self):
+        for i, block in self.new.items():
+            put_block(self.layers[i], block)
+        for owner, path, module in self.new_linears:
+            set_module(owner, path, module)
+
+
+class PlannedExperts:
+    """The experts an earlier step of the recipe will leave in a layer, as far as a later step's check can tell
+    before anything runs: their kind's ``name`` and sizes (not an ``Experts``: no check that wants dense experts
+    takes them)."""
+
+    def __init__(self, name: str, like, num_experts: int):
+        self.name, self.num_experts = name, num_experts
+        self.hidden_size = getattr(like, "hidden_size", None)
+        self.intermediate_size = getattr(like, "intermediate_size", None)
+
+
+class PlannedBlock:
+    """A block as the steps before will leave it (experts kind and count); everything else is the block's."""
+
+    def __init__(self, block, experts, num_experts: int):
+        self._block, self.experts, self.num_experts = block, experts, num_experts
+
+    def __getattr__(self, name):
+        return getattr(self._block, name)
+
+
+def check(model, steps) -> None:
+    """Every step's preconditions on every MoE layer, before anything is computed or changed; a later step is judged
+    on the layer as the earlier steps will leave it (a prune after a quantize is refused here, as it is in memory,
+    not after the quantize ran)."""
+    layers = moe_layers(model)
+    planned = {i: (block, block.num_experts) for i, block in layers}  # (the block or its stand-in, expert count)
+    for step in steps:
+        step.check_layers([i for i, _ in layers])
+        for i, _block in layers:
+            step.check_layer(i, planned[i][0])
+        kind, count = getattr(step, "experts_after", None), getattr(step, "experts_count_after", None)
+        if kind is not None or count is not None:
+            for i, block in layers:
+                now, n = planned[i]
+                n = min(n, count) if count is not None else n
+                experts = PlannedExperts(kind, block.experts, n) if kind is not None else (
+                    now.experts if isinstance(now, PlannedBlock) else block.experts)
+                planned[i] = (PlannedBlock(block, experts, n), n)
+        if getattr(step, "targets_linears", False):
+            for i, layer in enumerate(decoder_layers(model)):
+                for path, linear in layer_linears(layer):
+                    step.check_linear(layer_prefix(model, i) + path, linear)
+            for path, linear in outer_linears(model):
+                step.check_linear(path, linear)
+
+
+def run(source, steps, inputs: LayerInputs | None, keep=None, desc: str = "layers") -> None:
+    """All passes of ``steps`` over ``source``: one statistics pass per step that needs a plan, then the pass
+    that changes the layers; ``keep(i, layer, block)`` receives each layer's final block."""
+    for s, step in enumerate(steps):
+        if getattr(step, "needs_plan", False):
+            one_pass(source, steps[:s], inputs, observer=step, desc=f"{desc}: {step.name} statistics")
+            step.plan()
+    one_pass(source, steps, inputs, keep=keep or source.keep, desc=f"{desc}: {', '.join(s.name for s in steps)}")
+
+
+def one_pass(source, steps, inputs, observer=None, keep=None, desc="layers") -> None:
+    uses = [inputs if "compress" in getattr(s, "inputs_for", ()) else None for s in steps]
+    watch = inputs if observer is not None and "observe" in getattr(observer, "inputs_for", ()) else None
+    for i in tqdm(range(len(source.layers)), desc=desc, leave=False):
+        layer = source.load_layer(i)
+        try:
+            block = get_block(layer)
+            if isinstance(block, SparseMoE):
+                for s, step in enumerate(steps):
+                    x = None if uses[s] is None else uses[s].block_inputs(i, layer)
+                    with routing_context(None if uses[s] is None else uses[s].joined_context()):
+                        block = step.compress_layer(i, block, x)
+                    del x
+                    source.replaced(i, layer, block)  # streaming: the old block is freed here
+                    if uses[s] is not None and i + 1 < len(source.layers):
+                        uses[s] = uses[s].advance(i, layer, block)
+                if observer is not None:
+                    with routing_context(None if watch is None else watch.joined_context()):
+                        observer.observe(i, block, None if watch is None else watch.block_inputs(i, layer))
+                    if watch is not None and i + 1 < len(source.layers):
+                        watch = watch.advance(i, layer, block)
+            else:  # a dense layer: every carried input goes through it unchanged (once per distinct carry)
+                done: dict[int, LayerInputs] = {}
+                for c in [*uses, watch]:
+                    if c is not None and id(c) not in done:
+                        done[id(c)] = c.advance(i, layer)
+                uses = [None if c is None else done[id(c)] for c in uses]
+                watch = None if watch is None else done[id(watch)]
+            if keep is not None:
+                linears = compress_linears(steps, layer, layer_linears(layer), layer_prefix(source.model, i))
+                if linears:
+                    source.keep_linears(i, layer, linears)
+                keep(i, layer, block)
+        finally:
+            source.release(i)
+
+
+def calibration_inputs(model, steps, calibration) -> LayerInputs | None:
+    """The layer-0 inputs of the calibration data, if any step looks at layer inputs (the shipped corpus'
+    mixed domains, 8192 tokens, when none is given: ``zoo.editing.calibration.default()``, which the recipe records),
+    tokenized with the model's own tokenizer."""
+    if not any(getattr(s, "inputs_for", ()) for s in steps):
+        return None
+    from zoo.editing import calibration as calib
+    from zoo.io.loading import tokenizer_for
+
+    data = calibration if calibration is not None else calib.default()
+    text = model.config.get_text_config()
+    if isinstance(data, dict):  # refused before a single window is drawn
+        calib.check_memory(calib.tokens_used(data), text.hidden_size, model.dtype)
+    batches = calib.batches(data, tokenizer_for(model) if calib.needs_tokenizer(data) else None)
+    calib.check_ids(batches, getattr(text, "vocab_size", None))
+    calib.check_memory(sum(b.numel() for b in batches), text.hidden_size, model.dtype)
+    return LayerInputs.capture(model, batches)
+
+
+def compress_in_memory(model, steps, calibration=None):
+    """Run layer-wise ``steps`` on a model in memory; the model changes only if every layer succeeds."""
+    check(model, steps)
+    was_training = model.training
+    model.eval()
+    try:
+        source = InMemory(model)
+        run(source, steps, calibration_inputs(model, steps, calibration), desc="compressing")
+        source.keep_linears(None, model, compress_linears(steps, model, outer_linears(model)))
+        source.commit()
+    finally:
+        model.train(was_training)
+    return model

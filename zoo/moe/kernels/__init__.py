@@ -1,0 +1,164 @@
+"""The zoo's own CPU kernels (C++), for what torch's kernels do slowly: ``zoo::moe_gemv`` reads the selected
+experts' stored weights once, in place, for a few tokens (decode), at memory speed.
+
+The library is built from ``moe_gemv.cpp`` with ``torch.utils.cpp_extension`` on first use (about 15 s with
+two cores) and cached in torch's extension folder, rebuilt only when the source changes. ``load()`` builds or
+loads it and says whether it is there; ``ready()`` only reads that answer, so compiled code can branch on it.
+Where it cannot be built (no C++ compiler, not x86-64, no AVX2, or ``ZOO_KERNELS=0``), the zoo keeps torch's
+path and ``unavailable_reason()`` says why.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+SOURCE = Path(__file__).with_name("moe_gemv.cpp")
+HEADER = Path(__file__).with_name("moe_gemv_body.h")
+MAX_TOKENS = 8  # the kernel serves few tokens (decode); prefill stays on the sorted dispatch
+_state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load())", "off": False}
+
+
+def _build() -> Optional[str]:
+    """Build or load the library; None when ``zoo::moe_gemv`` is ready, else why not."""
+    if os.environ.get("ZOO_KERNELS", "1") == "0":
+        return "turned off by ZOO_KERNELS=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernels are written for x86-64, this is {platform.machine()}"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++ or $CXX) on PATH"
+    # cpp_extension runs ninja from PATH; a venv's ninja (the pip package) sits beside its interpreter
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    from torch.utils import cpp_extension
+
+    try:
+        # the name carries a hash of the source and its header: torch's cache rebuilds on a change to the
+        # listed source only, and the header holds the kernels
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in (SOURCE, HEADER))).hexdigest()[:12]
+        cpp_extension.load(name=f"zoo_moe_gemv_{digest}", sources=[str(SOURCE)], is_python_module=False,
+                           extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as err:  # a compiler error, a missing ninja: the fallback serves
+        return f"building {SOURCE.name} failed: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}"
+    if torch.ops.zoo.moe_gemv_isa(-1) == 0:
+        return "this processor has neither AVX-512 nor AVX2 with FMA"
+    torch.library.register_fake("zoo::moe_gemv")(_fake_moe_gemv)
+    torch.library.register_fake("zoo::dequantize_int4")(_fake_dequantize_int4)
+    return None
+
+
+def _fake_moe_gemv(x, indices, weight, scale, bits, group_size, slot_of):
+    return x.new_empty(indices.shape[0], indices.shape[1], weight.shape[1])
+
+
+def _fake_dequantize_int4(weight, scale, group_size, dtype):
+    return weight.new_empty(weight.shape[1] * 2, weight.shape[0], dtype=dtype).t()
+
+
+def dequantize_int4(weight: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight ``[N, K]`` (a transposed view of a contiguous ``[K, N]``) of one matrix in torch's CPU int4
+    pack with ``(scale, zero)`` pairs ``[K/g, N, 2]``: for prefill, where a dense matmul on it is faster."""
+    return torch.ops.zoo.dequantize_int4.default(weight, scale, group_size, dtype)
+
+
+def load() -> bool:
+    """Build (first time) or load the kernels; whether ``zoo::moe_gemv`` can be used. Warns once if not."""
+    if not _state["tried"]:
+        _state["tried"] = True
+        _state["reason"] = _build()
+        if _state["reason"] is not None and os.environ.get("ZOO_KERNELS", "1") != "0":
+            warnings.warn(f"zoo's CPU expert kernel is not available ({_state['reason']}); decode uses torch's "
+                          "kernels", stacklevel=2)
+    return _state["reason"] is None
+
+
+def ready() -> bool:
+    """Whether ``load()`` succeeded and the kernels are on (never builds: safe to call inside a compiled step)."""
+    return _state["reason"] is None and not _state["off"]
+
+
+@contextlib.contextmanager
+def turned_off():
+    """The kernels off for a while: torch's path runs instead (its tests, and the benchmarks' before/after rows).
+    Code compiled inside sees it (the compiler guards on it and recompiles)."""
+    before = _state["off"]
+    _state["off"] = True
+    try:
+        yield
+    finally:
+        _state["off"] = before
+
+
+def unavailable_reason() -> Optional[str]:
+    return _state["reason"]
+
+
+def isa(want: Optional[str] = None) -> str:
+    """The instruction set the kernels use ("avx512" or "avx2"); ``isa("avx2")`` forces the AVX2 path (tests)."""
+    names = {2: "avx512", 1: "avx2"}
+    code = torch.ops.zoo.moe_gemv_isa(-1 if want is None else {v: k for k, v in names.items()}[want])
+    return names[code]
+
+
+def moe_gemv(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor], bits: int,
+             group_size: int = 64, slot_of: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y[t, j] = W[slot_of[indices[t, j]]] @ x_t`` -> ``[T, k, N]`` (x: ``[T, K]``, or ``[T, k, K]`` for an input
+    per slot). ``weight`` is a stack ``[S, N, ...]`` in a stored form: ``bits=16`` fp32/bf16 ``[S, N, K]``; 8: int8
+    ``[S, N, K]`` with scales ``[S, N]``; 4: torch's CPU int4 pack ``[S, N, K/2]``; 3/2: the zoo's dense packs
+    ``[S, N, K*bits/8]``; below 8 bits with ``(scale, zero)`` pairs ``[S, K/g, N, 2]`` (w = (q - 8) s + z).
+    ``slot_of[e]`` is expert e's slot in the stack, -1 for experts stored elsewhere (their outputs are zeros, as
+    are empty slots, index >= number of experts). No autograd: inference only."""
+    return torch.ops.zoo.moe_gemv.default(x, indices, weight, scale, bits, group_size, slot_of)
+
+
+def moe_gemv_reference(x, indices, weight, scale, bits, group_size=64, slot_of=None):
+    """The same result from the dequantised weights, one (token, slot) pair at a time: what the kernel is
+    tested against."""
+    from zoo.moe.packing import dequantize
+
+    T, k = indices.shape
+    S, N = weight.shape[:2]
+    K = x.shape[-1]
+    E = S if slot_of is None else slot_of.numel()
+    y = torch.zeros(T, k, N, dtype=torch.float32)
+    for t in range(T):
+        for j in range(k):
+            e = int(indices[t, j])
+            s = -1 if not 0 <= e < E else (e if slot_of is None else int(slot_of[e]))
+            if s < 0:
+                continue
+            w = weight[s].float() if bits == 16 else dequantize(bits, weight[s], scale[s], (N, K), group_size)
+            xi = x[t, j] if x.dim() == 3 else x[t]
+            y[t, j] = w @ xi.float()
+    return y.to(x.dtype)
+
+
+def expert_block(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, stacks, num_experts: int, glu,
+                 gate_up_bias=None, down_bias=None) -> torch.Tensor:
+    """A gated expert block for a few tokens on ``zoo::moe_gemv``: ``sum_j w[t, j] down_e(glu(gate_up_e x_t))``.
+    ``stacks``: per stored width, ``(gate_up, gate_up_scale, down, down_scale, bits, group_size, slot_of)`` (group_size
+    an int, or a pair: gate_up's, down's); with
+    several widths each call fills only its own experts' outputs (the others are zeros), so the sums are exact."""
+    # g: one group size, or (gate_up's, down's) where the two projections differ (FineQuant's adaptive groups)
+    pair = [(g, g) if isinstance(g, int) else tuple(g) for *_, g, _ in stacks]
+    h = sum(moe_gemv(hidden, indices, gq, gs, bits, g[0], slot)
+            for (gq, gs, _, _, bits, _, slot), g in zip(stacks, pair))
+    safe = indices.clamp(max=num_experts - 1)
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[safe].to(h.dtype)
+    a = glu(h).contiguous()
+    y = sum(moe_gemv(a, indices, dq, ds, bits, g[1], slot)
+            for (_, _, dq, ds, bits, _, slot), g in zip(stacks, pair))
+    if down_bias is not None:
+        y = y + down_bias[safe].to(y.dtype)
+    w = torch.where(indices < num_experts, weights, 0).to(y.dtype)  # empty slots: ignored, even if NaN
+    return (y * w[..., None]).sum(1).to(hidden.dtype)

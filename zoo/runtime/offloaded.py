@@ -1,0 +1,268 @@
+"""Experts that stay in the checkpoint file: each routed expert is read from its safetensors shard when the router
+picks it, and a small cache shared by all layers keeps the recently used ones (expert offloading, after FloE:
+"FloE: On-the-Fly MoE Inference on Memory-constrained GPU", Zhou et al., ICML 2025, arXiv:2505.05950).
+
+A zoo checkpoint stores a layer's experts fused along a first, expert dimension (``gate_up_proj [E, 2I, H]``; the
+quantized kind one stack per bit width, ``gate_up_int4 [n4, 2I, H/2]``), so one expert is one contiguous row of
+each tensor: it is read by its byte range alone, into a one-expert module of the stored kind, whose own
+``expert(0, x)`` then computes exactly what the in-memory module's ``expert(e, x)`` computes. The host decides
+what to read from the router's indices, so these experts run eagerly (``torch.compiler.disable``): a compiled
+step cannot hold a cache on the host.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from collections import Counter, OrderedDict
+
+import torch
+
+from zoo.moe import kernels
+from zoo.io import finite
+from zoo.io.checkpoint import DTYPES, CheckpointError, file_key, shard_header
+from zoo.moe.dispatch import run_sorted
+from zoo.moe.experts import Experts
+from zoo.moe.quantized import QuantizedExperts
+
+READERS = ("pread", "mmap")
+
+
+class NotOffloadable(CheckpointError):
+    """The checkpoint or its experts cannot be offloaded (the message says why, naming the tensor)."""
+
+
+class ExpertCache:
+    """Least-recently-used experts of every layer within ``max_experts`` entries and/or ``max_bytes`` bytes
+    (None: no limit of that kind). ``get(key, load)`` counts a hit or a miss; ``load() -> (module, nbytes)``."""
+
+    def __init__(self, max_experts: int | None = None, max_bytes: int | None = None):
+        self.max_experts, self.max_bytes = max_experts, max_bytes
+        self.entries: OrderedDict = OrderedDict()  # (layer, expert) -> (module, nbytes), oldest first
+        self.resident = self.peak_resident = 0
+        self.hits, self.misses, self.evictions, self.bytes_read = 0, 0, 0, 0
+        self.missed: Counter = Counter()  # (layer, expert) -> reads
+
+    def get(self, key, load):
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+            self.hits += 1
+            return entry[0]
+        module, nbytes = load()
+        self.misses += 1
+        self.missed[key] += 1
+        self.bytes_read += nbytes
+        self._evict_for(nbytes)
+        if self._fits(len(self.entries) + 1, self.resident + nbytes):
+            self.entries[key] = (module, nbytes)
+            self.resident += nbytes
+            self.peak_resident = max(self.peak_resident, self.resident)
+        return module  # too large to keep (or a cache of 0 experts): used once, then freed
+
+    def _fits(self, count: int, nbytes: int) -> bool:
+        return ((self.max_experts is None or count <= self.max_experts)
+                and (self.max_bytes is None or nbytes <= self.max_bytes))
+
+    def _evict_for(self, nbytes: int) -> None:
+        while self.entries and not self._fits(len(self.entries) + 1, self.resident + nbytes):
+            _, (_, freed) = self.entries.popitem(last=False)
+            self.resident -= freed
+            self.evictions += 1
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.resident = 0
+
+    def reset_counts(self) -> None:
+        self.hits = self.misses = self.evictions = self.bytes_read = 0
+        self.missed.clear()
+
+    def stats(self) -> dict:
+        looked = self.hits + self.misses
+        return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hits / looked if looked else None,
+                "evictions": self.evictions, "bytes_read": self.bytes_read, "cached_experts": len(self.entries),
+                "resident_bytes": self.resident, "peak_resident_bytes": self.peak_resident,
+                "max_experts": self.max_experts, "max_bytes": self.max_bytes}
+
+
+class ShardReader:
+    """Rows (one index of the first dimension) of tensors in safetensors shards. ``pread``: plain reads of the
+    row's bytes into memory of its own (what is resident is what the cache holds); ``mmap``: safetensors'
+    memory map (``safe_open(...).get_slice``), whose touched file pages also count as the process's memory."""
+
+    def __init__(self, files: dict[str, str], reader: str = "pread"):
+        self.files, self.reader = files, reader  # tensor name -> shard file
+        self._fds: dict[str, int] = {}
+        self._handles: dict = {}
+        self._info: dict[str, tuple] = {}
+        self._opened: dict[str, tuple] = {}  # shard file -> its file_key when first read
+
+    def _unchanged(self, file: str) -> None:
+        """The shard must be the file it was when the model was opened: a rewrite, truncation or replacement since
+        is refused (its header no longer describes it; the zoo never reads bytes it cannot place)."""
+        try:
+            now = file_key(file)
+        except FileNotFoundError:
+            raise NotOffloadable(f"{file} is gone since the model was opened: reopen it with zoo.offload") from None
+        if self._opened.setdefault(file, now) != now:
+            raise NotOffloadable(f"{file} has changed since the model was opened (rewritten or replaced): its experts "
+                                 "cannot be read; reopen it with zoo.offload")
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple, int, int]:
+        """(dtype, shape, data offset, bytes) of a stored tensor (its shard's header parsed once)."""
+        if key not in self._info:
+            self._info[key] = self._read_info(key)
+        return self._info[key]
+
+    def _read_info(self, key: str) -> tuple[torch.dtype, tuple, int, int]:
+        self._unchanged(self.files[key])
+        start, header = shard_header(self.files[key])  # checked: dtypes, byte ranges inside the file
+        info = header.get(key)
+        if info is None:
+            raise NotOffloadable(f"{self.files[key]} does not hold tensor {key} (the index names the wrong shard?)")
+        begin, end = info["data_offsets"]
+        return DTYPES[info["dtype"]], tuple(info["shape"]), start + begin, end - begin
+
+    def row(self, key: str, index: int) -> torch.Tensor:
+        """``tensor[index : index + 1]`` of a stored tensor, read alone."""
+        self._unchanged(self.files[key])
+        if self.reader == "mmap":
+            return self._handle(self.files[key]).get_slice(key)[index:index + 1]
+        dtype, shape, offset, nbytes = self.info(key)
+        size = nbytes // shape[0]
+        return self._pread(key, offset + index * size, size).view(dtype).view(1, *shape[1:])
+
+    def whole(self, key: str) -> torch.Tensor:
+        """A whole stored tensor (one expert's own matrix, in a checkpoint that stores experts one by one)."""
+        self._unchanged(self.files[key])
+        if self.reader == "mmap":
+            return self._handle(self.files[key]).get_tensor(key)
+        dtype, shape, offset, nbytes = self.info(key)
+        return self._pread(key, offset, nbytes).view(dtype).view(shape)
+
+    def _handle(self, file: str):
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, "pt")
+        return self._handles[file]
+
+    def _pread(self, key: str, offset: int, size: int) -> torch.Tensor:
+        buf = torch.empty(size, dtype=torch.uint8)
+        file = self.files[key]
+        if file not in self._fds:
+            self._fds[file] = os.open(file, os.O_RDONLY)
+        if os.preadv(self._fds[file], [buf.numpy()], offset) != size:
+            raise NotOffloadable(f"{file}: tensor {key} is cut short (the file is truncated)")
+        return buf
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._handles.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def one_expert_plan(stored: Experts, e: int) -> tuple[dict, dict[str, int]]:
+    """(options of a one-expert module of the stored kind, {its tensor: row of the stored tensor of that name}) for
+    expert e. Quantized experts: the width's stack at the expert's slot (and the expert's own bias row); other
+    kinds: every stored tensor's row e."""
+    opts = {**stored.options(), "num_experts": 1}
+    if isinstance(stored, QuantizedExperts):
+        b, slot = stored.bits[e], stored.slot[e]
+        rows = {name: slot for proj in stored.shapes for name in (f"{proj}_int{b}",
+                f"{proj}_int{b}_scale" if b == 8 else f"{proj}_int{b}_scale_zero")}
+        rows.update({name: e for name in ("gate_up_proj_bias", "down_proj_bias") if getattr(stored, name) is not None})
+        return {**opts, "bits": [b]}, rows
+    return opts, {name: e for name in stored.state_dict()}
+
+
+def check_offloadable(stored: Experts) -> None:
+    """NotOffloadable unless one expert of this kind can be read alone and computed by a one-expert module."""
+    kind = type(stored)
+    if not callable(getattr(kind, "expert", None)):
+        raise NotOffloadable(f"experts kind {stored.name or kind.__name__!r} has no per-expert compute (expert(e, x))")
+    if isinstance(stored, QuantizedExperts):
+        return
+    odd = [n for n, t in stored.state_dict().items() if t.dim() == 0 or t.shape[0] != stored.num_experts]
+    extra = sorted(stored._non_persistent_buffers_set)
+    if odd or extra:
+        raise NotOffloadable(f"experts kind {stored.name or kind.__name__!r} stores tensors that are not one row per "
+                             f"expert ({', '.join(odd + extra)}): it cannot be read one expert at a time")
+
+
+class OffloadedExperts(Experts):
+    """The experts of one layer, read from the checkpoint when routed (see the module docstring). ``stored``: the
+    layer's experts module on the meta device (its kind, options and tensor names); ``keys``: each of its tensors'
+    name in the checkpoint (``gate_up_proj`` -> ``model.layers.3.mlp.experts.gate_up_proj``), or, for a checkpoint
+    that stores each expert's matrices apart, the names of the per-expert tensors concatenated into it, with
+    ``{e}`` for the expert (``["...experts.{e}.w1.weight", "...experts.{e}.w3.weight"]``)."""
+
+    name = "offloaded"
+    summary = "Experts read from the checkpoint file when the router picks them, with an LRU cache (FloE-style offload)."
+    paper = "FloE: On-the-Fly MoE Inference on Memory-constrained GPU (Zhou et al., ICML 2025), arXiv:2505.05950"
+    eager_only_reason = "offloaded experts are read from the checkpoint on the host (the router's choice decides)"
+
+    def __init__(self, stored: Experts, layer: int, keys: dict[str, str], reader: ShardReader, cache: ExpertCache):
+        super().__init__()
+        check_offloadable(stored)
+        self.num_experts, self.layer, self.keys = stored.num_experts, layer, dict(keys)
+        self.hidden_size = getattr(stored, "hidden_size", None)
+        self.reader, self.cache = reader, cache
+        self.__dict__["stored"] = stored  # not a submodule: its meta tensors are not the model's
+        self._quantized = isinstance(stored, QuantizedExperts)
+        self._empty: dict[str, Experts] = {}  # one-expert modules on meta, by options: copied, not rebuilt, per miss
+
+    def options(self) -> dict:
+        raise NotOffloadable("an offloaded model cannot be saved or re-laid out: its experts live in the checkpoint "
+                             f"it was opened from; load that with zoo.load to work on it in memory")
+
+    def num_parameters(self) -> int:
+        return self.stored.num_parameters()
+
+    def nbytes(self) -> int:
+        return self.stored.nbytes()  # what the checkpoint holds; ``cache.resident`` is what memory holds
+
+    def load(self, e: int):
+        """Expert e as a one-expert module of the stored kind, and the bytes read (``cache.get``'s loader)."""
+        from transformers.initialization import no_init_weights
+
+        opts, rows = one_expert_plan(self.stored, e)
+        key = repr(sorted(opts.items()))
+        if key not in self._empty:
+            with no_init_weights(), torch.device("meta"):
+                self._empty[key] = type(self.stored)(**opts)
+        # a copy of the empty module: building one checks its options (~1 ms, most of a small expert's miss)
+        module = copy.deepcopy(self._empty[key])
+        tensors = {name: self.reader.row(self.keys[name], row) if isinstance(self.keys[name], str) else
+                   torch.cat([self.reader.whole(k.format(e=row)) for k in self.keys[name]])[None]
+                   for name, row in rows.items()}
+        bad = finite.non_finite(tensors.items()) if finite.enabled() else []
+        if bad:
+            raise NotOffloadable(f"NaN or inf in expert {e} of layer {self.layer} ({', '.join(bad)}): the checkpoint "
+                                 "is corrupt")
+        module.load_state_dict(tensors, assign=True, strict=True)
+        if self._quantized:  # its index tables, which a load never fills (not saved)
+            module.register_buffer("width_of", torch.tensor(module.bits), persistent=False)
+            module.register_buffer("slot_of", torch.tensor(module.slot), persistent=False)
+        module.eval().requires_grad_(False)
+        return module, sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def fetch(self, e: int):
+        return self.cache.get((self.layer, e), lambda: self.load(e))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.fetch(e).expert(0, x)
+
+    @torch.compiler.disable
+    def forward(self, hidden: torch.Tensor, routing) -> torch.Tensor:
+        # the in-memory kinds' eager path (the sorted dispatch), each routed expert fetched once per call
+        if self._quantized:
+            kernels.load()  # as QuantizedExperts.forward: prefill dequantises int4 with the zoo's kernel
+        return run_sorted(hidden, routing.indices, routing.weights, self.num_experts, self.expert)

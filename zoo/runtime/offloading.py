@@ -1,0 +1,202 @@
+"""``zoo.offload(path, cache_experts=...)``: a model whose experts stay in its safetensors checkpoint (FloE-style
+expert offloading: "FloE: On-the-Fly MoE Inference on Memory-constrained GPU", ICML 2025, arXiv:2505.05950).
+
+Everything but the routed experts is loaded into memory (embeddings, attention, norms, routers, shared experts, LM
+head); each MoE layer's experts become ``zoo.runtime.offloaded.OffloadedExperts``, which read an expert's bytes from
+the checkpoint when the router picks it and keep the recently used ones in one LRU cache for the whole model.
+Experts are stored as the checkpoint stores them: dense, or in the zoo's packed int8/4/3/2 forms after
+``zoo.apply(model, "quantize", ...)`` (the compressed storage FloE offloads; see docs/offload.md for what of FloE
+is and is not here). Decode eagerly: ``zoo.runtime.decode.greedy(model, ids, n, compile=False)`` or ``model.generate``.
+"""
+from __future__ import annotations
+
+import numbers
+from collections import defaultdict
+
+import torch
+
+from zoo.architectures.family import Family
+from zoo.io.checkpoint import LAYER_KEY, Checkpoint, CheckpointError
+from zoo.runtime.offloaded import (READERS, ExpertCache, NotOffloadable, OffloadedExperts, ShardReader, check_offloadable,
+                               one_expert_plan)
+from zoo.components.options import suggest
+
+
+def _check_options(cache_experts, cache_bytes, reader):
+    from zoo.io.memory import parse_bytes
+
+    if cache_experts is not None and (isinstance(cache_experts, bool) or not isinstance(cache_experts, numbers.Integral)
+                                      or cache_experts < 0):
+        raise ValueError(f"cache_experts must be a whole number >= 0 or None, got {cache_experts!r}")
+    if reader not in READERS:
+        raise ValueError(f"unknown reader {reader!r}{suggest(str(reader), READERS)} (choose from {', '.join(READERS)})")
+    if cache_bytes is None:
+        return cache_experts, None
+    size = parse_bytes(cache_bytes)
+    if size < 0:
+        raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes!r}")
+    return cache_experts, size
+
+
+def offload(path, cache_experts: int | None = None, cache_bytes=None, reader: str = "pread"):
+    """The checkpoint at ``path`` (a folder or a shipped model's name: a zoo checkpoint, or a native one of a family
+    whose conversion only renames keys) with its experts offloaded, its MoE blocks converted as ``zoo.load`` does.
+
+    ``cache_experts``: how many experts (over all layers) the cache keeps; ``cache_bytes`` (``"512MB"`` or a number):
+    how many bytes they may take. Either, both, or neither (no limit: every expert is read once, on first use).
+    ``reader``: ``"pread"`` (plain reads, the default) or ``"mmap"`` (safetensors' memory map). The cache is
+    ``zoo.runtime.offloading.cache_of(model)``: hits, misses, bytes read. Options are checked and every expert tensor of
+    the checkpoint is looked up before anything is loaded: a missing one fails with its name."""
+    from zoo.editing.stream import resolve
+
+    import zoo
+
+    cache_experts, cache_bytes = _check_options(cache_experts, cache_bytes, reader)
+    ckpt = Checkpoint(resolve(path))
+    if ckpt.native:
+        fam = type(ckpt.family)
+        if fam.to_zoo_state is not Family.to_zoo_state or fam.from_native is not Family.from_native:
+            raise NotOffloadable(f"{ckpt.path} is a native {ckpt.family.name} checkpoint, whose experts the zoo reshapes "
+                                 "when it converts them: convert it first (zoo.editing.stream.convert(src, out))")
+        zoo.convert(ckpt.model)  # the skeleton's blocks as zoo blocks (meta), as zoo.editing.stream.open_checkpoint does
+    blocks = _moe_blocks(ckpt)
+    if not blocks:
+        raise NotOffloadable(f"{ckpt.path} has no MoE layers: there are no experts to offload")
+    files = ShardReader(ckpt.files, reader)
+    keys = {i: _expert_keys(ckpt, i, block.experts) for i, block in blocks.items()}
+    largest = _check_expert_tensors(ckpt, files, blocks, keys)
+    if cache_bytes is not None and cache_experts != 0 and cache_bytes < largest:
+        raise ValueError(f"cache_bytes={cache_bytes} cannot hold one expert ({largest} bytes); give at least that, "
+                         "or cache_experts=0 for no cache")
+    cache = ExpertCache(cache_experts, cache_bytes)
+    for i, layer in enumerate(ckpt.layers):
+        if i in blocks:
+            _load_layer_without_experts(ckpt, i, keys[i], files, cache)
+        else:
+            ckpt.load_layer(i)
+    model = ckpt.model
+    model.config.name_or_path = ckpt.path  # its tokenizer, for zoo.io.loading.tokenizer_for
+    return model
+
+
+def cache_of(model) -> ExpertCache:
+    """The expert cache of a model from ``zoo.offload`` (one for all its layers)."""
+    for module in model.modules():
+        if isinstance(module, OffloadedExperts):
+            return module.cache
+    raise ValueError("this model has no offloaded experts (open it with zoo.offload)")
+
+
+def _moe_blocks(ckpt) -> dict:
+    from zoo.moe.layout import get_block
+    from zoo.moe import SparseMoE
+
+    return {i: get_block(layer) for i, layer in enumerate(ckpt.layers) if isinstance(get_block(layer), SparseMoE)}
+
+
+def _expert_keys(ckpt, i: int, stored) -> dict[str, str]:
+    """Each stored tensor of layer i's experts -> its name in the checkpoint (a native checkpoint names them by the
+    family's own key names: the zoo's renames reversed)."""
+    prefix = f"model.layers.{i}.{ckpt.family.block_attr}."
+    names = {f"experts.{n}": n for n in stored.state_dict()}
+    if not ckpt.native:
+        return {n: prefix + z for z, n in names.items()}
+    keys = {names[z]: prefix + k for k, z in zip(ckpt.family.to_native_state(dict.fromkeys(names)), names)}
+    if all(k in ckpt.files for k in keys.values()) or set(keys) != {"gate_up_proj", "down_proj"}:
+        return keys
+    return _per_expert_keys(ckpt, i) or keys  # (none found: the check names the fused tensor it looked for)
+
+
+# how checkpoints that store each expert apart name its matrices: (gate, up, down), as transformers reads them
+PER_EXPERT = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+
+
+def _per_expert_keys(ckpt, i: int) -> dict | None:
+    """Layer i's per-expert tensor names, e.g. ``model.layers.0.block_sparse_moe.experts.{e}.w1.weight`` (what
+    transformers writes for Mixtral), as the sources of the fused ``gate_up_proj`` (gate rows, then up rows: the
+    order transformers' own conversion concatenates them in) and ``down_proj``."""
+    for gate, up, down in PER_EXPERT:
+        found = [k for k in ckpt.files if k.startswith(f"model.layers.{i}.") and k.endswith(f".experts.0.{gate}.weight")]
+        if len(found) == 1:
+            base = found[0][: -len(f"0.{gate}.weight")]
+            return {"gate_up_proj": [f"{base}{{e}}.{gate}.weight", f"{base}{{e}}.{up}.weight"],
+                    "down_proj": [f"{base}{{e}}.{down}.weight"]}
+    return None
+
+
+def _sources(key, num_experts: int) -> list[list[str]]:
+    """Per expert, the checkpoint tensors one stored tensor's row comes from (a fused tensor: the same one)."""
+    return [[key]] * num_experts if isinstance(key, str) else [[k.format(e=e) for k in key] for e in range(num_experts)]
+
+
+def _check_expert_tensors(ckpt, files: ShardReader, blocks: dict, keys: dict) -> int:
+    """Every stored tensor of every layer's experts present with the shape and dtype its kind expects (the
+    stored dtype: the checkpoint's, or the packed kinds' own); returns the largest expert's bytes."""
+    largest = 0
+    for i, block in blocks.items():
+        stored = block.experts
+        check_offloadable(stored)
+        row_bytes = {}
+        for name, t in stored.state_dict().items():
+            if isinstance(keys[i][name], str):
+                need = [tuple(t.shape)]
+            else:  # per-expert matrices concatenated along their first dimension into one row
+                need = [(t.shape[1] // len(keys[i][name]), *t.shape[2:])] * len(keys[i][name])
+            for e, sources in enumerate(_sources(keys[i][name], t.shape[0])):
+                row_bytes[name, e] = 0
+                for key, shape_needed in zip(sources, need):
+                    if key not in ckpt.files:
+                        raise NotOffloadable(f"{ckpt.path} lacks tensor {key}")
+                    dtype, shape, _, size = files.info(key)
+                    if shape != shape_needed:
+                        raise NotOffloadable(f"{ckpt.path}: tensor {key} has shape {shape}, the layout needs "
+                                             f"{shape_needed}")
+                    if dtype.is_floating_point != t.dtype.is_floating_point:
+                        raise NotOffloadable(f"{ckpt.path}: tensor {key} is {dtype}, the layout needs {t.dtype}")
+                    row_bytes[name, e] += size // shape[0] if isinstance(keys[i][name], str) else size
+        for e in range(stored.num_experts):
+            _, rows = one_expert_plan(stored, e)
+            largest = max(largest, sum(row_bytes[name, row] for name, row in rows.items()))
+    return largest
+
+
+def _load_layer_without_experts(ckpt, i: int, keys: dict, files: ShardReader, cache: ExpertCache) -> None:
+    """Decoder layer i in memory but for its experts, which become ``OffloadedExperts`` over the checkpoint. A native
+    block is loaded as the family's own (its experts a placeholder) and converted as ``zoo.convert`` converts it."""
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_utils import local_torch_dtype
+
+    from zoo.moe.layout import build_block, get_block, put_block
+
+    old = ckpt.layers[i]
+    with no_init_weights(), local_torch_dtype(ckpt.dtype), torch.device("meta"):
+        layer = type(old)(ckpt.config, i)
+        block = get_block(layer) if ckpt.native else build_block(get_block(old).layout())
+    native_experts = None
+    if ckpt.native:
+        native_experts, block.experts = block.experts, torch.nn.Module()  # nothing of them is allocated or loaded
+    else:
+        block.experts = OffloadedExperts(block.experts, i, keys, files, cache)
+        put_block(layer, block)
+    layer.to_empty(device="cpu")
+    layer.eval()
+    for module in layer.modules():  # non-persistent buffers (rotary tables, index tables) as the model builds them
+        if module._non_persistent_buffers_set:
+            ckpt.model._init_weights(module)
+    ckpt.layers[i] = layer
+    count = get_block(old).experts.num_experts
+    expert_keys = {k for key in keys.values() for sources in _sources(key, count) for k in sources}
+    by_file = defaultdict(list)
+    for file, names in ckpt.by_layer.get(i, {}).items():
+        by_file[file] = [k for k in names if k not in expert_keys]
+    missing = ckpt._load(ckpt.model, by_file, lambda k: LAYER_KEY.match(k) and k.startswith(f"model.layers.{i}."))
+    if missing:
+        raise CheckpointError(f"{ckpt.path} lacks tensors of layer {i}: {sorted(missing)[:5]}")
+    if native_experts is not None:
+        block.experts = native_experts
+        moe = ckpt.family.from_native(block, ckpt.config)  # the router etc. as zoo.convert makes them
+        moe.experts = OffloadedExperts(moe.experts, i, keys, files, cache)
+        put_block(layer, moe)
+
+
+__all__ = ["offload", "cache_of", "NotOffloadable"]
