@@ -15,6 +15,8 @@ zoo model's config is followed by a check that every expert parameter it targets
 """
 from __future__ import annotations
 
+import sys
+
 MIXTRAL_EXPERTS = {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}
 SPLIT_EXPERTS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 FUSED_EXPERTS = {"gate_up_proj": "gate_up_proj", "down_proj": "down_proj"}  # GPT-OSS: fused in its checkpoints too
@@ -76,8 +78,27 @@ def _checked(convert):
     return convert_and_check
 
 
+PEFT_MODULE = "peft.utils.transformers_weight_conversion"  # PEFT imports it when it first builds an adapter
+_pending: dict[str, object] = {}  # families registered before PEFT's tables were imported
+
+
 def register(family) -> bool:
-    """Add ``zoo_<family>`` to PEFT's name translation; False where this PEFT or transformers has no such tables."""
+    """Add ``zoo_<family>`` to PEFT's name translation, now if PEFT's tables are imported, else when they are
+    (``register_pending``, run by the zoo's import hook): a zoo model costs no PEFT import until PEFT is used.
+    False where this PEFT or transformers has no such tables, or until they are imported."""
+    if PEFT_MODULE not in sys.modules:
+        _pending[family.name] = family
+        return False
+    return _register(family)
+
+
+def register_pending(_module=None) -> None:
+    """Register the families that came before PEFT's tables (the import hook calls this right after they run)."""
+    for name in list(_pending):
+        _register(_pending.pop(name))
+
+
+def _register(family) -> bool:
     try:
         from peft.utils import transformers_weight_conversion as peft_conv
         from transformers.conversion_mapping import (get_checkpoint_conversion_mapping,

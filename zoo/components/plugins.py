@@ -296,7 +296,15 @@ def _arm_processing(processing_auto) -> None:
     processing_auto.processor_class_from_name = processor_class_from_name
 
 
-_ARM = {_AUTO_CONFIG: _arm, _AUTO_PROCESSING: _arm_processing}
+def _arm_peft(module) -> None:
+    """PEFT's MoE name tables: the zoo model types join them when PEFT first imports them."""
+    from zoo.architectures import peft_names
+
+    peft_names.register_pending(module)
+
+
+_ARM = {_AUTO_CONFIG: _arm, _AUTO_PROCESSING: _arm_processing,
+        "peft.utils.transformers_weight_conversion": _arm_peft}
 
 
 class _ArmAfterImport:
