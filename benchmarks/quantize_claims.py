@@ -17,7 +17,7 @@ cannot make a fractional average); AlphaQ against random at 2.5 bits is shown be
 
     python benchmarks/quantize_claims.py                 # 4 draws x 16 windows x 256 tokens, 8192 calibration tokens
     python benchmarks/quantize_claims.py --no-record     # print only
-    python benchmarks/quantize_claims.py --quick         # 2 draws x 2 windows, 3 bits, 2048 tokens; records nothing
+    python benchmarks/quantize_claims.py --quick         # 2 draws x 2 windows, 3 bits, 512 tokens; records nothing
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def main(argv=None):
     args = draw_args(claim_parser(__doc__.splitlines()[0], calibration_tokens=8192)).parse_args(argv)
     if args.quick:  # a smoke run of the whole path: 2 draws of 2 windows, the 3-bit budget only
         args.windows, args.draws, args.no_record = 2, min(args.draws, 2), True
-        args.calibration_tokens = min(args.calibration_tokens, 2048)
+        args.calibration_tokens = min(args.calibration_tokens, 512)
     torch.set_num_threads(args.threads)
     base = zoo.load(args.model).eval()
     tok = zoo.load_tokenizer(args.model)

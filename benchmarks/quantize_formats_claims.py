@@ -37,10 +37,10 @@ GROUP = 64  # BitMoD's comparisons: one group size for every data type
 UNIFORM = (256, 128, 64, 32)
 
 
-def runs(widths, alphas=ALPHAS):
+def runs(widths, alphas=ALPHAS, uniform=UNIFORM):
     out = []
     for bits in widths:
-        out += [(f"{bits}b int g{g}", {"bits": bits, "group_size": g}) for g in UNIFORM]
+        out += [(f"{bits}b int g{g}", {"bits": bits, "group_size": g}) for g in uniform]
         out += [(f"{bits}b adaptive a={a}", {"bits": bits, "group_size": "adaptive", "group_alpha": a}) for a in alphas]
         out += [(f"{bits}b {d} g{GROUP}", {"bits": bits, "dtype": d, "group_size": GROUP}) for d in ("fp", "bitmod")]
     return out
@@ -51,7 +51,8 @@ def main(argv=None):
     args = draw_args(claim_parser(__doc__.splitlines()[0], calibration_tokens=0)).parse_args(argv)
     if args.quick:  # a smoke run of the whole path: 2 draws of 2 windows, 4 bits, one FineQuant bound
         args.windows, args.draws, args.no_record = 2, min(args.draws, 2), True
-    widths, alphas = ((4,), (0.6,)) if args.quick else ((4, 3), ALPHAS)
+    # quick: the uniform run FineQuant's bound 0.6 and BitMoD are compared with (g64) is the only one
+    widths, alphas, uniform = ((4,), (0.6,), (GROUP,)) if args.quick else ((4, 3), ALPHAS, UNIFORM)
     torch.set_num_threads(args.threads)
     base = zoo.load(args.model).eval()
     tok = zoo.load_tokenizer(args.model)
@@ -83,7 +84,7 @@ def main(argv=None):
         return r
 
     rows = [row("base (fp32)", base)]
-    for label, options in runs(widths, alphas):
+    for label, options in runs(widths, alphas, uniform):
         model = zoo.apply(copy.deepcopy(base), "quantize", **options)
         res = model.config.zoo_recipe[-1]["results"]
         extra = {}
@@ -115,7 +116,7 @@ def main(argv=None):
         for a in alphas:
             label = f"{bits}b adaptive a={a}"
             # against the uniform group with the fewest bytes that still has at least as many as the adaptive row
-            peer = next(f"{bits}b int g{g}" for g in UNIFORM if bpw[f"{bits}b int g{g}"] >= bpw[label] - 1e-9)
+            peer = next(f"{bits}b int g{g}" for g in uniform if bpw[f"{bits}b int g{g}"] >= bpw[label] - 1e-9)
             why = (f"the rule gave every projection stack group size {peer.rsplit('g', 1)[1]} ({groups[label]}), "
                    f"which is the uniform run")
             fine[f"{label} ({bpw[label]} b/w) vs {peer} ({bpw[peer]} b/w)"] = compare(label, peer, why)

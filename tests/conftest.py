@@ -31,7 +31,7 @@ SLOW_FILES_FIRST = ("test_check_component.py", "test_benchmark_smoke.py", "test_
                     "test_browser.py", "test_startup.py", "test_readme.py", "test_readme_path.py", "test_gguf.py",
                     "test_lm_eval.py", "test_remote_code.py", "test_compressed_tensors.py", "test_gguf_families.py",
                     "test_quantize_claims_quick.py", "test_peft_names.py", "test_decode.py", "test_parallel.py",
-                    "test_kernels.py", "test_hub.py")
+                    "test_kernels.py", "test_hub.py", "test_multimodal_claim_quick.py")
 
 
 def pytest_collection_modifyitems(config, items):
