@@ -86,3 +86,8 @@ def judgement_line(name: str, j: dict) -> str:
     """One comparison as the judge decided it: "<name>: <verdict>, margin .. vs noise .. over n paired draws (..)"."""
     return (f"{name}: {j['verdict']}, margin {j['margin']:.4g} vs noise {j['noise']:.4g} over {j['repeats']} "
             f"{'paired draws' if j['paired'] else 'seeds'} ({j['reason']})")
+
+
+def verdict_parts(judgements: dict) -> str:
+    """"<comparison>: <verdict>; ..." of a claim's judged comparisons, for its summary."""
+    return "; ".join(f"{name}: {j['verdict']}" for name, j in judgements.items())

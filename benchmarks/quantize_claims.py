@@ -31,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from claim_args import claim_parser, draw_args, draw_geo, draws_geo, judgement_line, show  # noqa: E402
+from claim_args import claim_parser, draw_args, draw_geo, draws_geo, judgement_line, show, verdict_parts  # noqa: E402
 import zoo  # noqa: E402
 from zoo.editing import calibration  # noqa: E402
 from zoo.evaluation.claims import combine, judge, same_weights  # noqa: E402
@@ -178,22 +178,20 @@ def main(argv=None):
                 f"perplexity; pmq's repeat i calibrated on {args.calibration_tokens} mixed train tokens of seed i; "
                 f"one thread")
 
-    def parts(cmp):
-        return "; ".join(f"{k}: {j['verdict']}" for k, j in cmp.items())
     alpha_widths = ", ".join(f"{b}b alphaq {widths[f'{b}b alphaq']} vs error-only {widths[f'{b}b error-only']}"
                              for b in (2.5, 3.5, 4.5))
     claims = [("PMQ (MC#): the calibrated per-expert bit allocation beats uniform and random allocations at equal "
                "average bits", pmq_verdict,
-               f"{parts(pmq_cmp)} (experts at 2/3/4/8 bits per calibration draw: 3b pmq {widths['3b pmq']}; 2.5b pmq "
+               f"{verdict_parts(pmq_cmp)} (experts at 2/3/4/8 bits per calibration draw: 3b pmq {widths['3b pmq']}; 2.5b pmq "
                f"{widths['2.5b pmq']}; random 3b {widths['3b random']}, 2.5b {widths['2.5b random']}). Settings: "
                f"{settings}.", pmq_cmp),
               ("AlphaQ: the calibration-free (weight-spectrum) allocation beats uniform at equal average bits",
                alpha_verdict,
-               f"{parts(alpha_cmp)}. At 3 bits AlphaQ allocates exactly like uniform (experts at 2/3/4/8 bits: "
+               f"{verdict_parts(alpha_cmp)}. At 3 bits AlphaQ allocates exactly like uniform (experts at 2/3/4/8 bits: "
                f"{widths['3b alphaq']}), so that comparison is empty; at fractional budgets, where uniform widths "
                f"cannot go, the control is the same exact program with every expert's importance 1 (error-only: "
                f"AlphaQ without the spectra): {alpha_widths}. Beside the claim, "
-               f"{parts(context)}. Settings: {settings}.", {**alpha_cmp, **context})]
+               f"{verdict_parts(context)}. Settings: {settings}.", {**alpha_cmp, **context})]
     for claim, verdict, summary, judgements in claims:
         record("quantize", claim, verdict, summary, rows, command, args.model, judgements=judgements)
 

@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from claim_args import claim_parser, draw_args, draws_geo, judgement_line, show  # noqa: E402
+from claim_args import claim_parser, draw_args, draws_geo, judgement_line, show, verdict_parts  # noqa: E402
 import zoo  # noqa: E402
 from zoo.evaluation.claims import combine, judge, same_weights  # noqa: E402
 from zoo.moe.layout import moe_layers  # noqa: E402
@@ -161,14 +161,12 @@ def main(argv=None):
                 f"perplexity; experts only, one thread; bytes per weight count codes, bf16 scales/zeros and BitMoD's "
                 f"2-bit type ids")
 
-    def parts(cmp):
-        return "; ".join(f"{k}: {j['verdict']}" for k, j in cmp.items())
     claims = [("FineQuant (group_size='adaptive'): group sizes chosen per matrix by the error they cause beat uniform "
-               "group sizes at no more bytes", fine_verdict, f"{parts(fine)}. Why: {fine_note}. Settings: {settings}.",
+               "group sizes at no more bytes", fine_verdict, f"{verdict_parts(fine)}. Why: {fine_note}. Settings: {settings}.",
                fine),
               ("BitMoD (dtype='bitmod'): a per-group choice among FP types with special values beats a single type and "
                "the integer grid at the same group size", mod_verdict,
-               f"{parts(mod)}. FP4's types are E2M1 with its second zero as +-5 (extra resolution) or +-8 (extra "
+               f"{verdict_parts(mod)}. FP4's types are E2M1 with its second zero as +-5 (extra resolution) or +-8 (extra "
                f"asymmetry). The {mod_note}. Settings: {settings}.", mod)]
     for claim, verdict, summary, judgements in claims:
         record("quantize", claim, verdict, summary, rows, command, args.model, judgements=judgements)

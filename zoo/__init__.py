@@ -19,7 +19,7 @@ The package is grouped in rooms that follow a model's path:
 
 ``import zoo`` is cheap: it imports neither torch nor transformers. The public names below resolve on first use
 (PEP 562), and so does every room and module (``zoo.editing.calibration`` after a bare ``import zoo``). Module
-paths from before the rooms (``zoo.loading``, ...) still import, with a warning (``zoo._moved``). The plugins load
+paths from before the rooms (``zoo.loading``, ...) still import, with a warning (``zoo.moved``). The plugins load
 at the registry's first lookup (``zoo.components.plugins``), and the ``zoo_<family>`` model types (plugin
 architectures included) join transformers' Auto classes when transformers first looks up a ``zoo_`` model type,
 e.g. in ``AutoModelForCausalLM.from_pretrained(saved_zoo_folder)``, whichever of zoo and transformers was imported
@@ -99,8 +99,8 @@ class _Zoo(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Zoo
 
-from zoo import _moved  # noqa: E402  (old module paths: a finder, imports nothing)
+from zoo import moved  # noqa: E402  (old module paths: a finder, imports nothing)
 from zoo.components.plugins import auto_classes_at_first_need  # noqa: E402  (pluggy and the registry: cheap)
 
-_moved.install()
+moved.install()
 auto_classes_at_first_need()

@@ -32,6 +32,12 @@ def _read(path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def recorded_adapter(folder) -> str | None:
+    """The zoo adapter ``finetune.json`` names (the one whose ``load_saved`` reloads the folder), else None."""
+    name = _read(os.path.join(folder, RECORD)).get("adapter")
+    return name if isinstance(name, str) else None
+
+
 def base_name(folder) -> str:
     """The base model an adapter folder was trained on, as its ``adapter_config.json`` names it."""
     base = _read(os.path.join(folder, ADAPTER_CONFIG)).get("base_model_name_or_path")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from zoo.io.adapter_folder import ADAPTER_WEIGHTS, RECORD, _read, base_name
+from zoo.io.adapter_folder import ADAPTER_WEIGHTS, base_name, recorded_adapter
 from zoo.io.loading import HubUnavailable, resolve_path
 
 
@@ -119,8 +119,8 @@ def load_adapter_folder(folder, **kwargs):
         for key in shard_header(weights)[1]:  # the one reader's checks: header, byte ranges, dtypes, finite
             if key != "__metadata__":
                 read_checked(weights, key)
-    name = _read(os.path.join(folder, RECORD)).get("adapter")
-    adapter = registry.find("adapter", name) if isinstance(name, str) else None
+    name = recorded_adapter(folder)
+    adapter = registry.find("adapter", name) if name is not None else None
     try:
         if adapter is not None and getattr(adapter.obj, "load_saved", None) is not None:
             return adapter.obj.load_saved(model, folder)
