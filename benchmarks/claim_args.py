@@ -82,12 +82,41 @@ def draws_geo(model, tokenizer, draws: int, windows: int) -> tuple[list[float], 
     return [g for g, _ in per], pooled
 
 
-def judgement_line(name: str, j: dict) -> str:
-    """One comparison as the judge decided it: "<name>: <verdict>, margin .. vs noise .. over n paired draws (..)"."""
-    return (f"{name}: {j['verdict']}, margin {j['margin']:.4g} vs noise {j['noise']:.4g} over {j['repeats']} "
-            f"{'paired draws' if j['paired'] else 'seeds'} ({j['reason']})")
+def judgement_line(name: str, j: dict, unit: str = "") -> str:
+    """One comparison as the judge decided it: "<name>: <verdict>, margin .. vs noise .. over n <unit> (..)"."""
+    unit = unit or ("paired draws" if j["paired"] else "seeds")
+    return (f"{name}: {j['verdict']}, margin {j['margin']:.4g} vs noise {j['noise']:.4g} over {j['repeats']} {unit} "
+            f"({j['reason']})")
 
 
 def verdict_parts(judgements: dict) -> str:
     """"<comparison>: <verdict>; ..." of a claim's judged comparisons, for its summary."""
     return "; ".join(f"{name}: {j['verdict']}" for name, j in judgements.items())
+
+
+# ------------------------------------------------------------------ seeds, and the verdict block every claim script prints
+
+def seed_args(ap: argparse.ArgumentParser, seeds: int = 3) -> argparse.ArgumentParser:
+    """``--seeds`` (the repeats of a trained or sampled arm; the judge needs at least 2) and ``--quick`` (a smoke run of
+    the whole path at a tiny budget, 2 seeds, that records nothing)."""
+    ap.add_argument("--seeds", type=int, default=seeds, help="repeats of each arm (the judge needs at least 2)")
+    if not any(a.dest == "quick" for a in ap._actions):
+        ap.add_argument("--quick", action="store_true", help="a smoke run at a tiny budget; records nothing")
+    return ap
+
+
+def conclude(label: str, judgements: dict, unit: str = "") -> str:
+    """Print one claim's verdict block and return the verdict (``combine`` of the parts):
+
+        <label>: <verdict>
+          - <comparison>: <verdict>, margin .. vs noise .. over n <unit> (<reason>)
+
+    ``unit``: what the repeats are ("paired draws", "seeds", "seeds, paired by seed"); by default "paired draws" for a
+    paired judgement, "seeds" otherwise."""
+    from zoo.evaluation.claims import combine
+
+    verdict = combine(j["verdict"] for j in judgements.values())
+    print(f"{label}: {verdict}")
+    for name, j in judgements.items():
+        print("  - " + judgement_line(name, j, unit))
+    return verdict
