@@ -52,7 +52,8 @@ class HcSmoe(ExpertCountCompressor):
                 Control("router", "choice", "map", choices=ROUTERS,
                         help="map: the router keeps every row (the paper's); cut: one row per merged expert")]
 
-    def __init__(self, num_experts: int, linkage: str = "average", router: str = "map", router_rows: str = "dominant"):
+    def __init__(self, num_experts: int, linkage: str = "average", router: str = "map", router_rows: str = "dominant",
+                 allocation: str = "uniform"):
         if linkage not in LINKAGES:
             raise ValueError(f"linkage must be one of {LINKAGES}, got {linkage!r}")
         if router not in ROUTERS:
@@ -62,7 +63,8 @@ class HcSmoe(ExpertCountCompressor):
         if router == "map" and router_rows != "dominant":
             raise ValueError("router_rows chooses the cut router's rows: it needs router='cut' (router='map' keeps "
                              "every row)")
-        super().__init__(num_experts=num_experts, linkage=linkage, router=router, router_rows=router_rows)
+        super().__init__(num_experts=num_experts, linkage=linkage, router=router, router_rows=router_rows,
+                         allocation=allocation)
         self.linkage, self.router, self.router_rows = linkage, router, router_rows
 
     def check_layer(self, index, block) -> None:
@@ -72,7 +74,7 @@ class HcSmoe(ExpertCountCompressor):
                              f"{block.num_experts} merged experts: router='cut' needs one row per expert")
 
     def rebuild(self, moe, stats):
-        groups = cluster_experts(stats.mean_output, self.num_experts, self.linkage)
+        groups = cluster_experts(stats.mean_output, self.count_for(stats.layer), self.linkage)
         freq = stats.counts.double() + 1e-9  # an expert never routed to still counts a little
         weights = [[float(freq[m]) for m in g] for g in groups]
         self.results.setdefault("clusters", {})[str(stats.layer)] = groups

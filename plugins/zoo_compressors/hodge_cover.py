@@ -179,7 +179,8 @@ class HodgeCover(ExpertCountCompressor):
                 Control("edge_quantile", "float", 0.5, low=0.05, high=1.0, step=0.05,
                         help="level of the complex: pairs up to this quantile of the barriers are edges")]
 
-    def __init__(self, num_experts: int, edge_quantile: float = 0.5, reduce: str = "merge", sparsity: float = 0.0):
+    def __init__(self, num_experts: int, edge_quantile: float = 0.5, reduce: str = "merge", sparsity: float = 0.0,
+                 allocation: str = "uniform"):
         edge_quantile = check_float("edge_quantile", edge_quantile, 0.0, 1.0)
         if edge_quantile == 0.0:
             raise ValueError("edge_quantile must be a number in (0, 1], got 0.0")
@@ -188,29 +189,30 @@ class HodgeCover(ExpertCountCompressor):
         sparsity = check_float("sparsity", sparsity, 0.0, 1.0)
         if sparsity >= 1.0:
             raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")
-        super().__init__(num_experts=num_experts, edge_quantile=edge_quantile, reduce=reduce, sparsity=sparsity)
+        super().__init__(num_experts=num_experts, edge_quantile=edge_quantile, reduce=reduce, sparsity=sparsity,
+                         allocation=allocation)
         self.edge_quantile, self.reduce, self.sparsity = edge_quantile, reduce, sparsity
 
     def compress_layer(self, index, block, inputs):
-        n, layer = block.num_experts, str(index)
-        if self.num_experts == n and self.sparsity == 0:
+        n, layer, target = block.num_experts, str(index), self.count_for(index)
+        if target == n and self.sparsity == 0:
             return block  # nothing to do: the engine reports NoChange
-        if self.num_experts == n:  # the hybrid's pruning alone: every expert survives
+        if target == n:  # the hybrid's pruning alone: every expert survives
             new = keep_experts(block, range(n))
             self.results.setdefault("kept", {})[layer] = list(range(n))
         else:
-            new = self.reduce_layer(layer, block, inputs)
+            new = self.reduce_layer(layer, block, inputs, target)
         if self.sparsity > 0:
             zeroed = wanda_prune_experts(new, inputs, self.sparsity)
             total = sum(p.numel() for p in new.experts.parameters())
             self.results.setdefault("zeroed", {})[layer] = round(zeroed / total, 4)
         return new
 
-    def reduce_layer(self, layer: str, block, inputs):
+    def reduce_layer(self, layer: str, block, inputs, target: int):
         """The cover's survivors; the other experts merged into (or pruned in favour of) them."""
         n = block.num_experts
         barriers = MergeBarriers(block, inputs)
-        kept, owner, diagnostics = hodge_cover_plan(barriers, n, self.num_experts, self.edge_quantile)
+        kept, owner, diagnostics = hodge_cover_plan(barriers, n, target, self.edge_quantile)
         self.results.setdefault("kept", {})[layer] = sorted(kept)
         self.results.setdefault("hodge", {})[layer] = diagnostics
         if self.reduce == "prune":
