@@ -272,8 +272,11 @@ def _tasks(ctx, param, value):
               help="Also run the zoo's lm-evaluation-harness tasks on the model in memory, e.g. "
                    "zoo_continuation_code,zoo_perplexity_english (a wrong name lists them all).")
 @click.option("--limit", type=COUNT, help="At most this many documents per --tasks task.")
+@click.option("--kv-cache", type=click.Choice(["fp8", "int8", "int4"]),
+              help="Also measure perplexity with keys and values at this precision: each window fed 32 tokens at a "
+                   "time through the cache, beside the same loop at full precision (results under \"kv_cache\").")
 @stream_options
-def eval_command(model, as_json, plot, windows, no_speed, tasks, limit, stream, max_memory):
+def eval_command(model, as_json, plot, windows, no_speed, tasks, limit, kv_cache, stream, max_memory):
     """Evaluate MODEL (folder or registry name): perplexity per domain, expert usage, speed, size, and with --tasks
     the zoo's lm-evaluation-harness tasks (results under "tasks")."""
     import zoo
@@ -283,15 +286,24 @@ def eval_command(model, as_json, plot, windows, no_speed, tasks, limit, stream, 
     def in_memory():
         loaded = zoo.load(model).eval()
         result = evaluate(loaded, max_windows=windows, measure_speed=not no_speed)
+        if kv_cache:
+            from zoo.runtime.kv_cache import kv_cache_table
+
+            result["kv_cache"] = kv_cache_table(loaded, kv_cache, windows)
         return {**result, "tasks": _run_tasks(loaded, tasks, limit)} if tasks else result
 
     def streamed():
+        if kv_cache:
+            raise ValueError(f"--kv-cache measures the model in memory, and {model} is streamed (larger than the "
+                             "memory budget; see --max-memory)")
         result = streaming.evaluate(model, max_windows=windows)
         # too large to hold: lm-eval runs on the model with its experts read from the checkpoint on demand
         return {**result, "tasks": _run_tasks(zoo.offload(model), tasks, limit)} if tasks else result
 
     if limit is not None and not tasks:
         raise click.BadParameter("--limit goes with --tasks", param_hint="--limit")
+    if kv_cache and stream:
+        raise click.BadParameter("--kv-cache measures the model in memory; drop --stream", param_hint="--kv-cache")
     result = _either(model, stream, max_memory, streamed, in_memory)
     if plot:
         with one_line():
@@ -306,6 +318,13 @@ def eval_command(model, as_json, plot, windows, no_speed, tasks, limit, stream, 
         for layer in layers:
             click.echo(f"usage {domain:8} layer {layer['layer']}: {layer['counts']} "
                        f"(entropy {layer['entropy_bits']:.2f} of at most {layer['max_entropy_bits']:.2f} bits)")
+    if "kv_cache" in result:
+        kv = result["kv_cache"]
+        for domain, row in kv["domains"].items():
+            click.echo(f"kv cache {kv['precision']} {domain:8}: perplexity {row['perplexity']:.3f} vs "
+                       f"{row['full_perplexity']:.3f} at full precision, cache {row['bytes'] / 1e6:.2f} MB vs "
+                       f"{row['full_bytes'] / 1e6:.2f} MB a window ({kv['windows']} windows of 256 tokens, fed {kv['chunk']} "
+                       "at a time)")
     if tasks:
         from zoo.evaluation.harness import format_tasks
 

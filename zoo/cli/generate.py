@@ -21,7 +21,9 @@ def _prompt(ctx, param, value):
 @click.option("--compile/--no-compile", "use_compile", default=True, show_default=True,
               help="Static KV cache and a torch.compile'd decode step (the first call compiles).")
 @click.option("--threads", type=click.IntRange(1, os.cpu_count()), help="torch threads (default: torch's choice).")
-def generate(model, prompt, max_new_tokens, steps, use_compile, threads):
+@click.option("--kv-cache", type=click.Choice(["fp8", "int8", "int4"]),
+              help="Keep keys and values at this precision (a growing cache: the steps run eagerly).")
+def generate(model, prompt, max_new_tokens, steps, use_compile, threads, kv_cache):
     """Continue PROMPT with MODEL (a registry name or folder); prints the text and the decode speed."""
     import torch
 
@@ -43,11 +45,12 @@ def generate(model, prompt, max_new_tokens, steps, use_compile, threads):
         for name, options in parsed:
             with one_line(f"--step {name}: "):
                 lm = zoo.apply(lm, name, **options)
+        use_compile = use_compile and kv_cache is None
         if use_compile:  # the first call compiles: say so, or the wait looks like a hang
             click.echo("compiling the decode step (first call, ~30-60 s)...", err=True)
         with torch.no_grad():
             run = timed_greedy(lm, ids, max_new_tokens, compile=use_compile, repeats=1,
-                               eos_token_id=tok.eos_token_id)
+                               eos_token_id=tok.eos_token_id, kv_cache=kv_cache)
     click.echo(tok.decode(run["tokens"][0], skip_special_tokens=True))
     click.echo(f"[decode {run['decode_tok_s']:.0f} tok/s, first token {run['first_token_s'] * 1e3:.0f} ms, "
                f"warm-up{' and compile' if use_compile else ''} {run['warmup_s']:.1f} s]", err=True)

@@ -102,7 +102,8 @@ def next_token(logits: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def greedy(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bool = True,
-           backend: str = "inductor", eos_token_id: int | None = None, ahead_of_time: bool = True) -> torch.Tensor:
+           backend: str = "inductor", eos_token_id: int | None = None, ahead_of_time: bool = True,
+           kv_cache: str | None = None) -> torch.Tensor:
     """The same decode without ``generate``'s per-step bookkeeping (logits processors, stopping criteria,
     input preparation): eager prefill into a ``StaticCache``, then one compiled decode step per token. Greedy;
     with ``eos_token_id`` it stops once every sequence has produced it (finished ones are padded with it, as
@@ -113,8 +114,13 @@ def greedy(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bo
     measured on the 304M benchmark model and zoo-tiny-moe); where it cannot be exported, a warning and the JIT
     step: the model's own compiled call (``get_compiled_call``, the one ``generate`` compiles). After the JIT
     step's first call its guards are not evaluated again (``skip_guard_eval_unsafe``): every later step passes
-    inputs of the same kinds and shapes, so the guards could only pass, and checking them costs ~0.5 ms a step."""
+    inputs of the same kinds and shapes, so the guards could only pass, and checking them costs ~0.5 ms a step.
+
+    ``kv_cache`` ("fp8", "int8", "int4"; ``zoo.runtime.kv_cache``): keys and values kept at that precision in a
+    cache that grows as it goes, so every step runs eagerly (``compile`` does not apply)."""
     check_decode(model, input_ids, max_new_tokens)
+    if kv_cache is not None:
+        return _greedy_quantized_cache(model, input_ids, max_new_tokens, eos_token_id, kv_cache)
     if compile:
         check_compilable(model)
     if compile and kernels.load():
@@ -138,6 +144,25 @@ def greedy(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bo
                 logits = jit(input_ids=tokens[-1], past_key_values=cache, cache_position=torch.tensor([prompt + i]),
                              use_cache=True, logits_to_keep=1).logits
         token = next_token(logits)
+        if done is not None:
+            token = token.masked_fill(done, eos_token_id)
+            done = done | (token == eos_token_id)
+        tokens.append(token)
+    return torch.cat([input_ids, *tokens], dim=1)
+
+
+@torch.no_grad()
+def _greedy_quantized_cache(model, input_ids, max_new_tokens, eos_token_id, precision) -> torch.Tensor:
+    from zoo.runtime.kv_cache import kv_cache
+
+    cache = kv_cache(model, precision)
+    logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    tokens = [next_token(logits)]
+    done = None if eos_token_id is None else tokens[0] == eos_token_id
+    for _ in range(max_new_tokens - 1):
+        if done is not None and bool(done.all()):
+            break
+        token = next_token(model(input_ids=tokens[-1], cache=cache, use_cache=True, logits_to_keep=1).logits)
         if done is not None:
             token = token.masked_fill(done, eos_token_id)
             done = done | (token == eos_token_id)
@@ -183,10 +208,10 @@ def _timed(decode, input_ids: torch.Tensor, new_tokens: int, repeats: int = 3) -
 
 
 def timed_greedy(model, input_ids: torch.Tensor, new_tokens: int, compile: bool = True, repeats: int = 3,
-                 eos_token_id: int | None = None, ahead_of_time: bool = True) -> dict:
+                 eos_token_id: int | None = None, ahead_of_time: bool = True, kv_cache: str | None = None) -> dict:
     """``greedy``'s decode speed, measured as ``timed_generate`` measures generate's."""
     return _timed(lambda n: greedy(model, input_ids, n, compile, eos_token_id=eos_token_id,
-                                   ahead_of_time=ahead_of_time), input_ids, new_tokens, repeats)
+                                   ahead_of_time=ahead_of_time, kv_cache=kv_cache), input_ids, new_tokens, repeats)
 
 
 def timed_generate(model, input_ids: torch.Tensor, new_tokens: int, compile: bool = True, repeats: int = 3,
