@@ -431,12 +431,13 @@ def finetune(model, adapter, domain, steps, lr, batch_size, seq_len, windows, se
 
 
 def _add_builtin_commands():
+    from zoo.cli.compare import compare
     from zoo.cli.demo import demo
     from zoo.cli.generate import generate
     from zoo.cli.tour import tour
     from zoo.cli.train import train
 
-    for command in (tour, train, demo, generate):
+    for command in (tour, train, demo, generate, compare):
         cli.add_command(command)
 
 

@@ -45,8 +45,12 @@ def _build() -> Optional[str]:
         # the name carries a hash of the source and its header: torch's cache rebuilds on a change to the
         # listed source only, and the header holds the kernels
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in (SOURCE, HEADER))).hexdigest()[:12]
-        cpp_extension.load(name=f"zoo_moe_gemv_{digest}", sources=[str(SOURCE)], is_python_module=False,
-                           extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        name = f"zoo_moe_gemv_{digest}"
+        build = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+        build.mkdir(parents=True, exist_ok=True)
+        with _only_builder(build):
+            cpp_extension.load(name=name, sources=[str(SOURCE)], is_python_module=False, build_directory=str(build),
+                               extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # a compiler error, a missing ninja: the fallback serves
         return f"building {SOURCE.name} failed: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}"
     if torch.ops.zoo.moe_gemv_isa(-1) == 0:
@@ -54,6 +58,25 @@ def _build() -> Optional[str]:
     torch.library.register_fake("zoo::moe_gemv")(_fake_moe_gemv)
     torch.library.register_fake("zoo::dequantize_int4")(_fake_dequantize_int4)
     return None
+
+
+@contextlib.contextmanager
+def _only_builder(build: Path):
+    """One zoo process builds at a time, under an OS lock the kernel drops when its holder dies. torch's own build
+    lock is a plain file that a build killed half-way (Ctrl-C, a killed test run) leaves behind, and every later
+    process would wait on it for ever; under our lock no other builder is alive, so such a file is stale."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock alone
+        yield
+        return
+    with open(build / ".zoo-builder.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def _fake_moe_gemv(x, indices, weight, scale, bits, group_size, slot_of):
