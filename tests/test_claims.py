@@ -154,3 +154,11 @@ def test_every_claims_file_is_written_by_the_script_it_names():
             source = (root / script.group(1)).read_text()
             assert "record(" in source and f'"{path.stem}"' in source, \
                 f"{path.name}: {script.group(1)} does not record {path.stem!r} claims"
+
+
+def test_a_difference_in_either_direction_holds_only_beyond_the_noise():
+    from zoo.evaluation.claims import judge_differs
+
+    assert judge_differs([2.0, 2.1], [1.0, 1.05])["verdict"] == "holds"
+    assert judge_differs([1.0, 1.05], [2.0, 2.1])["verdict"] == "holds"
+    assert judge_differs([1.0, 1.3], [1.1, 1.1])["verdict"] == "inconclusive"

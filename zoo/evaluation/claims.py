@@ -62,6 +62,16 @@ def judge(mechanism, control, lower_is_better: bool = True, paired: bool = False
     return {**out, "verdict": "inconclusive", "reason": f"the difference {margin:.4g} is within the noise {noise:.4g}"}
 
 
+def judge_differs(measured, predicted, paired: bool = True) -> dict:
+    """The rule for a claim that two quantities differ, in either direction (e.g. "a composition is not what its
+    parts predict"): holds when the difference exceeds the noise (``judge``'s margin and noise, sign ignored);
+    otherwise inconclusive (a difference within the noise cannot show that there is none)."""
+    j = judge(measured, predicted, paired=paired)
+    if j["verdict"] == "inconclusive":
+        return j
+    return {**j, "verdict": "holds", "reason": f"apart by {abs(j['margin']):.4g}, more than the noise {j['noise']:.4g}"}
+
+
 def combine(verdicts) -> str:
     """A claim of several parts: holds when every part holds, does not hold when none holds and one fails, holds in
     part when some hold, inconclusive when no part is decided."""
