@@ -1,17 +1,20 @@
 """mixture-of-heads on zoo-tiny-moe (issue #7, claim 6): held-out perplexity with 50-90% of the attention heads
-per token, before and after a short tune, against the model with all heads.
+per token, after a short tune, against the same tune with all heads.
 
 For each fraction, a fresh copy of the model gets ``zoo.apply(model, "mixture-of-heads", heads_per_token=f)`` (the
 head count is rounded down: zoo-tiny-moe has 4 heads, so 90% is 3 heads, like 75%; such duplicates are measured
 once). Only the new head routers train (everything else frozen), for ``--steps`` AdamW steps on random train
-windows of both domains (``zoo.data.tokens.train_batch``), with MoH's balance loss on the routed heads; held-out
-perplexity per domain (``zoo.evaluation.eval``, fp32) is measured before and after. A control row tunes the routers with all
-heads on (gates only), to separate the gain of tuning from the cost of dropping heads.
+windows of both domains (``zoo.data.tokens.train_batch``), with MoH's balance loss on the routed heads. The control
+tunes the routers the same way with all heads on (gates only): it lacks only the head selection, so the tuning's
+own gain is in both arms. Every arm runs from each of ``--seeds`` seeds (seed s draws the batches; the routers start
+at zero). The measure is the geometric mean over domains of the held-out perplexity (``zoo.evaluation.eval``, fp32);
+each routed fraction against the control is decided by the one rule (``zoo.evaluation.claims.judge``, over
+independent seeds: the arms' routers differ in shape), and a part "matches or beats" unless it is worse by more than
+the noise.
 
-    python benchmarks/mixture_of_heads.py                  # 150 steps, 8 x 256 tokens, 24 windows, 1 thread
-    python benchmarks/mixture_of_heads.py --smoke          # 2 steps, 2 windows
-    python benchmarks/mixture_of_heads.py --steps 40 --windows 6 --record   # records MoH's verdict in
-                                                           # docs/claims/mixture-of-heads.json (zoo.evaluation.claims)
+    python benchmarks/mixture_of_heads.py                  # 3 seeds x (50%, 75%, all) x 20 steps of 4 x 256 tokens
+    python benchmarks/mixture_of_heads.py --quick          # 2 seeds x 2 steps, 2 windows; records nothing
+    python benchmarks/mixture_of_heads.py --no-record      # print only
 """
 # zoo is imported before zoo_routers on purpose: importing a plugin first would register it half-initialised.
 from __future__ import annotations  # noqa: I001
@@ -19,13 +22,18 @@ from __future__ import annotations  # noqa: I001
 import argparse
 import copy
 import math
+import os
+import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from claim_args import conclude, geo, seed_args, verdict_parts  # noqa: E402
 import zoo
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokens import token_stream, train_batch
+from zoo.evaluation.claims import judge
 from zoo.evaluation.eval import perplexity_and_usage
 from zoo_routers.mixture_of_heads import MixtureOfHeads, head_balance_loss, head_count
 
@@ -72,24 +80,38 @@ def ppl(model, tok, windows: int) -> dict:
     return perplexity_and_usage(model, tok, seq_len=256, max_windows=windows)[0]
 
 
-def main():
+def matches_or_beats(j: dict) -> dict:
+    """A "matches or beats" part read from ``judge``'s result: it holds unless the routed arm is worse by more than
+    the noise (then it does not hold); within the noise it holds as "matches", and the reason says that a cost below
+    the noise is not excluded. ``judge_verdict`` keeps the rule's own verdict."""
+    if j["verdict"] == "does not hold":
+        return {**j, "judge_verdict": j["verdict"], "reason": f"worse than all heads: {j['reason']}"}
+    reason = (f"matches all heads within the noise: {j['reason']} (a cost below the noise {j['noise']:.4g} is not "
+              "excluded)" if j["verdict"] == "inconclusive" else f"beats all heads: {j['reason']}")
+    return {**j, "verdict": "holds", "judge_verdict": j["verdict"], "reason": reason}
+
+
+def main(argv=None):
+    started = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="zoo-tiny-moe")
-    ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.75, 0.9])
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.75])
     ap.add_argument("--shared-heads", type=float, default=None, help="count or fraction (default: half the active)")
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--balance", type=float, default=0.01, help="weight of the head balance loss (the paper's 0.01)")
-    ap.add_argument("--windows", type=int, default=24, help="held-out windows of 256 tokens per domain")
-    ap.add_argument("--no-control", action="store_true", help="skip the all-heads tuned-gates row")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--record", action="store_true", help="record MoH's claim from this run (zoo.evaluation.claims)")
-    args = ap.parse_args()
-    if args.smoke:
-        args.steps, args.batch, args.seq_len, args.windows = 2, 2, 32, 2
-    torch.set_num_threads(1)
+    ap.add_argument("--windows", type=int, default=6, help="held-out windows of 256 tokens per domain")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-record", action="store_true")
+    args = seed_args(ap).parse_args(argv)
+    if args.quick:  # the whole path at a tiny budget: 2 seeds x 2 steps of 2 x 32 tokens, 2 windows; records nothing
+        args.seeds, args.steps, args.batch, args.seq_len, args.windows = min(args.seeds, 2), 2, 2, 32, 2
+        args.no_record = True
+    if args.seeds < 2:
+        ap.error("--seeds must be at least 2: one run has no noise to compare against")
+    torch.set_num_threads(args.threads)
     tok = zoo.load_tokenizer(args.model)
     base = zoo.load(args.model, dtype=torch.float32).eval()
     heads = base.config.num_attention_heads
@@ -97,73 +119,67 @@ def main():
                                                      else args.shared_heads)
     ref = ppl(base, tok, args.windows)
 
-    runs, done = [], {}
-    fractions = list(args.fractions) + ([] if args.no_control else [1.0])
-    for f in fractions:
+    arms = {}  # active heads -> label; fractions that round to the same count are one arm
+    for f in list(args.fractions) + [1.0]:
         active = head_count(f, heads, "heads_per_token", 1)
-        label = "all (control)" if f == 1.0 else f"{f:.0%}"
-        if active in done:
-            runs.append((label, active, done[active]))
-            continue
-        model = zoo.apply(copy.deepcopy(base), "mixture-of-heads", heads_per_token=active, shared_heads=shared)
-        before = ppl(model, tok, args.windows)
-        t0 = time.perf_counter()
-        losses = tune(model, tok, args.steps, args.batch, args.seq_len, args.lr, args.balance, seed=1)
-        seconds = time.perf_counter() - t0
-        after = ppl(model, tok, args.windows)
-        r = routers(model)[0]
-        done[active] = {"before": before, "after": after, "shared": r.num_shared, "loss": (losses[0], losses[-1]),
-                        "seconds": seconds}
-        runs.append((label, active, done[active]))
-        print(f"{label}: {active}/{heads} heads, loss {losses[0]:.3f} -> {losses[-1]:.3f} in {seconds:.0f}s", flush=True)
+        arms.setdefault(active, "all heads (control)" if active == heads else f"{f:.0%}")
+    rows, geos = [], {active: [] for active in arms}
+    for seed in range(args.seeds):
+        for active, label in arms.items():
+            model = zoo.apply(copy.deepcopy(base), "mixture-of-heads", heads_per_token=active, shared_heads=shared)
+            t0 = time.perf_counter()
+            losses = tune(model, tok, args.steps, args.batch, args.seq_len, args.lr, args.balance, seed=seed)
+            after = ppl(model, tok, args.windows)
+            geos[active].append(geo(after))
+            rows.append({"heads/token": label, "active": f"{active}/{heads}", "shared": routers(model)[0].num_shared,
+                         "seed": seed, **{f"ppl {d}": round(after[d], 3) for d in DOMAINS},
+                         "ppl geo-mean": round(geos[active][-1], 4),
+                         **{f"x all (untuned) {d}": round(after[d] / ref[d], 4) for d in DOMAINS},
+                         "train loss first/last": f"{losses[0]:.3f}/{losses[-1]:.3f}",
+                         "seconds": round(time.perf_counter() - t0)})
+            print(rows[-1], flush=True)
+            del model
+    rows.insert(0, {"heads/token": "all (as shipped, untuned)", "active": f"{heads}/{heads}",
+                    **{f"ppl {d}": round(ref[d], 3) for d in DOMAINS}, "ppl geo-mean": round(geo(ref), 4)})
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print(f"\n{args.model}: {heads} heads per layer; {args.windows} held-out windows x 256 tokens per domain; "
+          f"router-only tune of {args.steps} steps x {args.batch} x {args.seq_len} tokens, lr {args.lr}, balance "
+          f"{args.balance}, seeds 0..{args.seeds - 1}")
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r.get(k, "")) for k in keys))
+    control = heads
+    judgements = {f"{active}/{heads} heads routed vs all {heads} heads, both tuned (ppl geo-mean)":
+                  matches_or_beats(judge(geos[active], geos[control])) for active in arms if active != control}
+    verdict = conclude("mixture-of-heads", judgements, "seeds")
+    print(f"\n{'quick run, ' if args.quick else ''}{time.perf_counter() - started:.0f} s"
+          + (", nothing recorded" if args.no_record else ""))
+    if not args.no_record:
+        record(args, heads, rows, judgements, verdict)
 
-    print(f"\n{args.model}: {heads} heads per layer; {args.windows} held-out windows x 256 tokens per domain; router-only "
-          f"tune of {args.steps} steps x {args.batch} x {args.seq_len} tokens, lr {args.lr}, balance {args.balance}")
-    print("all heads (the model as shipped): " + ", ".join(f"ppl {d} {ref[d]:.2f}" for d in DOMAINS))
-    head = f"{'heads/token':<16}{'active':>8}{'shared':>8}"
-    for d in DOMAINS:
-        head += f"{'before ' + d:>16}{'after ' + d:>16}{'x all ' + d:>14}"
-    print(head)
-    for label, active, r in runs:
-        row = f"{label:<16}{f'{active}/{heads}':>8}{r['shared']:>8}"
-        for d in DOMAINS:
-            row += f"{r['before'][d]:>16.2f}{r['after'][d]:>16.2f}{r['after'][d] / ref[d]:>14.3f}"
-        print(row)
-    print("x all = perplexity after the tune / perplexity with all heads (lower is better; < 1 beats the model)")
-    if args.record:
-        record(args, heads, ref, runs)
 
-
-def record(args, heads: int, ref: dict, runs: list) -> None:
-    """MoH's claim: routing each token to 50-90% of the heads matches or beats attention with all heads.
-    Verdict from the run just measured: holds when a routed fraction is at or below the all-heads perplexity in
-    every domain after the tune, in part when within 2% (or in one domain), else does not hold."""
+def record(args, heads: int, rows: list, judgements: dict, verdict: str) -> None:
+    """MoH's claim: routing each token to 50-90% of the heads matches or beats attention with all heads."""
     from zoo.evaluation.claims import record as record_claim
 
-    rows, best = [], None
-    for label, active, r in runs:
-        row = {"heads/token": label, "active": f"{active}/{heads}"}
-        for d in DOMAINS:
-            row[f"ppl {d} before"] = round(r["before"][d], 2)
-            row[f"ppl {d} after"] = round(r["after"][d], 2)
-            row[f"x all {d}"] = round(r["after"][d] / ref[d], 4)
-        rows.append(row)
-        if active < heads:
-            worst = max(r["after"][d] / ref[d] for d in DOMAINS)
-            best = worst if best is None else min(best, worst)
-    rows.insert(0, {"heads/token": "all (as shipped)", "active": f"{heads}/{heads}",
-                    **{f"ppl {d} after": round(ref[d], 2) for d in DOMAINS}})
-    some = any(r[f"x all {d}"] <= 1.0 for r in rows[1:] if r["active"] != f"{heads}/{heads}" for d in DOMAINS)
-    verdict = ("holds" if best is not None and best <= 1.0 else
-               "holds in part" if best is not None and (best <= 1.02 or some) else "does not hold")
-    summary = (f"Router-only tune of {args.steps} steps x {args.batch} x {args.seq_len} tokens (lr {args.lr}, balance "
-               f"{args.balance}; the paper continue-tunes the whole model), {args.windows} held-out windows x 256 "
-               f"tokens per domain, one thread; zoo-tiny-moe has {heads} heads, so the fractions are whole heads. "
-               f"Best routed fraction, worst domain: {best:.3f} x the all-heads perplexity.")
-    command = (f"python benchmarks/mixture_of_heads.py --steps {args.steps} --batch {args.batch} --windows {args.windows} --fractions "
-               + " ".join(f"{f:g}" for f in args.fractions) + " --record")
+    within = {name: f"{j['judge_verdict']}, margin {j['margin']:+.3f} vs noise {j['noise']:.3f}"
+              for name, j in judgements.items()}
+    summary = (f"{verdict_parts(judgements)} (the rule's own verdicts: "
+               + "; ".join(f"{n}: {w}" for n, w in within.items()) +
+               "; 'matches or beats' holds unless the routed arm is worse by more than the noise). Settings: "
+               f"router-only tune of {args.steps} steps x {args.batch} x {args.seq_len} tokens (lr {args.lr}, balance "
+               f"{args.balance}) for every arm, the control with all heads on tuned the same way; seeds "
+               f"{', '.join(map(str, range(args.seeds)))} (the batches; independent seeds: the arms' routers differ in "
+               f"shape); {args.windows} held-out windows x 256 tokens per domain; measure: geometric mean over domains "
+               f"of the perplexity; one thread; zoo-tiny-moe has {heads} heads, so the fractions are whole heads. The "
+               "paper continue-tunes the whole model for billions of tokens.")
+    command = "python benchmarks/mixture_of_heads.py" + "".join(
+        f" --{k} {v}" for k, v, default in (("steps", args.steps, 20), ("batch", args.batch, 4),
+                                           ("seq-len", args.seq_len, 256), ("windows", args.windows, 6),
+                                           ("seeds", args.seeds, 3)) if v != default) \
+        + ("" if args.fractions == [0.5, 0.75] else " --fractions " + " ".join(f"{f:g}" for f in args.fractions))
     path = record_claim("mixture-of-heads", "routing each token to 50-90% of the attention heads matches or beats "
-                        "attention with all heads", verdict, summary, rows, command, args.model)
+                        "attention with all heads", verdict, summary, rows, command, args.model, judgements=judgements)
     print(f"recorded: {verdict} -> {path}")
 
 

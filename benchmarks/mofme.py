@@ -10,10 +10,17 @@
 Every arm starts as the dense model (identity FiLM, renormalised top-k weights) and trains with
 ``benchmarks/upcycle.py``'s loop (``zoo.training.train``'s AdamW, warm-up + cosine, bf16 autocast, clipping, the
 load-balancing loss at 0.01), the FiLM vectors and routers at their own rate (``--film-lr``). Perplexity is
-``zoo.evaluation.eval`` on held-out windows (fp32, routers in eval mode). A difference under ``TIE`` (0.5%) counts as none.
+``zoo.evaluation.eval`` on held-out windows (fp32, routers in eval mode); the measure is its geometric mean over
+domains.
 
-    python benchmarks/mofme.py --steps 30 --batch 4 --windows 6     # the recorded run (a few CPU minutes)
-    python benchmarks/mofme.py --steps 2 --windows 2 --no-record     # smoke
+Every arm runs from each of ``--seeds`` seeds: seed s draws the router rows and the MC-dropout masks
+(``torch.manual_seed(s)``) and the batches (data seed ``--seed`` + s; the base was trained with 0). Each claim is
+decided by the one rule (``zoo.evaluation.claims.judge``): more experts against E = 1 over independent seeds (the
+arms differ in shape, so they do not start from the same weights); the uncertainty-aware router against the plain
+one paired by seed (same initial rows, same batches).
+
+    python benchmarks/mofme.py                      # the recorded run: 3 seeds x 3 arms (a few CPU minutes)
+    python benchmarks/mofme.py --quick              # 2 seeds x 2 steps, E = 1 and 4; records nothing
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from claim_args import conclude, geo, seed_args, verdict_parts  # noqa: E402
 from upcycle import measure, table  # noqa: E402  (the upcycle claims' measurement and table)
 
 import zoo  # noqa: E402
@@ -32,24 +40,15 @@ from zoo.data.corpus import DOMAINS  # noqa: E402
 from zoo.data.tokenizer import load_tokenizer  # noqa: E402
 from zoo.data.tokens import token_stream, train_batch  # noqa: E402
 from zoo.moe.layout import moe_layers, set_block, sync_layout  # noqa: E402
+from zoo.evaluation.claims import judge  # noqa: E402
 from zoo.training.train import TrainConfig, lr_at  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 SCOPE = ("Scope: a short continued-training run of an upcycled, already trained dense model; the paper trains MoFME "
          "from scratch to convergence (image restoration), where the experts have the whole run to specialise")
-TIE = 0.005  # relative perplexity difference below which two arms count as equal (run-to-run noise of this size)
 
 
-def better(a: float, b: float) -> bool:
-    """``a`` beats ``b`` by more than the tie margin."""
-    return a < b * (1 - TIE)
-
-
-def verdict_of(wins: list[bool]) -> str:
-    return "holds" if all(wins) else "does not hold" if not any(wins) else "holds in part"
-
-
-def continue_training(model, args, streams, label: str) -> dict:
+def continue_training(model, args, streams, label: str, seed: int) -> dict:
     """``benchmarks/upcycle.py``'s loop (AdamW, warm-up + cosine, bf16 autocast, clipping, balance loss), with the
     FiLM vectors and the routers in their own group at ``--film-lr``: vectors a few steps must move (as norms and
     biases often get a larger rate); every arm, the E=1 control included, gets the same groups."""
@@ -66,7 +65,7 @@ def continue_training(model, args, streams, label: str) -> dict:
     for step in tqdm(range(args.steps), desc=label):
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step) * group["scale"]
-        batch = train_batch(streams, step, args.batch, args.seq_len, seed=args.seed)
+        batch = train_batch(streams, step, args.batch, args.seq_len, seed=seed)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(input_ids=batch, labels=batch, output_router_logits=True)
         out.loss.backward()
@@ -101,88 +100,102 @@ def with_plain_router(model):
     return model
 
 
+def arm(build, args, streams, label: str, seed: int, tokenizer) -> dict:
+    """One arm from one seed: ``build()`` under ``torch.manual_seed(seed)`` (router rows, MC-dropout masks), trained
+    on data seed ``--seed`` + seed, measured on the held-out windows."""
+    torch.manual_seed(seed)
+    model = build()
+    trained = continue_training(model, args, streams, f"{label} s{seed}", args.seed + seed)
+    return {**measure(model, tokenizer, args), **trained}
+
+
 def main(argv=None):
+    started = time.perf_counter()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-4, help="the shared FFNs, attention, norms, embeddings")
     p.add_argument("--film-lr", type=float, default=1e-2, help="the FiLM vectors and the routers")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--experts", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--windows", type=int, default=8, help="held-out windows of seq-len tokens per domain")
-    p.add_argument("--seed", type=int, default=1, help="data seed (the base model was trained with seed 0)")
+    p.add_argument("--experts", type=int, nargs="+", default=[1, 16], help="E=1 is the control; the largest E also "
+                                                                          "runs with the plain router")
+    p.add_argument("--windows", type=int, default=6, help="held-out windows of seq-len tokens per domain")
+    p.add_argument("--seed", type=int, default=1, help="data seed of seed 0 (the base model was trained with 0)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-record", action="store_true")
-    args = p.parse_args(argv)
+    args = seed_args(p).parse_args(argv)
+    if args.quick:  # the whole path at a tiny budget: 2 seeds x 2 steps, E = 1 and 4, 2 windows; records nothing
+        args.seeds, args.steps, args.warmup, args.batch, args.seq_len = min(args.seeds, 2), 2, 1, 2, 64
+        args.experts, args.windows, args.no_record = [1, 4], 2, True
+    if args.seeds < 2:
+        p.error("--seeds must be at least 2: one run has no noise to compare against")
+    if 1 not in args.experts or len(args.experts) < 2:
+        p.error("--experts must hold 1 (the control) and at least one larger E")
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer()
     streams = {d: token_stream(d, "train", tokenizer) for d in DOMAINS}
 
-    rows = {"base (zoo-tiny-dense)": measure(dense(), tokenizer, args)}
-    names = {}
-    for E in args.experts:
-        k = min(2, E)
-        torch.manual_seed(0)  # the same MC-dropout masks stream for every arm
-        model = mofme(E, k)
-        name = f"mofme E={E} top-{k} +{args.steps}"
-        trained = continue_training(model, args, streams, name)
-        rows[name] = {**measure(model, tokenizer, args), **trained}
-        names[E] = name
-        del model
     E = max(args.experts)
-    torch.manual_seed(0)
-    model = with_plain_router(mofme(E, 2))
-    plain = f"mofme E={E} top-2, topk-softmax +{args.steps}"
-    trained = continue_training(model, args, streams, plain)
-    rows[plain] = {**measure(model, tokenizer, args), **trained}
-    del model
+    names = {e: f"mofme E={e} top-{min(2, e)}" for e in sorted(args.experts)}
+    plain = f"mofme E={E} top-2, topk-softmax"
+    builds = {**{names[e]: (lambda e=e: mofme(e, min(2, e))) for e in names}, plain: lambda: with_plain_router(mofme(E, 2))}
+    rows = {"base (zoo-tiny-dense)": measure(dense(), tokenizer, args)}
+    geos = {name: [] for name in builds}
+    for seed in range(args.seeds):
+        for name, build in builds.items():
+            r = arm(build, args, streams, name, seed, tokenizer)
+            rows[f"{name} s{seed}"] = r
+            geos[name].append(geo(r["ppl"]))
+            print(f"{name} s{seed}: ppl geo-mean {geos[name][-1]:.3f}, {r['seconds']:.0f} s", flush=True)
 
+    seeds = ", ".join(map(str, range(args.seeds)))
     settings = (f"N={args.steps} steps of {args.batch}x{args.seq_len} tokens, lr {args.lr} (FiLM vectors and routers "
                 f"{args.film_lr}; warm-up {args.warmup}, cosine to 10%), router rows N(0, initializer_range^2), "
-                f"uncertainty-aware router 4 MC samples at dropout 0.1 in training, {args.windows} held-out windows "
-                f"per domain, "
+                f"uncertainty-aware router 4 MC samples at dropout 0.1 in training, seeds {seeds} (data seeds "
+                f"{args.seed}..{args.seed + args.seeds - 1}), {args.windows} held-out windows of {args.seq_len} tokens "
+                f"per domain, measure: geometric mean over domains of the perplexity, "
                 f"{torch.get_num_threads()} thread(s)")
     print(f"\n{settings}\n")
     print(table(rows))
 
     numbers = [{"model": n, **{f"ppl {d}": round(r["ppl"][d], 3) for d in DOMAINS},
+                "ppl geo-mean": round(geo(r["ppl"]), 4),
                 "params (M)": round(r["size"]["params"] / 1e6, 4),
                 "active (M)": round(r["size"]["active_params"] / 1e6, 4),
                 **({"train loss": round(r["train_loss"], 3)} if "train_loss" in r else {})} for n, r in rows.items()]
-
-    def ppl(name):
-        return rows[name]["ppl"]
-
-    # experts claim: perplexity falls as E grows (each larger E below each smaller one, per domain)
-    order = sorted(names)
-    steps = [(a, b) for a, b in zip(order, order[1:])]
-    wins = [better(ppl(names[b])[d], ppl(names[a])[d]) for a, b in steps for d in DOMAINS]
-    verdict = verdict_of(wins)
-    params = ", ".join(f"E={e} {rows[names[e]]['size']['params'] / 1e6:.3f}M" for e in order)
-    text = "; ".join(f"E={e}: " + ", ".join(f"{d} {ppl(names[e])[d]:.2f}" for d in DOMAINS) for e in order)
-    summary = (f"held-out ppl {text}; params {params} (each expert adds 2*I FiLM numbers and a router row per "
-               f"layer); a larger E counts as better only when its ppl is lower by more than {TIE:.1%}. {settings}. "
-               f"{SCOPE}.")
-    # router claim: uncertainty-aware vs plain softmax at E experts
-    u, s = ppl(names[E]), ppl(plain)
-    rverdict = verdict_of([better(u[d], s[d]) for d in DOMAINS])
-    rtext = ", ".join(f"{d} ppl {u[d]:.2f} vs {s[d]:.2f} ({(u[d] / s[d] - 1) * 100:+.1f}%)" for d in DOMAINS)
-    print(f"mofme: {verdict} ({text})")
-    print(f"uncertainty-aware: {rverdict} ({rtext})")
+    control = names[1]
+    experts = {f"{names[e]} vs {control} (ppl geo-mean)": judge(geos[names[e]], geos[control])
+               for e in sorted(args.experts) if e > 1}
+    router = {f"{names[E]} (uncertainty-aware) vs {plain} (ppl geo-mean)":
+              judge(geos[names[E]], geos[plain], paired=True)}
+    verdict = conclude("mofme", experts, "seeds")
+    rverdict = conclude("uncertainty-aware", router, "seeds, paired by seed")
+    print(f"\n{'quick run, ' if args.quick else ''}{time.perf_counter() - started:.0f} s"
+          + (", nothing recorded" if args.no_record else ""))
     if args.no_record:
         return
     from zoo.evaluation.claims import record
 
-    command = (f"python benchmarks/mofme.py --steps {args.steps} --batch {args.batch} --windows {args.windows} "
-               f"--lr {args.lr} --film-lr {args.film_lr} --experts {' '.join(map(str, args.experts))}")
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    params = ", ".join(f"E={e} {rows[f'{names[e]} s0']['size']['params'] / 1e6:.3f}M" for e in sorted(names))
+    text = "; ".join(f"E={e} {mean(geos[names[e]]):.3f}" for e in sorted(names))
+    command = "python benchmarks/mofme.py" + "".join(
+        f" --{k} {v}" for k, v, default in (("steps", args.steps, 30), ("batch", args.batch, 4),
+                                           ("windows", args.windows, 6), ("seeds", args.seeds, 3)) if v != default) \
+        + ("" if args.experts == [1, 16] else " --experts " + " ".join(map(str, args.experts)))
     record("mofme", "MoFME: more feature-modulated experts at near-constant parameters lower perplexity "
-           "(upcycled zoo-tiny-dense, equal training steps)", verdict, summary, numbers, command, "zoo-tiny-dense")
+           "(upcycled zoo-tiny-dense, equal training steps)", verdict,
+           f"{verdict_parts(experts)}. Mean held-out ppl geo-mean over seeds: {text}; params {params} (each expert "
+           "adds 2*I FiLM numbers and a router row per layer). The control is E=1: the same shared FFN under one "
+           "trained FiLM, the same optimiser groups, steps and batches; the arms differ in shape, so the seeds are "
+           f"independent (noise: the larger arm's spread). {settings}. {SCOPE}.", numbers, command, "zoo-tiny-dense",
+           judgements=experts)
     record("uncertainty-aware", "MoFME's uncertainty-aware router beats a plain linear top-k softmax router over "
            "the same FiLM experts, at equal steps", rverdict,
-           f"{names[E]} vs {plain}: {rtext} (better only by more than {TIE:.1%}). Same initial router rows, same "
-           f"batches. {settings}. {SCOPE}.", numbers, command,
-           "zoo-tiny-dense")
+           f"{verdict_parts(router)}: ppl geo-mean {mean(geos[names[E]]):.3f} vs {mean(geos[plain]):.3f}. Same "
+           "initial router rows and batches per seed (paired by seed; noise: the spread of the per-seed "
+           f"differences). {settings}. {SCOPE}.", numbers, command, "zoo-tiny-dense", judgements=router)
 
 
 if __name__ == "__main__":
