@@ -8,35 +8,62 @@
   (beta 0.1), then collapsed to one FFN per layer (the dense model's size and cost), beats the dense model
   trained N more steps.
 
-Both arms start from the shipped zoo-tiny-dense (Mistral, 6.0M params) and see the same batches (the train
-split, data seed 1: other windows than the base's training), the same lr schedule (warm-up, cosine to 10%),
-AdamW, bf16 autocast and gradient clipping as ``zoo.training.train``. The upcycled arm adds the load-balancing loss
-(coefficient 0.01, as the zoo's own MoE was trained). Held-out perplexity per domain is ``zoo.evaluation.eval`` (fp32).
+Every arm starts from the shipped zoo-tiny-dense (Mistral, 6.0M params) and trains with the same lr schedule
+(warm-up, cosine to 10%), AdamW, bf16 autocast and gradient clipping as ``zoo.training.train``; the MoE arms add the
+load-balancing loss (coefficient 0.01, as the zoo's own MoE was trained). Each arm is trained from each of ``--seeds``
+seeds: repeat s draws the batches with data seed s + 1 (the train split; the base was trained with seed 0) and seeds
+the adapters' random parts (routers, EWA's partitions) with s, so all arms of a seed start from the same dense
+weights and see the same batches: each claim is judged paired by seed (``zoo.evaluation.claims.judge``). The measure
+is the geometric mean over domains of the held-out perplexity (``zoo.evaluation.eval``, fp32, the same windows for
+every model).
 
-    python benchmarks/upcycle.py                          # N=150, 8 experts top-2 (about 30 min, one thread)
-    python benchmarks/upcycle.py --steps 40 --batch 8 --windows 8   # the recorded run (about 10 min)
-    python benchmarks/upcycle.py --steps 2 --windows 2 --no-record    # smoke
+    python benchmarks/upcycle.py                  # N=12 steps of 4 x 256 tokens, 3 seeds (about 4 min, one thread)
+    python benchmarks/upcycle.py --no-record      # print only
+    python benchmarks/upcycle.py --quick          # 2 seeds x 1 step of 2 x 64 tokens; records nothing
 """
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 from tqdm.auto import tqdm
 
-import zoo
-from zoo.data.corpus import DOMAINS
-from zoo.data.tokenizer import load_tokenizer
-from zoo.data.tokens import token_stream, train_batch
-from zoo.evaluation.eval import perplexity_and_usage, sizes
-from zoo.moe.layout import moe_layers
-from zoo.training.train import TrainConfig, lr_at
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from claim_args import conclude, geo, seed_args, show, verdict_parts  # noqa: E402
+import zoo  # noqa: E402
+from zoo.data.corpus import DOMAINS, load_text  # noqa: E402
+from zoo.data.tokenizer import load_tokenizer  # noqa: E402
+from zoo.data.tokens import token_stream, train_batch  # noqa: E402
+from zoo.evaluation.eval import perplexity_and_usage, sizes  # noqa: E402
+from zoo.moe.layout import moe_layers  # noqa: E402
+from zoo.training.train import TrainConfig, lr_at  # noqa: E402
+
+UNIT = "seeds, paired by seed"
+SETTINGS = ("steps", "batch", "seq_len", "lr", "warmup", "experts", "top_k", "gate", "windows", "ewa_beta", "seeds")
+# what the papers trained, for the summaries (our runs are a few dozen steps of continued training)
+BUDGETS = {
+    "upcycle": "the paper continues T5 and ViT checkpoints with an extra budget of up to about 50% of their dense "
+               "pretraining cost (its abstract)",
+    "moefy": "the paper tunes an open-vocabulary detector on large detection datasets for full training schedules",
+    "ewa": "the paper trains vision transformers with EWA over full training schedules (from scratch and fine-tuning)",
+}
 
 
-def continue_training(model, args, streams, label: str, setup=None) -> dict:
-    """``args.steps`` more steps of ``zoo.training.train``'s loop; returns seconds and the mean LM loss of the last 20.
-    ``setup(optimizer)``: installs training-time hooks (EWA) and returns their handle."""
+def train_streams(tokenizer, quick: bool = False) -> dict:
+    """{domain: the train split's token ids}; ``quick``: its first 100k characters only (tokenizing the whole split
+    takes ~10 s)."""
+    if not quick:
+        return {d: token_stream(d, "train", tokenizer) for d in DOMAINS}
+    return {d: torch.tensor(tokenizer(load_text(d, "train")[:100_000])["input_ids"], dtype=torch.int32)
+            for d in DOMAINS}
+
+
+def continue_training(model, args, streams, label: str, data_seed: int, setup=None) -> dict:
+    """``args.steps`` more steps of ``zoo.training.train``'s loop on the batches of ``data_seed``; returns seconds
+    and the mean LM loss of the last 20. ``setup(optimizer)``: installs training-time hooks (EWA), returns a handle."""
     cfg = TrainConfig(lr=args.lr, warmup=args.warmup, steps=args.steps, min_lr_ratio=0.1)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -49,7 +76,7 @@ def continue_training(model, args, streams, label: str, setup=None) -> dict:
     for step in tqdm(range(args.steps), desc=label):
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
-        ids = train_batch(streams, step, args.batch, args.seq_len, seed=args.seed)
+        ids = train_batch(streams, step, args.batch, args.seq_len, seed=data_seed)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(input_ids=ids, labels=ids, output_router_logits=moe)
         out.loss.backward()
@@ -86,96 +113,151 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--gate", default="random", choices=("random", "hidden"))
-    p.add_argument("--windows", type=int, default=24, help="held-out windows of seq-len tokens per domain")
-    p.add_argument("--seed", type=int, default=1, help="data seed (the base model was trained with seed 0)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--ewa-beta", type=float, default=0.1)
-    p.add_argument("--no-record", action="store_true")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    tokenizer = load_tokenizer()
-    streams = {d: token_stream(d, "train", tokenizer) for d in DOMAINS}
+def summary_rows(runs: dict[str, list[dict]]) -> list[dict]:
+    """One row per arm: per-domain perplexity and geo-mean (means over its seeds), the geo-mean of each seed."""
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    out = []
+    for name, rs in runs.items():
+        row = {"model": name, **{f"ppl {d}": round(mean([r["ppl"][d] for r in rs]), 3) for d in DOMAINS},
+               "geo-mean": round(mean([geo(r["ppl"]) for r in rs]), 3),
+               "geo-mean by seed": "/".join(f"{geo(r['ppl']):.3f}" for r in rs),
+               "params (M)": round(rs[0]["size"]["params"] / 1e6, 3),
+               "active (M)": round(rs[0]["size"]["active_params"] / 1e6, 3)}
+        if "train_loss" in rs[0]:
+            row["train loss"] = round(mean([r["train_loss"] for r in rs]), 3)
+        out.append(row)
+    return out
+
+
+def arms(args, seed: int) -> dict:
+    """{name: (build() -> model, training setup or None, after training or None)} of the mechanism arms of repeat
+    ``seed``; the arms without an after-training step start as the dense model (lossless at init)."""
+    from zoo_adapters.ewa import Ewa
 
     def dense():
         return zoo.load("zoo-tiny-dense", dtype=torch.float32).eval()
 
-    rows = {"base (zoo-tiny-dense)": measure(dense(), tokenizer, args)}
-    up = zoo.apply(dense(), "upcycle", num_experts=args.experts, top_k=args.top_k, gate=args.gate)
-    rows["upcycled, at init"] = measure(up, tokenizer, args)
-    model = dense()
-    trained = continue_training(model, args, streams, f"dense +{args.steps}")
-    rows[f"dense +{args.steps}"] = {**measure(model, tokenizer, args), **trained}
-    trained = continue_training(up, args, streams, f"upcycled +{args.steps}")
-    up_name = f"upcycled {args.experts}x top-{args.top_k} +{args.steps}"
-    rows[up_name] = {**measure(up, tokenizer, args), **trained}
-    del up
-    fy = zoo.apply(dense(), "moefy", num_experts=8, top_k=2)
-    rows["moefy 8 of I/2 top-2, at init"] = measure(fy, tokenizer, args)
-    trained = continue_training(fy, args, streams, f"moefy +{args.steps}")
-    fy_name = f"moefy 8 of I/2 top-2 +{args.steps}"
-    rows[fy_name] = {**measure(fy, tokenizer, args), **trained}
-    del fy
-    from zoo_adapters.ewa import Ewa
+    def ewa():
+        return zoo.apply(zoo.apply(dense(), "upcycle", num_experts=4, top_k=1, seed=seed), "ewa",
+                         beta=args.ewa_beta, seed=seed)
 
-    ew = zoo.apply(zoo.apply(dense(), "upcycle", num_experts=4, top_k=1), "ewa", beta=args.ewa_beta)
-    trained = continue_training(ew, args, streams, f"ewa +{args.steps}",
-                                setup=lambda opt: Ewa.from_model(ew).register(opt, ew))
-    zoo.apply(ew, "ewa", collapse=True)
-    ew_name = f"ewa 4 experts +{args.steps}, collapsed"
-    rows[ew_name] = {**measure(ew, tokenizer, args), **trained}
-    settings = (f"N={args.steps} steps of {args.batch}x{args.seq_len} tokens, lr {args.lr} (warm-up {args.warmup}, "
-                f"cosine to 10%), gate={args.gate}, {args.windows} held-out windows per domain, "
-                f"{torch.get_num_threads()} thread(s)")
-    print(f"\n{settings}\n")
-    print(table(rows))
+    return {
+        f"upcycled {args.experts}x top-{args.top_k}": (
+            lambda: zoo.apply(dense(), "upcycle", num_experts=args.experts, top_k=args.top_k, gate=args.gate,
+                              seed=seed), None, None),
+        "moefy 8 of I/2 top-2": (lambda: zoo.apply(dense(), "moefy", num_experts=8, top_k=2, seed=seed), None, None),
+        "ewa 4 experts, collapsed": (ewa, lambda model: lambda opt: Ewa.from_model(model).register(opt, model),
+                                     lambda model: zoo.apply(model, "ewa", collapse=True)),
+    }
+
+
+def main(argv=None):
+    started = time.perf_counter()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--gate", default="random", choices=("random", "hidden"))
+    p.add_argument("--windows", type=int, default=8, help="held-out windows of seq-len tokens per domain")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ewa-beta", type=float, default=0.1)
+    p.add_argument("--no-record", action="store_true")
+    args = seed_args(p).parse_args(argv)
+    if args.quick:  # a smoke run of the whole path: 2 seeds x 1 step of 2 x 64 tokens, 2 windows; records nothing
+        args.seeds, args.steps, args.batch, args.seq_len, args.windows = min(args.seeds, 2), 1, 2, 64, 2
+        args.warmup, args.no_record = 1, True
+    if args.seeds < 2:
+        raise SystemExit("--seeds must be at least 2: one run has no noise to compare against")
+    torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer()
+    streams = train_streams(tokenizer, args.quick)
+    from zoo.evaluation.claims import judge, same_weights
+
+    base = zoo.load("zoo-tiny-dense", dtype=torch.float32).eval()
+    printed = {"base (zoo-tiny-dense)": measure(base, tokenizer, args)}
+    del base
     dense_name = f"dense +{args.steps}"
-    d = rows[dense_name]["ppl"]
+    runs, same = {dense_name: []}, {}
+    for seed in range(args.seeds):
+        torch.manual_seed(seed)
+        control = zoo.load("zoo-tiny-dense", dtype=torch.float32).eval()
+        trained = continue_training(control, args, streams, f"{dense_name} s{seed}", seed + 1)
+        runs[dense_name].append({**measure(control, tokenizer, args), **trained})
+        printed[f"{dense_name} s{seed}"] = runs[dense_name][-1]
+        for name, (build, setup, after) in arms(args, seed).items():
+            torch.manual_seed(seed)
+            model = build()
+            if seed == 0 and after is None:  # lossless at init: the dense model's perplexity
+                printed[f"{name}, at init"] = measure(model, tokenizer, args)
+            trained = continue_training(model, args, streams, f"{name} +{args.steps} s{seed}", seed + 1,
+                                        setup(model) if setup else None)
+            if after is not None:
+                after(model)
+            label = f"{name} +{args.steps}"
+            runs.setdefault(label, []).append({**measure(model, tokenizer, args), **trained})
+            printed[f"{label} s{seed}"] = runs[label][-1]
+            same.setdefault(label, []).append(same_weights(model, control))
+            del model
+        del control
+    settings = (f"N={args.steps} steps of {args.batch}x{args.seq_len} tokens from zoo-tiny-dense, lr {args.lr} "
+                f"(warm-up {args.warmup}, cosine to 10%), gate={args.gate}, seeds {', '.join(map(str, range(args.seeds)))} "
+                f"(data seed s + 1, adapters seeded with s: all arms of a seed see the same batches), {args.windows} "
+                f"held-out windows of {args.seq_len} tokens per domain, {torch.get_num_threads()} thread(s)")
+    print(f"\n{settings}\n")
+    print(table(printed))
+    rows = [{"model": "base (zoo-tiny-dense)", **{f"ppl {d}": round(printed['base (zoo-tiny-dense)']['ppl'][d], 3)
+                                                  for d in DOMAINS},
+             "geo-mean": round(geo(printed["base (zoo-tiny-dense)"]["ppl"]), 3)}] + summary_rows(runs)
+    print()
+    show(rows)
 
-    def compare(name):
-        u = rows[name]["ppl"]
-        wins = [u[k] < d[k] for k in DOMAINS]
-        verdict = "holds" if all(wins) else "does not hold" if not any(wins) else "holds in part"
-        return verdict, ", ".join(f"{k} ppl {u[k]:.2f} vs {d[k]:.2f} ({(u[k] / d[k] - 1) * 100:+.1f}%)" for k in DOMAINS)
+    def part(label: str) -> dict:
+        judged = judge([geo(r["ppl"]) for r in runs[label]], [geo(r["ppl"]) for r in runs[dense_name]],
+                       paired=True, same_model=all(same[label]),
+                       why_same="training left the arm bit-identical to the dense control" if all(same[label]) else "")
+        return {f"{label} vs {dense_name}, held-out geo-mean ppl": judged}
 
-    numbers = [{"model": name, **{f"ppl {k}": round(r["ppl"][k], 3) for k in DOMAINS},
-                "params (M)": round(r["size"]["params"] / 1e6, 3), "active (M)": round(r["size"]["active_params"] / 1e6, 3),
-                **({"train loss": round(r["train_loss"], 3)} if "train_loss" in r else {})} for name, r in rows.items()]
+    up, fy, ew = (f"{name} +{args.steps}" for name in arms(args, 0))
     claims = [
         ("upcycle", "Sparse Upcycling: the upcycled dense model trained N more steps beats the dense model trained the "
-         "same N more steps", up_name, f"8 copies top-2, so twice the dense FFN compute per token; {settings}"),
+         "same N more steps", up, f"{args.experts} copies top-{args.top_k}, so {args.top_k}x the dense FFN compute per "
+         "token"),
         ("moefy", "Dynamic-DINO: the granularity-decomposed MoE (lossless at init) tuned N steps beats the dense model "
-         "tuned N steps at equal active parameters", fy_name,
-         f"8 experts of I/2, top-2, grouped init (the paper's); at init it is the dense model; {settings}"),
+         "tuned N steps at equal active parameters", fy,
+         "8 experts of I/2, top-2, grouped init (the paper's); at init it is the dense model"),
         ("ewa", "EWA: training as an MoE (random-partition routing, experts weights averaging) then averaging back to "
-         "one FFN beats plain training of the dense model, at the same inference cost", ew_name,
-         f"upcycled to 4 copies, beta {args.ewa_beta}, collapsed after training; {settings}"),
+         "one FFN beats plain training of the dense model, at the same inference cost", ew,
+         f"upcycled to 4 copies, beta {args.ewa_beta}, collapsed after training"),
     ]
-    base_ppl = rows["base (zoo-tiny-dense)"]["ppl"]
-    worse = all(rows[n]["ppl"][k] > base_ppl[k] for n in (dense_name, up_name, fy_name, ew_name) for k in DOMAINS)
-    caveat = (f"; every trained arm ends above the untrained base (ppl {', '.join(f'{k} {base_ppl[k]:.2f}' for k in DOMAINS)}): "
-              f"{args.steps} steps at a re-warmed lr {args.lr} measure the early transient of continued training, "
-              "not a converged comparison") if worse else ""
-    claims = [(c, t, n, note + caveat) for c, t, n, note in claims]
-    command = f"python benchmarks/upcycle.py --steps {args.steps} --batch {args.batch} --windows {args.windows}"
-    for component, claim, name, note in claims:
-        verdict, text = compare(name)
-        print(f"{component}: {verdict} ({text})")
-        if not args.no_record:
-            from zoo.evaluation.claims import record
+    print()
+    judged = [(component, claim, label, note, part(label)) for component, claim, label, note in claims]
+    verdicts = [conclude(f"{component}: {claim}", parts, UNIT) for component, claim, _, _, parts in judged]
+    print(f"\n{'quick run, ' if args.quick else ''}{time.perf_counter() - started:.0f} s"
+          + (", nothing recorded" if args.no_record else ""))
+    if args.no_record:
+        return
+    from zoo.evaluation.claims import record
 
-            record(component, claim, verdict, f"{name} vs {dense_name}: {text}. {note}.", numbers, command,
-                   "zoo-tiny-dense")
+    base_geo = rows[0]["geo-mean"]
+    means = {r["model"]: r["geo-mean"] for r in rows}
+    caveat = (f" Every trained arm ends above the untrained base (geo-mean ppl {base_geo}): {args.steps} steps at a "
+              f"re-warmed lr {args.lr} measure the early transient of continued training, not a converged comparison."
+              if all(means[label] > base_geo for label in runs) else "")
+    command = "python benchmarks/upcycle.py" + "".join(
+        f" --{dest.replace('_', '-')} {getattr(args, dest)}" for dest in SETTINGS
+        if getattr(args, dest) != p.get_default(dest))
+    for (component, claim, label, note, parts), verdict in zip(judged, verdicts):
+        j = next(iter(parts.values()))
+        summary = (f"{verdict_parts(parts)}: geo-mean held-out ppl {j['mechanism']:.3f} vs {j['control']:.3f} for "
+                   f"{dense_name} (margin {j['margin']:+.3f}, noise {j['noise']:.3f} over {j['repeats']} {UNIT}). "
+                   f"{note}. Settings: {settings}.{caveat} Scale: {BUDGETS[component]}; this run is "
+                   f"{args.steps * args.batch * args.seq_len} tokens.")
+        record(component, claim, verdict, summary, rows, command, "zoo-tiny-dense", judgements=parts)
+    print("recorded: docs/claims/upcycle.json, moefy.json, ewa.json")
 
 
 if __name__ == "__main__":
