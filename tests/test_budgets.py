@@ -105,7 +105,7 @@ def test_error_curve_is_zero_at_full_count_and_matches_a_direct_computation(one_
 
 
 @pytest.mark.parametrize("name,allocation", [("prune-frequency", "global"), ("hc-smoe", "global"),
-                                             ("hodge-cover", "error")])
+                                             ("hodge-cover", "error"), ("sub-moe", "global")])
 def test_budgets_stream_with_identical_tensors_and_reload(name, allocation, tmp_path, one_thread):
     native = tmp_path / "native"
     tiny_native("olmoe").save_pretrained(native)

@@ -143,7 +143,7 @@ def reference_similarity(model):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
-def test_sub_moe_default_clusters_by_output_cosine_and_truncates(family, tmp_path):
+def test_sub_moe_default_clusters_by_output_cosine_at_full_rank(family, tmp_path):
     from sklearn.cluster import KMeans
 
     model = zoo.convert(tiny_native(family))
@@ -159,19 +159,57 @@ def test_sub_moe_default_clusters_by_output_cosine_and_truncates(family, tmp_pat
         assert sorted(step["results"]["clusters"][str(i)]) == expect
         assert moe.num_experts == n and moe.router.num_experts == E  # the router keeps its rows
         params = step["results"]["parameters"][str(i)]
-        assert params["factored_at_rank"] < params["dense"]  # the default truncates: intra-expert compression
+        assert params["factored_at_rank"] == params["dense"]  # the default keeps the whole rank: nothing truncated
     assert reload_max_diff(model, CAL[0], tmp_path / "m") < 1e-6
 
 
-def test_sub_moe_default_rank_is_not_plain_averaging():
+def first_layer_merge(model, rank_ratio):
+    """sub-moe on ``model``'s first MoE layer, recomputed from its original weights: (clusters, per cluster the
+    reference merged (gate_up, down) in float64, the merged model's first block)."""
+    from zoo_compressors.sub_moe import subspace_parts
+
+    old = copy.deepcopy(moe_layers(model)[0][1].experts)
+    count = reference(model)[moe_layers(model)[0][0]][1]  # the first layer sees the same tokens before and after
+    options = {} if rank_ratio is None else {"rank_ratio": rank_ratio}
+    merged = zoo.apply(copy.deepcopy(model), "sub-moe", calibration=CAL, num_experts=2, **options)
+    clusters = merged.config.zoo_recipe[-1]["results"]["clusters"][str(moe_layers(model)[0][0])]
+    freq = count.double() + 1e-9
+    expect = []
+    for members in clusters:
+        pair = []
+        for name in ("gate_up_proj", "down_proj"):
+            u, v, r = subspace_parts([getattr(old, name)[m] for m in members], freq[members], rank_ratio or 1.0)
+            pair.append((u, v, r))
+        expect.append(pair)
+    return clusters, expect, old, freq, moe_layers(merged)[0][1]
+
+
+def test_sub_moe_truncated_expert_is_the_dense_product_of_its_factors():
+    import torch.nn.functional as F
+
     model = zoo.convert(tiny_native("mixtral"))
-    a = zoo.apply(copy.deepcopy(model), "sub-moe", calibration=CAL, num_experts=2)
-    b = zoo.apply(copy.deepcopy(model), "sub-moe", calibration=CAL, num_experts=2, rank_ratio=1.0)
-    # the first layer sees the same tokens in both: same clusters, different weights (later layers see different
-    # tokens, as each comes after its own compressed layers)
-    assert a.config.zoo_recipe[-1]["results"]["clusters"]["0"] == b.config.zoo_recipe[-1]["results"]["clusters"]["0"]
-    x, y = moe_layers(a)[0][1], moe_layers(b)[0][1]
-    assert (x.experts.gate_up_proj - y.experts.gate_up_proj).abs().max().item() > 1e-4
+    clusters, expect, old, freq, moe = first_layer_merge(model, 0.5)
+    x = torch.randn(5, moe.router.hidden_size, generator=torch.Generator().manual_seed(0))
+    for g, ((u1, v1, r1), (u2, v2, r2)) in enumerate(expect):
+        assert r1 < min(u1.shape[0], v1.shape[1] * len(clusters[g])) or r1 == 1  # truncated
+        torch.testing.assert_close(moe.experts.gate_up_proj[g].double(), u1 @ v1, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(moe.experts.down_proj[g].double(), u2 @ v2, rtol=1e-5, atol=1e-6)
+        # the expert's output is the SwiGLU of the factors' product, applied factor by factor
+        h = moe.experts.glu(F.linear(F.linear(x.double(), v1), u1).float())
+        want = F.linear(F.linear(h.double(), v2), u2)
+        torch.testing.assert_close(moe.experts.expert(g, x).double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_sub_moe_default_is_plain_averaging_and_truncation_is_not():
+    model = zoo.convert(tiny_native("mixtral"))
+    clusters, _, old, freq, full = first_layer_merge(model, None)
+    clusters_low, _, _, _, low = first_layer_merge(model, 0.5)
+    assert clusters == clusters_low  # the first layer sees the same tokens in both: the same clusters
+    for g, members in enumerate(clusters):
+        w = (freq[members] / freq[members].sum()).view(-1, 1, 1)
+        avg = (old.gate_up_proj[members].double() * w).sum(0)
+        torch.testing.assert_close(full.experts.gate_up_proj[g].double(), avg, rtol=1e-5, atol=1e-6)
+    assert (full.experts.gate_up_proj - low.experts.gate_up_proj).abs().max().item() > 1e-4
 
 
 # ---- the expert map ---------------------------------------------------------------------------------------------

@@ -8,9 +8,12 @@ experts' mean outputs.
 Subspace merging: for each cluster and projection, one SVD of the members' weights concatenated along the input
 dimension, ``[W_1 ... W_m] = U S [V_1^T ... V_m^T]``, gives a left subspace ``U`` shared by the cluster; the members'
 right parts ``S V_e^T`` are merged by routing frequency, and the cluster's expert is ``U (sum_e f_e S V_e^T)``.
-Intra-expert compression keeps ``rank_ratio`` of the joint rank (default 0.5): at 1.0 the shared basis is complete
-and the merge is exactly the frequency-weighted average of the members. The merged weight is stored dense; the
-results record what its factored form (``U`` and the merged ``V`` at the kept rank) would hold.
+Intra-expert compression keeps ``rank_ratio`` of the joint rank. The default, 1.0, keeps it all: the shared basis is
+complete and the merge is exactly the frequency-weighted average of the members (up to float rounding). Below 1.0 the
+merged expert is the average projected onto the top of the shared subspace, but it is still stored dense, as
+``U V``: a truncated rank loses information and saves no bytes here (the zoo has no per-expert low-rank storage; the
+``factored`` experts of moe-svd share one ``V`` per layer). The results record, per layer, the parameters of the
+dense merged experts and what their factored form (``U`` and the merged ``V`` at the kept rank) would hold.
 
 The router keeps all its rows, each original expert served by its cluster's merged expert (``router="map"``, as
 hc-smoe); ``router="cut"`` keeps one row per cluster (its most routed member's).
@@ -61,7 +64,7 @@ def output_similarity(moe, x: torch.Tensor, chunk: int = 512) -> torch.Tensor:
 class SubMoe(ExpertCountCompressor):
     name = "sub-moe"
     summary = ("Sub-MoE: K-means clusters of experts by output cosine similarity, one joint SVD per cluster "
-               "(shared U), frequency-merged V at a truncated rank.")
+               "(shared U), frequency-merged V (rank_ratio below 1 truncates it, stored dense).")
     paper = "Li et al., Sub-MoE: Efficient Mixture-of-Expert LLMs Compression via Subspace Expert Merging, 2025, arXiv:2506.23266"
     card = "cards/sub-moe.md"
     space = "compression-lab"
@@ -71,15 +74,16 @@ class SubMoe(ExpertCountCompressor):
     @classmethod
     def demo_controls(cls, model=None):
         return [*super().demo_controls(model),
-                Control("rank_ratio", "float", 0.5, low=0.05, high=1.0, step=0.05,
-                        help="rank kept of the shared basis (1.0: plain frequency-weighted averaging)"),
+                Control("rank_ratio", "float", 1.0, low=0.05, high=1.0, step=0.05,
+                        help="rank kept of the shared basis (1.0: plain frequency-weighted averaging; below, a "
+                             "truncated merge, still stored dense: no bytes saved)"),
                 Control("clustering", "choice", "cosine", choices=CLUSTERINGS,
                         help="cosine: K-means on output cosine similarity (the paper's); euclidean: on mean outputs"),
                 Control("router", "choice", "map", choices=ROUTERS,
                         help="map: the router keeps every row; cut: one row per merged expert")]
 
-    def __init__(self, num_experts: int, rank_ratio: float = 0.5, clustering: str = "cosine", router: str = "map",
-                 seed: int = 0):
+    def __init__(self, num_experts: int, rank_ratio: float = 1.0, clustering: str = "cosine", router: str = "map",
+                 seed: int = 0, allocation: str = "uniform"):
         if isinstance(rank_ratio, bool) or not isinstance(rank_ratio, (int, float)) or not 0 < rank_ratio <= 1:
             raise ValueError(f"rank_ratio must be in (0, 1], got {rank_ratio!r}")
         if clustering not in CLUSTERINGS:
@@ -89,7 +93,7 @@ class SubMoe(ExpertCountCompressor):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         super().__init__(num_experts=num_experts, rank_ratio=rank_ratio, clustering=clustering, router=router,
-                         seed=seed)
+                         seed=seed, allocation=allocation)
         self.rank_ratio, self.clustering, self.router, self.seed = float(rank_ratio), clustering, router, int(seed)
 
     def check_layer(self, index, block) -> None:
@@ -103,18 +107,17 @@ class SubMoe(ExpertCountCompressor):
         features = (output_similarity(block, inputs) if self.clustering == "cosine" else stats.mean_output)
         return self.rebuild(block, stats, features)
 
-    def clusters(self, features: torch.Tensor) -> list[list[int]]:
+    def clusters(self, features: torch.Tensor, count: int) -> list[list[int]]:
         from sklearn.cluster import KMeans  # imported on use: scikit-learn is heavy for `import zoo`
 
-        if self.num_experts >= len(features):
+        if count >= len(features):
             return [[i] for i in range(len(features))]
-        labels = KMeans(n_clusters=self.num_experts, n_init=10, random_state=self.seed).fit(
-            features.float().numpy()).labels_
-        return [sorted(int(i) for i in (labels == c).nonzero()[0]) for c in range(self.num_experts)]
+        labels = KMeans(n_clusters=count, n_init=10, random_state=self.seed).fit(features.float().numpy()).labels_
+        return [sorted(int(i) for i in (labels == c).nonzero()[0]) for c in range(count)]
 
     @torch.no_grad()
     def rebuild(self, moe, stats, features):
-        groups = self.clusters(features)
+        groups = self.clusters(features, self.count_for(stats.layer))
         layer = str(stats.layer)
         self.results.setdefault("clusters", {})[layer] = groups
         freq = stats.counts.double() + 1e-9
