@@ -162,3 +162,27 @@ def test_a_difference_in_either_direction_holds_only_beyond_the_noise():
     assert judge_differs([2.0, 2.1], [1.0, 1.05])["verdict"] == "holds"
     assert judge_differs([1.0, 1.05], [2.0, 2.1])["verdict"] == "holds"
     assert judge_differs([1.0, 1.3], [1.1, 1.1])["verdict"] == "inconclusive"
+
+
+def test_every_recorded_verdict_is_the_rules_verdict_of_its_judged_comparisons():
+    """Every entry (but "untestable here") keeps the comparisons behind it, each with its repeats (>= 2), margin and
+    noise, and the entry's verdict is ``combine`` of those not marked as standing beside the claim."""
+    import json
+    from pathlib import Path
+
+    from zoo.evaluation.claims import combine
+
+    root = Path(__file__).resolve().parent.parent
+    checked = 0
+    for path in sorted((root / "docs" / "claims").glob("*.json")):
+        for entry in json.loads(path.read_text())["claims"]:
+            if entry["verdict"] == "untestable here":
+                continue
+            judged = entry.get("judgements") or {}
+            assert judged, f"{path.name}: {entry['claim']!r} has no judged comparison"
+            for name, j in judged.items():
+                assert j["repeats"] >= 2 and isinstance(j["margin"], float) and j["noise"] >= 0, (path.name, name)
+            counted = [j["verdict"] for name, j in judged.items() if "beside the claim" not in name]
+            assert entry["verdict"] == combine(counted), (path.name, entry["claim"])
+            checked += 1
+    assert checked >= 40
