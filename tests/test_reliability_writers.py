@@ -275,3 +275,21 @@ def test_a_folder_where_a_file_goes_is_refused_before_anything_moves(model, tmp_
     with pytest.raises(SaveTargetError, match="a folder of that name"):
         changed.save_pretrained(folder)
     assert snapshot(folder) == kept  # not the new weights beside the old config
+
+
+def test_a_written_file_gets_the_umasks_mode_not_a_private_one(tmp_path):
+    """A GGUF or claims file another user or service reads (Ollama, a web server) is created as open() would create
+    it (0666 less the umask), not with the staging file's private 0600."""
+    import os
+    import stat
+
+    from zoo.io.atomic import atomic_file
+
+    old = os.umask(0o022)
+    try:
+        with atomic_file(tmp_path / "shared.txt") as staged:
+            with open(staged, "w") as f:
+                f.write("x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "shared.txt").stat().st_mode) == 0o644

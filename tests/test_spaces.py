@@ -249,6 +249,21 @@ def test_lab_saliency_marks_the_pruned_experts(lab):
         assert all(float(t).is_integer() for t in ax.get_yticks())
 
 
+def test_lab_names_the_best_shipped_recipe_within_a_budget(lab):
+    """The grid moe-zoo compare measured for the shipped model: the best recipe within the budget, as the grid's own
+    best_per_budget picks it, with its moe-zoo apply line."""
+    from zoo.evaluation.compare import apply_line, best_per_budget, shipped_grid
+
+    rows = shipped_grid("zoo-tiny-moe")
+    assert rows, "no grid shipped for zoo-tiny-moe (zoo/_data/compare/zoo-tiny-moe.json)"
+    for budget in (0.45, 0.7, 1.0):
+        _plot, text = lab.predict(budget, api_name="/best_recipe")
+        best = best_per_budget(rows, (budget,))[0]
+        assert f"**{best['cell']}**" in text and apply_line("zoo-tiny-moe", best["steps"]) in text
+    _plot, text = lab.predict(0.1, api_name="/best_recipe")  # below the smallest recipe of the grid
+    assert "No recipe of the grid fits in 10%" in text
+
+
 # ---- moe-zoo demo by component name: the zoo's components and a plugin's ----------------------------------
 
 @pytest.fixture

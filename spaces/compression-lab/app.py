@@ -1,7 +1,8 @@
 """compression-lab: compress the embedded model with any registered compressor, with the options it declares
 (``zoo.components.controls``: a mild and a strong preset, and each option), and see what it costs: expert bytes
 against perplexity for every run so far (the Pareto view), and per-expert saliency with the experts the last
-run pruned or merged marked.
+run pruned or merged marked. For the zoo's shipped models, the grid ``moe-zoo compare`` measured (pruning x
+quantization x KV-cache precision, merging, decomposition) as a plot, and the best recipe within a chosen budget.
 
 Each run applies the compressor with ``zoo.apply`` to a fresh copy of the base model, calibrated on a
 small slice of the corpus' training split, and evaluates on a few held-out windows per domain
@@ -136,6 +137,26 @@ def saliency(result: dict | None = None):
     return fig
 
 
+def recipe_for_budget(budget: float):
+    """The shipped grid's plot and the best recipe within ``budget`` (a fraction of the uncompressed bytes)."""
+    from zoo.evaluation.compare import _bytes, apply_line, best_per_budget, figure, shipped_grid
+
+    rows = shipped_grid(MODEL)
+    if not rows:
+        return None, (f"No recipe grid is shipped for `{MODEL}`: `moe-zoo compare {MODEL} --out DIR` measures one "
+                      "(about a quarter of an hour on a laptop CPU for the zoo's tiny models).")
+    fig = figure(rows, MODEL)
+    full = max(_bytes(r) for r in rows if "error" not in r and not r["steps"] and r["kv"] == "full")
+    fig.axes[0].axvline(budget * full / 1e6, color="red", lw=1, ls=":", label="budget")
+    best = best_per_budget(rows, (budget,))
+    if not best:
+        return fig, f"No recipe of the grid fits in {budget:.0%} of the uncompressed bytes."
+    b = best[0]
+    return fig, (f"Best within {budget:.0%} of the bytes ({budget * full / 1e6:.1f} MB): **{b['cell']}** with a "
+                 f"{b['kv']} key/value cache, perplexity {b['ppl geo-mean']:.2f} ({_bytes(b) / 1e6:.1f} MB).\n\n"
+                 f"`{apply_line(MODEL, b['steps'])}`")
+
+
 def expert_kinds() -> dict:
     """The expert kinds shown with this Space (what quantize, moe-svd and channel-topk turn experts into)."""
     rows = [[c["name"], c["summary"]] for c in zoo.list_components("experts") if c["space"] == "compression-lab"]
@@ -156,6 +177,12 @@ def build_demo() -> gr.Blocks:
                                visible=False)  # shown with the first run
         sal = gr.Plot(label="per-expert saliency of the base model (x: removed by the last run)", format="png",
                       elem_id="saliency")
+        with gr.Accordion("recipe grid: the best recipe within a budget (moe-zoo compare)", open=False):
+            budget = gr.Slider(0.1, 1.0, value=0.5, step=0.05, label="budget: fraction of the uncompressed bytes",
+                               elem_id="budget")
+            grid_plot = gr.Plot(label="every recipe of the grid: bytes vs quality", format="png", elem_id="grid")
+            recipe = gr.Markdown(elem_id="recipe")
+        budget.change(recipe_for_budget, budget, [grid_plot, recipe], api_name="best_recipe")
         with gr.Accordion("expert kinds the compressors produce", open=False):
             gr.Dataframe(expert_kinds(), interactive=False, wrap=True, show_label=False)
         go.click(run, [PANEL.name, PANEL.options, history], [plot, results, history, sal], api_name="compress")

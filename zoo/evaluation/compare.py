@@ -55,6 +55,13 @@ def apply_line(model: str, steps: list) -> str:
         f"(the model as it is: {model})"
 
 
+def shipped_grid(model_name: str) -> list[dict] | None:
+    """The cells of the grid shipped for one of the zoo's models (``zoo/_data/compare/<name>.json``, written by
+    ``moe-zoo compare``), or None."""
+    path = Path(__file__).resolve().parents[1] / "_data" / "compare" / f"{model_name}.json"
+    return json.loads(path.read_text())["cells"] if path.is_file() else None
+
+
 def cell_key(steps: list, kv: str) -> str:
     return json.dumps([steps, kv], sort_keys=True)
 
@@ -199,7 +206,8 @@ def write_tables(out: Path, rows: list[dict], model_name: str) -> None:
     plot(rows, out / "compare.png", model_name)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def figure(rows: list[dict], title: str):
+    """Quality against bytes, one marker per KV precision, the Pareto front drawn and named (a matplotlib figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -214,14 +222,21 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             ax.scatter([_bytes(r) / 1e6 for r in mine], [r["ppl geo-mean"] for r in mine], marker=marker,
                        label=f"kv {precision}", alpha=0.7)
     ax.plot([_bytes(r) / 1e6 for r in front], [r["ppl geo-mean"] for r in front], "k--", lw=1, label="Pareto front")
-    for r in front:
+    for n, r in enumerate(front):  # alternate sides: neighbouring points of the front sit close together
         ax.annotate(f"{r['cell']} / kv {r['kv']}", (_bytes(r) / 1e6, r["ppl geo-mean"]), fontsize=7,
-                    xytext=(4, 4), textcoords="offset points")
+                    xytext=(4, 6 if n % 2 else -10), textcoords="offset points")
     ax.set_xlabel("MB (weights + key/value cache of one 256-token window)")
     ax.set_ylabel("perplexity (geometric mean over domains)")
     ax.set_title(f"compression recipes on {title}")
     ax.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows, title)
     try:
         with atomic_file(path, overwrite=True) as staged:
             fig.savefig(staged, dpi=100, format="png")

@@ -117,6 +117,10 @@ def atomic_file(path, overwrite: bool = False):
     path = check_new_file(path, overwrite)
     remove_dead_staging(path.parent)
     fd, staged = tempfile.mkstemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", suffix=f"-{path.name}", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from every other user and service
+    except (AttributeError, OSError):  # no fchmod (Windows): the platform's default
+        pass
     os.close(fd)
     try:
         yield staged
@@ -130,6 +134,20 @@ def atomic_file(path, overwrite: bool = False):
         _fsync_dir(path.parent)
     finally:
         Path(staged).unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux), else set and restored at once."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _link_new(staged: str, path: Path) -> None:
