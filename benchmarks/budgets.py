@@ -44,9 +44,10 @@ def main(argv=None):
     ap.add_argument("--methods", nargs="+", default=["prune-reap", "prune-frequency"])
     ap.add_argument("--num-experts", type=int, default=4)
     args = ap.parse_args(argv)
-    if args.quick:
-        args.windows, args.draws, args.no_record = 2, 2, True
-        args.calibration_tokens, args.models, args.methods = 512, ["zoo-tiny-moe"], ["prune-frequency"]
+    args.seq_len = 256
+    if args.quick:  # the whole path on short windows: 2 draws of 1 window of 64 tokens, 256 calibration tokens
+        args.windows, args.draws, args.no_record, args.seq_len = 1, 2, True, 64
+        args.calibration_tokens, args.models, args.methods = 256, ["zoo-tiny-moe"], ["prune-frequency"]
     torch.set_num_threads(args.threads)
     rows, verdicts = [], {}
     for model_name in args.models:
@@ -56,10 +57,10 @@ def main(argv=None):
             for allocation in ALLOCATIONS:
                 geos[allocation], made[allocation] = [], []
                 for i in range(args.draws):
-                    cal = calibration.corpus("mixed", tokens=args.calibration_tokens, seed=i)
+                    cal = calibration.corpus("mixed", tokens=args.calibration_tokens, seq_len=args.seq_len, seed=i)
                     model = zoo.apply(copy.deepcopy(base), method, calibration=cal, num_experts=args.num_experts,
                                       allocation=allocation)
-                    g, _ = draw_geo(model, tok, i, args.windows)  # each arm's repeat i is its own model
+                    g, _ = draw_geo(model, tok, i, args.windows, args.seq_len)  # each arm's repeat i is its own model
                     geos[allocation].append(g)
                     counts = model.config.zoo_recipe[-1]["results"].get("experts_per_layer")
                     made[allocation].append(model)

@@ -54,8 +54,8 @@ def cell_model(base, parts, half, cal):
     return model
 
 
-def geo_on_draw(model, tok, draw, windows, precision) -> float:
-    ppl = [kv_perplexity(model, ids, precision)[0] for ids in draw_windows(tok, draw, windows).values()]
+def geo_on_draw(model, tok, draw, windows, precision, seq_len=256) -> float:
+    ppl = [kv_perplexity(model, ids, precision)[0] for ids in draw_windows(tok, draw, windows, seq_len).values()]
     return math.exp(sum(math.log(p) for p in ppl) / len(ppl))
 
 
@@ -64,9 +64,10 @@ def main(argv=None):
     ap = draw_args(claim_parser(__doc__.splitlines()[0], calibration_tokens=4096), draws=4, windows=8)
     ap.add_argument("--models", nargs="+", default=["zoo-tiny-moe", "zoo-tiny-upcycled"])
     args = ap.parse_args(argv)
-    if args.quick:
-        args.windows, args.draws, args.no_record = 1, 2, True
-        args.calibration_tokens, args.models = 512, ["zoo-tiny-moe"]
+    args.seq_len = 256
+    if args.quick:  # the whole path on short windows: 2 draws of 1 window of 64 tokens
+        args.windows, args.draws, args.no_record, args.seq_len = 1, 2, True, 64
+        args.calibration_tokens, args.models = 256, ["zoo-tiny-moe"]
     torch.set_num_threads(args.threads)
     cells = [c for n in range(len(PARTS) + 1) for c in itertools.combinations(PARTS, n)]
     rows, predictable, dominant = [], {}, {}
@@ -75,11 +76,12 @@ def main(argv=None):
         half = max(moe.num_experts for _, moe in moe_layers(base)) // 2
         geos = {c: [] for c in cells}
         for i in range(args.draws):
-            cal = calibration.corpus("mixed", tokens=args.calibration_tokens, seed=i)
+            cal = calibration.corpus("mixed", tokens=args.calibration_tokens, seq_len=args.seq_len, seed=i)
             for weights in {tuple(p for p in c if p != "int4 cache") for c in cells}:
                 model = cell_model(base, weights, half, cal)
                 for c in (weights, (*weights, "int4 cache")):
-                    geos[c].append(geo_on_draw(model, tok, i, args.windows, "int4" if "int4 cache" in c else "full"))
+                    geos[c].append(geo_on_draw(model, tok, i, args.windows, "int4" if "int4 cache" in c else "full",
+                                                  args.seq_len))
         for c in cells:
             rows.append({"model": name, "cell": " + ".join(c) or "base",
                          "ppl geo-mean": round(sum(geos[c]) / len(geos[c]), 3),
