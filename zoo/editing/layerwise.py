@@ -12,6 +12,7 @@ The per-layer contract (a ``Compressor`` implements it; see docs/plugins/compres
 
     inputs_for: tuple          phases that receive layer inputs: "observe", "compress" (or neither)
     needs_plan: bool           run observe()/plan() in a first pass
+    plan_needs_model: bool     plan(model, inputs) instead: scores its plan on the whole model (in memory only)
     check_layer(i, block)      raise before anything changes if the block cannot be worked on
     observe(i, block, x)       x: [T, H] tokens entering the block, or None
     plan()                     once, after every layer was observed
@@ -26,6 +27,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from zoo.editing import distributed
+from zoo.editing.phases import phase
 from zoo.moe.layout import decoder_layers, get_block, layer_block_attr, layer_prefix, moe_layers, put_block
 from zoo.moe import SparseMoE, context, routing_context
 
@@ -46,6 +49,7 @@ class LayerInputs:
     def __init__(self, hidden: list[torch.Tensor], kwargs: list[list[dict]], contexts: list | None = None):
         self.hidden, self.kwargs = hidden, kwargs
         self.contexts = contexts or [None] * len(hidden)
+        self.batches: list | None = None  # the calibration batches themselves (set for the layer-0 inputs)
 
     def joined_context(self):
         """One context for the tokens of every batch together (the rows ``block_inputs`` returns), or None."""
@@ -54,8 +58,9 @@ class LayerInputs:
         fields = {}
         for name in ("input_ids", "positions", "attention_mask", "modality"):
             values = [getattr(c, name) for c in self.contexts]
-            if all(v is not None for v in values):
-                fields[name] = torch.cat([v.reshape(1, -1) for v in values], 1)
+            if all(v is not None for v in values):  # every rank's tokens, as block_inputs gives them
+                rows = distributed.gather_tokens(torch.cat([v.reshape(-1) for v in values])[:, None])
+                fields[name] = rows.reshape(1, -1)
         return context.RoutingContext(**fields)
 
     @classmethod
@@ -95,7 +100,8 @@ class LayerInputs:
         return cls(hidden, kwargs, contexts)
 
     def block_inputs(self, i: int, layer) -> torch.Tensor:
-        """The tokens ``[T, H]`` that enter layer i's MLP block (its attention runs; the block does not)."""
+        """The tokens ``[T, H]`` that enter layer i's MLP block (its attention runs; the block does not); under a
+        process group, the tokens of every rank's share."""
         seen = []
 
         def record(module, args):
@@ -113,7 +119,7 @@ class LayerInputs:
                         pass
         finally:
             handle.remove()
-        return torch.cat(seen)
+        return distributed.gather_tokens(torch.cat(seen))  # every rank's share, in the one-process order
 
     def advance(self, i: int, layer, block=None) -> LayerInputs:
         """The inputs of layer i + 1: these run through layer i (with ``block`` as its MLP, if given)."""
@@ -262,7 +268,8 @@ def run(source, steps, inputs: LayerInputs | None, keep=None, desc: str = "layer
     for s, step in enumerate(steps):
         if getattr(step, "needs_plan", False):
             one_pass(source, steps[:s], inputs, observer=step, desc=f"{desc}: {step.name} statistics")
-            step.plan()
+            # a step that scores its plan on the whole model (in memory only: streaming refuses it up front)
+            step.plan(source.model, inputs) if getattr(step, "plan_needs_model", False) else step.plan()
     one_pass(source, steps, inputs, keep=keep or source.keep, desc=f"{desc}: {', '.join(s.name for s in steps)}")
 
 
@@ -270,35 +277,40 @@ def one_pass(source, steps, inputs, observer=None, keep=None, desc="layers") -> 
     uses = [inputs if "compress" in getattr(s, "inputs_for", ()) else None for s in steps]
     watch = inputs if observer is not None and "observe" in getattr(observer, "inputs_for", ()) else None
     for i in tqdm(range(len(source.layers)), desc=desc, leave=False):
-        layer = source.load_layer(i)
+        with phase("read"):
+            layer = source.load_layer(i)
         try:
             block = get_block(layer)
             if isinstance(block, SparseMoE):
                 for s, step in enumerate(steps):
-                    x = None if uses[s] is None else uses[s].block_inputs(i, layer)
-                    with routing_context(None if uses[s] is None else uses[s].joined_context()):
+                    with phase("calibrate"):
+                        x = None if uses[s] is None else uses[s].block_inputs(i, layer)
+                    with phase("compress"), routing_context(None if uses[s] is None else uses[s].joined_context()):
                         block = step.compress_layer(i, block, x)
                     del x
                     source.replaced(i, layer, block)  # streaming: the old block is freed here
                     if uses[s] is not None and i + 1 < len(source.layers):
-                        uses[s] = uses[s].advance(i, layer, block)
+                        with phase("calibrate"):
+                            uses[s] = uses[s].advance(i, layer, block)
                 if observer is not None:
-                    with routing_context(None if watch is None else watch.joined_context()):
+                    with phase("statistics pass"), routing_context(None if watch is None else watch.joined_context()):
                         observer.observe(i, block, None if watch is None else watch.block_inputs(i, layer))
-                    if watch is not None and i + 1 < len(source.layers):
-                        watch = watch.advance(i, layer, block)
+                        if watch is not None and i + 1 < len(source.layers):
+                            watch = watch.advance(i, layer, block)
             else:  # a dense layer: every carried input goes through it unchanged (once per distinct carry)
                 done: dict[int, LayerInputs] = {}
                 for c in [*uses, watch]:
                     if c is not None and id(c) not in done:
-                        done[id(c)] = c.advance(i, layer)
+                        with phase("calibrate"):
+                            done[id(c)] = c.advance(i, layer)
                 uses = [None if c is None else done[id(c)] for c in uses]
                 watch = None if watch is None else done[id(watch)]
             if keep is not None:
                 linears = compress_linears(steps, layer, layer_linears(layer), layer_prefix(source.model, i))
                 if linears:
                     source.keep_linears(i, layer, linears)
-                keep(i, layer, block)
+                with phase("write"):
+                    keep(i, layer, block)
         finally:
             source.release(i)
 
@@ -319,7 +331,9 @@ def calibration_inputs(model, steps, calibration) -> LayerInputs | None:
     batches = calib.batches(data, tokenizer_for(model) if calib.needs_tokenizer(data) else None)
     calib.check_ids(batches, getattr(text, "vocab_size", None))
     calib.check_memory(sum(b.numel() for b in batches), text.hidden_size, model.dtype)
-    return LayerInputs.capture(model, batches)
+    inputs = LayerInputs.capture(model, distributed.share_windows(batches))  # under a process group: this rank's share
+    inputs.batches = batches
+    return inputs
 
 
 def compress_in_memory(model, steps, calibration=None):

@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from zoo.io import loading, outputs
+from zoo.editing import distributed
 from zoo.architectures import remote_code
 from zoo.io.atomic import atomic_directory
 from zoo.io.checkpoint import LAYER_KEY, Checkpoint, checkpoint_bytes
@@ -108,9 +109,11 @@ def save(model, out, src=None) -> str:
     by default ``config.name_or_path``). The model's own generation config wins over the source's."""
     source = src if src is not None else getattr(model.config, "name_or_path", "")
     outputs.check_output_apart(out, source, what="out")
-    with atomic_directory(out) as tmp:
-        copy_side_files(source, tmp)
-        model.save_pretrained(tmp)
+    if distributed.is_writer():  # under a process group every rank holds the same model: rank 0 saves it
+        with atomic_directory(out) as tmp:
+            copy_side_files(source, tmp)
+            model.save_pretrained(tmp)
+    distributed.barrier()
     return os.fspath(out)
 
 
@@ -131,6 +134,9 @@ def bind_steps(steps) -> list:
             if not component.layerwise:
                 raise ValueError(f"compressor {name!r} works on whole models in memory only (it has no "
                                  "compress_layer); run it with --no-stream")
+            if getattr(component, "plan_needs_model", False):
+                raise ValueError(f"{name} with these options scores its plan on the whole model in memory (allocation="
+                                 "'search'); run it with --no-stream, or stream with allocation='error'")
             bound.append(component)
         else:
             check_options(reg.obj, options)
@@ -171,6 +177,11 @@ def _write(ckpt, out, components, inputs, desc, record=()):
     from zoo.moe.layout import sync_layout
 
     model = ckpt.model
+    if not distributed.is_writer():  # another rank of a process group: calibrate its share, write nothing
+        ckpt.release_outer()
+        run(Streamed(ckpt, lambda i, layer: None), components, inputs, desc=desc)
+        distributed.barrier()  # return once rank 0's folder is complete
+        return
     with atomic_directory(out) as tmp:
         writer = ShardWriter(tmp)
         for path, module in compress_linears(components, model, outer_linears(model)).items():
@@ -186,6 +197,7 @@ def _write(ckpt, out, components, inputs, desc, record=()):
         model.config.save_pretrained(tmp)
         copy_side_files(ckpt.path, tmp)
         card(model, path=out).save(os.path.join(tmp, "README.md"))
+    distributed.barrier()
 
 
 def export(src, out) -> str:
