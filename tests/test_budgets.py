@@ -9,7 +9,7 @@ import torch
 import zoo
 from zoo.editing import stream
 from zoo.moe.layout import moe_layers
-from zoo_compressors.budgets import error_counts, error_curve, global_counts
+from zoo_compressors.budgets import error_counts, error_curve, global_counts, search_counts, search_loss
 from tiny import folder_tensors, tiny_native
 from test_prune import reference_scores
 
@@ -55,6 +55,67 @@ def test_global_allocation_keeps_the_globally_best_shares(method, score, one_thr
     assert [moe.num_experts for _, moe in moe_layers(model)] == [counts[i] for i, _ in layers]
     if method == "prune-frequency":  # on this model's routing the shares differ enough to move an expert
         assert len(set(counts.values())) > 1, counts
+
+
+def test_search_counts_keeps_the_total_and_limits_and_finds_the_brute_force_optimum():
+    g = torch.Generator().manual_seed(0)
+    floors, caps = {0: 1, 1: 1, 2: 2}, {0: 4, 1: 4, 2: 4}
+    for trial in range(5):
+        # a loss that does not separate by layer (a product term), as a model's loss does not
+        w = torch.rand(3, 5, generator=g).tolist()
+        calls = []
+
+        def loss(c):
+            calls.append(dict(c))
+            return sum(w[i][n] for i, n in c.items()) + w[0][c[0]] * w[1][c[1]] * 3
+
+        splits = [dict(zip(range(3), s)) for s in itertools.product(range(1, 5), range(1, 5), range(2, 5))
+                  if sum(s) == 8]
+        best = min(map(loss, splits))
+        calls.clear()
+        counts, got, scored = search_counts(loss, [{0: 3, 1: 3, 2: 2}], floors, caps, generations=20, seed=trial)
+        assert got == pytest.approx(best) and loss(counts) == pytest.approx(best)
+        assert all(sum(c.values()) == 8 and all(floors[i] <= n <= caps[i] for i, n in c.items()) for c in calls)
+        assert len(calls) - 1 == len(scored)  # every split scored once (the check above called it once more)
+
+
+def test_search_loss_is_the_loss_of_the_pruned_model_and_puts_the_blocks_back(one_thread):
+    from zoo.moe.surgery import keep_experts
+    from zoo.moe.layout import decoder_layers, put_block
+
+    model = zoo.convert(tiny_native("olmoe"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    orders = {i: list(range(moe.num_experts))[::-1] for i, moe in moe_layers(model)}
+    loss = search_loss(model, CAL, orders, tokens=256)
+    counts = {i: 3 + k for k, i in enumerate(orders)}
+    got = loss(counts)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    pruned = copy.deepcopy(model)
+    for i, n in counts.items():
+        put_block(decoder_layers(pruned)[i], keep_experts(moe_layers(model)[[j for j, _ in moe_layers(model)].index(i)][1],
+                                                            orders[i][:n]))
+    with torch.no_grad():  # 256 tokens: two 4 x 32 batches of CAL
+        ref = [pruned(input_ids=b, labels=b).loss for b in CAL[:2]]
+    assert got == pytest.approx(float(sum(ref) / 2), rel=1e-5)
+    assert loss({i: len(o) for i, o in orders.items()}) != pytest.approx(got)
+
+
+def test_search_allocation_ends_no_worse_than_the_splits_it_starts_from_and_refuses_streaming(tmp_path, one_thread):
+    model = zoo.convert(tiny_native("olmoe"))
+    n = moe_layers(model)[0][1].num_experts // 2
+    zoo.apply(model, "prune-reap", calibration=CAL, num_experts=n, allocation="search")
+    results = model.config.zoo_recipe[-1]["results"]
+    assert results["search"]["calibration_loss"] <= results["search"]["uniform_loss"]
+    assert results["search"]["candidates"] >= 3
+    counts = [m.num_experts for _, m in moe_layers(model)]
+    assert sum(counts) == n * len(counts)
+    assert list(results["experts_per_layer"].values()) == counts
+    native = tmp_path / "native"
+    tiny_native("olmoe").save_pretrained(native)
+    with pytest.raises(ValueError, match="--no-stream"):
+        stream.apply(str(native), [("prune-reap", {"num_experts": 4, "allocation": "search"})], tmp_path / "out",
+                     calibration=CAL)
+    assert not (tmp_path / "out").exists()
 
 
 def block_inputs(model, batches):

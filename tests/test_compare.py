@@ -69,3 +69,29 @@ def test_a_bad_precision_is_refused_before_anything_is_written(tmp_path):
 
     res = CliRunner().invoke(cli, ["compare", "zoo-tiny-moe", "--out", str(tmp_path / "o2"), "--kv", "int9"])
     assert res.exit_code != 0 and "did you mean 'int8'" in res.output and "Traceback" not in res.output
+
+
+def test_a_model_that_cannot_be_evaluated_stops_the_grid_at_its_first_cell(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(zoo, "apply", lambda *a, **k: calls.append(a))
+
+    def unfit(*a, **k):
+        raise ValueError("the tokenizer saved with m has 8192 tokens but the model's vocabulary has 32000")
+
+    monkeypatch.setattr(cmp, "_cell", unfit)
+    with pytest.raises(ValueError, match="cannot be evaluated as it is, so no cell can: the tokenizer"):
+        cmp.compare("zoo-tiny-moe", tmp_path, windows=1, grid=GRID, kv=("full",))
+    assert calls == []  # the pruning cell never ran
+    assert cmp.best_per_budget([{"cell": "x", "kv": "full", "steps": [], "error": "no"}]) == []
+
+
+def test_compare_takes_the_calibration_of_apply(tmp_path, monkeypatch):
+    from zoo.cli import cli
+
+    seen = {}
+    monkeypatch.setattr(cmp, "compare", lambda *a, **k: seen.update(k) or [])
+    res = CliRunner().invoke(cli, ["compare", "zoo-tiny-moe", "--out", str(tmp_path / "o"), "--calibration", "code:512"])
+    assert res.exit_code == 0, res.output
+    assert seen["calibration"] == {"domain": "code", "tokens": 512, "seq_len": 256, "seed": 0}
+    res = CliRunner().invoke(cli, ["compare", "zoo-tiny-moe", "--out", str(tmp_path / "o"), "--calibration", "cod"])
+    assert res.exit_code != 0 and "Traceback" not in res.output

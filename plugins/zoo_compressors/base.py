@@ -15,8 +15,9 @@ class ExpertCountCompressor(Compressor):
 
     ``allocation`` other than "uniform" makes ``num_experts`` the average: the total ``num_experts x layers`` is
     shared out across layers (``zoo_compressors.budgets``) by a statistics pass over every layer before any changes
-    ("global": the method's scores ranked across layers; "error": the split of least summed output error), and the
-    result is a layout of different expert counts per layer."""
+    ("global": the method's scores ranked across layers; "error": the split of least summed output error; "search":
+    an evolutionary search scored by the model's loss, in memory only), and the result is a layout of different
+    expert counts per layer."""
 
     needs_calibration = True
     inputs_for = ("compress",)
@@ -42,6 +43,8 @@ class ExpertCountCompressor(Compressor):
         self.results: dict = {}  # recorded in the recipe step
         if allocation != "uniform":  # a statistics pass over every layer first, with the layers' inputs
             self.needs_plan, self.inputs_for = True, ("observe", "compress")
+        # the search scores whole-model losses: plan() gets the model and its calibration batches, streaming refuses it
+        self.plan_needs_model = allocation == "search"
         self._budget_scores: dict[int, object] = {}
         self._curves: dict[int, dict[int, float]] = {}
         self._floors: dict[int, int] = {}
@@ -66,19 +69,41 @@ class ExpertCountCompressor(Compressor):
         stats = layer_stats(index, block, inputs)
         score = self.budget_score(stats)
         self._budget_scores[index], self._floors[index] = score, floor_of(block, self.num_experts)
-        if self.allocation == "error":
+        if self.allocation in ("error", "search"):
             order = score.double().argsort(descending=True, stable=True).tolist()
             self._curves[index] = error_curve(block, inputs, order, self._floors[index])
 
-    def plan(self):
+    def plan(self, model=None, inputs=None):
         total = self.num_experts * len(self._budget_scores)
         if self.allocation == "global":
             self._counts = global_counts(self._budget_scores, total, self._floors)
-        else:
+        elif self.allocation == "error":
             self._counts = error_counts(self._curves, total)
             self.results["output_error"] = {str(i): round(self._curves[i][n], 6) for i, n in self._counts.items()}
+        else:
+            self._counts = self.search(model, inputs, total)
         self.results["experts_per_layer"] = {str(i): n for i, n in sorted(self._counts.items())}
         self._budget_scores, self._curves = {}, {}
+
+    def search(self, model, inputs, total: int) -> dict[int, int]:
+        """allocation="search": the split of least calibration loss, each layer keeping its best experts by the
+        method's score, searched from the uniform, global and error splits (``budgets.search_counts``). Scored on
+        the model as it is before this recipe's steps run (the engine changes nothing until every layer is done)."""
+        from tqdm.auto import tqdm
+
+        from zoo_compressors.budgets import search_counts, search_loss
+
+        floors = self._floors
+        caps = {i: len(self._budget_scores[i]) for i in floors}
+        starts = [{i: self.num_experts for i in floors}, global_counts(self._budget_scores, total, floors),
+                  error_counts(self._curves, total)]
+        orders = {i: s.double().argsort(descending=True, stable=True).tolist() for i, s in self._budget_scores.items()}
+        loss = search_loss(model, inputs.batches, orders)
+        with tqdm(desc=f"{self.name}: searching per-layer budgets", unit="split", leave=False) as bar:
+            counts, best, scored = search_counts(loss, starts, floors, caps, progress=bar)
+        self.results["search"] = {"candidates": len(scored), "calibration_loss": round(best, 5),
+                                  "uniform_loss": round(scored[tuple(self.num_experts for _ in sorted(floors))], 5)}
+        return counts
 
     def check_layer(self, index, block) -> None:
         if type(block.experts) not in self.experts_kinds:

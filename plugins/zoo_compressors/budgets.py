@@ -12,12 +12,17 @@ router's top-k, nor above the experts it has):
   programming over layers (the objective separates by layer, so no search is needed: EvoESAP searches with an
   evolutionary loop because its objective, the model's loss, does not separate; this one ignores how a layer's
   error changes the next layer's input).
+- "search": an evolutionary search over splits scored by the model's own loss on calibration tokens, as EvoESAP
+  scores its candidates (each layer keeps its best n experts by the method's score, so only the counts are searched):
+  a (mu + lambda) loop that moves experts between layers, started from the uniform, "global" and "error" splits, so
+  it never ends worse than they do on the calibration tokens. It runs the whole model for every candidate, so it
+  needs the model in memory.
 """
 from __future__ import annotations
 
 import torch
 
-ALLOCATIONS = ("uniform", "global", "error")
+ALLOCATIONS = ("uniform", "global", "error", "search")
 
 
 def global_counts(scores: dict[int, torch.Tensor], total: int, floors: dict[int, int]) -> dict[int, int]:
@@ -68,6 +73,82 @@ def error_curve(block, x: torch.Tensor, order: list[int], floor: int) -> dict[in
     return curve
 
 
+def search_counts(loss, starts: list[dict[int, int]], floors: dict[int, int], caps: dict[int, int],
+                  generations: int = 12, population: int = 8, seed: int = 0, progress=None):
+    """The split of least ``loss(counts)`` found by a (mu + lambda) evolutionary search over splits with the total of
+    ``starts`` (each a split: {layer: count}, floors[i] <= count <= caps[i]). Each generation keeps the best
+    ``population`` splits seen and adds as many children, each its parent with one or two experts moved from one
+    layer to another. Returns (best split, its loss, {split: loss} of every candidate scored)."""
+    import random
+
+    rng = random.Random(seed)
+    layers = sorted(floors)
+    scored: dict[tuple, float] = {}
+
+    def score(counts: tuple) -> float:
+        if counts not in scored:
+            scored[counts] = float(loss(dict(zip(layers, counts))))
+            if progress is not None:
+                progress.update(1)
+        return scored[counts]
+
+    def child(parent: tuple) -> tuple | None:
+        counts = list(parent)
+        for _ in range(rng.choice((1, 2))):
+            give = [k for k, i in enumerate(layers) if counts[k] > floors[i]]
+            take = [k for k, i in enumerate(layers) if counts[k] < caps[i]]
+            if not give or not take:
+                return None
+            a, b = rng.choice(give), rng.choice(take)
+            if a != b:
+                counts[a], counts[b] = counts[a] - 1, counts[b] + 1
+        return tuple(counts)
+
+    parents = list(dict.fromkeys(tuple(s[i] for i in layers) for s in starts))
+    for p in parents:
+        score(p)
+    for _ in range(generations):
+        children = [c for c in (child(rng.choice(parents)) for _ in range(population)) if c is not None]
+        pool = list(dict.fromkeys(parents + children))
+        parents = sorted(pool, key=score)[:population]
+    best = min(scored, key=scored.get)
+    return dict(zip(layers, best)), scored[best], scored
+
+
+SEARCH_TOKENS = 4096  # calibration tokens each candidate split is scored on
+
+
+def search_loss(model, batches, orders: dict[int, list[int]], tokens: int = SEARCH_TOKENS):
+    """``loss(counts)``: the model's mean next-token loss on the first ``tokens`` calibration tokens when MoE layer i
+    keeps its experts ``orders[i][:counts[i]]`` (swapped in for the call, the model's own blocks put back after)."""
+    from zoo.moe.layout import decoder_layers, get_block, put_block
+    from zoo.moe.surgery import keep_experts
+
+    ids, used = [], 0
+    for b in batches:
+        b = b["input_ids"] if isinstance(b, dict) else b
+        if used >= tokens:
+            break
+        ids.append(b[: max(1, (tokens - used) // b.shape[1])])
+        used += ids[-1].numel()
+    layers = decoder_layers(model)
+    own = {i: get_block(layers[i]) for i in orders}
+
+    @torch.no_grad()
+    def loss(counts: dict[int, int]) -> float:
+        try:
+            for i, n in counts.items():
+                put_block(layers[i], own[i] if n == len(orders[i]) else keep_experts(own[i], orders[i][:n]))
+            total = sum(float(model(input_ids=b, labels=b, use_cache=False).loss) * (b.shape[1] - 1) * len(b)
+                        for b in ids)
+            return total / sum((b.shape[1] - 1) * len(b) for b in ids)
+        finally:
+            for i, block in own.items():
+                put_block(layers[i], block)
+
+    return loss
+
+
 def check_allocation(allocation) -> None:
     if allocation not in ALLOCATIONS:
         import difflib
@@ -88,4 +169,5 @@ def spread(counts: dict[int, int]) -> str:
     return f"{min(values)}-{max(values)} per layer ({'/'.join(map(str, values))})" if values else "-"
 
 
-__all__ = ["ALLOCATIONS", "check_allocation", "error_counts", "error_curve", "floor_of", "global_counts", "spread"]
+__all__ = ["ALLOCATIONS", "check_allocation", "error_counts", "error_curve", "floor_of", "global_counts", "search_counts", "search_loss",
+           "spread"]

@@ -5,7 +5,7 @@ import json
 
 import click
 
-from zoo.cli.helpers import COUNT, SEED, THREADS, new_file, one_line, save_folder, step_option
+from zoo.cli.helpers import COUNT, SEED, THREADS, calibration_spec, new_file, one_line, save_folder, step_option
 
 
 def _json(obj) -> None:
@@ -346,30 +346,11 @@ def _apart(src, out) -> None:
         check_output_apart(out, src, what="OUT")
 
 
-def _calibration(ctx, param, value):
-    """--calibration DOMAIN[:TOKENS] as a ``zoo.editing.calibration.corpus`` spec."""
-    from zoo.editing.calibration import corpus
-
-    if value is None:
-        return None
-    domain, _, tokens = value.partition(":")
-    try:
-        count = int(tokens or 8192)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise click.BadParameter(f"{value!r}: TOKENS must be a whole number >= 1 (e.g. mixed:8192)", ctx, param)
-    try:
-        return corpus(domain, tokens=count)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), ctx, param) from None
-
-
 @cli.command()
 @click.argument("src")
 @click.argument("steps", nargs=-1, required=True)
 @click.option("--out", required=True, callback=save_folder, help="Folder to save the result to.")
-@click.option("--calibration", callback=_calibration,
+@click.option("--calibration", callback=calibration_spec,
               help="Calibration data for the steps that use it: DOMAIN[:TOKENS] of the shipped "
                    "corpus (english, code, mixed; default mixed:8192).")
 @stream_options

@@ -67,3 +67,22 @@ def new_file(ctx, param, value):
         except (OSError, ValueError) as exc:
             raise click.BadParameter(str(exc), ctx, param) from None
     return value
+
+
+def calibration_spec(ctx, param, value):
+    """--calibration DOMAIN[:TOKENS] as a ``zoo.editing.calibration.corpus`` spec."""
+    from zoo.editing.calibration import corpus
+
+    if value is None:
+        return None
+    domain, _, tokens = value.partition(":")
+    try:
+        count = int(tokens or 8192)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise click.BadParameter(f"{value!r}: TOKENS must be a whole number >= 1 (e.g. mixed:8192)", ctx, param)
+    try:
+        return corpus(domain, tokens=count)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None

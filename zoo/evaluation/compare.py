@@ -99,6 +99,8 @@ def compare(model_name: str, out, windows: int = 4, grid: list | None = None, kv
                         if cell_key(steps, precision) not in done]
                 del model
         except ValueError as exc:  # a recipe this model cannot take (e.g. too few experts): said in the table
+            if not steps:  # the model itself cannot be measured (e.g. its tokenizer does not fit): no cell can
+                raise ValueError(f"{model_name} cannot be evaluated as it is, so no cell can: {exc}") from None
             rows = [{"cell": label, "kv": p, "steps": steps, "error": str(exc)} for p in kv]
         for row in rows:
             row["key"] = cell_key(steps, row["kv"])
@@ -182,6 +184,8 @@ def _bytes(row) -> int:
 def best_per_budget(rows: list[dict], fractions=(0.25, 0.5, 0.75, 1.0)) -> list[dict]:
     """For each budget (a fraction of the uncompressed cell's bytes): the best-quality cell within it."""
     ok = [r for r in rows if "error" not in r]
+    if not ok:
+        return []
     full = max((_bytes(r) for r in ok if not r["steps"] and r["kv"] == "full"), default=max(map(_bytes, ok)))
     out = []
     for f in fractions:
