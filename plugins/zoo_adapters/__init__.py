@@ -10,7 +10,9 @@ def register_adapters(register):
     from zoo_adapters.moefy import Moefy
     from zoo_adapters.replora import RepLora
     from zoo_adapters.roma import Roma
+    from zoo_adapters.ubmoe import Ubmoe
     from zoo_adapters.upcycle import Upcycle
+    from zoo_adapters.zero_init_attention import ZeroInitAttention
 
     register(Upcycle)
     register(Ewa)
@@ -19,6 +21,8 @@ def register_adapters(register):
     register(MixtureOfLoras)
     register(RepLora)
     register(Roma)
+    register(Ubmoe)
+    register(ZeroInitAttention)
 
 
 @hookimpl
