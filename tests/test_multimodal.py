@@ -348,7 +348,8 @@ def test_prune_group_applies_and_round_trips(tmp_path, split, processor):
 def test_components_are_registered():
     names = {(c["kind"], c["name"]): c for c in zoo.list_components()}
     for key in [("experts", "modality-groups"), ("router", "hierarchical-modality"),
-                ("router", "language-conditioned"), ("architecture", "zoo_mm"), ("compressor", "prune-group")]:
+                ("router", "language-conditioned"), ("architecture", "zoo_mm"), ("compressor", "prune-group"),
+                ("adapter", "earth-adapter")]:
         assert key in names and names[key]["space"] == "multimodal-digits" and names[key]["card"]
 
 

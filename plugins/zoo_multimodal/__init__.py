@@ -1,6 +1,6 @@
 """First-party multimodal plugin: modality-group experts (MoHAVE), hierarchical-modality and
-language-conditioned (Parrot) routers, the ``zoo_mm`` architecture, a group-restricted pruner, and the
-``moe-zoo digits-mm`` commands (data, training, evaluation)."""
+language-conditioned (Parrot) routers, the ``zoo_mm`` architecture, a group-restricted pruner, the Earth-Adapter
+vision adapter, and the ``moe-zoo digits-mm`` commands (data, training, evaluation)."""
 import pluggy
 
 hookimpl = pluggy.HookimplMarker("moe_zoo")  # zoo.hookimpl; not imported, so importing this package never loads zoo mid-way
@@ -34,6 +34,13 @@ def register_compressors(register):
     from zoo_multimodal.prune_group import PruneGroup
 
     register(PruneGroup)
+
+
+@hookimpl
+def register_adapters(register):
+    from zoo_multimodal.earth_adapter import EarthAdapter
+
+    register(EarthAdapter)
 
 
 @hookimpl
