@@ -18,7 +18,6 @@ from zoo.editing import distributed, stream  # noqa: E402
 # statistics summed over ranks (REAP, frequencies, output sums), raw tokens gathered (error curves), routing sums
 RECIPES = [
     [("prune-frequency", {"num_experts": 4, "allocation": "error"})],
-    [("hc-smoe", {"num_experts": 4})],
     [("prune-reap", {"num_experts": 6}), ("hc-smoe", {"num_experts": 3})],
 ]
 CAL = [torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(i)) for i in range(5)]  # 5: uneven

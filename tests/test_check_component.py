@@ -12,6 +12,10 @@ from zoo.testing import TINY, check_component, check_components, tiny_model
 
 # kind:name -> options that change the model
 OPTIONS = {
+    "adapter:ubmoe": {"bi_steps": 2, "router_steps": 2, "batch_size": 4,
+                      "data": [[3 + (5 * i + j) % 61 for j in range(12)] for i in range(8)]},
+    "adapter:earth-adapter": {"dim": 4, "cutoff_ratio": 0.5},
+    "adapter:zero-init-attention": {"prompts": 2, "prompt": "non-linear", "layers": 1},
     "router:token-hash": {"score": "sigmoid"},
     "router:expert-choice": {"capacity_factor": 1.5},
     "router:hierarchical-modality": {"top_groups": 1},
@@ -79,6 +83,8 @@ NO_QKV = {"mistral", "deepseek_v3", "zoo_mm"}  # no q_proj/k_proj/v_proj: MLA at
 SKIPPED = {
     "adapter:ewa": DENSE_EXPERTS, "adapter:lora-experts": DENSE_EXPERTS, "adapter:mixture-of-loras": NO_QKV,
     "adapter:moefy": MOE, "adapter:replora": NO_QKV, "adapter:upcycle": MOE, "adapter:roma": {"mistral"},
+    "adapter:zero-init-attention": {"mistral", "zoo_mm"}, "adapter:ubmoe": MOE,
+    "adapter:earth-adapter": {"mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "mistral"},  # zoo_mm's vision only
     **{f"compressor:{n}": DENSE_EXPERTS for n in ("channel-topk", "hc-smoe", "hodge-cover", "moe-svd",
                                                  "prune-frequency", "prune-reap", "quantize", "sub-moe")},
     "compressor:prune-group": set(), "router:mixture-of-heads": set(),

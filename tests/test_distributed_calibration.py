@@ -62,11 +62,11 @@ def test_two_processes_write_the_same_tensors_as_one(tmp_path):
                          timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert (tmp_path / "one" / "world").read_text() == "1" and (tmp_path / "two" / "world").read_text() == "2"
-    for n in range(3):
+    for n in range(2):
         a, b = folder_tensors(tmp_path / "one" / str(n)), folder_tensors(tmp_path / "two" / str(n))
         assert sorted(a) == sorted(b)
         different = [k for k in a if not torch.equal(a[k], b[k])]
         assert not different, (n, different)
         one_files = sorted(p.name for p in (tmp_path / "one" / str(n)).iterdir())
         assert one_files == sorted(p.name for p in (tmp_path / "two" / str(n)).iterdir())
-    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["0", "1", "2", "world"]  # rank 1 wrote none
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["0", "1", "world"]  # rank 1 wrote none

@@ -220,7 +220,13 @@ def adapter_lab(default_model):  # noqa: F811
 
 @pytest.mark.parametrize("name", registered("adapter"))
 def test_every_adapter_in_adapter_lab(adapter_lab, name):
+    from gradio_client.exceptions import AppError
+
     options = adapter_lab.predict(name, "mild", api_name="/adapter_preset")
+    if name == "earth-adapter":  # adapts zoo_mm's vision encoder: the lab's text model says it does not fit
+        with pytest.raises(AppError, match="does not fit this model.*no vision encoder"):
+            adapter_lab.predict(name, options, "code", 1, 1e-3, api_name="/finetune")
+        return
     table, plot = adapter_lab.predict(name, options, "code", 1, 1e-3, api_name="/finetune")
     rows = rows_of(table)
     assert set(rows) == {"english", "code"} and plot["type"] == "matplotlib"
