@@ -95,3 +95,15 @@ def test_compare_takes_the_calibration_of_apply(tmp_path, monkeypatch):
     assert seen["calibration"] == {"domain": "code", "tokens": 512, "seq_len": 256, "seed": 0}
     res = CliRunner().invoke(cli, ["compare", "zoo-tiny-moe", "--out", str(tmp_path / "o"), "--calibration", "cod"])
     assert res.exit_code != 0 and "Traceback" not in res.output
+
+
+def test_skip_leaves_a_cell_out_and_an_unknown_label_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    measured = []
+    monkeypatch.setattr(cmp, "_cell", lambda model, label, steps, precision, windows: measured.append(label) or
+                        row(label, precision, 10.0, 100, steps=steps))
+    monkeypatch.setattr(zoo, "apply", lambda model, *a, **k: model)
+    with pytest.raises(ValueError, match="no cell 'reap 5' in the grid .*did you mean 'reap 6'"):
+        cmp.compare("zoo-tiny-moe", tmp_path / "out", windows=1, grid=GRID, kv=("full",), skip=("reap 5",))
+    assert not (tmp_path / "out").exists() and measured == []
+    rows = cmp.compare("zoo-tiny-moe", tmp_path / "out", windows=1, grid=GRID, kv=("full",), skip=("reap 6",))
+    assert measured == ["base"] and [r["cell"] for r in rows] == ["base"]

@@ -16,8 +16,10 @@ from zoo.cli.helpers import calibration_spec, save_folder
 @click.option("--calibration", callback=calibration_spec,
               help="Calibration data of the cells that use it: DOMAIN[:TOKENS] of the shipped corpus (english, code, "
                    "mixed; default mixed:8192). Fewer tokens: faster cells on a large checkpoint.")
+@click.option("--skip", multiple=True, metavar="CELL",
+              help="Leave out a cell of the grid by its label (repeatable), e.g. --skip 'sub-moe 4' on a large model.")
 @click.option("--stream/--no-stream", default=None, help="Force layer-at-a-time cells from the shards (or in memory).")
-def compare(model, out, windows, kv, calibration, stream):
+def compare(model, out, windows, kv, calibration, skip, stream):
     """Compress MODEL with every recipe of the grid (pruning x quantization x KV precision, merging and decomposition
     at the pruning's expert count) and measure each cell alike: perplexity per domain, bytes, the Pareto front."""
     from zoo.cli.helpers import one_line
@@ -25,7 +27,8 @@ def compare(model, out, windows, kv, calibration, stream):
 
     precisions = tuple(p.strip() for p in kv.split(",") if p.strip())
     with one_line():
-        rows = run(model, out, windows=windows, kv=precisions, stream=stream, calibration=calibration)
+        rows = run(model, out, windows=windows, kv=precisions, stream=stream, calibration=calibration,
+                   skip=tuple(skip))
     ok = sorted((r for r in rows if "error" not in r), key=lambda r: (r["ppl geo-mean"], r["weight bytes"]))
     click.echo(f"{'cell':32} {'kv':5} {'ppl geo-mean':>12} {'MB':>9}")
     for r in ok:

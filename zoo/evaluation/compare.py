@@ -67,8 +67,9 @@ def cell_key(steps: list, kv: str) -> str:
 
 
 def compare(model_name: str, out, windows: int = 4, grid: list | None = None, kv: tuple = KV_PRECISIONS,
-            stream: bool | None = None, max_memory=None, calibration=None) -> list[dict]:
-    """Run the grid on ``model_name`` (a folder or registry name) into folder ``out``; returns every cell's row."""
+            stream: bool | None = None, max_memory=None, calibration=None, skip: tuple = ()) -> list[dict]:
+    """Run the grid on ``model_name`` (a folder or registry name) into folder ``out``; returns every cell's row.
+    ``skip``: labels of cells to leave out (e.g. one too slow for a large checkpoint)."""
     import zoo
     from zoo.editing import stream as streaming
 
@@ -77,15 +78,22 @@ def compare(model_name: str, out, windows: int = 4, grid: list | None = None, kv
     for precision in kv:
         check_precision(precision)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     streamed = streaming.should_stream(model_name, max_memory) if stream is None else stream
     if streamed and set(kv) - {"full"}:
         kv = ("full",)  # the cache needs the model in memory; a streamed evaluation is one pass
-    done = _measured(out / "compare.jsonl")
     base = None if streamed else zoo.load(model_name).eval()
     if grid is None:
         counts = _expert_count(base if base is not None else streaming.open_checkpoint(model_name).model)
         grid = default_grid(counts)
+    labels = [label for label, _ in grid]
+    for label in skip:
+        if label not in labels:
+            from zoo.components.options import suggest
+
+            raise ValueError(f"no cell {label!r} in the grid (cells: {', '.join(labels)}){suggest(label, labels)}")
+    grid = [(label, steps) for label, steps in grid if label not in skip]
+    out.mkdir(parents=True, exist_ok=True)
+    done = _measured(out / "compare.jsonl")
     todo = [(label, steps) for label, steps in grid if any(cell_key(steps, p) not in done for p in kv)]
     for label, steps in tqdm(todo, desc="compare: cells", disable=not todo):
         try:
