@@ -159,52 +159,47 @@ def dropout_on(model, p: float):
             h.remove()
 
 
-def contrastive_tune(model, params, batches, steps: int, lr: float, temperature: float, dropout: float,
-                     seed: int, desc: str = "ubmoe: bidirectional contrastive tuning") -> list[float]:
-    """Train ``params`` of ``model`` (every other parameter frozen for the run) with unsupervised SimCSE under
-    bidirectional attention: each window of ``batches(step)`` twice in one batch, two dropout masks, mean-pooled,
-    the other windows as negatives. Returns the loss per step."""
+@contextlib.contextmanager
+def training_only(model, params):
+    """``model`` in training mode with only ``params`` requiring a gradient; both restored after."""
     chosen = {id(p) for p in params}
     flags = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in flags:
         p.requires_grad_(id(p) in chosen)
     was_training = model.training
     model.train()
-    torch.manual_seed(seed)  # the dropout masks
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        model.train(was_training)
 
+
+def contrastive_tune(model, params, batches, steps: int, lr: float, temperature: float, dropout: float,
+                     seed: int, desc: str = "ubmoe: bidirectional contrastive tuning") -> list[float]:
+    """Train ``params`` of ``model`` (every other parameter frozen for the run) with unsupervised SimCSE under
+    bidirectional attention: each window of ``batches(step)`` twice in one batch, two dropout masks, mean-pooled,
+    the other windows as negatives. Returns the loss per step."""
     def loss_at(step):
         ids = batches(step)
         pooled = mean_pool(last_hidden(model, torch.cat([ids, ids])))
         return simcse_loss(pooled[:len(ids)], pooled[len(ids):], temperature)
 
-    try:
+    with training_only(model, params):
+        torch.manual_seed(seed)  # the dropout masks
         with dropout_on(model, dropout):
             return _optimise(list(params), steps, lr, loss_at, desc)
-    finally:
-        for p, flag in flags:
-            p.requires_grad_(flag)
-        model.train(was_training)
 
 
 def train_routers(model, routers, batches, steps: int, lr: float, desc: str = "ubmoe: router training") -> list[float]:
     """The second stage: only ``routers`` train, on the causal language-model loss of ``batches(step)``, through
     ``straight_through``. Returns the loss per step."""
     params = [p for r in routers for p in r.parameters() if p.is_floating_point()]
-    chosen = {id(p) for p in params}
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    for p, _ in flags:
-        p.requires_grad_(id(p) in chosen)
-    was_training = model.training
-    model.train()
 
     def loss_at(step):
         ids = batches(step)
         return model(input_ids=ids, labels=ids, use_cache=False).loss
 
-    try:
-        with straight_through(routers):
-            return _optimise(params, steps, lr, loss_at, desc)
-    finally:
-        for p, flag in flags:
-            p.requires_grad_(flag)
-        model.train(was_training)
+    with training_only(model, params), straight_through(routers):
+        return _optimise(params, steps, lr, loss_at, desc)

@@ -24,7 +24,7 @@ from zoo import Adapter
 from zoo.components.controls import Control
 from zoo.components.options import check_float, check_int, suggest
 from zoo.moe.layout import decoder_layers, moe_layers
-from zoo_adapters.zero_init_prompts import ATTENTIONS, KINDS, PromptedAttention
+from zoo_adapters.zero_init_prompts import ADAPTER, ATTENTIONS, KINDS, PromptedAttention
 
 
 def _choice(label: str, value, choices) -> str:
@@ -50,7 +50,7 @@ def attention_problem(attention) -> str:
 
 
 class ZeroInitAttention(Adapter):
-    name = "zero-init-attention"
+    name = ADAPTER
     summary = ("LLaMA-Adapter zero-init attention: gated adaption prompts in the top layers' attention (linear or "
                "MLP-generated), the model unchanged at init.")
     paper = ("Zhang et al., LLaMA-Adapter: Efficient Fine-tuning of Language Models with Zero-init Attention, "

@@ -32,6 +32,8 @@ from torch import nn
 from transformers import initialization as init
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+ADAPTER = "zero-init-attention"  # the component's name, recorded in each wrapped attention's spec
+
 IMPLEMENTATION = "zoo-zero-init"
 KINDS = ("linear", "non-linear")
 ATTENTIONS = ("zero-init", "vanilla")
@@ -150,9 +152,7 @@ class PromptedAttention(nn.Module):
         self.reset(init)
 
     def zoo_spec(self) -> dict:
-        from zoo_adapters.zero_init_attention import ZeroInitAttention
-
-        return {"adapter": ZeroInitAttention.name, "prompts": self.num_prompts, "prompt": self.prompt,
+        return {"adapter": ADAPTER, "prompts": self.num_prompts, "prompt": self.prompt,
                 "attention": self.attention_kind, "hidden": self.hidden, "gate_init": self.gate_init}
 
     def prompt_vectors(self) -> torch.Tensor:
