@@ -53,7 +53,7 @@ class MergeBarriers:
         self.params = {k: v.detach().float() for k, v in old.state_dict().items()}
         self.scale_input = moe.weights_scale_input
         routing = moe.route(x)
-        xf = x.float()
+        xf = moe.expert_inputs(x).float()
         self.tokens, self.inputs, self.gates, self.outputs = [], [], [], []
         routed = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
         for e in range(moe.num_experts):

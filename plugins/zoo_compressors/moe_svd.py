@@ -48,6 +48,7 @@ def layer_grams(moe, x: torch.Tensor, chunk: int = 4096) -> dict:
           "outliers": torch.zeros(moe.num_experts, dtype=torch.float64)}
     for part in x.split(chunk):
         routing = moe.route(part)
+        part = moe.expert_inputs(part)  # what the experts read (a normed copy where the block has an input norm)
         xd = part.double()
         st["input"] += xd.T @ xd
         for e in range(moe.num_experts):

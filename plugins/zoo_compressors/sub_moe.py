@@ -54,7 +54,7 @@ def output_similarity(moe, x: torch.Tensor, chunk: int = 512) -> torch.Tensor:
     """[E, E]: the cosine of experts i and j's outputs on the same token, averaged over the tokens ``x [T, H]``."""
     n = moe.num_experts
     total = torch.zeros(n, n, dtype=torch.float64)
-    for part in x.split(chunk):
+    for part in moe.expert_inputs(x).split(chunk):
         outs = torch.stack([expert_output(moe.experts, e, part) for e in range(n)])  # [E, t, H]
         unit = outs / outs.norm(dim=-1, keepdim=True).clamp(min=1e-12)
         total += torch.einsum("ith,jth->ij", unit, unit)

@@ -35,7 +35,7 @@ def wanda_prune_experts(moe, x: torch.Tensor, sparsity: float) -> int:
     if sparsity <= 0 or x.shape[0] == 0:
         return 0
     routing = moe.route(x)
-    xf = x.float()
+    xf = moe.expert_inputs(x).float()
     zeroed = 0
     for e in range(moe.num_experts):
         tok, slot = (routing.indices == e).nonzero(as_tuple=True)

@@ -9,7 +9,7 @@ GENERIC: dict[str, str] = {
     # text decoders (hybrids included: Jamba, Qwen3-Next, Kimi-Linear, Granite-MoE-hybrid, ... keep their
     # attention-free layers and convert their MoE blocks)
     **{t: "causal-lm" for t in (
-        "afmoe", "aria_text", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v32",
+        "afmoe", "aria_text", "axk1", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v32",
         "deepseek_v4", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
         "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
         "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "jamba", "kimi_linear",
@@ -30,7 +30,6 @@ _NO_FUSED = "its experts are not transformers' fused experts class (`@use_expert
 
 # Why each of these is not converted, as the generic adapter reports it on the family's tiny model.
 EXCEPTIONS: dict[str, str] = {
-    "axk1": "its MoE block normalises its output (post_mlp_layernorm), which the zoo's block has no place for",
     "axk2": "its routing reproduces none of the zoo's top-k rules",
     **{t: "router and experts sit in the decoder layer itself and read different inputs (the router its own "
           "RMS-normed, scaled copy of the residual; the experts a separately normed one), beside a dense MLP; "

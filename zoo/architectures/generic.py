@@ -253,13 +253,18 @@ def _block_spec(block, config) -> dict:
     experts_kind, entry_experts, expert_keys, transposed = _experts_spec(experts, config)
     E, H = entry_experts["num_experts"], entry_experts["hidden_size"]
     router_name = _router_child(block, E, H)
+    norm_name, norm = _output_norm(children, router_name, H)
+    if norm_name:
+        children = {n: c for n, c in children.items() if n != norm_name}
     shared, shared_keys, splits = _shared_spec(children, router_name, H, config)
     gate_name, tensors = _router_tensors(block, router_name, E, H, {**shared_keys, **splits})
     router, router_options, k, roles = _probe(block, router_name, config, E, H, gate_name, tensors)
-    scale = _routed_output_scale(block, router_name, H)
+    scale = _routed_output_scale(block, router_name, H, norm_name)
     if scale != 1.0:  # the block scales the experts' summed output (e.g. by routed_scaling_factor): same as the weights
         router, router_options = scale_routing(router, router_options, scale)
     renames = {**expert_keys, **shared_keys}
+    if norm_name:
+        renames[f"{norm_name}.weight"] = "output_norm.weight"
     shapes = {}
     for name, role in roles.items():
         renames[name] = ROLE_KEYS[role]
@@ -270,7 +275,7 @@ def _block_spec(block, config) -> dict:
         raise NotConvertible(f"block tensors with no zoo counterpart: {sorted(leftover)}")
     entry = {"num_experts": E, "num_experts_per_tok": k, "router": router, "router_options": router_options,
              "experts": experts_kind, "experts_options": entry_experts, "shared_experts": shared,
-             "returns_router_scores": False}
+             "returns_router_scores": False, **({"output_norm": norm} if norm_name else {})}
     return {"entry": entry, "renames": renames, "shapes": shapes, "transposed": transposed, "splits": splits}
 
 
@@ -335,6 +340,20 @@ def _gate_function(experts, config, two_i) -> dict:
                 values = {"swiglu_limit": limit, "swiglu_alpha": alpha}
                 return {"activation": name, **{k: values[k] for k in PARAMETERS.get(name, ())}}
     raise NotConvertible(f"{type(experts).__name__} gates with a function none of the zoo's activations computes")
+
+
+def _output_norm(children, router_name, H) -> tuple[str | None, dict | None]:
+    """The block's RMS norm child (A.X-K1's ``post_mlp_layernorm``), taken as a norm on the block's output (the
+    only place a family puts one); the converted block is checked against the native one (``_verify``) when its
+    weights are real fp32, so a norm elsewhere is refused there."""
+    from zoo.moe.norms import as_block_norm
+
+    found = {n: as_block_norm(c, H) for n, c in children.items() if n not in ("experts", router_name)}
+    found = {n: options for n, options in found.items() if options}
+    if len(found) > 1:
+        raise NotConvertible(f"several norms in the block ({', '.join(sorted(found))}); the zoo block holds one on "
+                             "its output")
+    return next(iter(found.items()), (None, None))
 
 
 def _router_child(block, E, H) -> str:
@@ -526,10 +545,10 @@ class _Ones(nn.Module):
         return torch.ones_like(hidden)
 
 
-def _routed_output_scale(block, router_name, H) -> float:
-    """What the block does to its experts' output: experts that return ones, other parts zeros; the block's
-    output is then the factor it applies (1.0 for most families)."""
-    twin = _routing_twin(block, router_name, experts=_Ones())
+def _routed_output_scale(block, router_name, H, norm_name=None) -> float:
+    """What the block does to its experts' output: experts that return ones, other parts zeros (its output norm
+    left out); the block's output is then the factor it applies (1.0 for most families)."""
+    twin = _routing_twin(block, router_name, experts=_Ones(), identity=norm_name)
     with torch.no_grad():
         try:
             out = twin(torch.randn(1, 8, H, generator=torch.Generator().manual_seed(0)))
@@ -554,13 +573,15 @@ def scale_routing(router: str, options: dict, factor: float) -> tuple[str, dict]
     return router, {**options, "routed_scaling_factor": options["routed_scaling_factor"] * factor}
 
 
-def _routing_twin(block, router_name, experts=None):
-    """A float32 copy of the block with only its router real: experts record (or ``experts``), other parts
-    return zeros."""
+def _routing_twin(block, router_name, experts=None, identity=None):
+    """A float32 copy of the block with only its router real: experts record (or ``experts``), the child named
+    ``identity`` passes its input on, other parts return zeros."""
     children = dict(block.named_children())
     try:
         for name, child in children.items():
-            if name != router_name and not isinstance(child, nn.Identity):
+            if name == identity:
+                setattr(block, name, nn.Identity())
+            elif name != router_name and not isinstance(child, nn.Identity):
                 setattr(block, name, (experts or _Capture()) if name == "experts" else _Zero())
         twin = copy.deepcopy(block)
     finally:

@@ -45,6 +45,7 @@ class ExpertStats:
         """Accumulate tokens ``x [T, H]`` entering ``moe`` (routed here unless ``routing`` is given)."""
         routing = moe.route(x) if routing is None else routing
         self.tokens += x.shape[0]
+        x = moe.expert_inputs(x)  # the router reads the block's input, the experts (Gemma 4) a normed copy
         for e in range(moe.num_experts):
             tok, slot = (routing.indices == e).nonzero(as_tuple=True)
             if self.output_sum is not None:

@@ -56,6 +56,10 @@ class SparseMoE(nn.Module):
     unpacks a tuple (GPT-OSS). Router logits reach ``output_router_logits`` through a recorder on
     ``Router`` outputs (see ``zoo.architectures.factory``).
 
+    ``input_norm`` / ``output_norm`` (``zoo.moe.norms.BlockRMSNorm``): the routed experts read a normed copy of the
+    block's input while the router and the shared experts read the input itself (Gemma 4); the block's output
+    (routed plus shared) is normed (A.X-K1). Every compressor and export carries them: they are part of the block.
+
     ``expert_map`` (HC-SMoE's merged experts behind an unchanged router): the router keeps its E rows and picks
     among the original experts; original expert e is served by merged expert ``expert_map[e]`` (the router's
     output is mapped, see ``zoo.moe.routing.map_routing``). ``num_experts`` is then the merged count.
@@ -64,13 +68,15 @@ class SparseMoE(nn.Module):
     zoo_moe_block = True  # how code that must not import the MoE core finds the blocks (demo-control declarations)
 
     def __init__(self, router: Router, experts: Experts, shared_experts: nn.Module | None = None,
-                 returns_router_scores: bool = False, weights_scale_input: bool = False, expert_map=None):
+                 returns_router_scores: bool = False, weights_scale_input: bool = False, expert_map=None,
+                 input_norm: nn.Module | None = None, output_norm: nn.Module | None = None):
         super().__init__()
         self._expert_map = None if expert_map is None else check_expert_map(expert_map, router.num_experts,
                                                                             experts.num_experts)
         if self._expert_map is None and router.num_experts != experts.num_experts:
             raise ValueError(f"router has {router.num_experts} experts but experts has {experts.num_experts}")
         self.router, self.experts, self.shared_experts = router, experts, shared_experts
+        self.input_norm, self.output_norm = input_norm, output_norm
         self.returns_router_scores = returns_router_scores
         # Llama 4: the routing weight scales each expert's input, not its output (not the same through SwiGLU)
         self.weights_scale_input = weights_scale_input
@@ -86,7 +92,7 @@ class SparseMoE(nn.Module):
         it) with a new router and/or new experts."""
         return SparseMoE(self.router if router is None else router, self.experts if experts is None else experts,
                          self.shared_experts, self.returns_router_scores, self.weights_scale_input,
-                         self._expert_map if expert_map is ... else expert_map)
+                         self._expert_map if expert_map is ... else expert_map, self.input_norm, self.output_norm)
 
     @property
     def expert_map(self) -> tuple[int, ...] | None:
@@ -125,16 +131,24 @@ class SparseMoE(nn.Module):
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         routing = self.route(x)
+        xe = self.expert_inputs(x)
         if self.weights_scale_input:
-            out = self._input_scaled_experts(x, routing)
+            out = self._input_scaled_experts(xe, routing)
         elif getattr(self.experts, "_is_hooked", False):
-            out = self._parallel_experts(x, routing)
+            out = self._parallel_experts(xe, routing)
         else:
-            out = self.experts(x, routing)
+            out = self.experts(xe, routing)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if self.output_norm is not None:
+            out = self.output_norm(out)
         out = out.view(shape)
         return (out, routing.weights) if self.returns_router_scores else out
+
+    def expert_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """What the routed experts read of the block's input ``x [T, H]`` (code that runs experts on calibration
+        tokens calls this: the block's input is what the router reads)."""
+        return x if self.input_norm is None else self.input_norm(x)
 
     def route(self, x: torch.Tensor) -> Routing:
         """The router's choice for tokens ``x [T, H]``, with the routing context when the router reads it."""
@@ -177,6 +191,8 @@ class SparseMoE(nn.Module):
             "returns_router_scores": self.returns_router_scores,
             **({"weights_scale_input": True} if self.weights_scale_input else {}),
             **({"expert_map": list(self._expert_map)} if self._expert_map is not None else {}),
+            **{name: getattr(self, name).options() for name in ("input_norm", "output_norm")
+               if getattr(self, name) is not None},
         }
 
 

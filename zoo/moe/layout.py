@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from zoo.moe import SharedMLP, SparseMoE
+from zoo.moe.norms import BlockRMSNorm
 from zoo.components.registry import registry
 
 
@@ -12,10 +13,11 @@ def family_and_base(model, family=None):
     wrapper: its base model still runs the adapter's layers)."""
     if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
         model = model.get_base_model()
-    base = getattr(model, "model", model)
+    fam = family or getattr(type(model), "zoo_family", None)
+    base = getattr(model, getattr(fam, "base_attr", None) or "model", model)  # DBRX's sits at .transformer
     if not isinstance(base, nn.Module):
         base = model
-    fam = family or getattr(type(model), "zoo_family", None) or getattr(type(base), "zoo_family", None)
+    fam = fam or getattr(type(base), "zoo_family", None)
     return fam, base
 
 
@@ -51,10 +53,10 @@ def block_prefix(model, i: int, family=None) -> str:
 def layer_prefix(model, i: int, family=None) -> str:
     """State-dict prefix of decoder layer i in the causal-LM (or conditional-generation) model."""
     fam, _ = family_and_base(model, family)
-    return f"model.{getattr(fam, 'layers_path', None) or 'layers'}.{i}."
+    return f"{getattr(fam, 'base_attr', None) or 'model'}.{getattr(fam, 'layers_path', None) or 'layers'}.{i}."
 
 
-BLOCK_ATTRS = ("mlp", "feed_forward", "block_sparse_moe", "mixer", "moe")
+BLOCK_ATTRS = ("mlp", "feed_forward", "block_sparse_moe", "mixer", "moe", "ffn")
 
 
 def layer_block_attr(layer) -> str:
@@ -179,8 +181,9 @@ def build_block(entry: dict, provided_by: dict | None = None) -> SparseMoE:
     router = router_cls(experts.hidden_size, len(expert_map) if expert_map else entry["num_experts"],
                         entry["num_experts_per_tok"], **entry["router_options"])
     shared = SharedMLP(**entry["shared_experts"]) if entry.get("shared_experts") else None
+    norms = {name: BlockRMSNorm(**entry[name]) for name in ("input_norm", "output_norm") if entry.get(name)}
     return SparseMoE(router, experts, shared, returns_router_scores=entry.get("returns_router_scores", False),
-                     weights_scale_input=entry.get("weights_scale_input", False), expert_map=expert_map)
+                     weights_scale_input=entry.get("weights_scale_input", False), expert_map=expert_map, **norms)
 
 
 class LayoutError(ValueError):
@@ -252,6 +255,10 @@ def _entry_problems(entry, hidden_size: int, provided_by: dict | None) -> list[s
     if block.experts.hidden_size != hidden_size:
         problems.append(f".experts_options.hidden_size: {block.experts.hidden_size}, but the model's hidden_size "
                         f"is {hidden_size}")
+    for name in ("input_norm", "output_norm"):
+        norm = getattr(block, name)
+        if norm is not None and norm.hidden_size != hidden_size:
+            problems.append(f".{name}.hidden_size: {norm.hidden_size}, but the model's hidden_size is {hidden_size}")
     if entry["num_experts"] != block.experts.num_experts:
         problems.append(f".num_experts: {entry['num_experts']}, but experts_options build {block.experts.num_experts}")
     return problems
@@ -269,6 +276,12 @@ def _failing_part(entry) -> str:
                                                     entry["num_experts_per_tok"], **entry["router_options"])
     except Exception:
         return "router_options"
+    for name in ("input_norm", "output_norm"):
+        try:
+            if entry.get(name):
+                BlockRMSNorm(**entry[name])
+        except Exception:
+            return name
     return "shared_experts" if entry.get("shared_experts") else "num_experts"
 
 
