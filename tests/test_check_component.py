@@ -18,6 +18,8 @@ OPTIONS = {
     "adapter:zero-init-attention": {"prompts": 2, "prompt": "non-linear", "layers": 1},
     "router:token-hash": {"score": "sigmoid"},
     "router:expert-choice": {"capacity_factor": 1.5},
+    "router:gemma4-topk": {"top_k": 1},
+    "router:top1-capacity": {"expert_capacity": 2},
     "router:hierarchical-modality": {"top_groups": 1},
     "router:language-conditioned": {"context_size": 16},
     "router:mixture-of-heads": {"heads_per_token": 0.5},

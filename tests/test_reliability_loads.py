@@ -229,3 +229,15 @@ def test_zoo_load_of_a_native_checkpoint_with_inf_is_refused(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(NonFiniteWeightsError, match=r"model\.norm\.weight"):
         zoo.load(tmp_path)
+
+
+def test_a_clamp_bound_may_be_infinite_but_never_nan():
+    """Gemma 4's clipped linears store +-inf bounds (no clipping); a NaN bound, an inf in a larger tensor, or an
+    inf in a tensor not named as a bound is still refused."""
+    from zoo.io.finite import non_finite
+
+    inf = float("inf")
+    ok = [("audio.linear.input_min", torch.tensor(-inf)), ("audio.linear.output_max", torch.tensor(inf))]
+    bad = [("audio.linear.input_max", torch.tensor(float("nan"))), ("x.clip_max", torch.tensor([inf, 1.0])),
+           ("x.bias", torch.tensor(inf)), ("x.maximum", torch.tensor(-inf))]
+    assert non_finite(ok + bad) == [name for name, _ in bad]

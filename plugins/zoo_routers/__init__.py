@@ -6,6 +6,7 @@ from zoo import hookimpl
 def register_routers(register):
     from zoo_routers.adamoe import AdaMoE
     from zoo_routers.expert_choice import ExpertChoice
+    from zoo_routers.gemma4_topk import Gemma4TopK
     from zoo_routers.mixture_of_heads import MixtureOfHeads
     from zoo_routers.otp import OnlineTopAnyPruning
     from zoo_routers.remix import Remix
@@ -31,3 +32,4 @@ def register_routers(register):
     register(TokenHash)
     register(AdaMoE)
     register(UncertaintyAware)
+    register(Gemma4TopK)

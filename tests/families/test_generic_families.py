@@ -17,7 +17,7 @@ AUTO = {"causal-lm": AutoModelForCausalLM, "image-text-to-text": AutoModelForIma
 # positional inputs (Inkling2): the layer-at-a-time engine refuses them with a clear error, so they get the steps
 # that need no calibration
 LAYERS_PASS_MORE = {"hy_v4", "hy_v4_vl", "glm5_next", "glm_moe_dsa", "mistral_large4", "inkling2", "inkling2_text",
-                    "inkling2_loop", "inkling2_loop_text"}
+                    "inkling2_loop", "inkling2_loop_text", "gemma4_text", "gemma4"}
 CONVERTED = sorted(t for t in GENERIC if t not in EXCEPTIONS and t in CONFIG_MAPPING_NAMES)
 
 

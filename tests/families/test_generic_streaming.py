@@ -15,6 +15,9 @@ TEXT = [t for t in CONVERTED if GENERIC[t] == "causal-lm"]
 # Inkling2 saves some tensors of a layer outside it (model.llm.attn_res.mlp_queries.N for layer N's
 # mlp_input.query): a layer cannot be read by its own key prefix, and the streaming path says it lacks them
 SAVED_OUTSIDE_THEIR_LAYER = {"inkling2_text", "inkling2_loop_text"}
+# Gemma 4's router, experts and their norms sit in the decoder layer itself, regrouped into the zoo block when the
+# whole model is built: a layer read from its shards alone is refused, naming the tensors it cannot place
+REGROUPED_IN_MEMORY = {"gemma4_text"}
 VISION = [t for t in CONVERTED if GENERIC[t] == "image-text-to-text"]
 
 
@@ -26,6 +29,10 @@ def test_streamed_convert_writes_what_the_in_memory_convert_writes(model_type, t
     native_model(model_type).save_pretrained(tmp_path / "native")
     if model_type in SAVED_OUTSIDE_THEIR_LAYER:
         with pytest.raises(CheckpointError, match="lacks tensors of layer 0"):
+            stream.convert(tmp_path / "native", tmp_path / "stream")
+        return
+    if model_type in REGROUPED_IN_MEMORY:
+        with pytest.raises(CheckpointError, match="no place for"):
             stream.convert(tmp_path / "native", tmp_path / "stream")
         return
     zoo.convert(native_model(model_type)).save_pretrained(tmp_path / "memory")

@@ -1,4 +1,4 @@
-"""First-party architectures: six families with specs of their own, and every other MoE family transformers ships
+"""First-party architectures: eight families with specs of their own, and every other MoE family transformers ships
 through the generic adapter (``zoo.architectures.families``), registered through ``register_architectures``.
 Their ``zoo_<family>`` model types join transformers' Auto classes when the plugins load
 (``register_auto_classes``): at the registry's first lookup, or when transformers first looks up a ``zoo_`` model
@@ -27,9 +27,11 @@ def family_specs() -> tuple:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     from zoo.architectures.cohere2_moe import Cohere2Moe
+    from zoo.architectures.dbrx import Dbrx
     from zoo.architectures.deepseek_v3 import DeepseekV3
     from zoo.architectures.deepseek_v4 import DeepseekV4
     from zoo.architectures.families import GENERIC
+    from zoo.architectures.gemma4 import Gemma4
     from zoo.architectures.generic import GenericFamily
     from zoo.architectures.gpt_oss import GptOss
     from zoo.architectures.llama4 import Llama4Text
@@ -37,14 +39,16 @@ def family_specs() -> tuple:
     from zoo.architectures.olmoe import Olmoe
     from zoo.architectures.qwen2_moe import Qwen2Moe
     from zoo.architectures.qwen3_moe import Qwen3Moe
+    from zoo.architectures.switch_transformers import SwitchTransformers
     from zoo.components.model_entries import GENERIC_PUBLIC
 
     # generic families with a small spec of their own
-    specs = {"llama4_text": Llama4Text, "cohere2_moe": Cohere2Moe, "deepseek_v4": DeepseekV4}
+    specs = {"llama4_text": Llama4Text, "cohere2_moe": Cohere2Moe, "deepseek_v4": DeepseekV4,
+             "gemma4_text": Gemma4, "gemma4": lambda: Gemma4("gemma4", "image-text-to-text")}
     papers = {entry.family: entry.paper for entry in GENERIC_PUBLIC}  # the papers of their public checkpoints
     generic = [specs[t]() if t in specs else GenericFamily(t, auto, paper=papers.get(t, ""))
                for t, auto in GENERIC.items() if t in CONFIG_MAPPING_NAMES]  # an older transformers may lack some
-    return (Mixtral(), Qwen2Moe(), Qwen3Moe(), Olmoe(), DeepseekV3(), GptOss(), *generic)
+    return (Mixtral(), Qwen2Moe(), Qwen3Moe(), Olmoe(), DeepseekV3(), GptOss(), Dbrx(), SwitchTransformers(), *generic)
 
 
 def register_auto_classes() -> None:
@@ -56,6 +60,13 @@ def register_auto_classes() -> None:
 def register_architectures(register):
     for family in family_specs():
         register(family)
+
+
+@hookimpl
+def register_routers(register):
+    from zoo.architectures.top1_capacity import Top1Capacity  # Switch Transformers' router
+
+    register(Top1Capacity)
 
 
 @hookimpl

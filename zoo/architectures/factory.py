@@ -5,7 +5,7 @@ import sys
 from types import SimpleNamespace
 
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText,
-                          AutoModelForQuestionAnswering,
+                          AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
                           AutoModelForSequenceClassification, AutoModelForTokenClassification)
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
@@ -76,7 +76,8 @@ def zoo_config_class(family):
     return cfg_cls
 
 
-AUTO_CLASSES = {"causal-lm": AutoModelForCausalLM, "image-text-to-text": AutoModelForImageTextToText}
+AUTO_CLASSES = {"causal-lm": AutoModelForCausalLM, "image-text-to-text": AutoModelForImageTextToText,
+                "seq2seq-lm": AutoModelForSeq2SeqLM}
 
 
 def zoo_classes(family):
@@ -157,23 +158,28 @@ def adopt(model, family) -> None:
     # MoE target names, transformers' conversion tables) would take the zoo model for the native one
     model.config.__dict__.pop("model_type", None)
     model.config.zoo_recipe = list(model.config.zoo_recipe or [])
-    for module, cls in ((model, lm_cls), (model.model, inner_cls)):
+    base = getattr(model, family.base_attr)
+    own = ((model, lm_cls),) if base is model else ((model, lm_cls), (base, inner_cls))  # encoder-decoder: no base
+    for module, cls in own:
         module.__class__ = cls
         _CAN_RECORD_REGISTRY[module] = cls._can_record_outputs
-    model.model.config = model.config
-    _gather_class_properties(model.model, model)
-    model.model.init_parallel_plans()  # post_init copied the native plans onto the instances: the zoo's now
+    base.config = model.config
+    _gather_class_properties(base, model)
+    base.init_parallel_plans()  # post_init copied the native plans onto the instances: the zoo's now
     model.init_parallel_plans()
+    family.prepare(base)
 
 
 def _init(self, config):
     self.zoo_family.model_class.__init__(self, config)  # builds the family's own base model: made zoo below
-    self.model.__class__ = self._zoo_inner_class
-    _CAN_RECORD_REGISTRY[self.model] = self._zoo_inner_class._can_record_outputs
-    _build_zoo_blocks(self.model, config)
+    base = getattr(self, self.zoo_family.base_attr)
+    if base is not self:  # an encoder-decoder holds its stacks itself: no base model to make zoo
+        base.__class__ = self._zoo_inner_class
+        _CAN_RECORD_REGISTRY[base] = self._zoo_inner_class._can_record_outputs
+    _build_zoo_blocks(base, config)
     apply_attention(self, getattr(config, "zoo_attention", None))  # first: module paths may run through it
     apply_modules(self, getattr(config, "zoo_modules", None))
-    _gather_class_properties(self.model, self)
+    _gather_class_properties(base, self)
     self.init_weights()  # the new modules through _init_weights, as post_init did for the family's own
     routing_context.attach(self)
 
@@ -184,7 +190,8 @@ def _init_base(self, config):
     _build_zoo_blocks(self, config)
     apply_attention(SimpleNamespace(model=self, config=config), getattr(config, "zoo_attention", None))
     modules = getattr(config, "zoo_modules", None) or {}  # recorded from the causal LM: paths under "model."
-    apply_modules(self, {k[len("model."):]: v for k, v in modules.items() if k.startswith("model.")})
+    prefix = f"{self.zoo_family.base_attr}."
+    apply_modules(self, {k[len(prefix):]: v for k, v in modules.items() if k.startswith(prefix)})
     _gather_class_properties(self)
     self.init_weights()
     routing_context.attach(self)
@@ -216,6 +223,7 @@ def _build_zoo_blocks(base, config) -> None:
                 setattr(layer, attr, block)
     else:
         apply_layout(base, config.zoo_layout)
+    family.prepare(base)
 
 
 def _experts_implementation(self, requested):
@@ -248,9 +256,10 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, cache
     expert count and k, and the mean of per-layer losses (same convention) where layers differ."""
     if output_router_logits is None:
         output_router_logits = getattr(self.config, "output_router_logits", False)
-    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         output_router_logits=output_router_logits, return_dict=True, **kwargs)
+    outputs = getattr(self, self.zoo_family.base_attr)(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+        inputs_embeds=inputs_embeds, use_cache=use_cache, output_router_logits=output_router_logits, return_dict=True,
+        **kwargs)
     hidden = outputs.last_hidden_state
     logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
     loss = self.loss_function(logits, labels, self.vocab_size, **kwargs) if labels is not None else None
@@ -260,7 +269,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, cache
         aux_loss = family_aux_loss(self.zoo_family, router_logits, [moe for _, moe in moe_layers(self)],
                                    attention_mask)
         if loss is not None:
-            loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+            loss = loss + self.zoo_family.aux_loss_coef(self.config) * aux_loss.to(loss.device)
     return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache,
                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions,
                                      router_logits=router_logits)

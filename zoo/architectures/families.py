@@ -3,15 +3,15 @@
 with), or not converted (``EXCEPTIONS``: model type -> why). ``tests/families`` checks that this list covers
 every MoE config class of the installed transformers and that each GENERIC family converts losslessly."""
 
-FIRST_PARTY = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+FIRST_PARTY = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "dbrx", "switch_transformers")
 
 GENERIC: dict[str, str] = {
     # text decoders (hybrids included: Jamba, Qwen3-Next, Kimi-Linear, Granite-MoE-hybrid, ... keep their
     # attention-free layers and convert their MoE blocks)
     **{t: "causal-lm" for t in (
         "afmoe", "aria_text", "axk1", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v32",
-        "deepseek_v4", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
-        "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+        "deepseek_v4", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text",
+        "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
         "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "jamba", "kimi_linear",
         "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text", "mellum", "mimo_v2_flash", "minimax",
         "minimax_m2", "minimax_m3_vl_text", "nemotron_h", "phimoe", "qwen3_5_moe_text", "qwen3_next",
@@ -19,7 +19,7 @@ GENERIC: dict[str, str] = {
     # vision-language models: the language model's MoE blocks convert, the vision tower stays (dots3_note's
     # vision tower has MoE blocks of its own: they stay native)
     **{t: "image-text-to-text" for t in (
-        "aria", "deepseek_ocr2", "dots3_note", "glm4v_moe", "glm5_next", "hy_v4_vl", "inkling2",
+        "aria", "deepseek_ocr2", "dots3_note", "gemma4", "glm4v_moe", "glm5_next", "hy_v4_vl", "inkling2",
         "inkling2_loop", "minimax_m3_vl", "mistral4", "mistral_large4", "qwen3_5_moe",
         "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp", "unlimited_ocr")},
 }
@@ -31,9 +31,9 @@ _NO_FUSED = "its experts are not transformers' fused experts class (`@use_expert
 # Why each of these is not converted, as the generic adapter reports it on the family's tiny model.
 EXCEPTIONS: dict[str, str] = {
     "axk2": "its routing reproduces none of the zoo's top-k rules",
-    **{t: "router and experts sit in the decoder layer itself and read different inputs (the router its own "
-          "RMS-normed, scaled copy of the residual; the experts a separately normed one), beside a dense MLP; "
-          "the zoo block routes the tokens its experts read" for t in ("gemma4", "gemma4_text", "diffusion_gemma")},
+    "diffusion_gemma": "a block-diffusion model: an encoder and a decoder stack of Gemma 4-style layers (router and "
+                       "experts inside each layer) denoise a canvas of tokens; the zoo's Gemma 4 spec holds one stack "
+                       "of causal layers (what it would take: the spec over both stacks' layer classes)",
     "doge": _NO_FUSED,
     "step3p7": _NO_FUSED,
     "longcat_flash": _NO_FUSED + " (zero-computation experts beside the FFN experts)",
@@ -46,14 +46,11 @@ EXCEPTIONS: dict[str, str] = {
     "inkling_mm_model": "no [E, H] router gate inside the MoE block",
     "zaya": "no [E, H] router gate inside the MoE block",
     "muse_spark": "its experts normalise each expert's output (post-expert norm)",
-    "dbrx": "its experts are its own GLU module (w1/v1/w2 stacked per expert, not transformers' fused class), and "
-            "its base model sits at `.transformer` where the zoo classes expect `.model`",
     "jetmoe": "its attention is a mixture of experts too, and its MLP experts are its own parallel-experts modules "
               "(not fused experts)",
     "qwen3_omni_moe": "the omni model holds a thinker and a talker (each an MoE model of its own) and a speech "
                       "decoder, with no base model at `.model`; its thinker (qwen3_omni_moe_thinker) converts",
     "nllb-moe": "encoder-decoder with per-expert modules (not fused experts)",
-    "switch_transformers": "encoder-decoder with per-expert modules (not fused experts)",
     "vitpose_backbone": "a vision backbone, not a language model",
     "openai_privacy_filter": "no causal-LM or image-text-to-text class",
     "dots3_note_vision_encoder": "the vision encoder of dots3_note, not a language model",

@@ -24,10 +24,12 @@ class Family:
     renames: dict[str, str] = {"gate.": "router."}  # native -> zoo key prefixes inside the MLP
     aux_loss = True
     keep_in_fp32: list[str] | None = None
-    auto = "causal-lm"  # the Auto class users load the family with ("causal-lm" or "image-text-to-text")
+    auto = "causal-lm"  # the Auto class users load the family with ("causal-lm", "image-text-to-text", "seq2seq-lm")
     zoo_forward = True  # the zoo's causal-LM forward (balance loss over layers that may differ) replaces the family's
+    base_attr = "model"  # the causal LM's attribute holding the base model (DBRX: "transformer")
     layers_path = "layers"  # the decoder layers, below the base model
     block_attr = "mlp"  # a decoder layer's attribute holding the MoE block
+    native_in_layer = False  # the native checkpoint keeps the block's tensors in the decoder layer itself (Gemma 4)
 
     def matches(self, model) -> bool:
         """Whether ``model`` is a native model of this family."""
@@ -39,6 +41,14 @@ class Family:
 
     def discover(self, base) -> None:
         """Read where the blocks are off a base model (first-party specs know it already)."""
+
+    def layer_paths(self, base) -> list[str] | None:
+        """Where each layer holding an MoE block sits below ``base``, in layout order, for a family whose MoE layers
+        are not the one list at ``layers_path`` (an encoder-decoder's two stacks); None: that list."""
+        return None
+
+    def prepare(self, base) -> None:
+        """Make the family's own modules ready for zoo blocks, once per model, as it becomes a zoo model."""
 
     # ---- structure -------------------------------------------------------------------------------
     def moe_layer_ids(self, config) -> list[int]:
@@ -52,6 +62,10 @@ class Family:
 
     def shared_options(self, config) -> dict | None:
         return None
+
+    def aux_loss_coef(self, config) -> float:
+        """The weight of the balance loss in the training loss (the config key the family reads)."""
+        return config.router_aux_loss_coef
 
     def block_layout(self, config) -> dict:
         """The layout entry of one native MoE layer of ``config``."""
@@ -111,10 +125,7 @@ class Family:
                     "padded expert could never be chosen (its logit would be 0), so padding would not be exact")
         count = max(e["num_experts"] for e in moe.values())
         values = {k: v for k, v in config.to_dict().items() if k in self.config_class.__dataclass_fields__}
-        values.update({self.num_experts_key: count, "num_experts_per_tok": first["num_experts_per_tok"],
-                       self.intermediate_key: first["experts_options"].get("intermediate_size")})
-        values.update({k: first["router_options"][k] for k in self.router_config_keys if k in first["router_options"]})
-        native = self.config_class(**values)
+        native = self.config_class(**self.native_moe_values(values, count, first))
         want = set(self.moe_layer_ids(native))
         if want != set(moe):
             raise NotExportable(f"MoE layers {sorted(moe)} differ from the native pattern {sorted(want)}")
@@ -127,6 +138,14 @@ class Family:
                     raise NotExportable(f"layer {i}: {key} is {e.get(key)!r}, the native {self.name} block "
                                         f"needs {expected[key]!r}")
         return native
+
+    def native_moe_values(self, values: dict, count: int, first: dict) -> dict:
+        """The native config's values with its MoE keys set: ``count`` experts, the rest from the layout entry
+        ``first`` (the first MoE layer's)."""
+        values.update({self.num_experts_key: count, "num_experts_per_tok": first["num_experts_per_tok"],
+                       self.intermediate_key: first["experts_options"].get("intermediate_size")})
+        values.update({k: first["router_options"][k] for k in self.router_config_keys if k in first["router_options"]})
+        return values
 
     def pad_native_state(self, state: dict, num_experts: int) -> dict:
         """One MoE block's native state with its experts padded to ``num_experts``: every per-expert tensor gets zero

@@ -50,11 +50,12 @@ def classes_of(model_type: str) -> dict[str, type]:
 
 def _auto_classes() -> dict:
     from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText,
-                              AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
-                              AutoModelForTokenClassification)
+                              AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
+                              AutoModelForSequenceClassification, AutoModelForTokenClassification)
 
     return {"AutoModel": AutoModel, "AutoModelForCausalLM": AutoModelForCausalLM,
             "AutoModelForImageTextToText": AutoModelForImageTextToText,
+            "AutoModelForSeq2SeqLM": AutoModelForSeq2SeqLM,
             "AutoModelForSequenceClassification": AutoModelForSequenceClassification,
             "AutoModelForTokenClassification": AutoModelForTokenClassification,
             "AutoModelForQuestionAnswering": AutoModelForQuestionAnswering}

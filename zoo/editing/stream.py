@@ -19,7 +19,7 @@ from zoo.architectures import remote_code
 from zoo.io.atomic import atomic_directory
 from zoo.io.checkpoint import LAYER_KEY, Checkpoint, checkpoint_bytes
 from zoo.editing.layerwise import LayerInputs, calibration_inputs, check, compress_linears, outer_linears, run, set_module
-from zoo.moe.layout import get_block, layer_block_attr, put_block
+from zoo.moe.layout import get_block, layer_block_attr, layer_prefix, put_block
 from zoo.moe import SparseMoE
 from zoo.io.memory import memory_budget
 from zoo.io.shards import ShardWriter
@@ -83,8 +83,9 @@ class Streamed:
         self.ckpt.release(i)
 
 
-def layer_tensors(i: int, layer) -> dict[str, torch.Tensor]:
-    return {f"model.layers.{i}.{k}": v for k, v in layer.state_dict().items()}
+def layer_tensors(prefix: str, layer) -> dict[str, torch.Tensor]:
+    """A decoder layer's tensors under its state-dict prefix (``model.layers.3.``, DBRX's ``transformer.blocks.3.``)."""
+    return {f"{prefix}{k}": v for k, v in layer.state_dict().items()}
 
 
 def outer_tensors(model) -> dict[str, torch.Tensor]:
@@ -188,7 +189,8 @@ def _write(ckpt, out, components, inputs, desc, record=()):
             set_module(model, path, module)  # the LM head, for a step that targets linears
         writer.write(outer_tensors(model))  # embeddings and LM head in a shard of their own
         ckpt.release_outer()  # the calibration inputs are captured: nothing runs them again
-        run(Streamed(ckpt, lambda i, layer: writer.write(layer_tensors(i, layer))), components, inputs, desc=desc)
+        run(Streamed(ckpt, lambda i, layer: writer.write(layer_tensors(layer_prefix(model, i), layer))), components,
+            inputs, desc=desc)
         writer.close()
         for step in record:
             record_step(model, *step)
@@ -222,7 +224,8 @@ def export(src, out) -> str:
         state = {k: v for k, v in layer.state_dict().items() if not (moe and k.startswith(f"{attr}."))}
         if moe:
             state.update({f"{attr}.{k}": v for k, v in native_block_state(fam, block, count).items()})
-        writer.write(revert_weight_conversion(native, {f"model.layers.{i}.{k}": v for k, v in state.items()}))
+        prefix = layer_prefix(model, i)
+        writer.write(revert_weight_conversion(native, {f"{prefix}{k}": v for k, v in state.items()}))
 
     with atomic_directory(out) as tmp:
         writer = ShardWriter(tmp)

@@ -22,8 +22,9 @@ from zoo.io import finite
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # a decoder layer's tensors as checkpoints name them: model.layers.N., backbone.layers.N. (Nemotron-H),
-# model.llm.layers.N. (Inkling2)
-LAYER_KEY = re.compile(r"^(?:\w+\.){0,2}layers\.(\d+)\.")
+# model.llm.layers.N. (Inkling2), transformer.blocks.N. (DBRX)
+LAYER_LISTS = ("layers", "blocks")
+LAYER_KEY = re.compile(rf"^(?:\w+\.){{0,2}}(?:{'|'.join(LAYER_LISTS)})\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
@@ -242,6 +243,11 @@ def trim_memory() -> None:
         LIBC.malloc_trim(0)
 
 
+def _in_layers(name: str) -> bool:
+    """Whether module ``name`` lies inside a decoder layer (``model.layers.3.mlp``, ``transformer.blocks.0``)."""
+    return any(f".{layers}." in f".{name}." for layers in LAYER_LISTS)
+
+
 class Checkpoint:
     """``Checkpoint(path)``: ``model`` is the skeleton (every layer on the meta device; embeddings, final norm
     and LM head loaded); ``load_layer(i)`` materialises decoder layer i, ``release(i)`` returns it to meta."""
@@ -250,6 +256,7 @@ class Checkpoint:
         from transformers import AutoConfig
 
         import zoo  # noqa: F401  (registers the zoo_<family> model types)
+        from zoo.moe.layout import decoder_layers
 
         self.path = os.fspath(path)
         if not os.path.isdir(self.path):
@@ -260,7 +267,7 @@ class Checkpoint:
         self.config._name_or_path = self.path
         self.dtype = self.config.dtype if isinstance(self.config.dtype, torch.dtype) else torch.float32
         self.model = self._skeleton()
-        self.layers = self.model.model.layers
+        self.layers = decoder_layers(self.model, self.family)
         # what the family's own loader drops on purpose (DeepSeek-V3's multi-token-prediction layer 61) is dropped here
         ignored = [re.compile(p) for p in getattr(self.model, "_keys_to_ignore_on_load_unexpected", None) or []]
         if ignored:
@@ -312,11 +319,11 @@ class Checkpoint:
             model = AutoModelForCausalLM.from_config(self.config)
         model.eval()
         self.family = family_of(model)  # unsupported families are refused here
-        self.family.discover(model.model)
-        if self.family.layers_path != "layers":
+        self.family.discover(getattr(model, self.family.base_attr))
+        if self.family.layers_path not in LAYER_LISTS:
             raise CheckpointError(f"{self.path}: streaming works on text decoders (model.layers); this "
-                                  f"{self.family.name} model keeps them at model.{self.family.layers_path}: "
-                                  "work on it in memory (--no-stream)")
+                                  f"{self.family.name} model keeps them at {self.family.base_attr}."
+                                  f"{self.family.layers_path}: work on it in memory (--no-stream)")
         self.native = getattr(type(model), "zoo_family", None) is None  # its MoE blocks are the family's own
         adapters = [p for p, spec in (getattr(self.config, "zoo_modules", None) or {}).items() if "adapter" in spec]
         for attr, found in (("zoo_attention", any(getattr(self.config, "zoo_attention", None) or [])),
@@ -328,7 +335,7 @@ class Checkpoint:
         # everything outside the decoder layers: loaded now; non-persistent buffers (rotary tables) rebuilt
         self._load(model, self.by_layer.get(None, {}), prefix_filter=lambda k: not LAYER_KEY.match(k.removeprefix("model.")))
         for name, module in model.named_modules():
-            if ".layers." in f".{name}." or not any(b.is_meta for b in module.buffers(recurse=False)):
+            if _in_layers(name) or not any(b.is_meta for b in module.buffers(recurse=False)):
                 continue
             module.to_empty(device="cpu", recurse=False)
             model._init_weights(module)
@@ -378,7 +385,7 @@ class Checkpoint:
         from transformers.initialization import no_init_weights
         from transformers.modeling_utils import local_torch_dtype
 
-        from zoo.moe.layout import build_block
+        from zoo.moe.layout import build_block, layer_prefix
         from zoo.moe import SparseMoE
 
         old = self.layers[i]
@@ -389,7 +396,7 @@ class Checkpoint:
                 setattr(layer, attr, build_block(getattr(old, attr).layout()))
         layer.eval()
         self.layers[i] = layer
-        prefix = f"model.layers.{i}."
+        prefix = layer_prefix(self.model, i, self.family)
         missing = self._load(self.model, self.by_layer.get(i, {}), lambda k: k.startswith(prefix))
         if missing:
             self.layers[i] = old
@@ -406,7 +413,7 @@ class Checkpoint:
         """Return the modules outside the decoder layers (embeddings, LM head) to meta, except ``keep``."""
         keep_ids = {id(p) for m in keep for p in m.parameters()}
         for name, module in self.model.named_modules():
-            if ".layers." in f".{name}." or name.endswith("layers"):
+            if _in_layers(name) or name.endswith(LAYER_LISTS):
                 continue
             for key, p in list(module.named_parameters(recurse=False)):
                 if id(p) not in keep_ids:

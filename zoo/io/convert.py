@@ -5,7 +5,8 @@ import os
 
 from zoo.io.atomic import atomic_directory
 from zoo.moe import context as routing_context
-from zoo.moe.layout import block_attr, block_prefix, decoder_layers, moe_layers, sync_layout
+from zoo.moe.layout import (block_attr, block_prefix, decoder_layers, family_and_base, moe_layers,
+                            native_block_prefix, sync_layout)
 from zoo.architectures.lookup import family_of  # noqa: F401  (zoo.io.convert.family_of, as before)
 from zoo.architectures.native import export_padding, native_block_state, native_config  # noqa: F401  (as before)
 
@@ -21,7 +22,7 @@ def convert(model):
     if getattr(type(model), "zoo_family", None) is not None:
         return model  # already converted
     config = model.config
-    fam.discover(model.model)
+    fam.discover(getattr(model, fam.base_attr))
     attr = block_attr(model, fam)
     blocks = [(layer, fam.from_native(getattr(layer, attr), config)) for layer in decoder_layers(model, fam)
               if isinstance(getattr(layer, attr, None), fam.block_class)]  # all built before any is swapped
@@ -42,7 +43,7 @@ def convert(model):
 
 def hook_new_routers(model, routers=None):
     """Routers added after transformers installed its output recorders need the recorder too."""
-    if not getattr(model.model, "_output_capturing_hooks_installed", False):
+    if not getattr(family_and_base(model)[1], "_output_capturing_hooks_installed", False):
         return
     from transformers.utils.output_capturing import install_output_capuring_hook
 
@@ -86,8 +87,9 @@ def export(model, path, format: str = "native") -> str:
         prefix = block_prefix(model, i)
         for key in [k for k in state if k.startswith(prefix)]:
             del state[key]
+        native_prefix = native_block_prefix(model, i)  # Gemma 4 keeps them in the decoder layer itself
         for key, value in native_block_state(fam, moe.unmapped(), count).items():
-            state[prefix + key] = value
+            state[native_prefix + key] = value
     import torch
 
     with torch.device("meta"):

@@ -84,8 +84,9 @@ def load(name_or_path: str, convert: bool = True, **kwargs):
 
 
 def auto_class(target: str, kwargs: dict):
-    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model, or AutoModelForSeq2SeqLM
+    for an encoder-decoder (Switch Transformers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
     if "config" in kwargs:
         config = kwargs["config"]
@@ -98,6 +99,8 @@ def auto_class(target: str, kwargs: dict):
     causal, vision = AutoModelForCausalLM._model_mapping, AutoModelForImageTextToText._model_mapping
     if type(config) not in causal and type(config) in vision:
         return AutoModelForImageTextToText
+    if type(config) not in causal and type(config) in AutoModelForSeq2SeqLM._model_mapping:
+        return AutoModelForSeq2SeqLM
     return AutoModelForCausalLM
 
 

@@ -22,9 +22,19 @@ def family_and_base(model, family=None):
 
 
 def decoder_layers(model, family=None):
-    """The decoder layers (``model.layers`` for text families; the language model's for vision-language ones)."""
+    """The decoder layers (``model.layers`` for text families; the language model's for vision-language ones; the
+    layers holding the MoE blocks of both stacks, encoder first, for an encoder-decoder family)."""
     fam, base = family_and_base(model, family)
+    paths = _layer_paths(fam, base)
+    if paths is not None:
+        return [base.get_submodule(path) for path in paths]
     return base.get_submodule(getattr(fam, "layers_path", None) or "layers")
+
+
+def _layer_paths(fam, base) -> list[str] | None:
+    """The family's own list of where its MoE layers sit below ``base`` (``Family.layer_paths``), or None."""
+    own = getattr(fam, "layer_paths", None)
+    return own(base) if callable(own) else None
 
 
 def block_attr(model, family=None) -> str:
@@ -50,9 +60,19 @@ def block_prefix(model, i: int, family=None) -> str:
     return f"{layer_prefix(model, i, family)}{block_attr(model, family)}."
 
 
+def native_block_prefix(model, i: int, family=None) -> str:
+    """State-dict prefix of layer i's MoE tensors in the family's native checkpoint: the block's own, or the decoder
+    layer's where the family keeps them in the layer itself (``Family.native_in_layer``, Gemma 4)."""
+    fam, _ = family_and_base(model, family)
+    return layer_prefix(model, i, family) if getattr(fam, "native_in_layer", False) else block_prefix(model, i, family)
+
+
 def layer_prefix(model, i: int, family=None) -> str:
     """State-dict prefix of decoder layer i in the causal-LM (or conditional-generation) model."""
-    fam, _ = family_and_base(model, family)
+    fam, base = family_and_base(model, family)
+    paths = _layer_paths(fam, base)
+    if paths is not None:  # an encoder-decoder: the top model holds its stacks itself
+        return f"{paths[i]}."
     return f"{getattr(fam, 'base_attr', None) or 'model'}.{getattr(fam, 'layers_path', None) or 'layers'}.{i}."
 
 

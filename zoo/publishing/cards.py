@@ -20,6 +20,9 @@ def _layout_summary(layout) -> str:
     return "; ".join(parts) or "no MoE layers"
 
 
+# the Auto class a family's checkpoints load with (``Family.auto``), as the card's snippet names it
+AUTO_CLASS_NAMES = {"causal-lm": "AutoModelForCausalLM", "image-text-to-text": "AutoModelForImageTextToText",
+                    "seq2seq-lm": "AutoModelForSeq2SeqLM"}
 ARXIV = re.compile(r"arxiv(?:\.org/(?:abs|pdf)/|:)\s*(\d{4}\.\d{4,5})", re.IGNORECASE)
 
 
@@ -130,7 +133,7 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
         family=fam.name, exportable=exportable, export_reason=reason, padding=padding, citations=citations,
         packages=packages,
         adapter_base=adapter_base, ood=bool(eval_result and eval_result.get("perplexity_ood")),
-        auto_loads=arch is None or arch.distribution == "moe-zoo")
+        auto_loads=arch is None or arch.distribution == "moe-zoo", auto_class=AUTO_CLASS_NAMES[getattr(fam, "auto", "causal-lm")])
     return ModelCard(tidy(rendered.content))
 
 

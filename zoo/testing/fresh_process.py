@@ -114,6 +114,9 @@ def compare_reloaded(case) -> None:
                              f"{', '.join(k.split('#')[0] for k in lost[:3])}. Their structure is not saved.")
     for key in [k for k in want if k in got]:  # in the order they ran: the first one to differ is the culprit
         diff, scale = max_diff(got[key], want[key]), want[key].abs().max().item()
+        if diff > RELOAD_TOLERANCE * max(scale, 1e-6) and _another_call_matches(key, got, want):
+            continue  # a module called several times in an order of set iteration (Gemma 4's rotary embedding per
+            # layer type): the order follows the string hash, which differs between processes
         if diff > RELOAD_TOLERANCE * max(scale, 1e-6):
             what = "the logits differ" if key == "logits" else f"the output of {key.split('#')[0]} differs"
             raise AssertionError(
@@ -121,3 +124,12 @@ def compare_reloaded(case) -> None:
                 f"(largest value {scale:.3g}). Typical causes: a non-persistent buffer that no init_weights "
                 "rebuilds (it comes back as uninitialised memory), a tensor whose dtype changes on load, or an "
                 "option not passed to super().__init__ (so not saved).")
+
+
+def _another_call_matches(key: str, got: dict, want: dict) -> bool:
+    """Whether the fresh process's output of this call equals the original output of another call of the same
+    module (the same calls, made in another order)."""
+    name = key.split("#")[0]
+    return any(other != key and other.split("#")[0] == name and want[other].shape == got[key].shape
+               and max_diff(got[key], want[other]) <= RELOAD_TOLERANCE * max(want[other].abs().max().item(), 1e-6)
+               for other in want)

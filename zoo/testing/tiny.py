@@ -80,6 +80,8 @@ def sample_inputs(model, seed: int = 0) -> dict:
         patches = (config.image_size // config.patch_size) ** 2
         inputs["pixel_values"] = torch.randn(2, patches, config.patch_size ** 2, generator=g)
         inputs["audio_features"] = torch.randn(2, config.audio_frames, config.num_mel_bins, generator=g)
+    if getattr(config, "is_encoder_decoder", False):  # a seq2seq model (Switch Transformers) decodes a prefix too
+        inputs["decoder_input_ids"] = inputs["input_ids"][:, :6]
     return inputs
 
 
