@@ -7,6 +7,7 @@ def register_routers(register):
     from zoo_routers.adamoe import AdaMoE
     from zoo_routers.expert_choice import ExpertChoice
     from zoo_routers.gemma4_topk import Gemma4TopK
+    from zoo_routers.top1_capacity import Top1Capacity
     from zoo_routers.mixture_of_heads import MixtureOfHeads
     from zoo_routers.otp import OnlineTopAnyPruning
     from zoo_routers.remix import Remix
@@ -33,3 +34,4 @@ def register_routers(register):
     register(AdaMoE)
     register(UncertaintyAware)
     register(Gemma4TopK)
+    register(Top1Capacity)

@@ -30,18 +30,22 @@ def measure(model_type: str) -> dict:
 
     native = native_model(model_type)
     ids = input_ids(native)
-    want, tokens = logits(native, ids), greedy(native, ids[:1])
+    run = logits
+    if native.config.is_encoder_decoder:  # seq2seq (Switch Transformers): the decoder reads the same ids
+
+        def run(model, ids):
+            with torch.no_grad():
+                return model(input_ids=ids, decoder_input_ids=ids, use_cache=False).logits.float()
+    want, tokens = run(native, ids), greedy(native, ids[:1])
     model = zoo.convert(native)
     moe = moe_layers(model)
     entry = moe[0][1].layout()
-    return {"router": entry["router"], "activation": entry["experts_options"].get("activation", "silu"),
+    return {"auto": type(model).zoo_family.auto, "router": entry["router"], "activation": entry["experts_options"].get("activation", "silu"),
             "moe_layers": f"{len(moe)}/{len(model.config.zoo_layout)}", "shared": entry["shared_experts"] is not None,
-            "error": rel(logits(model, ids), want), "greedy": bool(torch.equal(greedy(model, ids[:1]), tokens))}
+            "error": rel(run(model, ids), want), "greedy": bool(torch.equal(greedy(model, ids[:1]), tokens))}
 
 
 def render(rows: dict, exceptions: dict, counts: dict) -> str:
-    from zoo.architectures.families import GENERIC
-
     lines = ["# MoE families of transformers in the zoo", "",
              f"Written by `tests/families/report.py` on {datetime.date.today()} (transformers "
              f"{counts['transformers']}). Every row is measured on a tiny random model built from the family's own "
@@ -56,7 +60,7 @@ def render(rows: dict, exceptions: dict, counts: dict) -> str:
              "| model type | loads with | router | activation | MoE layers | shared | logit error | greedy |",
              "|---|---|---|---|---|---|---|---|"]
     for t, r in sorted(rows.items()):
-        lines.append(f"| {t} | {GENERIC.get(t, 'causal-lm')} | {r['router']} | {r['activation']} | {r['moe_layers']} | "
+        lines.append(f"| {t} | {r['auto']} | {r['router']} | {r['activation']} | {r['moe_layers']} | "
                      f"{'yes' if r['shared'] else 'no'} | {r['error']:.1e} | {'same' if r['greedy'] else 'DIFFERS'} |")
     lines += ["", "## Not converted", "", "| model type | why |", "|---|---|"]
     lines += [f"| {t} | {why} |" for t, why in sorted(exceptions.items())]

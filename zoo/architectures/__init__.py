@@ -63,13 +63,6 @@ def register_architectures(register):
 
 
 @hookimpl
-def register_routers(register):
-    from zoo.architectures.top1_capacity import Top1Capacity  # Switch Transformers' router
-
-    register(Top1Capacity)
-
-
-@hookimpl
 def register_experts(register):
     from zoo.moe import SwiGLUExperts
     from zoo.moe.experts import MLPExperts
