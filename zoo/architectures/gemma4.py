@@ -15,7 +15,7 @@ import json
 import torch
 
 from zoo.architectures.family import NotConvertible
-from zoo.architectures.generic import GenericFamily, _real_fp32, _verify, activation_name
+from zoo.architectures.generic import GenericFamily, activation_name
 from zoo.moe.layout import build_block
 from zoo.moe.norms import as_block_norm
 
@@ -59,15 +59,8 @@ class Gemma4(GenericFamily):
             self._specs[key] = {"entry": block_entry(block, text)}
         return self._specs[key]
 
-    def from_native(self, block, config):
-        spec = self.spec(block, config)
-        with torch.device("meta"):
-            moe = build_block(spec["entry"])
-        moe.load_state_dict(self.to_zoo_state(block.state_dict()), strict=True, assign=True)
-        if not spec.get("verified") and _real_fp32(block):
-            _verify(block, moe)
-            spec["verified"] = True
-        return moe
+    def block_state(self, sd: dict, spec: dict) -> dict:
+        return self.to_zoo_state(sd)
 
     def to_zoo_state(self, sd: dict) -> dict:
         unknown = sorted(set(sd) - set(RENAMES))

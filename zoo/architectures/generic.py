@@ -168,11 +168,15 @@ class GenericFamily(Family):
         spec = self.spec(block, config)
         with torch.device("meta"):
             moe = build_block(spec["entry"])
-        moe.load_state_dict(_to_zoo(block.state_dict(), spec), strict=True, assign=True)
+        moe.load_state_dict(self.block_state(block.state_dict(), spec), strict=True, assign=True)
         if not spec.get("verified") and _real_fp32(block):
             _verify(block, moe)
             spec["verified"] = True
         return moe
+
+    def block_state(self, sd: dict, spec: dict) -> dict:
+        """A native block's tensors under the zoo block's names (the spec read off that block)."""
+        return _to_zoo(sd, spec)
 
     def to_zoo_state(self, sd: dict) -> dict:
         return _to_zoo(sd, self._last_spec())
