@@ -32,6 +32,7 @@ def measure(model_type: str) -> dict:
     ids = input_ids(native)
     run = logits
     if native.config.is_encoder_decoder:  # seq2seq (Switch Transformers): the decoder reads the same ids
+        native.config.decoder_start_token_id = native.generation_config.decoder_start_token_id = 0
 
         def run(model, ids):
             with torch.no_grad():
