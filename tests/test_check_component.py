@@ -56,6 +56,7 @@ OPTIONS = {
     "experts:modality-groups": {"group_sizes": [2, 1, 1]},
     "experts:quantized": {"bits": 3, "group_size": 32},
     "experts:quantized-lookup": {"bits": 3, "group_size": 32},
+    "experts:quantized-mlp": {"bits": 3, "group_size": 32},
     "experts:swiglu": {"bias": True},
 }
 # more checks of one component: keys that are not kind:name
@@ -76,6 +77,8 @@ SPECIAL = {
     "compressor:prune-group": {"families": ["zoo_mm"], "calibration": None},
     # on zoo_mm it does not survive a reload: checked apart (KNOWN_BUG)
     "router:mixture-of-heads": {"families": ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"]},
+    # ungated experts: none of the built-in tiny families has them; a model name is built by architecture_model
+    "experts:quantized-mlp": {"model": "nemotron_h"},
 }
 # Families each check is expected to skip, with the zoo's refusal (the default: the dense model, for MoE steps).
 # Pinned, so that a component that stops fitting a family is noticed rather than skipped in silence.
@@ -93,7 +96,7 @@ SKIPPED = {
     **{key: set() for key in ("quantize 8 bits", "quantize pmq", "mixture-of-loras learned", "steer force")},
     "upcycle adamoe": MOE,
     "quantize mixed widths": DENSE_EXPERTS, "experts:channel-topk": DENSE_EXPERTS, "experts:quantized": DENSE_EXPERTS,
-    "experts:quantized-lookup": DENSE_EXPERTS,
+    "experts:quantized-lookup": DENSE_EXPERTS, "experts:quantized-mlp": set(),
     "experts:modality-groups": {"mistral", "qwen2_moe", "deepseek_v3", "zoo_mm"},  # group_sizes sum to 4 experts
     "router:steer": {"mistral", "qwen2_moe", "zoo_mm"},  # layer 1 is dense; zoo_mm's router is no steer base
     "experts:mofme": {"mistral", "gpt_oss"},  # GPT-OSS: biased, clamped experts (mofme shares a plain SwiGLU FFN)
@@ -125,6 +128,8 @@ def reports(one_thread):
             checks[key] = {"name": key, "model": None if name in TINY else architecture_model(name)}
         elif key in OPTIONS:  # (one without is reported by test_every_first_party_component_is_checked)
             checks[key] = {"name": key, "options": OPTIONS[key], **SPECIAL.get(key, {})}
+            if isinstance(checks[key].get("model"), str):
+                checks[key]["model"] = architecture_model(checks[key]["model"])
     checks.update(EXTRA)
     checks["known bug"] = KNOWN_BUG
     checks["given model"] = {"name": "topk-softmax", "options": {"top_k": 1}, "model": GIVEN}

@@ -96,9 +96,9 @@ def test_converts_losslessly_reloads_and_exports_gemma4s_layout(tmp_path):
 
 def test_zoo_components_change_it_and_it_reloads(tmp_path, one_thread):
     model = zoo.convert(native_text())
-    # Gemma 4's layers take their per-layer inputs as a positional argument
-    with pytest.raises(ValueError, match="hand each other more than hidden states"):
-        zoo.apply(model, "prune-frequency", calibration=CAL, num_experts=3)
+    # Gemma 4's layers take their per-layer inputs as a positional argument: the engine carries them
+    zoo.apply(model, "prune-frequency", calibration=CAL, num_experts=3)
+    assert all(moe.num_experts == 3 for _, moe in moe_layers(model))
     zoo.apply(model, "expert-choice")
     zoo.apply(model, "quantize", bits=8, group_size=32)
     assert all(moe.router.name == "expert-choice" and moe.experts.name == "quantized" for _, moe in moe_layers(model))
@@ -107,7 +107,7 @@ def test_zoo_components_change_it_and_it_reloads(tmp_path, one_thread):
     assert torch.isfinite(out).all()
     model.save_pretrained(tmp_path / "changed")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "changed").eval()
-    assert [s["name"] for s in back.config.zoo_recipe] == ["expert-choice", "quantize"]
+    assert [s["name"] for s in back.config.zoo_recipe] == ["prune-frequency", "expert-choice", "quantize"]
     assert rel(logits(back), out) <= 1e-5
 
 

@@ -111,9 +111,9 @@ def test_a_router_changes_both_stacks_and_reloads(tmp_path):
 def test_steps_that_cannot_run_refuse_and_leave_the_model_as_it_was():
     model = zoo.convert(native_model())
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match="quantize needs dense gated"):  # ungated experts
-        zoo.apply(model, "quantize", bits=8, group_size=32)
-    with pytest.raises(ValueError, match="calibrate layer by layer cannot run"):  # one decoder stream only
+    with pytest.raises(ValueError, match="quantizes gated"):  # BitMoD's lookup types: gated experts only
+        zoo.apply(model, "quantize", bits=4, group_size=32, dtype="bitmod")
+    with pytest.raises(ValueError, match="prune-frequency calibrate layer by layer on one stack"):  # encoder-decoder
         zoo.apply(model, "prune-frequency", calibration=[IDS], num_experts=3)
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())

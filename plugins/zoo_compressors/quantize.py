@@ -2,16 +2,19 @@
 allocation: ``uniform``, ``pmq`` (MC#, needs calibration) or ``alphaq`` (AlphaQ, no calibration); formats:
 ``group_size="adaptive"`` (FineQuant: a group size per matrix by the error it causes) and ``dtype="bitmod"``
 (BitMoD: each group picks the low-bit floating-point type that fits it best); ``symmetric=True`` stores the
-2/3/4-bit integer groups as ``w = q s`` (no zero: what compressed-tensors' symmetric W4A16 holds exactly)."""
+2/3/4-bit integer groups as ``w = q s`` (no zero: what compressed-tensors' symmetric W4A16 holds exactly).
+Gated experts (``swiglu``) become ``quantized`` experts, ungated ones (``mlp``: Nemotron-H, Switch Transformers)
+``quantized-mlp`` experts, by the same scheme; BitMoD's lookup types exist for gated experts only."""
 import numpy as np
 import torch
 
 from zoo import Compressor
-from zoo.moe.experts import SwiGLUExperts
+from zoo.moe.experts import MLPExperts, SwiGLUExperts
 from zoo.moe.quantized_linear import LINEAR_BITS, QuantizedLinear
 from zoo.moe.quantized import (
     BITS,
     QuantizedExperts,
+    QuantizedMLPExperts,
     dequantize,
     quantize_grouped,
     quantize_int8,
@@ -29,6 +32,7 @@ TARGETS = ("experts", "all")  # all: the attention projections, dense MLPs and L
 GROUP_SIZES = (256, 128, 64, 32)  # what torch's int4 pack takes; the automatic choice prefers 64, then larger
 ADAPTIVE = "adaptive"  # group_size: FineQuant's per-matrix choice
 DTYPES = ("int",) + LOOKUP_DTYPES  # int: the asymmetric integer grid (int4 kernel); bitmod: BitMoD; fp: FP4/FP3 alone
+DENSE = {SwiGLUExperts: QuantizedExperts, MLPExperts: QuantizedMLPExperts}  # dense kind -> its quantized kind
 GROUP_ALPHA = 0.5  # FineQuant rule: a matrix keeps the coarsest group whose error is within 1.5x of the finest's
 
 
@@ -39,6 +43,13 @@ def auto_group_size(sizes) -> int | None:
         if all(s % g == 0 for s in sizes):
             return g
     return None
+
+
+def projections(experts) -> dict:
+    """A dense experts module's weight stacks ``[E, N, K]`` under the names its quantized kind stores them by."""
+    if isinstance(experts, MLPExperts):
+        return {"up": experts.up_proj, "down": experts.down_proj}
+    return {"gate_up": experts.gate_up_proj, "down": experts.down_proj}
 
 
 def relative_error(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = False) -> float:
@@ -170,9 +181,12 @@ class Quantize(Compressor):
         self._groups: dict[int, int] = {}  # layer -> the group size its sub-8-bit experts use
 
     def check_layer(self, index, block):
-        if type(block.experts) is not SwiGLUExperts:
-            raise ValueError(f"layer {index} has {block.experts.name!r} experts; quantize needs dense gated "
-                             "(swiglu) experts")
+        if type(block.experts) not in DENSE:
+            raise ValueError(f"layer {index} has {block.experts.name!r} experts; quantize needs dense experts "
+                             "(swiglu or mlp)")
+        if self.dtype != "int" and type(block.experts) is MLPExperts:
+            raise ValueError(f"dtype={self.dtype!r} quantizes gated (swiglu) experts only; layer {index} has ungated "
+                             "'mlp' experts: use dtype='int'")
         sizes = (block.experts.hidden_size, block.experts.intermediate_size)
         grouped = self.allocation != "uniform" or self.bits < 8  # int8 is per output channel: no groups
         if self.adaptive and grouped:
@@ -230,13 +244,13 @@ class Quantize(Compressor):
 
     def observe(self, index, block, inputs):
         """One layer's share of the global program: sizes, errors at each width and the importance input."""
-        ex = block.experts
+        stacks = projections(block.experts)
         for e in range(block.num_experts):
             self._experts.append((index, e))
-            self._sizes.append(3 * ex.hidden_size * ex.intermediate_size)
+            self._sizes.append(sum(w[e].numel() for w in stacks.values()))  # 3HI gated, 2HI ungated
         if self.allocation == "random":
             return
-        weights = [(ex.gate_up_proj[e].detach(), ex.down_proj[e].detach()) for e in range(block.num_experts)]
+        weights = [tuple(w[e].detach() for w in stacks.values()) for e in range(block.num_experts)]
         g = self.group_for(index)
         self._errors += [[sum(relative_error(w, b, g, self.symmetric) for w in pair) for b in self.widths]
                          for pair in weights]
@@ -282,18 +296,18 @@ class Quantize(Compressor):
         groups = self.adaptive_groups(block.experts, widths) if self.adaptive and min(widths) < 8 else None
         if self.adaptive and groups is None:
             self.results["adaptive_note"] = "8 bits are int8 per output channel: no groups to choose"
-        experts = QuantizedExperts.from_dense(block.experts, widths, group, group_sizes=groups,
-                                              symmetric=self.symmetric)
+        experts = DENSE[type(block.experts)].from_dense(block.experts, widths, group, group_sizes=groups,
+                                                        symmetric=self.symmetric)
         if min(widths) < 8:
             self.results.setdefault("group_size", {})[str(index)] = groups or group
         return block.with_parts(experts=experts)
 
     def adaptive_groups(self, dense, widths) -> dict:
-        """FineQuant: a group size per projection stack (gate_up and down of this layer's experts), each chosen by
-        the error it causes (``finequant.adaptive_group``) over the stack's sub-8-bit experts. Per stack, not per
-        expert: one stack's scales [n, K/g, N, 2] share one group size, which the kernels read in place."""
+        """FineQuant: a group size per projection stack (gate_up or up, and down, of this layer's experts), each
+        chosen by the error it causes (``finequant.adaptive_group``) over the stack's sub-8-bit experts. Per stack,
+        not per expert: one stack's scales [n, K/g, N, 2] share one group size, which the kernels read in place."""
         out = {}
-        for proj, stack in (("gate_up", dense.gate_up_proj), ("down", dense.down_proj)):
+        for proj, stack in projections(dense).items():
             pairs = [(stack[e].detach(), b) for e, b in enumerate(widths) if b < 8]
             out[proj] = adaptive_group(pairs, stack.shape[-1], self.group_alpha)[0]
         return out

@@ -13,11 +13,6 @@ from zoo.architectures.families import EXCEPTIONS, FIRST_PARTY, GENERIC
 from zoo.moe.layout import moe_layers
 
 AUTO = {"causal-lm": AutoModelForCausalLM, "image-text-to-text": AutoModelForImageTextToText}
-# decoder layers that hand the next layer more than hidden states (the top-k indices of sparse attention) or take
-# positional inputs (Inkling2): the layer-at-a-time engine refuses them with a clear error, so they get the steps
-# that need no calibration
-LAYERS_PASS_MORE = {"hy_v4", "hy_v4_vl", "glm5_next", "glm_moe_dsa", "mistral_large4", "inkling2", "inkling2_text",
-                    "inkling2_loop", "inkling2_loop_text", "gemma4_text", "gemma4"}
 CONVERTED = sorted(t for t in GENERIC if t not in EXCEPTIONS and t in CONFIG_MAPPING_NAMES)
 
 
@@ -79,21 +74,14 @@ def test_zoo_components_apply(model_type, tmp_path):
     ids = input_ids(model, rows=4, length=16)
     n = moe_layers(model)[0][1].num_experts
     k = moe_layers(model)[0][1].top_k
-    steps = ["expert-choice", "quantize"]
-    if model_type in LAYERS_PASS_MORE:
-        with pytest.raises(ValueError, match="hand each other more than hidden states"):
-            zoo.apply(model, "prune-frequency", calibration=[ids], num_experts=max(k, n - 1))
-    else:
-        zoo.apply(model, "prune-frequency", calibration=[ids], num_experts=max(k, n - 1))
-        assert all(moe.num_experts == max(k, n - 1) for _, moe in moe_layers(model))
-        steps.insert(0, "prune-frequency")
+    steps = ["prune-frequency", "expert-choice", "quantize"]
+    # every family calibrates, those whose layers take positional inputs or hand each other more than hidden states too
+    zoo.apply(model, "prune-frequency", calibration=[ids], num_experts=max(k, n - 1))
+    assert all(moe.num_experts == max(k, n - 1) for _, moe in moe_layers(model))
     zoo.apply(model, "expert-choice")
-    if moe_layers(model)[0][1].experts.name == "mlp":  # ungated experts (Nemotron-H): no packed gate/up to quantize
-        with pytest.raises(ValueError, match="quantize needs dense gated"):
-            zoo.apply(model, "quantize", bits=8, group_size=32)
-        steps.remove("quantize")
-    else:
-        zoo.apply(model, "quantize", bits=8, group_size=32)
+    ungated = moe_layers(model)[0][1].experts.name == "mlp"  # Nemotron-H: up and down only, no gate
+    zoo.apply(model, "quantize", bits=8, group_size=32)
+    assert moe_layers(model)[0][1].experts.name == ("quantized-mlp" if ungated else "quantized")
     out = logits(model, ids)
     assert torch.isfinite(out).all()
     model.save_pretrained(tmp_path / "changed")

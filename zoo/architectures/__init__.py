@@ -68,12 +68,13 @@ def register_experts(register):
     from zoo.moe.experts import MLPExperts
     from zoo.moe.channel_topk import ChannelTopKExperts
     from zoo.moe.factored import FactoredExperts
-    from zoo.moe.quantized import QuantizedExperts
+    from zoo.moe.quantized import QuantizedExperts, QuantizedMLPExperts
     from zoo.moe.quantized_lookup import LookupQuantizedExperts
 
     register(SwiGLUExperts)
     register(MLPExperts)
     register(QuantizedExperts)
+    register(QuantizedMLPExperts)
     register(LookupQuantizedExperts)
     register(ChannelTopKExperts)
     register(FactoredExperts)

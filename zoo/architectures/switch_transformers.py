@@ -27,6 +27,10 @@ class SwitchTransformers(Family):
                                               SwitchTransformersSparseMLP)
     intermediate_key = "d_ff"
     router = "top1-capacity"
+    # why zoo.export(format="compressed-tensors") refuses the family (None: it does not)
+    compressed_tensors_refused = ("transformers 5.24 loads no compressed-tensors Switch checkpoint (the family's "
+                                  "weight init reads each expert's wi.weight, which a quantized Linear does not have); "
+                                  "save the zoo model instead")
     router_config_keys = ()
     renames = {"router.classifier.": "router."}  # the router's own name (PEFT's); the experts are restacked below
     auto = "seq2seq-lm"

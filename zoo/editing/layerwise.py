@@ -4,7 +4,8 @@ One decoder layer is worked on at a time, whether the model is in memory (``zoo.
 shards (``zoo.editing.stream``): the same code runs on both, so they give the same tensors.
 
 Calibration hidden states are carried from layer to layer (as GPTQ and llm-compressor do): a step sees, at
-layer i, the inputs that layers 0..i-1 produce *after* that step (and every step before it) changed them. A
+layer i, the inputs that layers 0..i-1 produce *after* that step (and every step before it) changed them (layers
+that take positional inputs or hand each other more than hidden states: ``zoo.editing.layer_calls``, in memory). A
 step that needs a global view (``needs_plan``) first gets a statistics pass (``observe`` per layer, then
 ``plan`` once), on the inputs the layers produce before that step changes them.
 
@@ -66,38 +67,55 @@ class LayerInputs:
     @classmethod
     @torch.no_grad()
     def capture(cls, model, batches) -> LayerInputs:
-        """Run each batch through the embeddings only (the decoder layers are stood in for, the rest skipped)."""
+        """Run each batch through the embeddings only (the decoder layers are stood in for, the rest skipped). Layers
+        that take positional inputs or hand each other more than hidden states are recorded from the model's real
+        forward instead (``zoo.editing.layer_calls``), which needs them in memory."""
         layers = decoder_layers(model)
         hidden, kwargs, contexts = [], [], []
         for batch in batches:
             seen: list[dict] = []
+            returned = []
 
             def stand_in(h, *args, i, **kw):
                 if i == 0:
                     hidden.append(h)
                     contexts.append(context.current())  # published by the model call, if a router reads it
+                elif h is not returned[-1]:
+                    raise TypeError("a layer's hidden states are not what the previous layer returned")
                 seen.append(kw)
                 if args:
                     raise TypeError("decoder layers are expected to take their extra inputs as keywords")
                 if i == len(layers) - 1:
                     raise _Stop  # every layer's inputs are known: nothing after the layers is needed
+                returned.append(h)
                 return h
 
             for i, layer in enumerate(layers):
                 layer.forward = lambda h, *a, i=i, **kw: stand_in(h, *a, i=i, **kw)
+            more = None
             try:
                 call_model(model, batch)
             except _Stop:
                 pass
             except (ValueError, TypeError) as exc:  # the layers take, or hand on, more than the engine carries
-                raise ValueError(f"{type(model).__name__}'s decoder layers take or hand each other more than hidden "
-                                 f"states and keyword inputs ({exc}); components that calibrate layer by layer cannot "
-                                 "run on it") from None
+                more = exc
             finally:
                 for layer in layers:
                     layer.__dict__.pop("forward", None)
+            if more is not None:
+                return cls.recorded(model, layers, batches, more)
             kwargs.append(seen)
         return cls(hidden, kwargs, contexts)
+
+    @staticmethod
+    def recorded(model, layers, batches, reason):
+        from zoo.editing import layer_calls
+
+        if not layer_calls.in_memory(layers):
+            raise ValueError(f"{type(model).__name__}'s decoder layers take or hand each other more than hidden "
+                             f"states and keyword inputs ({reason}); components that calibrate layer by layer need "
+                             "such a model in memory, not streamed from its shards")
+        return layer_calls.capture(model, batches)
 
     def block_inputs(self, i: int, layer) -> torch.Tensor:
         """The tokens ``[T, H]`` that enter layer i's MLP block (its attention runs; the block does not); under a
@@ -240,6 +258,11 @@ def check(model, steps) -> None:
     """Every step's preconditions on every MoE layer, before anything is computed or changed; a later step is judged
     on the layer as the earlier steps will leave it (a prune after a quantize is refused here, as it is in memory,
     not after the quantize ran)."""
+    calibrated = [s.name for s in steps if getattr(s, "inputs_for", ())]
+    if calibrated and getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{', '.join(calibrated)} calibrate layer by layer on one stack of decoder layers; "
+                         f"{type(model).__name__} is an encoder-decoder (its decoder reads the encoder's output), "
+                         "which the layer-at-a-time engine does not carry")
     layers = moe_layers(model)
     planned = {i: (block, block.num_experts) for i, block in layers}  # (the block or its stand-in, expert count)
     for step in steps:

@@ -29,8 +29,9 @@ What is refused (``NotCompressedTensorsExportable``, before anything is written)
   * experts of mixed widths in a layer, or quantized in some layers and not others (one scheme covers them all),
     or float experts beside quantized layers (transformers 5.24 reads a compressed-tensors checkpoint's experts
     through its quantized-expert loader only: float experts come out empty);
-  * experts that are not integer-quantized SwiGLU stacks, experts with biases, merged experts behind an expert
-    map, and families whose checkpoints keep experts fused (compressed-tensors quantizes Linear layers).
+  * experts that are not integer-quantized stacks (``quantized``, or ungated ``quantized-mlp``), experts with
+    biases, merged experts behind an expert map, and families whose checkpoints keep experts fused
+    (compressed-tensors quantizes Linear layers), or that transformers cannot load from one (Switch Transformers).
 """
 from __future__ import annotations
 
@@ -74,11 +75,16 @@ def check_model(model) -> dict:
     """Refuse what compressed-tensors (or the family's checkpoint layout) has no exact form for, naming why; else the
     weights' quantization args of the checkpoint's one scheme (``W8A16``, or ``w4a16(group size)``)."""
     from zoo.moe.layout import moe_layers
-    from zoo.moe.experts import SwiGLUExperts
+    from zoo.moe.experts import MLPExperts, SwiGLUExperts
     from zoo.moe.quantized_linear import QuantizedLinear
 
+    from zoo.architectures.lookup import family_of
+
+    fam = family_of(model)
+    if getattr(fam, "compressed_tensors_refused", None):
+        raise NotCompressedTensorsExportable(f"{fam.name}: {fam.compressed_tensors_refused}")
     layers = moe_layers(model)
-    if len({type(moe.experts) is SwiGLUExperts for _, moe in layers}) > 1:
+    if len({type(moe.experts) in (SwiGLUExperts, MLPExperts) for _, moe in layers}) > 1:
         raise NotCompressedTensorsExportable("some layers' experts are quantized and others are not: the "
                                              "checkpoint's one scheme covers every layer's experts")
     for i, moe in layers:
@@ -87,7 +93,7 @@ def check_model(model) -> dict:
     for name, linear in linears.items():
         if linear.bits != 8 and not zero_is_zero(linear.weight_scale_zero):
             raise NotCompressedTensorsExportable(f"{name} is a {linear.bits}-bit linear layer, {ASYMMETRIC}; {INSTEAD}")
-    if all(type(moe.experts) is SwiGLUExperts for _, moe in layers):
+    if all(type(moe.experts) in (SwiGLUExperts, MLPExperts) for _, moe in layers):
         if not linears:
             raise NotCompressedTensorsExportable("nothing is quantized: apply 'quantize' (bits=8) first, or write "
                                                  "the native float checkpoint with zoo.export(model, path)")
@@ -102,13 +108,13 @@ def one_scheme(layers, linears: dict) -> dict:
     """The weights' quantization args every quantized matrix shares (checked parts), or refused naming two that
     differ: the checkpoint holds one scheme (transformers reads the experts through one config group, and the
     quantize compressor gives a model one width and, with a group_size given, one group size)."""
-    from zoo.moe.quantized import QuantizedExperts
+    from zoo.moe.quantized import PackedStacks
 
     schemes: dict = {}  # (bits, group size or None) -> the first part quantized so
     for i, moe in layers:
-        if isinstance(moe.experts, QuantizedExperts):
+        if isinstance(moe.experts, PackedStacks):
             bits = moe.experts.bits[0]
-            for proj in ("gate_up", "down"):
+            for proj in moe.experts.shapes:
                 group = None if bits == 8 else moe.experts.group_of(proj)
                 schemes.setdefault((bits, group), f"layer {i}'s experts ({proj})")
     for name, linear in linears.items():
@@ -129,17 +135,17 @@ def one_scheme(layers, linears: dict) -> dict:
 
 
 def check_experts(i: int, moe) -> None:
-    from zoo.moe.experts import SwiGLUExperts
-    from zoo.moe.quantized import QuantizedExperts
+    from zoo.moe.experts import MLPExperts, SwiGLUExperts
+    from zoo.moe.quantized import QuantizedExperts, QuantizedMLPExperts
 
     experts = moe.experts
     if moe.expert_map is not None:
         raise NotCompressedTensorsExportable(
             f"layer {i} serves its router's {moe.router.num_experts} experts with {moe.num_experts} merged ones (an "
             "expert map): a checkpoint holds one expert per router row; export natively (zoo.export expands the map)")
-    if type(experts) is SwiGLUExperts:
+    if type(experts) in (SwiGLUExperts, MLPExperts):
         return
-    if type(experts) is not QuantizedExperts:
+    if type(experts) not in (QuantizedExperts, QuantizedMLPExperts):
         raise NotCompressedTensorsExportable(
             f"layer {i} has {getattr(experts, 'name', type(experts).__name__)!r} experts: compressed-tensors holds "
             "integer codes with scales (the quantize compressor's dtype='int' experts)")
@@ -153,9 +159,9 @@ def check_experts(i: int, moe) -> None:
         raise NotCompressedTensorsExportable(
             f"layer {i} has {widths[0]}-bit experts: vLLM's compressed-tensors kernels (WNA16) read 4 and 8 bits; "
             f"{INSTEAD_LOW}")
-    if widths[0] == 4 and not all(zero_is_zero(experts.stored(p, 4)[1]) for p in ("gate_up", "down")):
+    if widths[0] == 4 and not all(zero_is_zero(experts.stored(p, 4)[1]) for p in experts.shapes):
         raise NotCompressedTensorsExportable(f"layer {i} has {widths[0]}-bit experts, {ASYMMETRIC}; {INSTEAD}")
-    if experts.gate_up_proj_bias is not None or experts.down_proj_bias is not None:
+    if getattr(experts, "gate_up_proj_bias", None) is not None or getattr(experts, "down_proj_bias", None) is not None:
         raise NotCompressedTensorsExportable(
             f"layer {i}: quantized experts with biases (GPT-OSS's, whose checkpoint keeps its experts fused): "
             "compressed-tensors quantizes Linear layers, and transformers rebuilds quantized experts from per-expert "
@@ -169,14 +175,14 @@ def native_skeleton(model):
     the dense layout the quantized parts stand for."""
     from zoo.architectures.lookup import family_of
     from zoo.moe.layout import moe_layers, read_layout
-    from zoo.moe.quantized import QuantizedExperts
+    from zoo.moe.quantized import PackedStacks, QuantizedMLPExperts
 
     fam = family_of(model)
     layout = read_layout(model)
     for i, moe in moe_layers(model):
-        if isinstance(moe.experts, QuantizedExperts):
+        if isinstance(moe.experts, PackedStacks):
             entry = copy.deepcopy(layout[i])
-            entry["experts"] = "swiglu"
+            entry["experts"] = "mlp" if isinstance(moe.experts, QuantizedMLPExperts) else "swiglu"
             for key in ("bits", "group_size", "group_sizes"):
                 entry["experts_options"].pop(key, None)
             layout[i] = entry
@@ -236,7 +242,7 @@ def zoo_tensors(model) -> tuple[dict, dict]:
     linear layer's ``X.weight``, a layer's ``experts.gate_up_proj`` / ``experts.down_proj`` stacks), and their
     scales (``matrix_codes``) under the same keys, so renames and the per-expert split move both alike."""
     from zoo.moe.layout import block_prefix, moe_layers
-    from zoo.moe.quantized import QuantizedExperts
+    from zoo.moe.quantized import PackedStacks
     from zoo.moe.quantized_linear import QuantizedLinear
 
     stored, codes, scales = set(), {}, {}
@@ -249,11 +255,11 @@ def zoo_tensors(model) -> tuple[dict, dict]:
             codes[f"{name}.weight"], scales[f"{name}.weight"] = matrix_codes(
                 linear.bits, *linear.packed, (linear.out_features, linear.in_features), linear.group_size)
     for i, moe in moe_layers(model):
-        if isinstance(moe.experts, QuantizedExperts):
+        if isinstance(moe.experts, PackedStacks):
             prefix = f"{block_prefix(model, i)}experts."
             stored |= {prefix + b for b, _ in moe.experts.named_buffers(recurse=False)}
             ex, bits = moe.experts, moe.experts.bits[0]
-            for proj in ("gate_up", "down"):
+            for proj in ex.shapes:
                 codes[f"{prefix}{proj}_proj"], scales[f"{prefix}{proj}_proj"] = matrix_codes(
                     bits, *ex.stored(proj, bits), ex.shapes[proj], ex.group_of(proj))
     main = {k: v for k, v in model.state_dict().items() if k not in stored}

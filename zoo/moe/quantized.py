@@ -9,16 +9,19 @@ Per expert and projection, a weight ``W [N, K]`` is stored as
     and in the saved model, 4 bits in the kernel's working copy.
 Experts in one layer may use different bit widths (mixed-precision allocation), and the two projection stacks
 different group sizes (``group_sizes``, FineQuant's adaptive choice; every width of a projection shares it). Inputs
-get gradients (through the dequantized weight); the packed weights are frozen.
+get gradients (through the dequantized weight); the packed weights are frozen. Gated experts are
+``QuantizedExperts`` (``quantized``), ungated ones ``QuantizedMLPExperts`` (``quantized-mlp``): the same stacks
+(``PackedStacks``) under their projections' names.
 """
 from __future__ import annotations
 
 import torch
 from transformers import initialization as init
+from transformers.activations import ACT2FN
 
-from zoo.moe.dispatch import gather_rows
 from zoo.moe import kernels
-from zoo.moe.experts import SwiGLUExperts, use_kernel
+from zoo.moe.dispatch import gather_rows, run_sorted
+from zoo.moe.experts import MLPExperts, SwiGLUExperts, use_kernel
 from zoo.moe.init import refuse_missing
 from zoo.moe.in_place import PREFILL_ROWS, kernel_linear, lowbit_experts
 from zoo.moe.packing import dequantize, pack, unpack  # dequantize: the reference, named here too
@@ -124,7 +127,144 @@ def pick(stack: torch.Tensor, i) -> torch.Tensor:
     return stack[i] if isinstance(i, int) else stack.index_select(0, i.reshape(1))[0]
 
 
-class QuantizedExperts(SwiGLUExperts):
+class PackedStacks:
+    """What packed experts share, gated or not: per projection (``self.shapes``, name -> weight shape ``(N, K)``,
+    in the order the experts apply them) and per width, one stack of packed weights and their scales; index tables
+    that find an expert's width and slot without a host sync; the 2/3-bit working copies for the int4 kernel."""
+
+    def _build_stacks(self, bits, group_size: int, group_sizes: dict | None, shapes: dict, inputs: dict) -> None:
+        """Check the options and register the (empty) stacks. ``inputs``: projection -> (config name, input width)."""
+        bits = [int(b) for b in (bits if isinstance(bits, (list, tuple)) else [bits] * self.num_experts)]
+        if len(bits) != self.num_experts or any(b not in BITS for b in bits):
+            raise ValueError(f"bits must be {self.num_experts} values from {BITS}, got {bits}")
+        # one group size per projection stack (FineQuant's adaptive choice), else the layer's ``group_size``: the
+        # scales of a stack [n, K/g, N, 2] share one shape, so the choice is per stack, not per expert
+        groups = {**dict.fromkeys(shapes, group_size), **(group_sizes or {})}
+        if set(groups) != set(shapes):
+            raise ValueError(f"group_sizes has the keys {' and '.join(map(repr, shapes))}, got {sorted(group_sizes)}")
+        for proj, g in groups.items():
+            name, k = inputs[proj]
+            if not isinstance(g, int) or g % 32 or g < 32:
+                raise ValueError(f"group_size must be a positive multiple of 32, got {g}")
+            if k % g and min(bits) < 8:  # int8 is per output channel: only 2/3/4 bits have groups
+                raise ValueError(f"group_size must be a multiple of 32 dividing {name}={k}, got {g}")
+        self.bits, self.group_size, self.groups, self.shapes = bits, group_size, groups, shapes
+        self.widths = sorted(set(bits))
+        self.slot = [bits[:e].count(b) for e, b in enumerate(bits)]  # expert e's position in its width's stack
+        for b in self.widths:
+            count = bits.count(b)
+            for proj, (n, k) in shapes.items():
+                if b == 8:
+                    self.register_buffer(f"{proj}_int8", torch.zeros(count, n, k, dtype=torch.int8))
+                    self.register_buffer(f"{proj}_int8_scale", torch.ones(count, n))
+                else:
+                    self.register_buffer(f"{proj}_int{b}", torch.zeros(count, n, k * b // 8, dtype=torch.uint8))
+                    self.register_buffer(f"{proj}_int{b}_scale_zero",
+                                         torch.zeros(count, k // groups[proj], n, 2, dtype=torch.bfloat16))
+        # index tables for the compiled gather path (not saved: ``bits`` rebuilds them)
+        self.register_buffer("width_of", torch.tensor(bits), persistent=False)
+        self.register_buffer("slot_of", torch.tensor(self.slot), persistent=False)
+        self._kernel_cache: dict = {}  # (proj, bits) -> int4-pack stack of 2/3-bit weights, built on first use
+        self.register_load_state_dict_post_hook(lambda module, keys: module._kernel_cache.clear())
+
+    @torch.no_grad()
+    def _quantize_from(self, weights: dict, symmetric: bool) -> None:
+        """Fill the stacks from dense weights ``{proj: [E, N, K]}``, each expert at its own width."""
+        for e, b in enumerate(self.bits):
+            for proj in self.shapes:
+                weight = weights[proj][e]
+                g = self.groups[proj]
+                q, s = quantize_int8(weight) if b == 8 else quantize_grouped(weight, g, b, symmetric)[:2]
+                stored, scale = self.stored(proj, b)
+                stored[self.slot[e]].copy_(q)
+                scale[self.slot[e]].copy_(s)
+
+    def _init_tables(self) -> None:
+        """Rebuild the index tables (never saved); packed weights and their scales cannot be initialised
+        meaningfully, so a load that lacks one fails with its name."""
+        self.width_of.copy_(torch.tensor(self.bits))
+        self.slot_of.copy_(torch.tensor(self.slot))
+        refuse_missing(self, [n for n, _ in self.named_buffers(recurse=False)])
+
+    def _group_options(self) -> dict:
+        opts = {"bits": list(self.bits), "group_size": self.group_size}
+        if len(set(self.groups.values())) > 1 or next(iter(self.groups.values())) != self.group_size:
+            opts["group_sizes"] = dict(self.groups)  # recorded only where it differs (older layouts stay as they were)
+        return opts
+
+    def group_of(self, proj: str) -> int:
+        return self.groups[proj]
+
+    def stored(self, proj: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacked packed weights of one width and their scales (scale/zero below 8 bits)."""
+        suffix = "scale" if bits == 8 else "scale_zero"
+        return getattr(self, f"{proj}_int{bits}"), getattr(self, f"{proj}_int{bits}_{suffix}")
+
+    def dequantized(self, e: int) -> tuple[torch.Tensor, ...]:
+        """Expert e's weights in float, one per projection in ``self.shapes`` order: the reference."""
+        b, j = self.bits[e], self.slot[e]
+        return tuple(dequantize(b, self.stored(p, b)[0][j], self.stored(p, b)[1][j], self.shapes[p], self.groups[p])
+                     for p in self.shapes)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._kernel_cache.clear()  # .to() / .bfloat16() move the stored weights: rebuild from them
+        return super()._apply(fn, *args, **kwargs)
+
+    def kernel_stack(self, proj: str, bits: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(weights, scales, kernel width) as the kernels read them: 2/3-bit stacks run on the int4 kernel."""
+        q, scale = self.stored(proj, bits)
+        if bits not in (2, 3):
+            return q, scale, bits
+        if (proj, bits) not in self._kernel_cache:
+            k = self.shapes[proj][1]
+            self._kernel_cache[proj, bits] = torch.stack([int4_pack(bits, w, k) for w in q]) if len(q) else q
+        return self._kernel_cache[proj, bits], scale, 4
+
+    def _build_kernel_stacks(self) -> None:
+        """The 2/3-bit kernel stacks, built eagerly (prefill), never inside a compiled step."""
+        for b in self.widths:
+            for proj in self.shapes:
+                self.kernel_stack(proj, b)
+
+    def _linear(self, x, proj: str, bits: int, slot):
+        q, scale, kernel_bits = self.kernel_stack(proj, bits)
+        return lowbit_linear(x, pick(q, slot), pick(scale, slot), kernel_bits, self.groups[proj], self.shapes[proj])
+
+    def slot_maps(self) -> dict:
+        """Per width, expert -> slot in that width's stack (-1: stored at another width); None for one width."""
+        if len(self.widths) == 1:
+            return {self.widths[0]: None}
+        return {b: torch.where(self.width_of == b, self.slot_of, -1) for b in self.widths}
+
+    def _kernel_stacks(self) -> list:
+        """Per width, ``kernels.expert_block``'s ``(first, first scale, down, down scale, bits, groups, slots)``."""
+        first, second = self.shapes  # the projection into the intermediate channels, then down
+        # 2/3-bit experts read their int4 working copy (built by the eager prefill): the kernel reads 4-bit codes
+        # at memory speed, while unpacking 2/3-bit codes is compute-bound (benchmarks/moe_gemv.py: ~2.3 GB/s of
+        # packed bytes, fewer weights per second than int4's ~11 GB/s)
+        maps, groups = self.slot_maps(), (self.groups[first], self.groups[second])
+        return [self.kernel_stack(first, b)[:2] + self.kernel_stack(second, b) + (groups, maps[b]) for b in self.widths]
+
+    def _forward_gather(self, hidden, routing):
+        """Compiled training on few tokens: for each (token, slot) pick the selected expert's packed weights
+        by index (a gather, no host sync, and differentiable in the input); with mixed widths every width is
+        computed and masked to its own experts."""
+        idx, valid = gather_rows(routing.indices, self.num_experts)
+        k = routing.indices.shape[1]
+        w = torch.where(valid, routing.weights.reshape(-1), 0)
+        outs = []
+        for s in range(idx.shape[0]):  # T * k <= E slots, a static count
+            x = hidden[s // k: s // k + 1]
+            e, y = idx[s], 0
+            for b in self.widths:
+                slot = pick(self.slot_of, e).clamp(max=self.bits.count(b) - 1)  # in range even when masked out
+                y_b = self._expert_at(b, slot, x, e)
+                y = y_b if len(self.widths) == 1 else y + torch.where(pick(self.width_of, e) == b, y_b, 0)
+            outs.append(y * w[s].to(y.dtype))
+        return torch.cat(outs).view(hidden.shape[0], k, -1).sum(1).to(hidden.dtype)
+
+
+class QuantizedExperts(PackedStacks, SwiGLUExperts):
     """SwiGLU experts with packed low-bit weights; ``bits`` gives each expert's width (2, 3, 4 or 8).
 
     Experts of one width are stacked, e.g. ``gate_up_int8 [n8, 2I, H]`` with ``gate_up_int8_scale [n8, 2I]``
@@ -141,44 +281,14 @@ class QuantizedExperts(SwiGLUExperts):
                  activation: str = "silu", bias: bool = False, swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702,
                  group_sizes: dict | None = None):
         torch.nn.Module.__init__(self)
-        bits = [int(b) for b in (bits if isinstance(bits, (list, tuple)) else [bits] * num_experts)]
-        if len(bits) != num_experts or any(b not in BITS for b in bits):
-            raise ValueError(f"bits must be {num_experts} values from {BITS}, got {bits}")
-        # one group size per projection stack (FineQuant's adaptive choice), else the layer's ``group_size``: the
-        # scales of a stack [n, K/g, N, 2] share one shape, so the choice is per stack, not per expert
-        groups = {"gate_up": group_size, "down": group_size, **(group_sizes or {})}
-        if set(groups) != {"gate_up", "down"}:
-            raise ValueError(f"group_sizes has the keys 'gate_up' and 'down', got {sorted(group_sizes)}")
-        for (proj, g), (name, k) in zip(groups.items(), (("hidden_size", hidden_size),
-                                                         ("intermediate_size", intermediate_size))):
-            if not isinstance(g, int) or g % 32 or g < 32:
-                raise ValueError(f"group_size must be a positive multiple of 32, got {g}")
-            if k % g and min(bits) < 8:  # int8 is per output channel: only 2/3/4 bits have groups
-                raise ValueError(f"group_size must be a multiple of 32 dividing {name}={k}, got {g}")
         from zoo.moe.experts import ACTIVATIONS
 
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self._build_stacks(bits, group_size, group_sizes,
+                           {"gate_up": (2 * intermediate_size, hidden_size), "down": (hidden_size, intermediate_size)},
+                           {"gate_up": ("hidden_size", hidden_size), "down": ("intermediate_size", intermediate_size)})
         self.activation, self.swiglu_limit, self.swiglu_alpha = activation, swiglu_limit, swiglu_alpha
         self._act = ACTIVATIONS[activation]
-        self.bits, self.group_size, self.groups = bits, group_size, groups
-        self.widths = sorted(set(bits))
-        self.slot = [bits[:e].count(b) for e, b in enumerate(bits)]  # expert e's position in its width's stack
-        self.shapes = {"gate_up": (2 * intermediate_size, hidden_size), "down": (hidden_size, intermediate_size)}
-        for b in self.widths:
-            count = bits.count(b)
-            for proj, (n, k) in self.shapes.items():
-                if b == 8:
-                    self.register_buffer(f"{proj}_int8", torch.zeros(count, n, k, dtype=torch.int8))
-                    self.register_buffer(f"{proj}_int8_scale", torch.ones(count, n))
-                else:
-                    self.register_buffer(f"{proj}_int{b}", torch.zeros(count, n, k * b // 8, dtype=torch.uint8))
-                    self.register_buffer(f"{proj}_int{b}_scale_zero",
-                                         torch.zeros(count, k // groups[proj], n, 2, dtype=torch.bfloat16))
-        # index tables for the compiled gather path (not saved: ``bits`` rebuilds them)
-        self.register_buffer("width_of", torch.tensor(bits), persistent=False)
-        self.register_buffer("slot_of", torch.tensor(self.slot), persistent=False)
-        self._kernel_cache: dict = {}  # (proj, bits) -> int4-pack stack of 2/3-bit weights, built on first use
-        self.register_load_state_dict_post_hook(lambda module, keys: module._kernel_cache.clear())
         self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size)) if bias else None
         self.down_proj_bias = torch.nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
 
@@ -187,14 +297,8 @@ class QuantizedExperts(SwiGLUExperts):
     def from_dense(cls, experts: SwiGLUExperts, bits, group_size: int = 64,
                    group_sizes: dict | None = None, symmetric: bool = False) -> QuantizedExperts:
         """``symmetric``: the 2/3/4-bit experts as ``w = q s`` (``quantize_symmetric``); int8 is symmetric anyway."""
-        opts = experts.options()
-        new = cls(bits=bits, group_size=group_size, group_sizes=group_sizes, **opts)
-        for e, b in enumerate(new.bits):
-            for proj, weight in (("gate_up", experts.gate_up_proj[e]), ("down", experts.down_proj[e])):
-                q, s = quantize_int8(weight) if b == 8 else quantize_grouped(weight, new.groups[proj], b, symmetric)[:2]
-                stored, scale = new.stored(proj, b)
-                stored[new.slot[e]].copy_(q)
-                scale[new.slot[e]].copy_(s)
+        new = cls(bits=bits, group_size=group_size, group_sizes=group_sizes, **experts.options())
+        new._quantize_from({"gate_up": experts.gate_up_proj, "down": experts.down_proj}, symmetric)
         for name in ("gate_up_proj_bias", "down_proj_bias"):
             if getattr(experts, name) is not None:
                 getattr(new, name).copy_(getattr(experts, name))
@@ -203,51 +307,13 @@ class QuantizedExperts(SwiGLUExperts):
     def init_weights(self, std: float) -> None:
         """Rebuild the index tables (never saved); packed weights and their scales cannot be initialised
         meaningfully, so a load that lacks one fails with its name. Missing biases start at zero."""
-        self.width_of.copy_(torch.tensor(self.bits))
-        self.slot_of.copy_(torch.tensor(self.slot))
-        refuse_missing(self, [n for n, _ in self.named_buffers(recurse=False)])
+        self._init_tables()
         for bias in (self.gate_up_proj_bias, self.down_proj_bias):
             if bias is not None:
                 init.zeros_(bias)
 
     def options(self) -> dict:
-        opts = super().options()
-        opts.update(bits=list(self.bits), group_size=self.group_size)
-        if len(set(self.groups.values())) > 1 or self.groups["gate_up"] != self.group_size:
-            opts["group_sizes"] = dict(self.groups)  # recorded only where it differs (older layouts stay as they were)
-        return opts
-
-    def group_of(self, proj: str) -> int:
-        return self.groups[proj]
-
-    def stored(self, proj: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stacked packed weights of one width and their scales (scale/zero below 8 bits)."""
-        suffix = "scale" if bits == 8 else "scale_zero"
-        return getattr(self, f"{proj}_int{bits}"), getattr(self, f"{proj}_int{bits}_{suffix}")
-
-    def dequantized(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) in float: the reference for expert e."""
-        b, j = self.bits[e], self.slot[e]
-        return tuple(dequantize(b, self.stored(p, b)[0][j], self.stored(p, b)[1][j], self.shapes[p], self.groups[p])
-                     for p in ("gate_up", "down"))
-
-    def _apply(self, fn, *args, **kwargs):
-        self._kernel_cache.clear()  # .to() / .bfloat16() move the stored weights: rebuild from them
-        return super()._apply(fn, *args, **kwargs)
-
-    def kernel_stack(self, proj: str, bits: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(weights, scales, kernel width) as the kernels read them: 2/3-bit stacks run on the int4 kernel."""
-        q, scale = self.stored(proj, bits)
-        if bits not in (2, 3):
-            return q, scale, bits
-        if (proj, bits) not in self._kernel_cache:
-            k = self.shapes[proj][1]
-            self._kernel_cache[proj, bits] = torch.stack([int4_pack(bits, w, k) for w in q]) if len(q) else q
-        return self._kernel_cache[proj, bits], scale, 4
-
-    def _linear(self, x, proj: str, bits: int, slot):
-        q, scale, kernel_bits = self.kernel_stack(proj, bits)
-        return lowbit_linear(x, pick(q, slot), pick(scale, slot), kernel_bits, self.groups[proj], self.shapes[proj])
+        return {**super().options(), **self._group_options()}
 
     def _expert_at(self, bits: int, slot, x: torch.Tensor, e) -> torch.Tensor:
         h = self._linear(x, "gate_up", bits, slot)
@@ -269,32 +335,18 @@ class QuantizedExperts(SwiGLUExperts):
             if tokens * k <= self.num_experts:
                 return self._forward_gather(hidden, routing)
         kernels.load()  # prefill dequantises int4 with the zoo's kernel (built once per machine, then cached)
-        for b in self.widths:  # build the 2/3-bit kernel stacks eagerly (prefill), never inside a compiled step
-            self.kernel_stack("gate_up", b), self.kernel_stack("down", b)
+        self._build_kernel_stacks()
         return self._forward_sorted(hidden, routing)
 
     def _forward_in_place(self, hidden, routing):
         """The routed tokens through the zoo's kernel (``zoo::moe_gemv``, every width read in its stored form)
         where it is loaded, else ``zoo::lowbit_experts``, which slices each selected expert's packed weights
         as views for torch's kernels; both are opaque to the compiler, so the compiled step stays one graph."""
-        # 2/3-bit experts read their int4 working copy (built by the eager prefill): the kernel reads 4-bit codes
-        # at memory speed, while unpacking 2/3-bit codes is compute-bound (benchmarks/moe_gemv.py: ~2.3 GB/s of
-        # packed bytes, fewer weights per second than int4's ~11 GB/s)
-        stacks = [self.kernel_stack("gate_up", b)[:2] + self.kernel_stack("down", b) for b in self.widths]
+        stacks = self._kernel_stacks()
         if use_kernel(hidden, routing, *(t for st in stacks for t in st[:4])):
-            maps = self.slot_maps()
-            groups = (self.groups["gate_up"], self.groups["down"])
-            stacks = [(gq, gs, dq, ds, kb, groups, maps[b])
-                      for (gq, gs, dq, ds, kb), b in zip(stacks, self.widths)]
             return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self.glu,
                                         self.gate_up_proj_bias, self.down_proj_bias)
         return lowbit_experts(*self.in_place_args(hidden, routing))
-
-    def slot_maps(self) -> dict:
-        """Per width, expert -> slot in that width's stack (-1: stored at another width); None for one width."""
-        if len(self.widths) == 1:
-            return {self.widths[0]: None}
-        return {b: torch.where(self.width_of == b, self.slot_of, -1) for b in self.widths}
 
     def in_place_args(self, hidden, routing) -> tuple:
         """The arguments of ``zoo::lowbit_experts`` for these experts and this routing."""
@@ -307,25 +359,77 @@ class QuantizedExperts(SwiGLUExperts):
                 self.slot_of, self.group_size, self.gate_up_proj_bias, self.down_proj_bias, self.activation,
                 float(self.swiglu_limit), float(self.swiglu_alpha))
 
-    def _forward_gather(self, hidden, routing):
-        """Compiled training on few tokens: for each (token, slot) pick the selected expert's packed weights
-        by index (a gather, no host sync, and differentiable in the input); with mixed widths every width is
-        computed and masked to its own experts."""
-        idx, valid = gather_rows(routing.indices, self.num_experts)
-        k = routing.indices.shape[1]
-        w = torch.where(valid, routing.weights.reshape(-1), 0)
-        outs = []
-        for s in range(idx.shape[0]):  # T * k <= E slots, a static count
-            x = hidden[s // k: s // k + 1]
-            e, y = idx[s], 0
-            for b in self.widths:
-                slot = pick(self.slot_of, e).clamp(max=self.bits.count(b) - 1)  # in range even when masked out
-                y_b = self._expert_at(b, slot, x, e)
-                y = y_b if len(self.widths) == 1 else y + torch.where(pick(self.width_of, e) == b, y_b, 0)
-            outs.append(y * w[s].to(y.dtype))
-        return torch.cat(outs).view(hidden.shape[0], k, -1).sum(1).to(hidden.dtype)
-
     def num_parameters(self) -> int:
         """Weights represented (as for dense experts); ``nbytes`` is what they really take."""
         n = self.num_experts * 3 * self.hidden_size * self.intermediate_size
         return n + sum(p.numel() for p in (self.gate_up_proj_bias, self.down_proj_bias) if p is not None)
+
+
+class QuantizedMLPExperts(PackedStacks, MLPExperts):
+    """Ungated experts (``mlp``: Nemotron-H, Switch Transformers) with packed low-bit weights, quantized exactly as
+    ``QuantizedExperts`` quantizes gated ones (the same codes, scales, widths per expert and group sizes per
+    projection), stacked as ``up_int8 [n8, I, H]`` / ``down_int8 [n8, H, I]`` and so on.
+
+    Which path runs: eager calls (prefill, training) run each expert's two projections on torch's int8/int4 kernels
+    (``lowbit_linear``, gradients to the input through the dequantized weight); a compiled inference step on few
+    tokens runs ``zoo::moe_gemv`` where the zoo's kernel is loaded (the gated block with the plain activation in
+    place of the gated one); other compiled steps on few tokens gather the selected experts' packed weights.
+    ``zoo::lowbit_experts`` (the in-place fallback of the gated kind) has no ungated form: without the zoo's
+    kernel, compiled inference takes the gather or sorted path instead.
+    """
+
+    name = "quantized-mlp"
+    summary = "Ungated experts with packed 2/3/4/8-bit weights on torch's CPU int4/int8 kernels, mixed widths."
+    card = "cards/quantize.md"
+    space = "compression-lab"
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bits, group_size: int = 64,
+                 activation: str = "relu2", group_sizes: dict | None = None):
+        torch.nn.Module.__init__(self)
+        if not isinstance(activation, str) or activation not in ACT2FN:
+            raise ValueError(f"unknown activation {activation!r}")
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self._build_stacks(bits, group_size, group_sizes,
+                           {"up": (intermediate_size, hidden_size), "down": (hidden_size, intermediate_size)},
+                           {"up": ("hidden_size", hidden_size), "down": ("intermediate_size", intermediate_size)})
+        self.activation, self._act = activation, ACT2FN[activation]
+
+    @classmethod
+    @torch.no_grad()
+    def from_dense(cls, experts: MLPExperts, bits, group_size: int = 64, group_sizes: dict | None = None,
+                   symmetric: bool = False) -> QuantizedMLPExperts:
+        """``symmetric``: the 2/3/4-bit experts as ``w = q s`` (``quantize_symmetric``); int8 is symmetric anyway."""
+        new = cls(bits=bits, group_size=group_size, group_sizes=group_sizes, **experts.options())
+        new._quantize_from({"up": experts.up_proj, "down": experts.down_proj}, symmetric)
+        return new
+
+    def init_weights(self, std: float) -> None:
+        """Rebuild the index tables; a load that lacks a packed weight or scale fails with its name."""
+        self._init_tables()
+
+    def options(self) -> dict:
+        return {**super().options(), **self._group_options()}
+
+    def _expert_at(self, bits: int, slot, x: torch.Tensor, e) -> torch.Tensor:
+        return self._linear(self._act(self._linear(x, "up", bits, slot)), "down", bits, slot)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self._expert_at(self.bits[e], self.slot[e], x, e)
+
+    def forward(self, hidden, routing):
+        tokens, k = routing.indices.shape
+        if torch.compiler.is_compiling():
+            if not torch.is_grad_enabled():
+                stacks = self._kernel_stacks()
+                if use_kernel(hidden, routing, *(t for st in stacks for t in st[:4])):
+                    return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts,
+                                                self._act)
+            if tokens * k <= self.num_experts:
+                return self._forward_gather(hidden, routing)
+        kernels.load()  # prefill dequantises int4 with the zoo's kernel (built once per machine, then cached)
+        self._build_kernel_stacks()
+        return run_sorted(hidden, routing.indices, routing.weights, self.num_experts, self.expert)
+
+    def num_parameters(self) -> int:
+        """Weights represented (as for dense experts); ``nbytes`` is what they really take."""
+        return self.num_experts * 2 * self.hidden_size * self.intermediate_size
