@@ -11,7 +11,7 @@ from tests.families.test_generic_families import input_ids
 from tests.families.tiny_configs import model_class, tiny_config
 from zoo.editing import layer_calls
 from zoo.editing.apply import find
-from zoo.editing.layerwise import LayerInputs
+from zoo.editing.layerwise import LayerInputs, capture_inputs
 from zoo.moe.layout import decoder_layers, get_block, moe_layers, put_block
 
 # case: (family, config changes, how the engine carries the calibration batches)
@@ -102,7 +102,7 @@ def test_each_layer_is_compressed_on_the_inputs_of_the_model_compressed_before_i
     model = tiny(model_type, **changes)
     reference = copy.deepcopy(model)
     data = batches(model)
-    assert type(LayerInputs.capture(model, data)) is carrier
+    assert type(capture_inputs(model, data)) is carrier
     n = moe_layers(model)[0][1].num_experts
     seen = compress_recorded(model, data, monkeypatch, n - 1)
 
@@ -146,4 +146,4 @@ def test_layers_that_hand_on_more_are_refused_when_not_in_memory():
     for layer in decoder_layers(model):
         layer.to("meta")  # as a checkpoint streamed layer by layer holds them
     with pytest.raises(ValueError, match="hand each other more than hidden states.*in memory"):
-        LayerInputs.capture(model, batches(model))
+        capture_inputs(model, batches(model))

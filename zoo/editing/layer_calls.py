@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 
 from zoo.editing import distributed
-from zoo.editing.layerwise import LayerInputs, _Stop, call_model
+from zoo.editing.layer_inputs import LayerInputs, _Stop, call_model
 from zoo.moe import context, routing_context
 from zoo.moe.layout import decoder_layers, get_block, put_block
 

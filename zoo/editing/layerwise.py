@@ -24,135 +24,28 @@ The per-layer contract (a ``Compressor`` implements it; see docs/plugins/compres
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from zoo.editing import distributed
+from zoo.editing import distributed, layer_calls
+from zoo.editing.layer_inputs import LayerInputs, NeedsRecording
 from zoo.editing.phases import phase
 from zoo.moe.layout import decoder_layers, get_block, layer_block_attr, layer_prefix, moe_layers, put_block
-from zoo.moe import SparseMoE, context, routing_context
+from zoo.moe import SparseMoE, routing_context
 
 
-class _Stop(Exception):
-    """Raised inside a forward once what was wanted has been recorded."""
-
-
-def call_model(model, batch):
-    return model(**batch, use_cache=False) if isinstance(batch, dict) else model(input_ids=batch, use_cache=False)
-
-
-class LayerInputs:
-    """Per calibration batch, the hidden states entering the next layer, per layer the keyword arguments the
-    model passes to it (masks, rotary tables: computed once by the model's own forward), and the routing
-    context of the batch (published again whenever a layer runs, for routers that read it)."""
-
-    def __init__(self, hidden: list[torch.Tensor], kwargs: list[list[dict]], contexts: list | None = None):
-        self.hidden, self.kwargs = hidden, kwargs
-        self.contexts = contexts or [None] * len(hidden)
-        self.batches: list | None = None  # the calibration batches themselves (set for the layer-0 inputs)
-
-    def joined_context(self):
-        """One context for the tokens of every batch together (the rows ``block_inputs`` returns), or None."""
-        if any(c is None for c in self.contexts):
-            return None
-        fields = {}
-        for name in ("input_ids", "positions", "attention_mask", "modality"):
-            values = [getattr(c, name) for c in self.contexts]
-            if all(v is not None for v in values):  # every rank's tokens, as block_inputs gives them
-                rows = distributed.gather_tokens(torch.cat([v.reshape(-1) for v in values])[:, None])
-                fields[name] = rows.reshape(1, -1)
-        return context.RoutingContext(**fields)
-
-    @classmethod
-    @torch.no_grad()
-    def capture(cls, model, batches) -> LayerInputs:
-        """Run each batch through the embeddings only (the decoder layers are stood in for, the rest skipped). Layers
-        that take positional inputs or hand each other more than hidden states are recorded from the model's real
-        forward instead (``zoo.editing.layer_calls``), which needs them in memory."""
-        layers = decoder_layers(model)
-        hidden, kwargs, contexts = [], [], []
-        for batch in batches:
-            seen: list[dict] = []
-            returned = []
-
-            def stand_in(h, *args, i, **kw):
-                if i == 0:
-                    hidden.append(h)
-                    contexts.append(context.current())  # published by the model call, if a router reads it
-                elif h is not returned[-1]:
-                    raise TypeError("a layer's hidden states are not what the previous layer returned")
-                seen.append(kw)
-                if args:
-                    raise TypeError("decoder layers are expected to take their extra inputs as keywords")
-                if i == len(layers) - 1:
-                    raise _Stop  # every layer's inputs are known: nothing after the layers is needed
-                returned.append(h)
-                return h
-
-            for i, layer in enumerate(layers):
-                layer.forward = lambda h, *a, i=i, **kw: stand_in(h, *a, i=i, **kw)
-            more = None
-            try:
-                call_model(model, batch)
-            except _Stop:
-                pass
-            except (ValueError, TypeError) as exc:  # the layers take, or hand on, more than the engine carries
-                more = exc
-            finally:
-                for layer in layers:
-                    layer.__dict__.pop("forward", None)
-            if more is not None:
-                return cls.recorded(model, layers, batches, more)
-            kwargs.append(seen)
-        return cls(hidden, kwargs, contexts)
-
-    @staticmethod
-    def recorded(model, layers, batches, reason):
-        from zoo.editing import layer_calls
-
-        if not layer_calls.in_memory(layers):
+def capture_inputs(model, batches) -> LayerInputs:
+    """The layer inputs of ``batches``: captured with stand-ins for the layers (``LayerInputs.capture``), or, where the
+    layers take positional inputs or hand each other more than hidden states, recorded from the model's real forward
+    (``zoo.editing.layer_calls``), which needs the layers in memory."""
+    try:
+        return LayerInputs.capture(model, batches)
+    except NeedsRecording as reason:
+        if not layer_calls.in_memory(decoder_layers(model)):
             raise ValueError(f"{type(model).__name__}'s decoder layers take or hand each other more than hidden "
                              f"states and keyword inputs ({reason}); components that calibrate layer by layer need "
-                             "such a model in memory, not streamed from its shards")
+                             "such a model in memory, not streamed from its shards") from None
         return layer_calls.capture(model, batches)
-
-    def block_inputs(self, i: int, layer) -> torch.Tensor:
-        """The tokens ``[T, H]`` that enter layer i's MLP block (its attention runs; the block does not); under a
-        process group, the tokens of every rank's share."""
-        seen = []
-
-        def record(module, args):
-            seen.append(args[0].reshape(-1, args[0].shape[-1]))
-            raise _Stop
-
-        handle = get_block(layer).register_forward_pre_hook(record)
-        try:
-            with torch.no_grad():
-                for h, kw, ctx in zip(self.hidden, self.kwargs, self.contexts):
-                    try:
-                        with routing_context(ctx):
-                            layer(h, **kw[i])
-                    except _Stop:
-                        pass
-        finally:
-            handle.remove()
-        return distributed.gather_tokens(torch.cat(seen))  # every rank's share, in the one-process order
-
-    def advance(self, i: int, layer, block=None) -> LayerInputs:
-        """The inputs of layer i + 1: these run through layer i (with ``block`` as its MLP, if given)."""
-        old = get_block(layer)
-        if block is not None:
-            put_block(layer, block)
-        try:
-            with torch.no_grad():
-                out = []
-                for h, kw, ctx in zip(self.hidden, self.kwargs, self.contexts):
-                    with routing_context(ctx):
-                        out.append(layer(h, **kw[i]))
-        finally:
-            put_block(layer, old)
-        return LayerInputs([o[0] if isinstance(o, tuple) else o for o in out], self.kwargs, self.contexts)
 
 
 def is_plain_linear(module) -> bool:
@@ -354,7 +247,7 @@ def calibration_inputs(model, steps, calibration) -> LayerInputs | None:
     batches = calib.batches(data, tokenizer_for(model) if calib.needs_tokenizer(data) else None)
     calib.check_ids(batches, getattr(text, "vocab_size", None))
     calib.check_memory(sum(b.numel() for b in batches), text.hidden_size, model.dtype)
-    inputs = LayerInputs.capture(model, distributed.share_windows(batches))  # under a process group: this rank's share
+    inputs = capture_inputs(model, distributed.share_windows(batches))  # under a process group: this rank's share
     inputs.batches = batches
     return inputs
 

@@ -18,7 +18,7 @@ from zoo.editing import distributed
 from zoo.architectures import remote_code
 from zoo.io.atomic import atomic_directory
 from zoo.io.checkpoint import LAYER_KEY, Checkpoint, checkpoint_bytes
-from zoo.editing.layerwise import LayerInputs, calibration_inputs, check, compress_linears, outer_linears, run, set_module
+from zoo.editing.layerwise import calibration_inputs, capture_inputs, check, compress_linears, outer_linears, run, set_module
 from zoo.moe.layout import get_block, layer_block_attr, layer_prefix, put_block
 from zoo.moe import SparseMoE
 from zoo.io.memory import memory_budget
@@ -259,7 +259,7 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8, ood
             for i in range(0, len(windows), batch):
                 batches.append(windows[i:i + batch])
                 domains.append((d, split))
-    inputs = LayerInputs.capture(model, batches)
+    inputs = capture_inputs(model, batches)
     ckpt.release_outer(keep=(model.lm_head, model.model.norm))  # the input embeddings have done their part
     usage = {d: [] for d in DOMAINS}
     for i in tqdm(range(len(ckpt.layers)), desc="eval: layers", leave=False):
