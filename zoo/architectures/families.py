@@ -11,11 +11,11 @@ GENERIC: dict[str, str] = {
     **{t: "causal-lm" for t in (
         "afmoe", "aria_text", "axk1", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v32",
         "deepseek_v4", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text",
-        "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
-        "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "jamba", "kimi_linear",
-        "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text", "mellum", "mimo_v2_flash", "minimax",
-        "minimax_m2", "minimax_m3_vl_text", "nemotron_h", "phimoe", "qwen3_5_moe_text", "qwen3_next",
-        "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
+        "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
+        "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "jamba",
+        "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text", "longcat_flash", "mellum",
+        "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "nemotron_h", "phimoe", "qwen3_5_moe_text",
+        "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
     # vision-language models: the language model's MoE blocks convert, the vision tower stays (dots3_note's
     # vision tower has MoE blocks of its own: they stay native)
     **{t: "image-text-to-text" for t in (
@@ -36,7 +36,6 @@ EXCEPTIONS: dict[str, str] = {
                        "of causal layers (what it would take: the spec over both stacks' layer classes)",
     "doge": _NO_FUSED,
     "step3p7": _NO_FUSED,
-    "longcat_flash": _NO_FUSED + " (zero-computation experts beside the FFN experts)",
     "llama4": "its multimodal model holds a whole causal LM (`.language_model`) where the zoo classes expect the "
               "base model at `.model`, and its forward fails inside transformers 5.24 itself (no `image_outputs` on "
               "its output); the text model (llama4_text) converts",

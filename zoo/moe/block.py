@@ -63,18 +63,27 @@ class SparseMoE(nn.Module):
     ``expert_map`` (HC-SMoE's merged experts behind an unchanged router): the router keeps its E rows and picks
     among the original experts; original expert e is served by merged expert ``expert_map[e]`` (the router's
     output is mapped, see ``zoo.moe.routing.map_routing``). ``num_experts`` is then the merged count.
+
+    ``identity_experts`` Z (LongCat-Flash's zero-computation experts): the router has E + Z rows; a token routed to
+    row E + j (j < Z) gets ``weight * x`` added, ``x`` being the block's input (before ``input_norm``), and costs
+    no compute. ``num_experts`` stays E, the experts that compute; indices from E + Z up are empty slots, as ever.
     """
 
     zoo_moe_block = True  # how code that must not import the MoE core finds the blocks (demo-control declarations)
 
     def __init__(self, router: Router, experts: Experts, shared_experts: nn.Module | None = None,
                  returns_router_scores: bool = False, weights_scale_input: bool = False, expert_map=None,
-                 input_norm: nn.Module | None = None, output_norm: nn.Module | None = None):
+                 input_norm: nn.Module | None = None, output_norm: nn.Module | None = None,
+                 identity_experts: int = 0):
         super().__init__()
+        self.identity_experts = check_identity_experts(identity_experts, expert_map)
         self._expert_map = None if expert_map is None else check_expert_map(expert_map, router.num_experts,
                                                                             experts.num_experts)
-        if self._expert_map is None and router.num_experts != experts.num_experts:
-            raise ValueError(f"router has {router.num_experts} experts but experts has {experts.num_experts}")
+        if self._expert_map is None and router.num_experts != experts.num_experts + self.identity_experts:
+            raise ValueError(f"router has {router.num_experts} experts but experts has {experts.num_experts}"
+                             + (f" and {self.identity_experts} identity experts (needs "
+                                f"{experts.num_experts + self.identity_experts} router rows)"
+                                if self.identity_experts else ""))
         self.router, self.experts, self.shared_experts = router, experts, shared_experts
         self.input_norm, self.output_norm = input_norm, output_norm
         self.returns_router_scores = returns_router_scores
@@ -92,7 +101,8 @@ class SparseMoE(nn.Module):
         it) with a new router and/or new experts."""
         return SparseMoE(self.router if router is None else router, self.experts if experts is None else experts,
                          self.shared_experts, self.returns_router_scores, self.weights_scale_input,
-                         self._expert_map if expert_map is ... else expert_map, self.input_norm, self.output_norm)
+                         self._expert_map if expert_map is ... else expert_map, self.input_norm, self.output_norm,
+                         self.identity_experts)
 
     @property
     def expert_map(self) -> tuple[int, ...] | None:
@@ -103,7 +113,9 @@ class SparseMoE(nn.Module):
     def num_experts(self) -> int:
         # the router's count: expert parallelism leaves ``experts.num_experts`` at the experts this rank holds;
         # behind an expert map, the merged experts the router's rows are served by
-        return unwrapped(self.router).num_experts if self._expert_map is None else max(self._expert_map) + 1
+        if self._expert_map is not None:
+            return max(self._expert_map) + 1
+        return unwrapped(self.router).num_experts - self.identity_experts
 
     def unmapped(self) -> SparseMoE:
         """The same function without the map: each of the router's E experts gets its own copy of the merged
@@ -132,18 +144,35 @@ class SparseMoE(nn.Module):
         x = hidden.reshape(-1, shape[-1])
         routing = self.route(x)
         xe = self.expert_inputs(x)
+        computing = self.computing_routing(routing)
         if self.weights_scale_input:
-            out = self._input_scaled_experts(xe, routing)
+            out = self._input_scaled_experts(xe, computing)
         elif getattr(self.experts, "_is_hooked", False):
-            out = self._parallel_experts(xe, routing)
+            out = self._parallel_experts(xe, computing)
         else:
-            out = self.experts(xe, routing)
+            out = self.experts(xe, computing)
+        if self.identity_experts:
+            out = out + self.identity_output(x, routing)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.output_norm is not None:
             out = self.output_norm(out)
         out = out.view(shape)
         return (out, routing.weights) if self.returns_router_scores else out
+
+    def computing_routing(self, routing: Routing) -> Routing:
+        """The routing the experts see: slots of identity experts become empty slots (index E), so every experts
+        kind skips them as it skips any empty slot."""
+        if not self.identity_experts:
+            return routing
+        return routing._replace(indices=routing.indices.clamp(max=self.num_experts))
+
+    def identity_output(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """``[T, H]``: each token's input times the summed weight of the identity experts it was routed to."""
+        E = self.num_experts
+        chosen = (routing.indices >= E) & (routing.indices < E + self.identity_experts)
+        weight = torch.where(chosen, routing.weights, 0).sum(-1, keepdim=True)  # other slots' weights: ignored
+        return x * weight.to(x.dtype)
 
     def expert_inputs(self, x: torch.Tensor) -> torch.Tensor:
         """What the routed experts read of the block's input ``x [T, H]`` (code that runs experts on calibration
@@ -191,6 +220,7 @@ class SparseMoE(nn.Module):
             "returns_router_scores": self.returns_router_scores,
             **({"weights_scale_input": True} if self.weights_scale_input else {}),
             **({"expert_map": list(self._expert_map)} if self._expert_map is not None else {}),
+            **({"identity_experts": self.identity_experts} if self.identity_experts else {}),
             **{name: getattr(self, name).options() for name in ("input_norm", "output_norm")
                if getattr(self, name) is not None},
         }
@@ -200,6 +230,17 @@ def unwrapped(module: nn.Module) -> nn.Module:
     """The module a PEFT layer wraps (LoRA on one of its parameters, e.g. ``target_parameters=["router.weight"]``
     or the router's own name in ``target_modules``), else the module itself."""
     return module.get_base_layer() if hasattr(module, "get_base_layer") else module
+
+
+def check_identity_experts(identity_experts, expert_map=None) -> int:
+    """The number of identity experts as an int, or ValueError: a non-negative integer, none behind an expert map
+    (a map names one merged expert per router row; identity rows have no expert to merge)."""
+    if isinstance(identity_experts, bool) or not isinstance(identity_experts, int) or identity_experts < 0:
+        raise ValueError(f"identity_experts must be a non-negative integer, got {identity_experts!r}")
+    if identity_experts and expert_map is not None:
+        raise ValueError("identity experts cannot sit behind an expert map (merged experts serve router rows one "
+                         "for one; an identity row has no expert to merge)")
+    return identity_experts
 
 
 def check_expert_map(expert_map, router_experts: int, num_merged: int) -> tuple[int, ...]:

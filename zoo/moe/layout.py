@@ -197,13 +197,20 @@ def build_block(entry: dict, provided_by: dict | None = None) -> SparseMoE:
     router_cls = component_class("router", entry["router"], provided_by)
     experts_cls = component_class("experts", entry["experts"], provided_by)
     experts = experts_cls(**entry["experts_options"])
-    expert_map = entry.get("expert_map")  # merged experts behind the router's original rows (hc-smoe)
-    router = router_cls(experts.hidden_size, len(expert_map) if expert_map else entry["num_experts"],
-                        entry["num_experts_per_tok"], **entry["router_options"])
+    router = router_cls(experts.hidden_size, router_rows(entry), entry["num_experts_per_tok"],
+                        **entry["router_options"])
     shared = SharedMLP(**entry["shared_experts"]) if entry.get("shared_experts") else None
     norms = {name: BlockRMSNorm(**entry[name]) for name in ("input_norm", "output_norm") if entry.get(name)}
     return SparseMoE(router, experts, shared, returns_router_scores=entry.get("returns_router_scores", False),
-                     weights_scale_input=entry.get("weights_scale_input", False), expert_map=expert_map, **norms)
+                     weights_scale_input=entry.get("weights_scale_input", False), expert_map=entry.get("expert_map"),
+                     identity_experts=entry.get("identity_experts", 0), **norms)
+
+
+def router_rows(entry: dict) -> int:
+    """The router's rows in a layout entry: one per original expert behind an expert map (hc-smoe's merged experts),
+    else one per expert plus one per identity expert."""
+    expert_map = entry.get("expert_map")
+    return len(expert_map) if expert_map else entry["num_experts"] + entry.get("identity_experts", 0)
 
 
 class LayoutError(ValueError):
@@ -261,10 +268,18 @@ def _entry_problems(entry, hidden_size: int, provided_by: dict | None) -> list[s
             check_expert_map(expert_map, len(expert_map), entry["num_experts"])
         except ValueError as exc:
             problems.append(f".expert_map: {exc}")
-    rows = len(expert_map) if isinstance(expert_map, list) and expert_map else entry.get("num_experts")
-    if not problems and not 1 <= entry["num_experts_per_tok"] <= rows:
-        problems.append(f".num_experts_per_tok: must be in [1, {'router rows' if expert_map else 'num_experts'}"
-                        f"={rows}], got {entry['num_experts_per_tok']}")
+    identity = entry.get("identity_experts", 0)
+    if not problems:
+        from zoo.moe.block import check_identity_experts
+
+        try:
+            check_identity_experts(identity, expert_map)
+        except ValueError as exc:
+            problems.append(f".identity_experts: {exc}")
+    if not problems and not 1 <= entry["num_experts_per_tok"] <= router_rows(entry):
+        what = "router rows" if expert_map else "num_experts + identity_experts" if identity else "num_experts"
+        problems.append(f".num_experts_per_tok: must be in [1, {what}={router_rows(entry)}], got "
+                        f"{entry['num_experts_per_tok']}")
     if problems:
         return problems
     with torch.device("meta"):
@@ -291,8 +306,7 @@ def _failing_part(entry) -> str:
     except Exception:
         return "experts_options"
     try:
-        component_class("router", entry["router"])(experts.hidden_size,
-                                                    len(entry.get("expert_map") or []) or entry["num_experts"],
+        component_class("router", entry["router"])(experts.hidden_size, router_rows(entry),
                                                     entry["num_experts_per_tok"], **entry["router_options"])
     except Exception:
         return "router_options"

@@ -59,12 +59,16 @@ def _router_rows(old, rows: torch.Tensor):
 @torch.no_grad()
 def keep_experts(moe: SparseMoE, keep) -> SparseMoE:
     """A SparseMoE with only the experts ``keep`` (in that order); their router rows come along (behind an expert
-    map: the rows of every original expert a kept merged expert serves)."""
+    map: the rows of every original expert a kept merged expert serves). Identity experts are not among the experts
+    ``keep`` names: all of them stay, their router rows after the kept experts'."""
     keep = torch.as_tensor(sorted(int(i) for i in keep), dtype=torch.long)
     if len(keep) < 1 or len(set(keep.tolist())) != len(keep):
         raise ValueError("keep must name at least one expert, without repeats")
+    if int(keep[0]) < 0 or int(keep[-1]) >= moe.num_experts:
+        raise ValueError(f"keep must name experts in [0, {moe.num_experts}), got {keep.tolist()}")
     if moe.expert_map is None:
-        return moe.with_parts(_router_rows(moe.router, keep), _slice_experts(moe.experts, keep))
+        identity = torch.arange(moe.num_experts, moe.num_experts + moe.identity_experts)
+        return moe.with_parts(_router_rows(moe.router, torch.cat([keep, identity])), _slice_experts(moe.experts, keep))
     new_id = {int(m): j for j, m in enumerate(keep)}
     rows = [e for e, m in enumerate(moe.expert_map) if m in new_id]
     new_map = [new_id[moe.expert_map[e]] for e in rows]
@@ -89,6 +93,9 @@ def merge_experts(moe: SparseMoE, groups: list[list[int]], weights: list[list[fl
     group). ``router_rows`` None (HC-SMoE's code): the router keeps all its rows and an expert map sends each
     original expert to its group's merged expert, so routing picks exactly as before. ``router_rows``, a function
     ``(old router state, mix [N, E]) -> state with N rows``: the router is cut to one row per group."""
+    if moe.identity_experts:
+        raise ValueError(f"this block has {moe.identity_experts} identity experts beside its {moe.num_experts} "
+                         "experts; merging does not support them (prune instead: pruning keeps them)")
     expert_map = merge_map(moe, groups)
     mix = torch.zeros(len(groups), moe.num_experts)
     for g, (members, w) in enumerate(zip(groups, weights)):
