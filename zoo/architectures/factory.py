@@ -23,12 +23,12 @@ from zoo.moe.layout import (
     apply_modules,
     block_attr,
     decoder_layers,
-    moe_layers,
     sync_layout,
 )
 from zoo.moe import Router
 from zoo.moe import context as routing_context
-from zoo.moe.losses import family_aux_loss
+from zoo.moe.losses import family_aux_loss, native_balance_loss
+from zoo.moe.router_capture import recorded_router_logits
 from zoo.moe.init import init_zoo_module, initialize_missing_keys
 
 _CLASSES: dict[str, tuple] = {}
@@ -99,7 +99,7 @@ def zoo_classes(family):
     })
     lm_cls = type(f"Zoo{lm.__name__}", (lm,), {
         **common, "_zoo_inner_class": inner_cls, "__init__": _init, "save_pretrained": _save_pretrained,
-        **({"forward": _forward} if family.zoo_forward else {}),
+        **({"forward": _forward} if family.zoo_forward else _balance_forward(family)),
     })
     heads = [type(f"Zoo{native.__name__}", (native,),
                   {**common, "__init__": _init_head, "_zoo_native_init": native.__init__})
@@ -256,23 +256,34 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, cache
     expert count and k, and the mean of per-layer losses (same convention) where layers differ."""
     if output_router_logits is None:
         output_router_logits = getattr(self.config, "output_router_logits", False)
-    outputs = getattr(self, self.zoo_family.base_attr)(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-        inputs_embeds=inputs_embeds, use_cache=use_cache, output_router_logits=output_router_logits, return_dict=True,
-        **kwargs)
+    # the logits come off the routers held now (transformers' recorders miss blocks swapped in after its first call)
+    with recorded_router_logits(self) if output_router_logits else contextlib.nullcontext([]) as recorded:
+        outputs = getattr(self, self.zoo_family.base_attr)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, output_router_logits=False, return_dict=True, **kwargs)
     hidden = outputs.last_hidden_state
     logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
     loss = self.loss_function(logits, labels, self.vocab_size, **kwargs) if labels is not None else None
     aux_loss = None
-    router_logits = getattr(outputs, "router_logits", None)
-    if output_router_logits and router_logits and self.zoo_family.aux_loss:
-        aux_loss = family_aux_loss(self.zoo_family, router_logits, [moe for _, moe in moe_layers(self)],
-                                   attention_mask)
+    router_logits = tuple(lg for _, lg in recorded) if output_router_logits else None
+    if router_logits and self.zoo_family.aux_loss:
+        aux_loss = family_aux_loss(native_balance_loss(self.zoo_family.model_class), router_logits,
+                                   [router.top_k for router, _ in recorded], attention_mask)
         if loss is not None:
             loss = loss + self.zoo_family.aux_loss_coef(self.config) * aux_loss.to(loss.device)
     return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache,
                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions,
                                      router_logits=router_logits)
+
+
+def _balance_forward(family) -> dict:
+    """A family that keeps its own forward and computes a balance loss in it: that forward with the zoo's balance
+    loss in place of the family's (defined where layers differ in expert count, the family's own where not)."""
+    from zoo.architectures.own_forward import forward_with_zoo_balance_loss
+
+    if not getattr(family, "generic", False) or native_balance_loss(family.model_class) is None:
+        return {}
+    return {"forward": forward_with_zoo_balance_loss(family.model_class)}
 
 
 def _save_pretrained(self, save_directory, *args, model_card=None, **kwargs):

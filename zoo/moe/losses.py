@@ -1,6 +1,8 @@
 """Auxiliary MoE losses as plain functions. Padding tokens (attention_mask == 0) never count."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -46,20 +48,43 @@ def model_load_balancing_loss(router_logits, top_ks, attention_mask=None) -> tor
     return torch.stack(losses).mean()
 
 
-def family_aux_loss(family, router_logits, blocks, attention_mask=None) -> torch.Tensor:
-    """A zoo model's balance loss, in its family's own definition.
-
-    When every MoE layer has the same expert count and k (a converted model, or one pruned uniformly) this is
-    the family's native ``load_balancing_loss_func``: top-k counts and router probabilities pooled over all
-    layers' tokens, ``E * sum_e f_e P_e`` with ``f_e`` the share of tokens (not slots) choosing e, so uniform
-    routing gives k. Where layers differ, pooling is undefined; the loss is then the mean over layers of the
-    same per-layer quantity (k times ``load_balancing_loss``)."""
+@functools.lru_cache(maxsize=None)
+def native_balance_loss(model_class):
+    """The balance-loss function a transformers family's forward calls (``load_balancing_loss_func(logits, E, k,
+    attention_mask)`` of its modeling module), or None where its forward computes none."""
+    import inspect
     import sys
 
-    shapes = {(moe.router.num_experts, moe.top_k) for moe in blocks}  # the logits' width (an expert map keeps E rows)
-    native = getattr(sys.modules[family.model_class.__module__], "load_balancing_loss_func", None)
-    if len(shapes) == 1 and native is not None:
+    native = getattr(sys.modules[model_class.__module__], "load_balancing_loss_func", None)
+    if native is None or "load_balancing_loss_func(" not in inspect.getsource(model_class.forward):
+        return None
+    return native
+
+
+def family_aux_loss(native, router_logits, top_ks, attention_mask=None) -> torch.Tensor:
+    """A model's balance loss in its family's own definition; ``native``: the family's loss function (see
+    ``native_balance_loss``; None: the pooled form below), ``top_ks``: each logit matrix's k.
+
+    When every recorded layer has the same expert count and k (a converted model, or one pruned uniformly) this is
+    the family's own call: transformers' families pool top-k counts and router probabilities over all layers'
+    tokens, ``E * sum_e f_e P_e`` with ``f_e`` the share of tokens (not slots) choosing e, so uniform routing gives
+    k. Where layers differ, pooling is undefined (expert e of one layer is not expert e of another); the loss is
+    then the mean over layers of the family's loss on each layer alone, over that layer's own experts."""
+    logits, top_ks = tuple(router_logits), list(top_ks)
+    if len(logits) != len(top_ks) or not logits:
+        raise ValueError(f"{len(logits)} router logit matrices for {len(top_ks)} top-k values")
+    shapes = {(lg.shape[-1], k) for lg, k in zip(logits, top_ks)}
+    if native is None:
+        native = _pooled_balance_loss
+    if len(shapes) == 1:
         (num_experts, top_k), = shapes
-        return native(tuple(router_logits), num_experts, top_k, attention_mask)
-    losses = [moe.top_k * load_balancing_loss(lg, moe.top_k, attention_mask) for lg, moe in zip(router_logits, blocks)]
-    return torch.stack(losses).mean()
+        return native(logits, num_experts, top_k, attention_mask)
+    losses = [native((lg,), lg.shape[-1], k, attention_mask) for lg, k in zip(logits, top_ks)]
+    return torch.stack([loss.to(losses[0].device) for loss in losses]).mean()
+
+
+def _pooled_balance_loss(logits, num_experts, top_k, attention_mask=None) -> torch.Tensor:
+    """All layers pooled as transformers' families pool them: ``k * load_balancing_loss`` of the stacked tokens."""
+    pooled = torch.cat([lg.to(logits[0].device) for lg in logits])
+    mask = None if attention_mask is None else attention_mask.reshape(-1).repeat(len(logits))
+    return top_k * load_balancing_loss(pooled, top_k, mask)
