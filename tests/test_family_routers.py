@@ -55,3 +55,30 @@ def test_scored_topk_refuses_bad_options_with_the_reason():
         ScoredTopK(16, 8, 2, n_group=3)
     with pytest.raises(ValueError, match="unknown option 'nrom_topk_prob'.*norm_topk_prob"):
         ScoredTopK(16, 8, 2, nrom_topk_prob=True)
+
+
+@pytest.mark.parametrize("fill", ["zero", "-inf"])
+def test_group_fill_zero_is_axk2s_router(fill):
+    """A.X-K2 gives experts outside the kept groups a choice score of 0 (not -inf): with a negative selection bias an
+    outside expert can then beat an inside one. group_fill="zero" reproduces it; the default rule picks otherwise."""
+    from transformers import AXK2Config
+    from transformers.models.axk2.modeling_axk2 import AXK2TopkRouter
+
+    config = AXK2Config(hidden_size=16, num_local_experts=8, num_experts_per_tok=2, n_group=4, topk_group=1,
+                        norm_topk_prob=True, routed_scaling_factor=2.5)
+    native = AXK2TopkRouter(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        native.weight.copy_(torch.randn(8, 16, generator=gen) / 4)
+        native.e_score_correction_bias.copy_(-torch.rand(8, generator=gen))  # negative: inside scores can be < 0
+    router = ScoredTopK(16, 8, 2, score="sigmoid", selection_bias=True, n_group=4, topk_group=1,
+                        routed_scaling_factor=2.5, group_fill=fill)
+    router.load_state_dict({"weight": native.weight, "e_score_correction_bias": native.e_score_correction_bias})
+    x = torch.randn(64, 16, generator=gen)
+    _, weights, indices = native(x)
+    got = router(x)
+    a, b = got.indices.sort(-1), indices.sort(-1)
+    same = torch.equal(a.values, b.values) and torch.allclose(got.weights.gather(1, a.indices),
+                                                              weights.gather(1, b.indices))
+    assert same == (fill == "zero")
+    assert ("group_fill" in router.options) == (fill == "zero")  # the default is not recorded: layouts unchanged

@@ -3,7 +3,8 @@
 Scores are a softmax, a sigmoid or (DeepSeek-V4) the square root of a softplus of the (optionally soft-capped)
 gate logits; a selection-only bias (``e_score_correction_bias``) may steer which experts are picked; selection
 may be limited to the best ``topk_group`` of ``n_group`` expert groups (group score: sum of the group's two best,
-or its best); the kept scores are optionally renormalised and scaled. Conversion finds the options that reproduce a
+or its best; experts outside the kept groups are ruled out, or, as A.X-K2 does, only given a choice score of 0); the
+kept scores are optionally renormalised and scaled. Conversion finds the options that reproduce a
 family's own router exactly (``zoo.architectures.generic``)."""
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ def sqrtsoftplus(logits: torch.Tensor) -> torch.Tensor:
 SCORE_FUNCTIONS = {"softmax": softmax, "sigmoid": sigmoid, "sqrtsoftplus": sqrtsoftplus}
 SCORES = tuple(SCORE_FUNCTIONS)
 GROUP_SCORES = ("top2", "max")
+GROUP_FILLS = {"-inf": float("-inf"), "zero": 0.0}  # the choice score of experts outside the kept groups
 
 
 class ScoredTopK(Router):
@@ -61,20 +63,22 @@ class ScoredTopK(Router):
     def __init__(self, hidden_size, num_experts, top_k, score: str = "softmax", norm_topk_prob: bool = True,
                  routed_scaling_factor: float = 1.0, selection_bias: bool = False, n_group: int = 1,
                  topk_group: int = 1, group_score: str = "top2", logit_softcap: float = 0.0,
-                 bias_on: str = "scores", **options):
+                 bias_on: str = "scores", group_fill: str = "-inf", **options):
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         if bias_on not in ("scores", "logits"):
             raise ValueError(f"bias_on must be 'scores' or 'logits', got {bias_on!r}")
         if group_score not in GROUP_SCORES:
             raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {group_score!r}")
+        if group_fill not in GROUP_FILLS:
+            raise ValueError(f"group_fill must be one of {tuple(GROUP_FILLS)}, got {group_fill!r}")
         for label, value in (("n_group", n_group), ("topk_group", topk_group)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{label} must be a positive integer, got {value!r}")
         if num_experts % n_group or not 1 <= topk_group <= n_group:
             raise ValueError(f"need num_experts ({num_experts}) divisible by n_group ({n_group}) and "
                              f"1 <= topk_group ({topk_group}) <= n_group")
-        if top_k > topk_group * (num_experts // n_group):
+        if top_k > topk_group * (num_experts // n_group) and group_fill == "-inf":  # ruled-out experts cannot fill k
             raise ValueError(f"top_k={top_k} exceeds the experts in {topk_group} of {n_group} groups")
         if isinstance(routed_scaling_factor, bool) or not routed_scaling_factor > 0:
             raise ValueError(f"routed_scaling_factor must be positive, got {routed_scaling_factor!r}")
@@ -83,11 +87,12 @@ class ScoredTopK(Router):
         super().__init__(hidden_size, num_experts, top_k, score=score, norm_topk_prob=bool(norm_topk_prob),
                          routed_scaling_factor=float(routed_scaling_factor), selection_bias=bool(selection_bias),
                          n_group=n_group, topk_group=topk_group, group_score=group_score,
-                         logit_softcap=float(logit_softcap), bias_on=bias_on, **options)
+                         logit_softcap=float(logit_softcap), bias_on=bias_on,
+                         **({"group_fill": group_fill} if group_fill != "-inf" else {}), **options)  # layouts unchanged
         self.score, self.norm_topk_prob = score, bool(norm_topk_prob)
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.n_group, self.topk_group, self.group_score = n_group, topk_group, group_score
-        self.logit_softcap, self.bias_on = float(logit_softcap), bias_on
+        self.logit_softcap, self.bias_on, self.group_fill = float(logit_softcap), bias_on, group_fill
         # a selection bias is updated outside backprop (aux-loss-free balancing): an fp32 buffer
         bias_buffer = nn.Buffer(torch.zeros(num_experts, dtype=torch.float32)) if selection_bias else None
         self.e_score_correction_bias = bias_buffer
@@ -114,7 +119,7 @@ class ScoredTopK(Router):
                 group_scores = grouped.max(-1).values
             keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1)
             keep = keep.bool().unsqueeze(-1).expand_as(grouped).reshape(-1, self.num_experts)
-            choice = choice.masked_fill(~keep, float("-inf"))
+            choice = choice.masked_fill(~keep, GROUP_FILLS[self.group_fill])
         indices = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, indices)  # the bias picks experts; the weights are the unbiased scores
         if self.norm_topk_prob:

@@ -9,7 +9,7 @@ GENERIC: dict[str, str] = {
     # text decoders (hybrids included: Jamba, Qwen3-Next, Kimi-Linear, Granite-MoE-hybrid, ... keep their
     # attention-free layers and convert their MoE blocks)
     **{t: "causal-lm" for t in (
-        "afmoe", "aria_text", "axk1", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v32",
+        "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v32",
         "deepseek_v4", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text",
         "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
         "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "jamba",
@@ -30,7 +30,6 @@ _NO_FUSED = "its experts are not transformers' fused experts class (`@use_expert
 
 # Why each of these is not converted, as the generic adapter reports it on the family's tiny model.
 EXCEPTIONS: dict[str, str] = {
-    "axk2": "its routing reproduces none of the zoo's top-k rules",
     "diffusion_gemma": "a block-diffusion model: an encoder and a decoder stack of Gemma 4-style layers (router and "
                        "experts inside each layer) denoise a canvas of tokens; the zoo's Gemma 4 spec holds one stack "
                        "of causal layers (what it would take: the spec over both stacks' layer classes)",

@@ -460,21 +460,22 @@ def _candidates(config, E, vectors):
     """Option sets the config allows, simplest first."""
     scales = [1.0] + [float(getattr(config, k)) for k in SCALE_KEYS
                       if isinstance(getattr(config, k, None), (int, float)) and getattr(config, k) not in (1, 1.0)]
-    groups = [(1, 1, "top2")]
+    groups = [(1, 1, "top2", "-inf")]
     n_group = getattr(config, "n_group", None) or getattr(config, "num_expert_group", None)
     topk_group = getattr(config, "topk_group", None)
     if isinstance(n_group, int) and n_group > 1 and isinstance(topk_group, int) and E % n_group == 0:
-        groups += [(n_group, topk_group, "top2"), (n_group, topk_group, "max")]
+        groups += [(n_group, topk_group, score, fill) for fill in ("-inf", "zero") for score in ("top2", "max")]
     caps = [0.0] + [float(getattr(config, k)) for k in SOFTCAP_KEYS if (getattr(config, k, None) or 0) > 0]
     role_sets = [dict(zip(vectors, roles)) for roles in itertools.product(("logit", "selection"), repeat=len(vectors))
                  if len(set(roles)) == len(roles)]
-    for roles, score, norm, scale, (n, tk, gs), cap, bias_on in itertools.product(
+    for roles, score, norm, scale, (n, tk, gs, fill), cap, bias_on in itertools.product(
             role_sets, ("softmax", "sigmoid"), (True, False), scales, groups, caps, ("scores", "logits")):
         if bias_on == "logits" and "selection" not in roles.values():
             continue
         yield roles, {"score": score, "norm_topk_prob": norm, "routed_scaling_factor": scale,
                       "selection_bias": "selection" in roles.values(), "n_group": n, "topk_group": tk,
-                      "group_score": gs, "logit_softcap": cap, "bias_on": bias_on, "bias": "logit" in roles.values()}
+                      "group_score": gs, "logit_softcap": cap, "bias_on": bias_on, "bias": "logit" in roles.values(),
+                      **({"group_fill": fill} if fill != "-inf" else {})}
 
 
 def _probe(block, router_name, config, E, H, gate_name, tensors):
