@@ -20,6 +20,7 @@ OPTIONS = {
     "router:expert-choice": {"capacity_factor": 1.5},
     "router:gemma4-topk": {"top_k": 1},
     "router:top1-capacity": {"expert_capacity": 2},
+    "router:top2-capacity": {"eval_capacity_fraction": 0.25, "batch_prioritized": True},
     "router:hierarchical-modality": {"top_groups": 1},
     "router:language-conditioned": {"context_size": 16},
     "router:mixture-of-heads": {"heads_per_token": 0.5},

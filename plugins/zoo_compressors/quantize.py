@@ -184,6 +184,8 @@ class Quantize(Compressor):
         if type(block.experts) not in DENSE:
             raise ValueError(f"layer {index} has {block.experts.name!r} experts; quantize needs dense experts "
                              "(swiglu or mlp)")
+        if type(block.experts) is MLPExperts and block.experts.up_proj_bias is not None:
+            raise ValueError(f"layer {index} has ungated 'mlp' experts with biases; quantize keeps no expert biases")
         if self.dtype != "int" and type(block.experts) is MLPExperts:
             raise ValueError(f"dtype={self.dtype!r} quantizes gated (swiglu) experts only; layer {index} has ungated "
                              "'mlp' experts: use dtype='int'")

@@ -8,6 +8,7 @@ def register_routers(register):
     from zoo_routers.expert_choice import ExpertChoice
     from zoo_routers.gemma4_topk import Gemma4TopK
     from zoo_routers.top1_capacity import Top1Capacity
+    from zoo_routers.top2_capacity import Top2Capacity
     from zoo_routers.mixture_of_heads import MixtureOfHeads
     from zoo_routers.otp import OnlineTopAnyPruning
     from zoo_routers.remix import Remix
@@ -35,3 +36,4 @@ def register_routers(register):
     register(UncertaintyAware)
     register(Gemma4TopK)
     register(Top1Capacity)
+    register(Top2Capacity)

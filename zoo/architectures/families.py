@@ -48,7 +48,10 @@ EXCEPTIONS: dict[str, str] = {
               "(not fused experts)",
     "qwen3_omni_moe": "the omni model holds a thinker and a talker (each an MoE model of its own) and a speech "
                       "decoder, with no base model at `.model`; its thinker (qwen3_omni_moe_thinker) converts",
-    "nllb-moe": "encoder-decoder with per-expert modules (not fused experts)",
+    "nllb-moe": "transformers 5.24's NllbMoeExperts one-hot encodes the router's 0/1 first-choice mask as expert ids, "
+                "so only experts 0 and 1 ever run: a lossless conversion would copy that defect (its router is the "
+                "zoo's top2-capacity, exact in eval; the family converts once transformers runs the experts the "
+                "router picks)",
     "vitpose_backbone": "a vision backbone, not a language model",
     "openai_privacy_filter": "no causal-LM or image-text-to-text class",
     "dots3_note_vision_encoder": "the vision encoder of dots3_note, not a language model",

@@ -258,45 +258,63 @@ class SwiGLUExperts(Experts):
 
 class MLPExperts(Experts):
     """Dense fused experts without a gate (Nemotron-H): ``up_proj [E, I, H]``, ``down_proj [E, H, I]``, each expert
-    ``down(act(up x))`` with a transformers activation (``relu2`` for Nemotron-H)."""
+    ``down(act(up x))`` with a transformers activation (``relu2`` for Nemotron-H); optional biases ``up_proj_bias
+    [E, I]`` and ``down_proj_bias [E, H]`` (``bias=True``)."""
 
     name = "mlp"
     summary = "Dense fused ungated MLP experts (up, activation, down), sort-based dispatch, gather path for decode."
     card = "cards/mlp.md"
     space = "model-zoo"
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "relu2"):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "relu2",
+                 bias: bool = False):
         super().__init__()
-        check_options(type(self), {"activation": activation})
+        check_options(type(self), {"activation": activation, "bias": bias})
         if activation not in ACT2FN:
             raise ValueError(f"unknown activation {activation!r}")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.activation, self._act = activation, ACT2FN[activation]
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.up_proj_bias = nn.Parameter(torch.zeros(num_experts, intermediate_size)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
         nn.init.normal_(self.up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
 
     def init_weights(self, std: float) -> None:
         init.normal_(self.up_proj, mean=0.0, std=std)
         init.normal_(self.down_proj, mean=0.0, std=std)
+        for bias in (self.up_proj_bias, self.down_proj_bias):
+            if bias is not None:
+                init.zeros_(bias)
 
     def options(self) -> dict:
-        return {"num_experts": self.num_experts, "hidden_size": self.hidden_size,
+        opts = {"num_experts": self.num_experts, "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size, "activation": self.activation}
+        # recorded only when set: layouts saved before the option still match (kinds built on this one may store
+        # no biases at all)
+        if getattr(self, "up_proj_bias", None) is not None:
+            opts["bias"] = True
+        return opts
 
     reference = naive_experts
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._act(F.linear(x, self.up_proj[e])), self.down_proj[e])
+        b1 = None if self.up_proj_bias is None else self.up_proj_bias[e]
+        b2 = None if self.down_proj_bias is None else self.down_proj_bias[e]
+        return F.linear(self._act(F.linear(x, self.up_proj[e], b1)), self.down_proj[e], b2)
 
     def forward(self, hidden: torch.Tensor, routing) -> torch.Tensor:
         tokens, k = routing.indices.shape
         if torch.compiler.is_compiling() and tokens * k <= self.num_experts:
             idx, valid = gather_rows(routing.indices, self.num_experts)
             x = hidden.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
-            h = self._act(torch.bmm(self.up_proj[idx], x))
-            y = torch.bmm(self.down_proj[idx], h).squeeze(-1)
+            h = torch.bmm(self.up_proj[idx], x).squeeze(-1)
+            if self.up_proj_bias is not None:
+                h = h + self.up_proj_bias[idx]
+            y = torch.bmm(self.down_proj[idx], self._act(h).unsqueeze(-1)).squeeze(-1)
+            if self.down_proj_bias is not None:
+                y = y + self.down_proj_bias[idx]
             w = torch.where(valid, routing.weights.reshape(-1), 0).to(y.dtype)
             return (y * w[:, None]).view(tokens, k, -1).sum(1).to(hidden.dtype)
         return run_sorted(hidden, routing.indices, routing.weights, self.num_experts, self.expert)
