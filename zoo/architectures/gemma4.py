@@ -10,12 +10,11 @@ and when a zoo model is built from its config, so the rest of the conversion rea
 family. Export writes the four modules' tensors back under the decoder layer (``native_in_layer``)."""
 from __future__ import annotations
 
-import json
 
 import torch
 
 from zoo.architectures.family import NotConvertible
-from zoo.architectures.generic import GenericFamily, activation_name
+from zoo.architectures.generic import RenamedBlockFamily, activation_name
 from zoo.moe.layout import build_block
 from zoo.moe.norms import as_block_norm
 
@@ -27,7 +26,8 @@ RENAMES = {"router.proj.weight": "router.weight", "router.scale": "router.scale"
            "post_feedforward_layernorm_2.weight": "output_norm.weight"}
 
 
-class Gemma4(GenericFamily):
+class Gemma4(RenamedBlockFamily):
+    renames, label = RENAMES, "Gemma 4"
     native_in_layer = True  # export: the block's native tensors sit in the decoder layer itself
 
     def __init__(self, model_type: str = "gemma4_text", auto: str = "causal-lm"):
@@ -51,31 +51,9 @@ class Gemma4(GenericFamily):
         for layer in layers:
             Gemma4ZooDecoderLayer.adopt(layer)
 
-    # ---- one block ------------------------------------------------------------------------------------------
-    def spec(self, block, config) -> dict:
-        text = self.text_config(config)
-        key = json.dumps(text.to_dict(), sort_keys=True, default=str)
-        if key not in self._specs:
-            self._specs[key] = {"entry": block_entry(block, text)}
-        return self._specs[key]
-
-    def block_state(self, sd: dict, spec: dict) -> dict:
-        return self.to_zoo_state(sd)
-
-    def to_zoo_state(self, sd: dict) -> dict:
-        unknown = sorted(set(sd) - set(RENAMES))
-        if unknown:
-            raise NotConvertible(f"Gemma 4 MoE tensors with no zoo counterpart: {unknown}")
-        return {RENAMES[k]: v for k, v in sd.items()}
-
-    def to_native_state(self, sd: dict) -> dict:
-        from zoo.architectures.family import NotExportable
-
-        back = {zoo: native for native, zoo in RENAMES.items()}
-        unknown = sorted(set(sd) - set(back))
-        if unknown:
-            raise NotExportable(f"{unknown[0]} has no place in a native Gemma 4 layer")
-        return {back[k]: v for k, v in sd.items()}
+    @staticmethod
+    def read_block(block, config) -> dict:
+        return block_entry(block, config)
 
 
 def block_entry(block, config) -> dict:

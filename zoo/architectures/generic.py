@@ -191,7 +191,9 @@ class GenericFamily(Family):
         return list(self._specs.values())[-1]
 
     # ---- export -----------------------------------------------------------------------------------------------
-    def native_config(self, config, layout):
+    def uniform_entry(self, config, layout) -> tuple[int, dict, dict]:
+        """(first MoE layer, its entry, {layer: entry}) of a layout a native config can hold (one block shape for all
+        MoE layers, no zoo-only parts), else NotExportable."""
         moe = {i: e for i, e in enumerate(layout) if e}
         if not moe:
             raise NotExportable("the model has no MoE layer")
@@ -201,6 +203,10 @@ class GenericFamily(Family):
             if e != first:
                 raise NotExportable(f"layer {i} differs from layer {first_i} ({first_difference(e, first)}): a "
                                     f"native {self.name} config holds one block shape for all layers")
+        return first_i, first, moe
+
+    def native_config(self, config, layout):
+        first_i, first, moe = self.uniform_entry(config, layout)
         values = {k: v for k, v in config.to_dict().items() if not k.startswith("zoo_") and k != "model_type"}
         text_values = values.get("text_config", values) if self.text_config(config) is not config else values
         text = self.text_config(config)
@@ -222,6 +228,41 @@ class GenericFamily(Family):
         if first != expected:
             raise NotExportable(f"layer {first_i}: {first_difference(first, expected)}")
         return native
+
+
+class RenamedBlockFamily(GenericFamily):
+    """A generic family whose block a function of its own reads (``read_block(block, text_config)`` -> layout entry)
+    and whose tensors map to the zoo block's by a fixed table (``renames``: native key -> zoo key)."""
+
+    renames: dict[str, str] = {}
+    label = ""  # the family's name in messages
+
+    @staticmethod
+    def read_block(block, config) -> dict:
+        raise NotImplementedError
+
+    def spec(self, block, config) -> dict:
+        text = self.text_config(config)
+        key = json.dumps(text.to_dict(), sort_keys=True, default=str)
+        if key not in self._specs:
+            self._specs[key] = {"entry": self.read_block(block, text)}
+        return self._specs[key]
+
+    def block_state(self, sd: dict, spec: dict) -> dict:
+        return self.to_zoo_state(sd)
+
+    def to_zoo_state(self, sd: dict) -> dict:
+        unknown = sorted(set(sd) - set(self.renames))
+        if unknown:
+            raise NotConvertible(f"{self.label} MoE tensors with no zoo counterpart: {unknown}")
+        return {self.renames[k]: v for k, v in sd.items()}
+
+    def to_native_state(self, sd: dict) -> dict:
+        back = {zoo: native for native, zoo in self.renames.items()}
+        unknown = sorted(set(sd) - set(back))
+        if unknown:
+            raise NotExportable(f"{unknown[0]} has no place in a native {self.label} block")
+        return {back[k]: v for k, v in sd.items()}
 
 
 def first_difference(a: dict, b: dict) -> str:

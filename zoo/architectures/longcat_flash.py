@@ -17,12 +17,11 @@ kept).
 """
 from __future__ import annotations
 
-import json
 
 import torch
 
-from zoo.architectures.family import Family, NotConvertible, NotExportable
-from zoo.architectures.generic import GenericFamily, activation_name, first_difference
+from zoo.architectures.family import NotConvertible, NotExportable
+from zoo.architectures.generic import RenamedBlockFamily, activation_name, first_difference
 from zoo.moe.layout import build_block
 
 # native key (below the block) -> zoo key
@@ -31,7 +30,8 @@ RENAMES = {"router.classifier.weight": "router.weight",
            "experts.gate_up_proj": "experts.gate_up_proj", "experts.down_proj": "experts.down_proj"}
 
 
-class LongcatFlash(GenericFamily):
+class LongcatFlash(RenamedBlockFamily):
+    renames, label = RENAMES, "LongCat-Flash"
     def __init__(self):
         super().__init__("longcat_flash", "causal-lm",
                          summary="LongCat-Flash decoder (two attention/MLP sublayers per layer, a shortcut MoE block "
@@ -46,31 +46,18 @@ class LongcatFlash(GenericFamily):
         self.layers_path, self.block_attr, self.block_class = "layers", "mlp", LongcatFlashMoE
 
     # ---- one block ------------------------------------------------------------------------------------------
-    def spec(self, block, config) -> dict:
-        text = self.text_config(config)
-        key = json.dumps(text.to_dict(), sort_keys=True, default=str)
-        if key not in self._specs:
-            self._specs[key] = {"entry": block_entry(block, text)}
-        return self._specs[key]
-
-    def block_state(self, sd: dict, spec: dict) -> dict:
-        return self.to_zoo_state(sd)
+    @staticmethod
+    def read_block(block, config) -> dict:
+        return block_entry(block, config)
 
     def to_zoo_state(self, sd: dict) -> dict:
-        unknown = sorted(set(sd) - set(RENAMES))
-        if unknown:
-            raise NotConvertible(f"LongCat-Flash MoE tensors with no zoo counterpart: {unknown}")
-        out = {RENAMES[k]: v for k, v in sd.items()}
+        out = super().to_zoo_state(sd)
         experts = sd["experts.down_proj"].shape[0]
         out["experts.gate_up_proj"] = sd["experts.gate_up_proj"][:experts]  # identity experts' rows: never read
         return out
 
     def to_native_state(self, sd: dict) -> dict:
-        back = {zoo: native for native, zoo in RENAMES.items()}
-        unknown = sorted(set(sd) - set(back))
-        if unknown:
-            raise NotExportable(f"{unknown[0]} has no place in a native LongCat-Flash block")
-        out = {back[k]: v for k, v in sd.items()}
+        out = super().to_native_state(sd)
         gate_up = sd["experts.gate_up_proj"]
         identity = sd["router.weight"].shape[0] - gate_up.shape[0]
         out["experts.gate_up_proj"] = torch.cat([gate_up, gate_up.new_zeros(identity, *gate_up.shape[1:])])
@@ -78,15 +65,7 @@ class LongcatFlash(GenericFamily):
 
     # ---- export -----------------------------------------------------------------------------------------------
     def native_config(self, config, layout):
-        moe = {i: e for i, e in enumerate(layout) if e}
-        if not moe:
-            raise NotExportable("the model has no MoE layer")
-        Family._check_exportable_parts(self, config)
-        first_i, first = next(iter(moe.items()))
-        for i, e in moe.items():
-            if e != first:
-                raise NotExportable(f"layer {i} differs from layer {first_i} ({first_difference(e, first)}): a "
-                                    "native LongCat-Flash config holds one block shape for all layers")
+        first_i, first, moe = self.uniform_entry(config, layout)
         experts, k = first["num_experts"], first["num_experts_per_tok"]
         values = {key: v for key, v in config.to_dict().items() if not key.startswith("zoo_") and key != "model_type"}
         values.update(n_routed_experts=experts, moe_topk=k, zero_expert_num=first.get("identity_experts", 0),
