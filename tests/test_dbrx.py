@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, DbrxConfig, DbrxForCausalLM
 
 import zoo
+from tiny import greedy as greedy_of, logits as logits_of, rel
 from families.tiny_configs import TINY
 from zoo.architectures.family import NotExportable
 from zoo.moe.layout import block_prefix, moe_layers
@@ -30,18 +31,11 @@ def native_dbrx(p=1.0, seed=0):
 
 
 def logits(model, ids=IDS):
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits
+    return logits_of(model, ids)
 
 
 def greedy(model):
-    with torch.no_grad():
-        return model.generate(input_ids=IDS[:1], attention_mask=torch.ones_like(IDS[:1]), max_new_tokens=6,
-                              do_sample=False, pad_token_id=0)
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
+    return greedy_of(model, IDS[:1], 6)
 
 
 @pytest.fixture(scope="module")

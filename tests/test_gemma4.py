@@ -2,13 +2,13 @@
 holds them as one SparseMoE at the layer's ``moe`` (router ``gemma4-topk`` on the residual, experts behind the block's
 input norm, the block's output norm after them). Converted losslessly, reloaded, exported back to Gemma 4's own
 layout, changed by the zoo."""
-import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from transformers import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
 
 import zoo
+from tiny import greedy as greedy_of, logits as logits_of, rel
 from families.tiny_configs import TINY
 from zoo.components.registry import registry
 from zoo.moe.layout import moe_layers, replace_blocks
@@ -39,18 +39,11 @@ def native_text(seed=0):
 
 
 def logits(model, ids=IDS):
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits
+    return logits_of(model, ids)
 
 
 def greedy(model):
-    with torch.no_grad():
-        return model.generate(input_ids=IDS[:1], attention_mask=torch.ones_like(IDS[:1]), max_new_tokens=6,
-                              do_sample=False, pad_token_id=0)
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
+    return greedy_of(model, IDS[:1], 6)
 
 
 def test_the_router_computes_gemma4s_router():

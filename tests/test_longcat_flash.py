@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LongcatFlashForCausalLM
 
 import zoo
+from tiny import greedy as greedy_of, logits as logits_of, rel
 from tests.families.test_generic_families import native_model
 from zoo.components.registry import registry
 from zoo.moe import SparseMoE, SwiGLUExperts
@@ -116,18 +117,11 @@ def native():
 
 
 def logits(model, ids=IDS):
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits.float()
+    return logits_of(model, ids)
 
 
 def greedy(model):
-    with torch.no_grad():
-        return model.generate(input_ids=IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=4, do_sample=False,
-                              pad_token_id=0)
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
+    return greedy_of(model, IDS, 4)
 
 
 def identity_picks(model):

@@ -144,3 +144,21 @@ def folder_tensors(folder) -> dict:
         if f.endswith(".safetensors"):
             out.update(load_file(os.path.join(folder, f)))
     return out
+
+
+def logits(model, ids):
+    """fp32 logits of ``ids`` (no cache)."""
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def greedy(model, ids, new_tokens: int):
+    """Greedy tokens after ``ids`` (every position attended, pad id 0)."""
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)
+
+
+def rel(a, b) -> float:
+    """Relative error of ``a`` against ``b`` (Frobenius norms)."""
+    return ((a - b).norm() / b.norm()).item()

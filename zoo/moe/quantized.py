@@ -132,6 +132,10 @@ class PackedStacks:
     in the order the experts apply them) and per width, one stack of packed weights and their scales; index tables
     that find an expert's width and slot without a host sync; the 2/3-bit working copies for the int4 kernel."""
 
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on tokens ``x`` (its own width and slot; ``_expert_at`` is the kind's formula)."""
+        return self._expert_at(self.bits[e], self.slot[e], x, e)
+
     def _build_stacks(self, bits, group_size: int, group_sizes: dict | None, shapes: dict, inputs: dict) -> None:
         """Check the options and register the (empty) stacks. ``inputs``: projection -> (config name, input width)."""
         bits = [int(b) for b in (bits if isinstance(bits, (list, tuple)) else [bits] * self.num_experts)]
@@ -322,9 +326,6 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
         y = self._linear(self.glu(h), "down", bits, slot)
         return y if self.down_proj_bias is None else y + pick(self.down_proj_bias, e)
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return self._expert_at(self.bits[e], self.slot[e], x, e)
-
     def forward(self, hidden, routing):
         tokens, k = routing.indices.shape
         if torch.compiler.is_compiling():
@@ -412,9 +413,6 @@ class QuantizedMLPExperts(PackedStacks, MLPExperts):
 
     def _expert_at(self, bits: int, slot, x: torch.Tensor, e) -> torch.Tensor:
         return self._linear(self._act(self._linear(x, "up", bits, slot)), "down", bits, slot)
-
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return self._expert_at(self.bits[e], self.slot[e], x, e)
 
     def forward(self, hidden, routing):
         tokens, k = routing.indices.shape
