@@ -286,6 +286,19 @@ def test_clamped_swiglu_formula_by_hand():
     torch.testing.assert_close(silu, gate_up[:, 0] * s(gate_up[:, 0]) * gate_up[:, 1])
 
 
+def test_the_two_clamped_silus_by_hand():
+    """DeepSeek-V4 clamps the gate before the SiLU, Step 3.7 the SiLU's output: they differ where the gate passes the
+    limit (silu(7) = 6.99 against 7 for a gate of 10)."""
+    gate_up = torch.tensor([[10.0, 20.0], [2.0, -3.0], [-9.0, 1.0]])  # [gate | up] with I = 1
+    gate, s = gate_up[:, 0], torch.sigmoid
+    before = SwiGLUExperts(2, H, 1, activation="clamped-silu", swiglu_limit=2.5).glu(gate_up).squeeze(-1)
+    after = SwiGLUExperts(2, H, 1, activation="post-clamped-silu", swiglu_limit=2.5).glu(gate_up).squeeze(-1)
+    torch.testing.assert_close(before, torch.stack([2.5 * s(torch.tensor(2.5)) * 2.5, gate[1] * s(gate[1]) * -2.5,
+                                                    gate[2] * s(gate[2]) * 1.0]))
+    torch.testing.assert_close(after, torch.stack([torch.tensor(2.5 * 2.5), gate[1] * s(gate[1]) * -2.5,
+                                                   gate[2] * s(gate[2]) * 1.0]))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens", [3, 64])
 @pytest.mark.parametrize("path", ["sorted", "gather"])

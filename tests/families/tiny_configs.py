@@ -797,8 +797,10 @@ TINY: dict[str, dict] = {
         text_config=dict(
             vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, max_position_embeddings=256, moe_intermediate_size=16, share_expert_dim=16,
-            num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, sliding_window=16, num_hidden_layers=2,
-            pad_token_id=0, mlp_layer_types=['dense', 'sparse'],
+            num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, sliding_window=16, num_hidden_layers=3,
+            pad_token_id=0, mlp_layer_types=['dense', 'sparse', 'sparse'],
+            # clamps on the last layer only, small enough to bite on a tiny random model (the checkpoint's: 7 and 16)
+            swiglu_limits=[0.0, 0.0, 0.02], swiglu_limits_shared=[0.0, 0.0, 0.03],
         ),
     ),
     'switch_transformers': dict(

@@ -21,6 +21,7 @@ GENERIC: dict[str, str] = {
     **{t: "image-text-to-text" for t in (
         "aria", "deepseek_ocr2", "dots3_note", "gemma4", "glm4v_moe", "glm5_next", "hy_v4_vl", "inkling2",
         "inkling2_loop", "minimax_m3_vl", "mistral4", "mistral_large4", "qwen3_5_moe",
+        "step3p7",
         "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp", "unlimited_ocr")},
 }
 
@@ -34,7 +35,6 @@ EXCEPTIONS: dict[str, str] = {
                        "experts inside each layer) denoise a canvas of tokens; the zoo's Gemma 4 spec holds one stack "
                        "of causal layers (what it would take: the spec over both stacks' layer classes)",
     "doge": _NO_FUSED,
-    "step3p7": _NO_FUSED,
     "llama4": "its multimodal model holds a whole causal LM (`.language_model`) where the zoo classes expect the "
               "base model at `.model`, and its forward fails inside transformers 5.24 itself (no `image_outputs` on "
               "its output); the text model (llama4_text) converts",

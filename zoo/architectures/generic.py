@@ -123,7 +123,7 @@ class GenericFamily(Family):
         found = {}
         for path, module in base.named_modules():
             experts = getattr(module, "experts", None)
-            if isinstance(experts, nn.Module) and hasattr(experts, "has_gate") and not path.endswith("experts"):
+            if isinstance(experts, nn.Module) and fused_flags(experts) and not path.endswith("experts"):
                 match = re.fullmatch(r"(.+)\.(\d+)\.(\w+)", path)
                 if match:
                     found.setdefault((match[1], match[3], type(module)), path)
@@ -138,9 +138,9 @@ class GenericFamily(Family):
 
     # ---- one block ------------------------------------------------------------------------------------------
     def spec(self, block, config) -> dict:
-        """The layout entry and key names of a native block (same for every block of one config)."""
+        """The layout entry and key names of a native block (same for every block of one config and clamp limits)."""
         text = self.text_config(config)
-        key = json.dumps(text.to_dict(), sort_keys=True, default=str)
+        key = json.dumps([text.to_dict(), _clamp_limits(block)], sort_keys=True, default=str)
         if key not in self._specs:
             self._specs[key] = _block_spec(block, text)
         return self._specs[key]
@@ -206,7 +206,20 @@ class GenericFamily(Family):
         return first_i, first, moe
 
     def native_config(self, config, layout):
-        first_i, first, moe = self.uniform_entry(config, layout)
+        """The native config for ``layout``: one expert count and k for all MoE layers (what a native config holds),
+        and each layer's block as the native block at that layer (which may differ per layer: Step 3.7's clamps)."""
+        moe = {i: e for i, e in enumerate(layout) if e}
+        if not moe:
+            raise NotExportable("the model has no MoE layer")
+        Family._check_exportable_parts(self, config)
+        first_i, first = next(iter(moe.items()))
+        def size(e):
+            return e["num_experts"], e["num_experts_per_tok"], e["experts_options"].get("intermediate_size")
+
+        for i, e in moe.items():
+            if size(e) != size(first):
+                raise NotExportable(f"layer {i} differs from layer {first_i} ({first_difference(e, first)}): a "
+                                    f"native {self.name} config holds one expert count, k and expert size")
         values = {k: v for k, v in config.to_dict().items() if not k.startswith("zoo_") and k != "model_type"}
         text_values = values.get("text_config", values) if self.text_config(config) is not config else values
         text = self.text_config(config)
@@ -217,16 +230,18 @@ class GenericFamily(Family):
         try:
             native = self.config_class(**values)
             ids, blocks = self._meta_blocks(native)
-            expected, want = self.spec(blocks[0], native)["entry"], set(ids)
+            expected = {i: self.spec(block, native)["entry"] for i, block in zip(ids, blocks)}
         except Exception as exc:  # the config class's own validators, or a probe of the block it builds
             raise NotExportable(f"a native {self.name} config cannot hold {first['num_experts']} experts, "
                                 f"top-{first['num_experts_per_tok']}: {exc}") from None
-        if expected["experts_options"].get("intermediate_size") != first["experts_options"].get("intermediate_size"):
+        if expected[ids[0]]["experts_options"].get("intermediate_size") != \
+                first["experts_options"].get("intermediate_size"):
             raise NotExportable("the experts' intermediate size differs from the native config's")
-        if want != set(moe):
-            raise NotExportable(f"MoE layers {sorted(moe)} differ from the native pattern {sorted(want)}")
-        if first != expected:
-            raise NotExportable(f"layer {first_i}: {first_difference(first, expected)}")
+        if set(expected) != set(moe):
+            raise NotExportable(f"MoE layers {sorted(moe)} differ from the native pattern {sorted(expected)}")
+        for i, e in moe.items():
+            if e != expected[i]:
+                raise NotExportable(f"layer {i}: {first_difference(e, expected[i])}")
         return native
 
 
@@ -324,26 +339,54 @@ def _block_spec(block, config) -> dict:
     return {"entry": entry, "renames": renames, "shapes": shapes, "transposed": transposed, "splits": splits}
 
 
+def fused_flags(experts) -> dict | None:
+    """The layout flags of transformers' fused experts: those the ``@use_experts_implementation`` decorator sets,
+    or, for an undecorated class holding exactly the fused stacks (Step 3.7: ``gate_up_proj`` [E, 2I, H] and
+    ``down_proj`` [E, H, I], an ``act_fn``), the flags of that layout; None for anything else. An undecorated class
+    is taken at its shapes; the converted block is checked against it wherever its weights are real fp32
+    (``_verify``), which the families test does on the family's tiny model."""
+    if hasattr(experts, "has_gate"):
+        return {k: bool(getattr(experts, k, False)) for k in
+                ("has_gate", "is_concatenated", "is_transposed", "has_bias", "has_post_expert_norm")}
+    tensors = dict(itertools.chain(experts.named_parameters(), experts.named_buffers()))
+    gate_up, down = tensors.get("gate_up_proj"), tensors.get("down_proj")
+    if set(tensors) != {"gate_up_proj", "down_proj"} or gate_up.dim() != 3 or down.dim() != 3 \
+            or not hasattr(experts, "act_fn"):
+        return None
+    E, two_i, H = gate_up.shape
+    if two_i % 2 or tuple(down.shape) != (E, H, two_i // 2):
+        return None
+    return {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
+            "has_post_expert_norm": False}
+
+
+def _clamp_limits(block) -> list:
+    """The clamp limits the block's modules hold, which families set per layer (Step 3.7's ``swiglu_limits``)."""
+    return [(name, float(m.limit)) for name, m in block.named_modules()
+            if isinstance(getattr(m, "limit", None), (int, float)) and not isinstance(m.limit, bool)]
+
+
 def _experts_spec(experts, config):
     from transformers.integrations.moe import _default_apply_gate
 
-    if experts is None or not hasattr(experts, "has_gate"):
+    flags = fused_flags(experts) if experts is not None else None
+    if not flags:
         raise NotConvertible("the block's experts are not transformers' fused experts")
-    if not experts.has_gate:
+    if not flags["has_gate"]:
         return _ungated_spec(experts, config)
-    if not experts.is_concatenated:
+    if not flags["is_concatenated"]:
         raise NotConvertible(f"{type(experts).__name__} interleaves gate and up rows")
-    if getattr(experts, "has_post_expert_norm", False):
+    if flags["has_post_expert_norm"]:
         raise NotConvertible(f"{type(experts).__name__} normalises each expert's output")
     names = {n for n, _ in experts.named_parameters()} | {n for n, _ in experts.named_buffers()}
-    allowed = {"gate_up_proj", "down_proj"} | ({"gate_up_proj_bias", "down_proj_bias"} if experts.has_bias else set())
+    allowed = {"gate_up_proj", "down_proj"} | ({"gate_up_proj_bias", "down_proj_bias"} if flags["has_bias"] else set())
     if names != allowed:
         raise NotConvertible(f"{type(experts).__name__} holds {sorted(names - allowed) or sorted(allowed - names)}")
     gate_up = experts.gate_up_proj
-    transposed = bool(experts.is_transposed)
+    transposed = flags["is_transposed"]
     E = gate_up.shape[0]
     H, two_i = (gate_up.shape[1], gate_up.shape[2]) if transposed else (gate_up.shape[2], gate_up.shape[1])
-    options = {"num_experts": E, "hidden_size": H, "intermediate_size": two_i // 2, "bias": bool(experts.has_bias)}
+    options = {"num_experts": E, "hidden_size": H, "intermediate_size": two_i // 2, "bias": flags["has_bias"]}
     if getattr(type(experts), "_apply_gate", _default_apply_gate) is _default_apply_gate:
         options["activation"] = activation_name(experts.act_fn, config)
     else:
@@ -430,12 +473,13 @@ def _shared_spec(children, router_name, H, config):
     (name, m), = mlp.items()
     glu = getattr(m, "gate_proj", None) is not None
     act = getattr(m, "act_fn", None) or getattr(m, "activation_fn", None)
-    options = {"hidden_size": H, "intermediate_size": m.up_proj.out_features, "gated": bool(gate)}
+    options = {"hidden_size": H, "intermediate_size": m.up_proj.out_features, "gated": False}
     act_name = "silu" if act is None else activation_name(act, config, ungated=not glu)
     if act_name != "silu":
         options["activation"] = act_name
     if not glu:
         options["glu"] = False
+    options = {**_mlp_function(m, options, H, config), "gated": bool(gate)}
     projections = ("gate_proj", "up_proj", "down_proj") if glu else ("up_proj", "down_proj")
     keys = {f"{name}.{p}.weight": f"shared_experts.{p}.weight" for p in projections}
     if gate:
@@ -443,41 +487,86 @@ def _shared_spec(children, router_name, H, config):
     return options, keys, {}
 
 
-def _fused_shared_spec(name, m, H, config):
-    """A shared MLP with one fused gate/up projection (MiniMax-M3): its gate function found on random tokens
-    among the zoo's GLU activations; the fused weight splits into the zoo's gate and up projections."""
-    from zoo.moe import SharedMLP
-    from zoo.moe.experts import ACTIVATIONS
-
-    inter = m.down_proj.in_features
+def _random_twin(m, H):
+    """(an fp32 copy of ``m`` on random weights, random tokens, its output on them): the real weights may be bf16
+    or on meta, and a function is told apart best where its clamps bite (inputs scaled up)."""
     gen = torch.Generator().manual_seed(0)
-    twin = copy.deepcopy(m)  # probed in fp32 on random weights: the real ones may be bf16, or on meta
+    twin = copy.deepcopy(m)
     twin = twin.to_empty(device="cpu") if any(t.is_meta for t in twin.parameters()) else twin
     twin = twin.float()
     with torch.no_grad():
         for t in twin.parameters():
             t.copy_(torch.randn(t.shape, generator=gen) / t.shape[-1] ** 0.5)
-    x = torch.randn(16, H, generator=gen) * 4
-    with torch.no_grad():
-        want = twin(x)
-    m = twin
-    limits = {float(v) for v in (getattr(m, "swiglu_limit", None), getattr(config, "swiglu_limit", None))
-              if isinstance(v, (int, float))} or {7.0}
-    alphas = {float(v) for v in (getattr(m, "swiglu_alpha", None), getattr(config, "swiglu_alpha", None))
-              if isinstance(v, (int, float))} or {1.702}
-    gate_w, up_w = m.gate_up_proj.weight.detach().float().chunk(2, dim=0)
-    for activation, limit, alpha in itertools.product(ACTIVATIONS, sorted(limits), sorted(alphas)):
-        options = {"hidden_size": H, "intermediate_size": inter, "gated": False, "activation": activation,
-                   "swiglu_limit": limit, "swiglu_alpha": alpha}
+        x = torch.randn(1, 16, H, generator=gen) * 4
+        return twin, x, twin(x)
+
+
+def _matching_shared(twin, x, want, candidates, load):
+    """The first SharedMLP options among ``candidates`` whose module (weights set by ``load``) computes ``want``."""
+    from zoo.moe import SharedMLP
+
+    for options in candidates:
         shared = SharedMLP(**options)
         with torch.no_grad():
-            shared.gate_proj.weight.copy_(gate_w)
-            shared.up_proj.weight.copy_(up_w)
-            shared.down_proj.weight.copy_(m.down_proj.weight.float())
+            load(shared, twin)
             if torch.allclose(shared(x), want, rtol=1e-5, atol=1e-6):
-                return shared.options(), {f"{name}.down_proj.weight": "shared_experts.down_proj.weight"}, {
-                    f"{name}.gate_up_proj.weight": ["shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"]}
-    raise NotConvertible(f"shared experts {type(m).__name__}: a gate function none of the zoo's activations computes")
+                return shared.options()
+    return None
+
+
+def _limits_and_alphas(m, config):
+    limits = {float(v) for v in (getattr(m, "limit", None), getattr(m, "swiglu_limit", None),
+                                 getattr(config, "swiglu_limit", None))
+              if isinstance(v, (int, float)) and not isinstance(v, bool)} or {7.0}
+    alphas = {float(v) for v in (getattr(m, "swiglu_alpha", None), getattr(config, "swiglu_alpha", None))
+              if isinstance(v, (int, float)) and not isinstance(v, bool)} or {1.702}
+    return sorted(limits), sorted(alphas)
+
+
+def _glu_candidates(base, m, config):
+    """``base`` first, then each of the zoo's GLU activations under the clamp limits the module or config holds."""
+    from zoo.moe.experts import ACTIVATIONS
+
+    yield base
+    limits, alphas = _limits_and_alphas(m, config)
+    for activation, limit, alpha in itertools.product(ACTIVATIONS, limits, alphas):
+        yield {**base, "activation": activation, "swiglu_limit": limit, "swiglu_alpha": alpha}
+
+
+def _mlp_function(m, options, H, config) -> dict:
+    """``options`` of a shared MLP read off its parts, checked on random tokens against what the module computes; a
+    gated MLP whose forward does more (Step 3.7 clamps after the SiLU) gets the zoo activation that matches."""
+    twin, x, want = _random_twin(m, H)
+    glu = options.get("glu", True)
+
+    def load(shared, twin):
+        for p in ("gate_proj", "up_proj", "down_proj") if glu else ("up_proj", "down_proj"):
+            getattr(shared, p).weight.copy_(getattr(twin, p).weight)
+
+    found = _matching_shared(twin, x, want, _glu_candidates(options, m, config) if glu else [options], load)
+    if found is None:
+        raise NotConvertible(f"shared experts {type(m).__name__}: a function none of the zoo's activations computes")
+    return found
+
+
+def _fused_shared_spec(name, m, H, config):
+    """A shared MLP with one fused gate/up projection (MiniMax-M3): its gate function found on random tokens
+    among the zoo's GLU activations; the fused weight splits into the zoo's gate and up projections."""
+    twin, x, want = _random_twin(m, H)
+
+    def load(shared, twin):
+        gate_w, up_w = twin.gate_up_proj.weight.chunk(2, dim=0)
+        shared.gate_proj.weight.copy_(gate_w)
+        shared.up_proj.weight.copy_(up_w)
+        shared.down_proj.weight.copy_(twin.down_proj.weight)
+
+    base = {"hidden_size": H, "intermediate_size": m.down_proj.in_features, "gated": False}
+    options = _matching_shared(twin, x, want, list(_glu_candidates(base, m, config))[1:], load)
+    if options is None:
+        raise NotConvertible(f"shared experts {type(m).__name__}: a gate function none of the zoo's activations "
+                             "computes")
+    return options, {f"{name}.down_proj.weight": "shared_experts.down_proj.weight"}, {
+        f"{name}.gate_up_proj.weight": ["shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"]}
 
 
 def _router_tensors(block, router_name, E, H, shared_keys):

@@ -114,12 +114,20 @@ def _clamped_silu(gate, up, limit=7.0, alpha=None):
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def _post_clamped_silu(gate, up, limit=7.0, alpha=None):
+    # Step 3.7: the clamp comes after the SiLU (caps silu(gate) at the limit, not silu of the capped gate).
+    return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
+
+
 # act(gate) * up for the activations transformers' MoE families use (``config.hidden_act`` names), plus GPT-OSS's
 # Activations with parameters, and which of the two (swiglu_limit, swiglu_alpha) each reads: clamped-swiglu: clamp
-# limit, sigmoid sharpness; clamped-silu: clamp limit; softcapped-swiglu: the gate factor's soft-cap, up's soft-cap.
+# limit, sigmoid sharpness; clamped-silu and post-clamped-silu: clamp limit; softcapped-swiglu: the gate factor's
+# soft-cap, up's soft-cap.
 PARAMETERS = {"clamped-swiglu": ("swiglu_limit", "swiglu_alpha"), "clamped-silu": ("swiglu_limit",),
+              "post-clamped-silu": ("swiglu_limit",),
               "softcapped-swiglu": ("swiglu_limit", "swiglu_alpha")}
 ACTIVATIONS = {"silu": _silu_glu, "clamped-swiglu": _clamped_glu, "clamped-silu": _clamped_silu,
+               "post-clamped-silu": _post_clamped_silu,
                "softcapped-swiglu": _softcapped_swiglu,
                **{name: _glu_with(ACT2FN[name]) for name in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast",
                                                              "quick_gelu", "relu", "relu2", "swish", "tanh")}}
