@@ -6,6 +6,8 @@ import torch
 from transformers.models.axk1.modeling_axk1 import AXK1RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+from transformers.models.muse_spark.modeling_muse_spark import (MuseSparkTextCenteredRMSNorm,
+                                                                MuseSparkTextInputScaledRMSNorm)
 
 from zoo.editing.stats import layer_stats
 from zoo.moe import SharedMLP, SparseMoE, SwiGLUExperts
@@ -26,7 +28,9 @@ def randomised(module, seed=0):
 
 @pytest.mark.parametrize("native, style", [(AXK1RMSNorm(H, eps=1e-6), "weight-after-cast"),
                                            (Gemma4RMSNorm(H, eps=1e-5), "weight-in-fp32"),
-                                           (Gemma3RMSNorm(H, eps=1e-6), "offset")])
+                                           (Gemma3RMSNorm(H, eps=1e-6), "offset"),
+                                           (MuseSparkTextCenteredRMSNorm(H, eps=1e-5), "offset-in-dtype"),
+                                           (MuseSparkTextInputScaledRMSNorm(H, eps=1e-8), "input-offset")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_style_is_the_family_norm_it_stands_for(native, style, dtype):
     options = as_block_norm(native, H)

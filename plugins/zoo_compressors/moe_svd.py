@@ -42,7 +42,7 @@ def layer_grams(moe, x: torch.Tensor, chunk: int = 4096) -> dict:
     """One MoE layer on its input tokens ``x [T, H]``: input Gram [H, H], per-expert intermediate Grams
     [E, I, I] over the tokens routed to each expert, routed counts [E]."""
     ex = moe.experts
-    st = {"input": torch.zeros(moe.router.hidden_size, moe.router.hidden_size, dtype=torch.float64),
+    st = {"input": torch.zeros(ex.hidden_size, ex.hidden_size, dtype=torch.float64),  # the experts' input width
           "inter": torch.zeros(moe.num_experts, ex.intermediate_size, ex.intermediate_size, dtype=torch.float64),
           "counts": torch.zeros(moe.num_experts, dtype=torch.float64),
           "outliers": torch.zeros(moe.num_experts, dtype=torch.float64)}

@@ -22,7 +22,7 @@ import torch
 
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.surgery import merge_experts
-from zoo.editing.stats import expert_output, layer_stats
+from zoo.editing.stats import block_expert_output, layer_stats
 
 from zoo_compressors.base import ExpertCountCompressor
 from zoo.components.controls import Control
@@ -55,7 +55,7 @@ def output_similarity(moe, x: torch.Tensor, chunk: int = 512) -> torch.Tensor:
     n = moe.num_experts
     total = torch.zeros(n, n, dtype=torch.float64)
     for part in moe.expert_inputs(x).split(chunk):
-        outs = torch.stack([expert_output(moe.experts, e, part) for e in range(n)])  # [E, t, H]
+        outs = torch.stack([block_expert_output(moe, e, part) for e in range(n)])  # [E, t, H]
         unit = outs / outs.norm(dim=-1, keepdim=True).clamp(min=1e-12)
         total += torch.einsum("ith,jth->ij", unit, unit)
     return total / max(1, x.shape[0])

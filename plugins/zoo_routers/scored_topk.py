@@ -1,7 +1,7 @@
 """scored-topk: the top-k routing rules of transformers' MoE families in one parameterised router.
 
-Scores are a softmax, a sigmoid or (DeepSeek-V4) the square root of a softplus of the (optionally soft-capped)
-gate logits; a selection-only bias (``e_score_correction_bias``) may steer which experts are picked; selection
+Scores are a softmax, a sigmoid or (DeepSeek-V4) the square root of a softplus of the (optionally scaled, as Muse
+Spark's ``output_multiplier`` does, and soft-capped) gate logits; a selection-only bias (``e_score_correction_bias``) may steer which experts are picked; selection
 may be limited to the best ``topk_group`` of ``n_group`` expert groups (group score: sum of the group's two best,
 or its best; experts outside the kept groups are ruled out, or, as A.X-K2 does, only given a choice score of 0); the
 kept scores are optionally renormalised and scaled. Conversion finds the options that reproduce a
@@ -63,7 +63,7 @@ class ScoredTopK(Router):
     def __init__(self, hidden_size, num_experts, top_k, score: str = "softmax", norm_topk_prob: bool = True,
                  routed_scaling_factor: float = 1.0, selection_bias: bool = False, n_group: int = 1,
                  topk_group: int = 1, group_score: str = "top2", logit_softcap: float = 0.0,
-                 bias_on: str = "scores", group_fill: str = "-inf", **options):
+                 bias_on: str = "scores", group_fill: str = "-inf", logit_scale: float = 1.0, **options):
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         if bias_on not in ("scores", "logits"):
@@ -84,15 +84,20 @@ class ScoredTopK(Router):
             raise ValueError(f"routed_scaling_factor must be positive, got {routed_scaling_factor!r}")
         if isinstance(logit_softcap, bool) or not logit_softcap >= 0:
             raise ValueError(f"logit_softcap must be >= 0 (0: off), got {logit_softcap!r}")
+        if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not 0 < logit_scale < float("inf"):
+            raise ValueError(f"logit_scale must be a positive finite number, got {logit_scale!r}")
         super().__init__(hidden_size, num_experts, top_k, score=score, norm_topk_prob=bool(norm_topk_prob),
                          routed_scaling_factor=float(routed_scaling_factor), selection_bias=bool(selection_bias),
                          n_group=n_group, topk_group=topk_group, group_score=group_score,
                          logit_softcap=float(logit_softcap), bias_on=bias_on,
-                         **({"group_fill": group_fill} if group_fill != "-inf" else {}), **options)  # layouts unchanged
+                         **({"group_fill": group_fill} if group_fill != "-inf" else {}),
+                         **({"logit_scale": float(logit_scale)} if logit_scale != 1 else {}),
+                         **options)  # options at their defaults stay out: layouts written before them unchanged
         self.score, self.norm_topk_prob = score, bool(norm_topk_prob)
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.n_group, self.topk_group, self.group_score = n_group, topk_group, group_score
         self.logit_softcap, self.bias_on, self.group_fill = float(logit_softcap), bias_on, group_fill
+        self.logit_scale = float(logit_scale)  # Muse Spark multiplies its fp32 logits before the sigmoid
         # a selection bias is updated outside backprop (aux-loss-free balancing): an fp32 buffer
         bias_buffer = nn.Buffer(torch.zeros(num_experts, dtype=torch.float32)) if selection_bias else None
         self.e_score_correction_bias = bias_buffer
@@ -105,6 +110,8 @@ class ScoredTopK(Router):
     def forward(self, hidden: torch.Tensor) -> Routing:
         bias = None if self.bias is None else self.bias.float()
         logits = F.linear(hidden.float(), self.weight.float(), bias)
+        if self.logit_scale != 1:
+            logits = logits * self.logit_scale
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         scores = SCORE_FUNCTIONS[self.score](logits)

@@ -585,19 +585,19 @@ TINY: dict[str, dict] = {
     ),
     'muse_spark': dict(
         text_config=dict(
-            vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, max_position_embeddings=256, moe_intermediate_size=16, num_local_experts=4,
             num_experts_per_tok=2, sliding_window=16, num_hidden_layers=2, bos_token_id=1, eos_token_id=2,
-            moe_hidden_size=16, mlp_layer_types=['dense', 'sparse'],
+            moe_hidden_size=32, mlp_layer_types=['dense', 'sparse'],  # latent experts: 32 wide in a 64-wide model
         ),
         vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
             pos_emb_height=4, pos_emb_width=4, max_position_embeddings=16,
         ),
         audio_config=dict(
-            num_hidden_layers=1, out_hidden_size=32, patch_sizes=[4], hidden_sizes=[16], depths=[1],
+            num_hidden_layers=1, out_hidden_size=64, patch_sizes=[4], hidden_sizes=[16], depths=[1],
         ),
-        out_hidden_size=32, projector_hidden_size=32,
+        out_hidden_size=64, projector_hidden_size=32,
     ),
     'muse_spark_text': dict(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -34,9 +34,11 @@ def family_specs() -> tuple:
     from zoo.architectures.gemma4 import Gemma4
     from zoo.architectures.generic import GenericFamily
     from zoo.architectures.gpt_oss import GptOss
+    from zoo.architectures.jetmoe import Jetmoe
     from zoo.architectures.llama4 import Llama4Text
     from zoo.architectures.longcat_flash import LongcatFlash
     from zoo.architectures.mixtral import Mixtral
+    from zoo.architectures.muse_spark import MuseSpark
     from zoo.architectures.olmoe import Olmoe
     from zoo.architectures.qwen2_moe import Qwen2Moe
     from zoo.architectures.qwen3_moe import Qwen3Moe
@@ -46,7 +48,7 @@ def family_specs() -> tuple:
     # generic families with a small spec of their own
     specs = {"llama4_text": Llama4Text, "cohere2_moe": Cohere2Moe, "deepseek_v4": DeepseekV4,
              "gemma4_text": Gemma4, "gemma4": lambda: Gemma4("gemma4", "image-text-to-text"),
-             "longcat_flash": LongcatFlash}
+             "longcat_flash": LongcatFlash, "jetmoe": Jetmoe, "muse_spark": MuseSpark}
     papers = {entry.family: entry.paper for entry in GENERIC_PUBLIC}  # the papers of their public checkpoints
     generic = [specs[t]() if t in specs else GenericFamily(t, auto, paper=papers.get(t, ""))
                for t, auto in GENERIC.items() if t in CONFIG_MAPPING_NAMES]  # an older transformers may lack some

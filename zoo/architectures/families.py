@@ -13,15 +13,15 @@ GENERIC: dict[str, str] = {
         "deepseek_v4", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text",
         "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
         "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "jamba",
-        "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text", "longcat_flash", "mellum",
-        "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "nemotron_h", "phimoe", "qwen3_5_moe_text",
-        "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
+        "jetmoe", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text", "longcat_flash",
+        "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "nemotron_h", "phimoe",
+        "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
     # vision-language models: the language model's MoE blocks convert, the vision tower stays (dots3_note's
     # vision tower has MoE blocks of its own: they stay native)
     **{t: "image-text-to-text" for t in (
         "aria", "deepseek_ocr2", "dots3_note", "gemma4", "glm4v_moe", "glm5_next", "hy_v4_vl", "inkling2",
-        "inkling2_loop", "minimax_m3_vl", "mistral4", "mistral_large4", "qwen3_5_moe",
-        "step3p7",
+        "inkling2_loop", "minimax_m3_vl", "mistral4", "mistral_large4", "muse_spark",
+        "qwen3_5_moe", "step3p7",
         "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp", "unlimited_ocr")},
 }
 
@@ -43,9 +43,6 @@ EXCEPTIONS: dict[str, str] = {
     "inkling_text": "no [E, H] router gate inside the MoE block",
     "inkling_mm_model": "no [E, H] router gate inside the MoE block",
     "zaya": "no [E, H] router gate inside the MoE block",
-    "muse_spark": "its experts normalise each expert's output (post-expert norm)",
-    "jetmoe": "its attention is a mixture of experts too, and its MLP experts are its own parallel-experts modules "
-              "(not fused experts)",
     "qwen3_omni_moe": "the omni model holds a thinker and a talker (each an MoE model of its own) and a speech "
                       "decoder, with no base model at `.model`; its thinker (qwen3_omni_moe_thinker) converts",
     "nllb-moe": "transformers 5.24's NllbMoeExperts one-hot encodes the router's 0/1 first-choice mask as expert ids, "

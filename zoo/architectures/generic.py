@@ -295,7 +295,7 @@ def _real_fp32(block) -> bool:
 def _verify(native, moe) -> None:
     """The converted block computes what the native one does (on random tokens, in fp32)."""
     device = next(native.parameters()).device
-    x = torch.randn(1, 16, moe.experts.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+    x = torch.randn(1, 16, moe.router.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         want, got = native(x), moe(x)
     want = want[0] if isinstance(want, tuple) else want

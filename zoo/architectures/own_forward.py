@@ -52,6 +52,9 @@ def forward_with_zoo_balance_loss(model_class):
 
 def balance_loss_coef(model) -> float:
     """The coefficient the family's forward scales its balance loss by: the attribute its ``__init__`` copies from
-    the config, else the (text) config's own."""
-    coef = getattr(model, "router_aux_loss_coef", None)
-    return coef if coef is not None else model.config.get_text_config().router_aux_loss_coef
+    the config, else the one the family reads off its (text) config."""
+    for name in ("router_aux_loss_coef", "aux_loss_coef"):  # JetMoE's is aux_loss_coef
+        coef = getattr(model, name, None)
+        if coef is not None:
+            return coef
+    return type(model).zoo_family.aux_loss_coef(model.config.get_text_config())

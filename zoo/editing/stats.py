@@ -49,17 +49,30 @@ class ExpertStats:
         for e in range(moe.num_experts):
             tok, slot = (routing.indices == e).nonzero(as_tuple=True)
             if self.output_sum is not None:
-                out = expert_output(moe.experts, e, x)
+                out = block_expert_output(moe, e, x)
                 self.output_sum[e] += out.sum(0)
                 routed = out[tok]
             elif len(tok):
-                routed = expert_output(moe.experts, e, x[tok])
+                routed = block_expert_output(moe, e, x[tok])
             if len(tok):
                 g = routing.weights[tok, slot].double()
                 self.counts[e] += len(tok)
                 self.gate_sum[e] += g.sum()
                 self.reap_sum[e] += (g * routed.norm(dim=-1)).sum()
         return self
+
+
+def block_expert_output(moe, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert e's output on expert inputs ``x`` as the block adds it before its routing weight, in float64: through
+    the block's expert-output norm and output projection where it has them (Muse Spark's latent experts), so a
+    saliency or an output comparison reads what reaches the model."""
+    out = expert_output(moe.experts, e, x)
+    norm, proj = getattr(moe, "expert_output_norm", None), getattr(moe, "output_proj", None)
+    if norm is not None:
+        out = norm(out.to(norm.weight.dtype)).double()
+    if proj is not None:
+        out = F.linear(out, proj.weight.double())
+    return out
 
 
 def expert_output(experts, e: int, x: torch.Tensor) -> torch.Tensor:

@@ -325,6 +325,9 @@ def check_moe(block, where: str, arch: str = "llama", spec: MoESpec | None = Non
     from zoo.moe.quantized import QuantizedExperts
 
     spec = spec or MOE[arch]
+    parts = sorted(name for name, part in getattr(block, "parts", dict)().items() if part is not None)
+    if parts:
+        raise NotGGUFExportable(f"{where}: llama.cpp's {arch} MoE layer has no place for the block's {', '.join(parts)}")
     router = type(block.router).__name__
     rule = routing_rule(block.router)
     if rule is None or rule["score"] not in spec.scores or getattr(block.router, "bias", None) is not None \

@@ -6,6 +6,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from zoo.moe import context
+from zoo.moe.block_parts import PARTS, PartsMismatch, part_problems
 from zoo.moe.experts import ACTIVATIONS, PARAMETERS, Experts
 from zoo.moe.routing import Router, Routing
 
@@ -56,9 +57,11 @@ class SparseMoE(nn.Module):
     unpacks a tuple (GPT-OSS). Router logits reach ``output_router_logits`` through a recorder on
     ``Router`` outputs (see ``zoo.architectures.factory``).
 
-    ``input_norm`` / ``output_norm`` (``zoo.moe.norms.BlockRMSNorm``): the routed experts read a normed copy of the
-    block's input while the router and the shared experts read the input itself (Gemma 4); the block's output
-    (routed plus shared) is normed (A.X-K1). Every compressor and export carries them: they are part of the block.
+    Parts around the experts (``zoo.moe.block_parts``, each optional): ``input_proj`` and ``input_norm`` make what
+    the routed experts read (the router and the shared experts read the block's input itself), ``expert_output_norm``
+    norms each expert's output before its weight scales it, ``output_proj`` maps the weighted sum back to the
+    model's width, ``output_bias`` is added to it, ``output_norm`` norms the block's output (routed plus shared).
+    Every compressor and export carries them: they are part of the block.
 
     ``expert_map`` (HC-SMoE's merged experts behind an unchanged router): the router keeps its E rows and picks
     among the original experts; original expert e is served by merged expert ``expert_map[e]`` (the router's
@@ -74,8 +77,16 @@ class SparseMoE(nn.Module):
     def __init__(self, router: Router, experts: Experts, shared_experts: nn.Module | None = None,
                  returns_router_scores: bool = False, weights_scale_input: bool = False, expert_map=None,
                  input_norm: nn.Module | None = None, output_norm: nn.Module | None = None,
-                 identity_experts: int = 0):
+                 identity_experts: int = 0, input_proj: nn.Module | None = None,
+                 expert_output_norm: nn.Module | None = None, output_proj: nn.Module | None = None,
+                 output_bias: nn.Module | None = None):
         super().__init__()
+        parts = {"input_proj": input_proj, "input_norm": input_norm, "expert_output_norm": expert_output_norm,
+                 "output_proj": output_proj, "output_bias": output_bias, "output_norm": output_norm}
+        width, expert_width = getattr(unwrapped(router), "hidden_size", None), getattr(experts, "hidden_size", None)
+        problems = part_problems(parts, width, expert_width) if width and expert_width else []
+        if problems:
+            raise PartsMismatch(problems)
         self.identity_experts = check_identity_experts(identity_experts, expert_map)
         self._expert_map = None if expert_map is None else check_expert_map(expert_map, router.num_experts,
                                                                             experts.num_experts)
@@ -85,7 +96,8 @@ class SparseMoE(nn.Module):
                                 f"{experts.num_experts + self.identity_experts} router rows)"
                                 if self.identity_experts else ""))
         self.router, self.experts, self.shared_experts = router, experts, shared_experts
-        self.input_norm, self.output_norm = input_norm, output_norm
+        for name, part in parts.items():
+            setattr(self, name, part)
         self.returns_router_scores = returns_router_scores
         # Llama 4: the routing weight scales each expert's input, not its output (not the same through SwiGLU)
         self.weights_scale_input = weights_scale_input
@@ -101,8 +113,12 @@ class SparseMoE(nn.Module):
         it) with a new router and/or new experts."""
         return SparseMoE(self.router if router is None else router, self.experts if experts is None else experts,
                          self.shared_experts, self.returns_router_scores, self.weights_scale_input,
-                         self._expert_map if expert_map is ... else expert_map, self.input_norm, self.output_norm,
-                         self.identity_experts)
+                         self._expert_map if expert_map is ... else expert_map,
+                         identity_experts=self.identity_experts, **self.parts())
+
+    def parts(self) -> dict:
+        """The block's parts around its experts (``zoo.moe.block_parts.PARTS``), by name; None where absent."""
+        return {name: getattr(self, name) for name in PARTS}
 
     @property
     def expert_map(self) -> tuple[int, ...] | None:
@@ -145,14 +161,20 @@ class SparseMoE(nn.Module):
         routing = self.route(x)
         xe = self.expert_inputs(x)
         computing = self.computing_routing(routing)
-        if self.weights_scale_input:
+        if self.expert_output_norm is not None:
+            out = self._normed_experts(xe, computing)
+        elif self.weights_scale_input:
             out = self._input_scaled_experts(xe, computing)
         elif getattr(self.experts, "_is_hooked", False):
             out = self._parallel_experts(xe, computing)
         else:
             out = self.experts(xe, computing)
+        if self.output_proj is not None:
+            out = self.output_proj(out)
         if self.identity_experts:
             out = out + self.identity_output(x, routing)
+        if self.output_bias is not None:
+            out = self.output_bias(out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.output_norm is not None:
@@ -177,6 +199,7 @@ class SparseMoE(nn.Module):
     def expert_inputs(self, x: torch.Tensor) -> torch.Tensor:
         """What the routed experts read of the block's input ``x [T, H]`` (code that runs experts on calibration
         tokens calls this: the block's input is what the router reads)."""
+        x = x if self.input_proj is None else self.input_proj(x)
         return x if self.input_norm is None else self.input_norm(x)
 
     def route(self, x: torch.Tensor) -> Routing:
@@ -193,6 +216,17 @@ class SparseMoE(nn.Module):
         flat = routing.indices.reshape(tokens * k, 1)
         out = self.experts(rows, Routing(torch.ones_like(flat, dtype=x.dtype), flat))
         return out.view(tokens, k, -1).sum(1)
+
+    def _normed_experts(self, x: torch.Tensor, routing) -> torch.Tensor:
+        """Each (token, slot) pair as its own row sent to its expert with weight 1, the expert's output normed, then
+        scaled by the slot's weight and summed per token (a norm between expert and weight is not linear)."""
+        tokens, k = routing.indices.shape
+        empty = routing.indices >= self.num_experts  # their weight is ignored, even if NaN
+        flat = routing.indices.reshape(tokens * k, 1)
+        rows = x[:, None, :].expand(tokens, k, x.shape[-1]).reshape(tokens * k, -1)
+        out = self.expert_output_norm(self.experts(rows, Routing(torch.ones_like(flat, dtype=x.dtype), flat)))
+        w = routing.weights.masked_fill(empty, 0)
+        return (out.view(tokens, k, -1) * w[..., None]).to(x.dtype).sum(1)
 
     def _parallel_experts(self, x: torch.Tensor, routing) -> torch.Tensor:
         """The experts under transformers' tensor/expert-parallel hooks (``zoo.architectures.parallel``): called
@@ -221,8 +255,7 @@ class SparseMoE(nn.Module):
             **({"weights_scale_input": True} if self.weights_scale_input else {}),
             **({"expert_map": list(self._expert_map)} if self._expert_map is not None else {}),
             **({"identity_experts": self.identity_experts} if self.identity_experts else {}),
-            **{name: getattr(self, name).options() for name in ("input_norm", "output_norm")
-               if getattr(self, name) is not None},
+            **{name: part.options() for name, part in self.parts().items() if part is not None},
         }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from zoo.moe import SharedMLP, SparseMoE
-from zoo.moe.norms import BlockRMSNorm
+from zoo.moe.block_parts import PARTS, PartsMismatch, part_problems
 from zoo.components.registry import registry
 
 
@@ -197,13 +197,20 @@ def build_block(entry: dict, provided_by: dict | None = None) -> SparseMoE:
     router_cls = component_class("router", entry["router"], provided_by)
     experts_cls = component_class("experts", entry["experts"], provided_by)
     experts = experts_cls(**entry["experts_options"])
-    router = router_cls(experts.hidden_size, router_rows(entry), entry["num_experts_per_tok"],
+    router = router_cls(block_width(entry, experts), router_rows(entry), entry["num_experts_per_tok"],
                         **entry["router_options"])
     shared = SharedMLP(**entry["shared_experts"]) if entry.get("shared_experts") else None
-    norms = {name: BlockRMSNorm(**entry[name]) for name in ("input_norm", "output_norm") if entry.get(name)}
+    parts = {name: cls(**entry[name]) for name, cls in PARTS.items() if entry.get(name)}
     return SparseMoE(router, experts, shared, returns_router_scores=entry.get("returns_router_scores", False),
                      weights_scale_input=entry.get("weights_scale_input", False), expert_map=entry.get("expert_map"),
-                     identity_experts=entry.get("identity_experts", 0), **norms)
+                     identity_experts=entry.get("identity_experts", 0), **parts)
+
+
+def block_width(entry: dict, experts) -> int:
+    """The width of the block's input, which the router reads: the experts' own unless an input projection
+    leads to them (a latent block)."""
+    proj = entry.get("input_proj")
+    return proj["in_features"] if isinstance(proj, dict) and "in_features" in proj else experts.hidden_size
 
 
 def router_rows(entry: dict) -> int:
@@ -285,15 +292,11 @@ def _entry_problems(entry, hidden_size: int, provided_by: dict | None) -> list[s
     with torch.device("meta"):
         try:
             block = build_block(entry)
+        except PartsMismatch as exc:  # parts that do not fit the router's or experts' width
+            return [f".{p}" for p in exc.problems]
         except Exception as exc:  # name the part that refused, with its own reason
             return [f".{_failing_part(entry)}: {exc}"]
-    if block.experts.hidden_size != hidden_size:
-        problems.append(f".experts_options.hidden_size: {block.experts.hidden_size}, but the model's hidden_size "
-                        f"is {hidden_size}")
-    for name in ("input_norm", "output_norm"):
-        norm = getattr(block, name)
-        if norm is not None and norm.hidden_size != hidden_size:
-            problems.append(f".{name}.hidden_size: {norm.hidden_size}, but the model's hidden_size is {hidden_size}")
+    problems += [f".{p}" for p in part_problems(block.parts(), hidden_size, block.experts.hidden_size)]
     if entry["num_experts"] != block.experts.num_experts:
         problems.append(f".num_experts: {entry['num_experts']}, but experts_options build {block.experts.num_experts}")
     return problems
@@ -305,17 +308,17 @@ def _failing_part(entry) -> str:
         experts = component_class("experts", entry["experts"])(**entry["experts_options"])
     except Exception:
         return "experts_options"
+    for name, cls in PARTS.items():
+        try:
+            if entry.get(name):
+                cls(**entry[name])
+        except Exception:
+            return name
     try:
-        component_class("router", entry["router"])(experts.hidden_size, router_rows(entry),
+        component_class("router", entry["router"])(block_width(entry, experts), router_rows(entry),
                                                     entry["num_experts_per_tok"], **entry["router_options"])
     except Exception:
         return "router_options"
-    for name in ("input_norm", "output_norm"):
-        try:
-            if entry.get(name):
-                BlockRMSNorm(**entry[name])
-        except Exception:
-            return name
     return "shared_experts" if entry.get("shared_experts") else "num_experts"
 
 

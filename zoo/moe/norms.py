@@ -1,13 +1,16 @@
-"""RMS norms a MoE block may hold around its experts (``SparseMoE.input_norm`` / ``output_norm``), in the three
-forms transformers' families use. They differ only in where the weight is applied, which matters in half
-precision: ``weight-after-cast`` (Llama, DeepSeek: ``w * norm(x).to(dtype)``), ``weight-in-fp32`` (Gemma 4:
-``(norm(x) * w).to(dtype)``) and ``offset`` (Gemma 2/3: ``(norm(x) * (1 + w)).to(dtype)``)."""
+"""RMS norms a MoE block may hold around its experts (``SparseMoE.input_norm`` / ``expert_output_norm`` /
+``output_norm``), in the forms transformers' families use. They differ in where the weight is applied and in which
+precision, which matters in half precision: ``weight-after-cast`` (Llama, DeepSeek: ``w * norm(x).to(dtype)``),
+``weight-in-fp32`` (Gemma 4: ``(norm(x) * w).to(dtype)``), ``offset`` (Gemma 2/3: ``(norm(x) * (1 + w)).to(dtype)``
+with ``1 + w`` in fp32), ``offset-in-dtype`` (Muse Spark's pre-expert norm: the same with ``1 + w`` summed in the
+weight's dtype) and ``input-offset`` (Muse Spark's post-expert norm: ``norm((x * (1 + w)).to(dtype)).to(dtype)``,
+``1 + w`` in the weight's dtype: the weight scales the channels before the mean square)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-STYLES = ("weight-after-cast", "weight-in-fp32", "offset")
+STYLES = ("weight-after-cast", "weight-in-fp32", "offset", "offset-in-dtype", "input-offset")
 
 
 class BlockRMSNorm(nn.Module):
@@ -18,17 +21,22 @@ class BlockRMSNorm(nn.Module):
         if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0):
             raise ValueError(f"eps must be a non-negative number, got {eps!r}")
         self.hidden_size, self.eps, self.style = int(hidden_size), float(eps), style
-        self.weight = nn.Parameter(torch.zeros(hidden_size) if style == "offset" else torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if "offset" in style else torch.ones(hidden_size))
 
     def options(self) -> dict:
         return {"hidden_size": self.hidden_size, "eps": self.eps, "style": self.style}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.style == "input-offset":
+            x = (x.float() * (1.0 + self.weight).float()).to(x.dtype)
+            h = x.float()
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.style == "weight-after-cast":
             return self.weight * h.to(x.dtype)
-        scale = self.weight.float() if self.style == "weight-in-fp32" else 1.0 + self.weight.float()
+        scale = {"weight-in-fp32": lambda w: w.float(), "offset": lambda w: 1.0 + w.float(),
+                 "offset-in-dtype": lambda w: (1.0 + w).float()}[self.style](self.weight)
         return (h * scale).to(x.dtype)
 
     def extra_repr(self) -> str:

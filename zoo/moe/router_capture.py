@@ -7,6 +7,7 @@ each logit matrix paired with the router that produced it (its top-k)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from contextvars import ContextVar
 
 _active: ContextVar[list | None] = ContextVar("zoo_router_logits", default=None)
@@ -31,9 +32,29 @@ def recorded_router_logits(model):
         if not getattr(router, "_zoo_logits_hooked", False):  # hooked once per module; copies keep the hook
             router.register_forward_hook(_record)
             router._zoo_logits_hooked = True
+    _hook_extra_routers(model)
     seen: list = []
     token = _active.set(seen)
     try:
         yield seen
     finally:
         _active.reset(token)
+
+
+def _hook_extra_routers(model) -> None:
+    """Native routers a family's balance loss also reads (JetMoE's attention gatings, ``Family.extra_routers``):
+    recorded in call order with the zoo's, their logits at the index the family names in their output."""
+    extra = getattr(getattr(type(model), "zoo_family", None), "extra_routers", None)
+    if extra is None:
+        return
+    for cls, index in extra():
+        for module in model.modules():
+            if isinstance(module, cls) and not getattr(module, "_zoo_logits_hooked", False):
+                module.register_forward_hook(functools.partial(_record_native, index))
+                module._zoo_logits_hooked = True
+
+
+def _record_native(index, module, args, output) -> None:
+    seen = _active.get()
+    if seen is not None:
+        seen.append((module, output[index]))

@@ -131,7 +131,9 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
                if callable(getattr(moe.router, "after_step", None))]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     aux = bool(moe_layers(base_of(model)))
-    coef = getattr(model.config, "router_aux_loss_coef", 0.0) if aux else 0.0
+    text = model.config.get_text_config()
+    coef = next((getattr(text, k) for k in ("router_aux_loss_coef", "aux_loss_coef")  # JetMoE's: aux_loss_coef
+                 if getattr(text, k, None) is not None), 0.0) if aux else 0.0
     stream = token_stream(domain, "train", tokenizer)
     streams = {d: stream for d in DOMAINS}  # train_batch alternates domains; here every row is ``domain``
     history, t0 = [], time.perf_counter()
