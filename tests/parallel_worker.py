@@ -74,10 +74,10 @@ def load(path, mode):
 
 
 def placements(model):
-    """Sharded parameters of the MLP of the last layer: name -> (placements, local shape)."""
+    """Sharded parameters of the last layer: name -> (placements, local shape)."""
     from torch.distributed.tensor import DTensor
 
-    last = f".layers.{model.config.num_hidden_layers - 1}.mlp."
+    last = f".layers.{model.config.num_hidden_layers - 1}."
     return {name: [str(tuple(p.placements)), list(p.to_local().shape)]
             for name, p in model.named_parameters() if isinstance(p, DTensor) and last in name}
 
@@ -110,7 +110,7 @@ def run_case(path, mode, ref, scratch):
                for n, g in grads.items()}
         rec["grad_rel_diff"] = max(rel.values())
         rec["worst_grad"] = max(rel, key=rel.get)
-        rec["router_grad_rel_diff"] = max(v for n, v in rel.items() if ".mlp.router." in n or ".mlp.gate." in n)
+        rec["router_grad_rel_diff"] = max(v for n, v in rel.items() if ".router." in n or ".mlp.gate." in n)
     if mode.endswith("_save"):
         model.save_pretrained(scratch)
         dist.barrier()

@@ -151,3 +151,30 @@ def test_streamed_convert_apply_and_export_write_what_memory_writes(saved_native
     stream.export(tmp_path / "pruned-streamed", tmp_path / "native-streamed")
     assert_same_tensors(tmp_path / "native", tmp_path / "native-streamed")  # w1/v1/w2 under DBRX's own names
     assert DbrxForCausalLM.from_pretrained(tmp_path / "native-streamed").config.ffn_config.moe_num_experts == 3
+
+
+def test_offloaded_experts_and_the_layer_by_layer_head_find_dbrx_own_paths(tmp_path):
+    """Code that reads DBRX's checkpoint or runs its layers itself finds its base model at ``.transformer`` (layers
+    ``blocks``, final norm ``norm_f``): the offloaded model computes what the loaded one does, and the head on the
+    last block's output gives the model's logits."""
+    from zoo.editing.head import final_norm, head_logits
+    from zoo.moe.layout import decoder_layers
+
+    model = zoo.convert(native_dbrx())
+    want = logits(model)
+    model.save_pretrained(tmp_path / "zoo")
+    offloaded = zoo.offload(tmp_path / "zoo", cache_experts=2)
+    assert rel(logits(offloaded), want) <= 1e-6
+    assert final_norm(model) is model.transformer.norm_f
+    seen = {}
+
+    def keep(module, args, out):
+        seen["h"] = out[0] if isinstance(out, tuple) else out
+
+    hook = decoder_layers(model)[-1].register_forward_hook(keep)
+    try:
+        logits(model)
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        assert rel(head_logits(model, seen["h"]).float(), want) <= 1e-6

@@ -107,6 +107,40 @@ def test_expanded_plans_cover_every_moe_layer(name, zoo_plans, tmp_path):
             assert f"model.layers.{i}.mlp.shared_experts.gate.weight" not in tp_only  # Qwen2-MoE's gate: whole
 
 
+@pytest.mark.parametrize("name", ["granitemoeshared", "glm4_moe", "qwen3_next", "llama4_text", "nemotron_h",
+                                  "longcat_flash", "qwen3_vl_moe", "gemma4_text"])
+def test_generic_families_get_the_zoo_rules_for_their_blocks(name):
+    """A generic family's plans, as its converted model resolves them: each MoE layer's experts under the zoo's
+    styles (never a native style on a zoo experts module), shared experts split as the zoo's SharedMLP, every rule
+    naming a module or parameter the zoo model has, no rule left for a native-only part of the block. Gemma 4 (its
+    experts in the decoder layer natively) has none: every module stays whole."""
+    from tests.families.test_generic_families import native_model
+
+    model = zoo.convert(native_model(name))
+    fam = type(model).zoo_family
+    moe = moe_layers(model)
+    prefix = {i: f"{'model.' + fam.layers_path}.{i}.{fam.block_attr}" for i, _ in moe}
+    if not getattr(fam, "parallel_plans", True):
+        assert not [k for k in (*model.tp_plan, *model.ep_plan) if ".layers." in k]  # the LM head's rule at most
+        return
+    tp, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=2))
+    zoo_names = {n for n, _ in [*model.named_modules(), *model.named_parameters()]}
+    assert set(tp) <= zoo_names, sorted(set(tp) - zoo_names)
+    for i, block in moe:
+        experts = f"{prefix[i]}.experts"
+        assert tp[experts] == "zoo_experts_tp" and tp[f"{experts}.down_proj"] == "zoo_experts_rowwise"
+        assert not any(k.startswith(prefix[i] + ".") and not k.startswith((experts, f"{prefix[i]}.shared_experts"))
+                       for k in tp)  # nothing for the router or a native-only part
+        if block.shared_experts is not None and f"{prefix[i]}.shared_experts.down_proj" in \
+                {k.rsplit(".weight", 1)[0] for k in tp}:
+            assert tp[f"{prefix[i]}.shared_experts.down_proj.weight"] == "rowwise"
+    if fam.config_class.base_model_ep_plan or getattr(fam.text_config(model.config), "base_model_ep_plan", None):
+        _, ep, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=2, ep_size=2))
+        for i, _ in moe:
+            assert ep[f"{prefix[i]}.experts"] == "ep_dispatch_experts"
+            assert ep[f"{prefix[i]}.experts.down_proj"] == "zoo_experts_grouped_gemm"
+
+
 def test_plan_of_config_classes_and_names():
     from transformers import Qwen2MoeConfig
 
@@ -196,7 +230,12 @@ def test_layout_keeps_the_global_expert_count():
 # ------------------------------------------------------------------------------------------- torchrun
 
 DIST_FAMILIES = ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"]
+# families of the generic adapter, their plans derived from the native ones (block at block_sparse_moe with a
+# shared MLP; a dense first layer, shared experts, grouped routing), in the modes that exercise each rule kind
+GENERIC_FAMILIES = ["granitemoeshared", "glm4_moe"]
+GENERIC_MODES = ["tp", "tp+ep", "tp_backward"]
 MODELS = [f"{f}_{k}" for f in DIST_FAMILIES for k in ("native", "zoo")] + ["mixed_zoo"]
+GENERIC_MODELS = [f"{f}_{k}" for f in GENERIC_FAMILIES for k in ("native", "zoo")]
 MODES = ["tp", "tp+ep", "tp+ep_all_to_all", "fsdp+ep", "tp_backward", "tp+ep_backward", "tp+ep_save"]
 
 
@@ -226,7 +265,10 @@ def runs(tmp_path_factory):
     first.experts = QuantizedExperts.from_dense(first.experts, bits=8, group_size=32)
     second.experts = ChannelTopKExperts.from_dense(second.experts, budget=0.5)
     mixed.save_pretrained(root / "mixed_zoo")
-    specs = [f"{m}={root / m}" for m in MODELS]
+    for name in GENERIC_FAMILIES:
+        generic_native(name).save_pretrained(root / f"{name}_native")
+        zoo.convert(generic_native(name)).save_pretrained(root / f"{name}_zoo")
+    specs = [f"{m}={root / m}" for m in MODELS] + [f"{m}={root / m},{','.join(GENERIC_MODES)}" for m in GENERIC_MODELS]
     out = root / "results.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TQDM_DISABLE": "1",
            "OMP_NUM_THREADS": "1"}
@@ -246,8 +288,14 @@ def runs(tmp_path_factory):
     return {(r["model"], r["mode"]): r for r in data["records"]}
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("model", MODELS)
+def generic_native(name):
+    from tests.families.test_generic_families import native_model
+
+    return native_model(name)
+
+
+@pytest.mark.parametrize("mode, model", [(mode, m) for m in MODELS for mode in MODES]
+                         + [(mode, m) for m in GENERIC_MODELS for mode in GENERIC_MODES])
 def test_sharded_logits_match_whole_model(runs, model, mode):
     rec = runs[model, mode]
     assert "error" not in rec, rec.get("traceback", rec.get("error"))

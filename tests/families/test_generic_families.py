@@ -162,3 +162,36 @@ def test_calibration_ids_are_checked_against_a_vision_language_models_text_vocab
     vocab = model.config.get_text_config().vocab_size
     with pytest.raises(ValueError, match=f"vocabulary has {vocab} entries"):
         zoo.apply(model, "prune-frequency", calibration=[torch.full((1, 8), vocab + 5)], num_experts=3)
+
+
+# families whose forward acts between the last decoder layer and the final norm (hyper-connection streams merged,
+# Inkling 2's final input): layer-by-layer evaluation refuses them
+NO_HEAD = {"deepseek_v4", "glm5_next", "hy_v4", "hy_v4_vl", "inkling2", "inkling2_loop", "inkling2_loop_text",
+           "inkling2_text", "qwen4_exp", "qwen4_exp_text"}
+
+
+@pytest.mark.parametrize("model_type", CONVERTED)
+def test_the_head_on_the_last_layers_output_gives_the_familys_logits(model_type):
+    """What ``zoo.editing.stream.evaluate`` computes after running the layers itself (final norm, LM head, the
+    family's logit scaling or soft-cap) is the family's own forward's logits, or the family is refused up front."""
+    from zoo.editing.head import NoHead, head_logits
+    from zoo.moe.layout import decoder_layers
+
+    model = zoo.convert(native_model(model_type))
+    ids = input_ids(model)
+    seen = {}
+
+    def keep(module, args, out):  # returns None: the layer's output stays as it is
+        seen["h"] = out[0] if isinstance(out, tuple) else out
+
+    hook = decoder_layers(model)[-1].register_forward_hook(keep)
+    try:
+        want = logits(model, ids)
+    finally:
+        hook.remove()
+    if model_type in NO_HEAD:
+        with pytest.raises(NoHead, match="between its last layer and its final norm"):
+            head_logits(model, seen["h"])
+        return
+    with torch.no_grad():
+        assert rel(head_logits(model, seen["h"]).float(), want) <= 1e-6

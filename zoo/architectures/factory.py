@@ -25,7 +25,7 @@ from zoo.moe.layout import (
     decoder_layers,
     sync_layout,
 )
-from zoo.moe import Router
+from zoo.moe import Router, SparseMoE
 from zoo.moe import context as routing_context
 from zoo.moe.losses import family_aux_loss, native_balance_loss
 from zoo.moe.router_capture import recorded_router_logits
@@ -165,8 +165,12 @@ def adopt(model, family) -> None:
         _CAN_RECORD_REGISTRY[module] = cls._can_record_outputs
     base.config = model.config
     _gather_class_properties(base, model)
+    # the native model's experts implementation (transformers picks grouped_mm by default) named its own experts:
+    # a converted model starts on the zoo's dispatch, as a loaded one does (set_experts_implementation changes it)
+    model.config._experts_implementation_internal = "eager"
     base.init_parallel_plans()  # post_init copied the native plans onto the instances: the zoo's now
     model.init_parallel_plans()
+    parallel.install_language_model_plans(model, base, family)
     family.prepare(base)
 
 
@@ -177,6 +181,8 @@ def _init(self, config):
         base.__class__ = self._zoo_inner_class
         _CAN_RECORD_REGISTRY[base] = self._zoo_inner_class._can_record_outputs
     _build_zoo_blocks(base, config)
+    set_blocks_experts_implementation(self, getattr(config, "_experts_implementation", None) or "eager")
+    parallel.install_language_model_plans(self, base, self.zoo_family)
     apply_attention(self, getattr(config, "zoo_attention", None))  # first: module paths may run through it
     apply_modules(self, getattr(config, "zoo_modules", None))
     _gather_class_properties(base, self)
@@ -227,12 +233,26 @@ def _build_zoo_blocks(base, config) -> None:
 
 
 def _experts_implementation(self, requested):
-    """The zoo's experts run its own dispatch (``zoo.moe.dispatch``): that is "eager" here; transformers'
-    kernels (grouped_mm, batched_mm, ...) read native experts' signature and cannot be honoured."""
-    if requested not in (None, "eager"):
+    """``experts_implementation`` of a zoo model: None or "eager" runs the zoo's own dispatch; transformers'
+    ``grouped_mm`` and ``batched_mm`` run the blocks whose experts are plain fused SwiGLU experts (other kinds,
+    quantized or factored, have no form those functions read: they keep the zoo's). Others are refused."""
+    from zoo.moe.experts import SwiGLUExperts
+
+    choices = ("eager", *SwiGLUExperts.TRANSFORMERS_IMPLEMENTATIONS)
+    chosen = "eager" if requested is None else requested
+    if chosen not in choices:
         raise ValueError(f"experts_implementation={requested!r} cannot be honoured by {type(self).__name__}: zoo "
-                         "experts run the zoo's own dispatch; pass None or 'eager'")
-    return "eager"
+                         f"experts run {', '.join(repr(c) for c in choices)}")
+    if chosen == "grouped_mm":
+        self._grouped_mm_can_dispatch()  # transformers' own check of this torch and device
+    set_blocks_experts_implementation(self, chosen)
+    return chosen
+
+
+def set_blocks_experts_implementation(model, implementation: str) -> None:
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            module.experts_implementation = implementation
 
 
 def _init_weights(self, module):

@@ -29,6 +29,10 @@ RENAMES = {"router.proj.weight": "router.weight", "router.scale": "router.scale"
 class Gemma4(RenamedBlockFamily):
     renames, label = RENAMES, "Gemma 4"
     native_in_layer = True  # export: the block's native tensors sit in the decoder layer itself
+    # its native plans shard experts held by the decoder layer itself (``layers.*.experts``), beside the layer's
+    # attention and dense MLP; the zoo block regroups them at ``moe``: no rewrite of those plans yet, so TP/EP
+    # loading keeps every module whole (exact)
+    parallel_plans = False
 
     def __init__(self, model_type: str = "gemma4_text", auto: str = "causal-lm"):
         part = "" if model_type == "gemma4_text" else "the language model of the vision-language model: "

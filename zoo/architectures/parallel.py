@@ -19,7 +19,9 @@ shard a model by the plans its classes carry: ``base_model_tp_plan`` / ``base_mo
   quantized or factored, is still hooked by ``ep_dispatch_experts``, whose name transformers hard-codes; with
   all its experts on every rank the dispatch sends every token to rank 0's copy, which is exact too.)
 
-The factory puts ``parallel_attributes(family)`` on each zoo config class. A model converted in memory
+Families of the generic adapter get their native plans rewritten (``generic_plan``): the blocks are where the
+native plan shards experts, and there the zoo's own rules replace the native ones. The factory puts
+``parallel_attributes(family)`` on each zoo config class. A model converted in memory
 (``zoo.convert``) copied its native plans at init: ``init_parallel_plans()`` on the base model, then on the LM,
 after the class swap, gives it the zoo's. Routers stay replicated (no native MoE plan of these families shards
 its router; the ``ep_router`` style was removed in transformers 5.21). Shared experts are split like a dense
@@ -77,9 +79,8 @@ def parallel_attributes(family) -> dict:
 
 def _zoo_plan(family, native: dict | None) -> dict[str, str]:
     if getattr(family, "generic", False):
-        # no plans for families converted by the generic adapter: their native plans name native module paths,
-        # and the zoo's names for them are known only once a block has been read
-        return {}
+        return generic_plan(native, "tp" if native is family.config_class.base_model_tp_plan else "ep") \
+            if getattr(family, "parallel_plans", True) else {}
     plan = {}
     for key, style in (native or {}).items():
         key = _zoo_key(key, family.renames)
@@ -87,6 +88,62 @@ def _zoo_plan(family, native: dict | None) -> dict[str, str]:
             style = ZOO_STYLES.get(style, style)
         plan[key] = style
     return plan
+
+
+# the zoo's rules for a block's experts: every kind stores [E, 2I, H] / [E, H, I] (or its own tensors, which the
+# styles leave whole), whatever layout the native experts had (Llama 4's are transposed: packed_rowwise natively)
+ZOO_EXPERT_RULES = {"tp": {"": "zoo_experts_tp", ".gate_up_proj": "zoo_experts_packed_colwise",
+                           ".down_proj": "zoo_experts_rowwise"},
+                    "ep": {"": "ep_dispatch_experts", ".gate_up_proj": "zoo_experts_grouped_gemm",
+                           ".down_proj": "zoo_experts_grouped_gemm"}}
+NATIVE_EXPERTS_STYLE = {"tp": "moe_tp_experts", "ep": "ep_dispatch_experts"}
+
+
+def generic_plan(native: dict | None, kind: str) -> dict[str, str]:
+    """A generic family's native ``kind`` ("tp" or "ep") plan in the zoo's module paths. The MoE blocks are where
+    the native plan shards experts (``<prefix>.experts``, the block at ``<prefix>``; the zoo block sits at the same
+    path): there the experts get the zoo's rules (``ZOO_EXPERT_RULES``) and a shared MLP the rules of the zoo's
+    ``SharedMLP`` (``<prefix>.shared_experts``, split like a dense MLP) in place of the native ones; rules for other
+    parts of a block (a router, a native-only module) are dropped, so their modules stay whole. Rules outside the
+    blocks (attention, embeddings, the dense MLPs of dense layers, ``<prefix>.gate_proj``) are kept as they are:
+    the zoo model keeps those modules."""
+    native = native or {}
+    prefixes = {k[:-len(".experts")] for k, style in native.items()
+                if k.endswith(".experts") and style == NATIVE_EXPERTS_STYLE[kind]}
+    plan, shared = {}, set()
+    for key, style in native.items():
+        prefix = next((p for p in prefixes if key.startswith(p + ".")), None)
+        rest = key[len(prefix) + 1:].split(".") if prefix else None
+        if prefix is None or (len(rest) == 1 and rest[0] != "experts"):  # outside a block, or a dense layer's MLP
+            plan[key] = style
+        elif rest[0] != "experts" and len(rest) == 2 and rest[1] in SHARED_TP:  # the block's shared MLP
+            shared.add(prefix)
+    for prefix in sorted(prefixes):
+        # the rules for the tensors the native experts have (ungated experts, Nemotron-H's, hold no gate_up_proj:
+        # the zoo's ``mlp`` kind has no parallel form and stays whole)
+        plan.update({f"{prefix}.experts{suffix}": style for suffix, style in ZOO_EXPERT_RULES[kind].items()
+                     if not suffix or f"{prefix}.experts{suffix}" in native})
+        if kind == "tp" and prefix in shared:
+            plan.update({f"{prefix}.shared_experts.{proj}": style for proj, style in SHARED_TP.items()})
+    return plan
+
+
+def install_language_model_plans(model, base, family) -> None:
+    """A vision-language model of a generic family: its language model carries the plans of its own (text) config
+    class, which name the native blocks and apply native experts styles to whatever experts kind the zoo block
+    holds; they become the zoo's (``generic_plan``, or none where the family has ``parallel_plans = False``), and
+    the model's plans are gathered again."""
+    path = family.layers_path or ""
+    if not getattr(family, "generic", False) or "." not in path:
+        return
+    lm = base.get_submodule(path.rsplit(".", 1)[0])
+    native = type(lm.config)
+    on = getattr(family, "parallel_plans", True)
+    lm._tp_plan = generic_plan(native.base_model_tp_plan, "tp") if on else {}
+    lm._ep_plan = generic_plan(native.base_model_ep_plan, "ep") if on else {}
+    base.init_parallel_plans()
+    if model is not base:
+        model.init_parallel_plans()
 
 
 def _zoo_key(key: str, renames: dict[str, str]) -> str:

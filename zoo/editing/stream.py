@@ -249,8 +249,11 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8, ood
     from zoo.data.tokens import token_stream
     from zoo.io.loading import tokenizer_for
 
+    from zoo.editing.head import check_head, final_norm, head_logits
+
     ckpt = open_checkpoint(src)
     model = ckpt.model
+    check_head(model)  # before any work: the family's forward must end in a final norm and the LM head
     tok = tokenizer_for(model, required=True)
     batches, domains = [], []  # domains: (domain, split) of each batch
     for split in ("val", "ood") if ood else ("val",):
@@ -260,7 +263,7 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8, ood
                 batches.append(windows[i:i + batch])
                 domains.append((d, split))
     inputs = capture_inputs(model, batches)
-    ckpt.release_outer(keep=(model.lm_head, model.model.norm))  # the input embeddings have done their part
+    ckpt.release_outer(keep=(model.lm_head, final_norm(model)))  # the input embeddings have done their part
     usage = {d: [] for d in DOMAINS}
     for i in tqdm(range(len(ckpt.layers)), desc="eval: layers", leave=False):
         layer = ckpt.load_layer(i)
@@ -287,7 +290,7 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8, ood
                                  "max_entropy_bits": round(math.log2(len(c)), 4)})
     totals = {d: [0.0, 0.0] for d in set(domains)}
     for h, ids, d in zip(inputs.hidden, batches, domains):
-        logits = model.lm_head(model.model.norm(h))
+        logits = head_logits(model, h)
         loss = model.loss_function(logits=logits, labels=ids, vocab_size=model.config.vocab_size).float().item()
         n = ids.numel() - ids.shape[0]
         totals[d][0] += loss * n

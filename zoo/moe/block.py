@@ -7,7 +7,7 @@ from transformers.activations import ACT2FN
 
 from zoo.moe import context
 from zoo.moe.block_parts import PARTS, PartsMismatch, part_problems
-from zoo.moe.experts import ACTIVATIONS, PARAMETERS, Experts
+from zoo.moe.experts import ACTIVATIONS, PARAMETERS, Experts, SwiGLUExperts
 from zoo.moe.routing import Router, Routing
 
 
@@ -99,6 +99,9 @@ class SparseMoE(nn.Module):
         for name, part in parts.items():
             setattr(self, name, part)
         self.returns_router_scores = returns_router_scores
+        # transformers' experts function the model's ``experts_implementation`` names, run where the experts are plain
+        # fused SwiGLU experts (``SwiGLUExperts.transformers_forward``); "eager": the zoo's own dispatch
+        self.experts_implementation = "eager"
         # Llama 4: the routing weight scales each expert's input, not its output (not the same through SwiGLU)
         self.weights_scale_input = weights_scale_input
 
@@ -111,10 +114,12 @@ class SparseMoE(nn.Module):
                    expert_map=...) -> SparseMoE:
         """A block like this one (shared experts, flags, expert map unless ``expert_map`` is given: None drops
         it) with a new router and/or new experts."""
-        return SparseMoE(self.router if router is None else router, self.experts if experts is None else experts,
-                         self.shared_experts, self.returns_router_scores, self.weights_scale_input,
-                         self._expert_map if expert_map is ... else expert_map,
-                         identity_experts=self.identity_experts, **self.parts())
+        block = SparseMoE(self.router if router is None else router, self.experts if experts is None else experts,
+                          self.shared_experts, self.returns_router_scores, self.weights_scale_input,
+                          self._expert_map if expert_map is ... else expert_map,
+                          identity_experts=self.identity_experts, **self.parts())
+        block.experts_implementation = self.experts_implementation
+        return block
 
     def parts(self) -> dict:
         """The block's parts around its experts (``zoo.moe.block_parts.PARTS``), by name; None where absent."""
@@ -167,6 +172,8 @@ class SparseMoE(nn.Module):
             out = self._input_scaled_experts(xe, computing)
         elif getattr(self.experts, "_is_hooked", False):
             out = self._parallel_experts(xe, computing)
+        elif self.experts_implementation != "eager" and type(self.experts) is SwiGLUExperts:
+            out = self.experts.transformers_forward(self.experts_implementation, xe, computing)
         else:
             out = self.experts(xe, computing)
         if self.output_proj is not None:

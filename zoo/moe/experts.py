@@ -238,6 +238,27 @@ class SwiGLUExperts(Experts):
                 return self._forward_gather(hidden, routing)
         return self._forward_sorted(hidden, routing)
 
+    # transformers' experts functions (``experts_implementation``) that compute these experts: they read the fused
+    # layout this kind stores, and call its gate function for the activation
+    TRANSFORMERS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
+
+    def transformers_forward(self, implementation: str, hidden: torch.Tensor, routing) -> torch.Tensor:
+        """These experts run by transformers' own ``implementation`` (``grouped_mm``: one grouped GEMM per
+        projection; ``batched_mm``: a batched matmul over each pair's gathered expert). Empty slots become expert 0
+        with weight 0."""
+        from types import SimpleNamespace
+
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        empty = routing.indices >= self.num_experts
+        view = SimpleNamespace(  # the attributes transformers' functions read off a native experts module
+            num_experts=self.num_experts, gate_up_proj=self.gate_up_proj, down_proj=self.down_proj,
+            gate_up_proj_bias=self.gate_up_proj_bias, down_proj_bias=self.down_proj_bias,
+            has_bias=self.gate_up_proj_bias is not None, has_gate=True, is_transposed=False, is_concatenated=True,
+            has_post_expert_norm=False, _is_expert_parallel=False, _apply_gate=self.glu)
+        return ALL_EXPERTS_FUNCTIONS[implementation](view, hidden, routing.indices.masked_fill(empty, 0),
+                                                     routing.weights.masked_fill(empty, 0))
+
     def _forward_sorted(self, hidden, routing):
         """Prefill: sort (token, slot) pairs by expert, run each expert on its contiguous slice."""
         return run_sorted(hidden, routing.indices, routing.weights, self.num_experts, self.expert)

@@ -20,6 +20,7 @@ from zoo.io.checkpoint import LAYER_KEY, Checkpoint, CheckpointError
 from zoo.runtime.offloaded import (READERS, ExpertCache, NotOffloadable, OffloadedExperts, ShardReader, check_offloadable,
                                one_expert_plan)
 from zoo.components.options import suggest
+from zoo.moe.layout import layer_prefix
 
 
 def _check_options(cache_experts, cache_bytes, reader):
@@ -97,7 +98,7 @@ def _moe_blocks(ckpt) -> dict:
 def _expert_keys(ckpt, i: int, stored) -> dict[str, str]:
     """Each stored tensor of layer i's experts -> its name in the checkpoint (a native checkpoint names them by the
     family's own key names: the zoo's renames reversed)."""
-    prefix = f"model.layers.{i}.{ckpt.family.block_attr}."
+    prefix = f"{layer_prefix(ckpt.model, i, ckpt.family)}{ckpt.family.block_attr}."
     names = {f"experts.{n}": n for n in stored.state_dict()}
     if not ckpt.native:
         return {n: prefix + z for z, n in names.items()}
@@ -116,7 +117,8 @@ def _per_expert_keys(ckpt, i: int) -> dict | None:
     transformers writes for Mixtral), as the sources of the fused ``gate_up_proj`` (gate rows, then up rows: the
     order transformers' own conversion concatenates them in) and ``down_proj``."""
     for gate, up, down in PER_EXPERT:
-        found = [k for k in ckpt.files if k.startswith(f"model.layers.{i}.") and k.endswith(f".experts.0.{gate}.weight")]
+        prefix = layer_prefix(ckpt.model, i, ckpt.family)
+        found = [k for k in ckpt.files if k.startswith(prefix) and k.endswith(f".experts.0.{gate}.weight")]
         if len(found) == 1:
             base = found[0][: -len(f"0.{gate}.weight")]
             return {"gate_up_proj": [f"{base}{{e}}.{gate}.weight", f"{base}{{e}}.{up}.weight"],
@@ -189,7 +191,8 @@ def _load_layer_without_experts(ckpt, i: int, keys: dict, files: ShardReader, ca
     by_file = defaultdict(list)
     for file, names in ckpt.by_layer.get(i, {}).items():
         by_file[file] = [k for k in names if k not in expert_keys]
-    missing = ckpt._load(ckpt.model, by_file, lambda k: LAYER_KEY.match(k) and k.startswith(f"model.layers.{i}."))
+    prefix = layer_prefix(ckpt.model, i, ckpt.family)
+    missing = ckpt._load(ckpt.model, by_file, lambda k: LAYER_KEY.match(k) and k.startswith(prefix))
     if missing:
         raise CheckpointError(f"{ckpt.path} lacks tensors of layer {i}: {sorted(missing)[:5]}")
     if native_experts is not None:
