@@ -123,7 +123,7 @@ def main(argv=None):
     for t, d, e, g, z, zg, r, ge, zgz in rows:
         print(f"{t:>5} {d:>5} {e:>10.3f} {g:>14.3f} {z:>10.3f} {zg:>11.3f} {r:>16.3f} {ge:>17.3f} {zgz:>12.3f}")
     print(f"\nzoo target ratio <= {TARGET} at every cell: {'MET' if met else 'NOT MET'}"
-          + ("" if met else f" (worst {max(r[5] for r in rows):.3f})"))
+          + ("" if met else f" (worst {max(r[6] for r in rows):.3f})"))
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def test_router_stays_fp32_where_native_keeps_it():
     assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("impl", ["sonicmoe", "deepgemm"])
 def test_an_experts_implementation_the_zoo_cannot_honour_is_an_error(impl, tmp_path):
     cfg_cls, _, _ = classes("mixtral")
     with pytest.raises(ValueError, match=f"experts_implementation='{impl}' cannot be honoured"):
@@ -119,6 +119,51 @@ def test_an_experts_implementation_the_zoo_cannot_honour_is_an_error(impl, tmp_p
     with pytest.raises(ValueError, match="cannot be honoured"):
         AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation=impl)
     AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="eager")
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_transformers_experts_functions_run_the_plain_experts_and_only_those(impl, tmp_path):
+    """grouped_mm / batched_mm run by transformers' own functions on plain SwiGLU experts (outputs and gradients
+    as the zoo's dispatch gives them), through from_pretrained, set_experts_implementation and later compressions;
+    a quantized layer keeps the zoo's dispatch; empty slots (expert-choice) cost nothing and change nothing."""
+    from unittest.mock import Mock, patch
+
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from zoo.moe.layout import moe_layers
+    from zoo.moe.quantized import QuantizedExperts
+
+    zoo.convert(tiny_native("gpt_oss")).save_pretrained(tmp_path)  # biased, clamped SwiGLU experts
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path).train()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation=impl).train()
+    assert model.config._experts_implementation == impl
+    assert {moe.experts_implementation for _, moe in moe_layers(model)} == {impl}
+    assert {moe.experts_implementation for _, moe in moe_layers(eager)} == {"eager"}
+    mock = Mock(wraps=ALL_EXPERTS_FUNCTIONS[impl])
+    with patch.dict("transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS._global_mapping", {impl: mock}):
+        got = model(IDS).logits
+        assert mock.call_count == len(moe_layers(model))
+    want = eager(IDS).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, a), (_, b) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+    model.eval()
+    (_, first), (_, second) = moe_layers(model)
+    first.experts = QuantizedExperts.from_dense(first.experts, bits=8, group_size=32)
+    mock.reset_mock()
+    with patch.dict("transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS._global_mapping", {impl: mock}), \
+            torch.no_grad():
+        model(IDS)
+        assert mock.call_count == 1  # the plain layer only
+    zoo.apply(model, "expert-choice")  # with_parts: the blocks keep the implementation; empty slots appear
+    assert {moe.experts_implementation for _, moe in moe_layers(model)} == {impl}
+    with torch.no_grad():
+        out = model(IDS).logits
+        model.set_experts_implementation("eager")
+        assert {moe.experts_implementation for _, moe in moe_layers(model)} == {"eager"}
+        torch.testing.assert_close(out, model(IDS).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_legacy_past_key_values_warns_as_native():

@@ -7,11 +7,6 @@ as pytest shows it, parameterized suffix included).
 SKIPS: dict[str, str] = {
     # A test that skips itself (no GPU, no flash-attention, "model is not composite", ...) is not listed;
     # RESULTS.md lists the tests whose outcome differs between native and zoo.
-    "zoo/*/test_eager_matches_batched_and_grouped_inference*": (
-        "compares transformers' experts kernels (batched_mm, grouped_mm) with eager on the native experts "
-        "signature; zoo experts run one dispatch of their own (checked against a naive reference in "
-        "tests/test_moe_block.py), and an experts_implementation other than 'eager' is refused, not ignored "
-        "(tests/test_transformers_citizen.py)"),
 }
 
 
