@@ -50,6 +50,14 @@ class Family:
     def prepare(self, base) -> None:
         """Make the family's own modules ready for zoo blocks, once per model, as it becomes a zoo model."""
 
+    def native_layer_class(self, layer_class: type) -> type:
+        """The class a decoder layer of ``layer_class`` has in a native checkpoint, for reading its tensors by their
+        native names (a family that regroups its layers, Gemma 4: the layer before ``regroup_layer``)."""
+        return layer_class
+
+    def regroup_layer(self, layer) -> None:
+        """Turn a decoder layer read natively (``native_layer_class``) into the form this family's models hold."""
+
     # ---- structure -------------------------------------------------------------------------------
     def moe_layer_ids(self, config) -> list[int]:
         return list(range(config.num_hidden_layers))

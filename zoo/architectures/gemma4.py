@@ -55,6 +55,17 @@ class Gemma4(RenamedBlockFamily):
         for layer in layers:
             Gemma4ZooDecoderLayer.adopt(layer)
 
+    def native_layer_class(self, layer_class: type) -> type:
+        from zoo.architectures.gemma4_modules import Gemma4TextDecoderLayer, Gemma4ZooDecoderLayer
+
+        return Gemma4TextDecoderLayer if issubclass(layer_class, Gemma4ZooDecoderLayer) else layer_class
+
+    def regroup_layer(self, layer) -> None:
+        from zoo.architectures.gemma4_modules import Gemma4TextDecoderLayer, Gemma4ZooDecoderLayer
+
+        if type(layer) is Gemma4TextDecoderLayer and layer.enable_moe_block:
+            Gemma4ZooDecoderLayer.adopt(layer)
+
     @staticmethod
     def read_block(block, config) -> dict:
         return block_entry(block, config)

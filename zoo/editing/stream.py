@@ -222,8 +222,9 @@ def export(src, out) -> str:
         block, attr = get_block(layer), layer_block_attr(layer)
         moe = isinstance(block, SparseMoE)
         state = {k: v for k, v in layer.state_dict().items() if not (moe and k.startswith(f"{attr}."))}
-        if moe:
-            state.update({f"{attr}.{k}": v for k, v in native_block_state(fam, block, count).items()})
+        if moe:  # under the block's attribute, or the layer itself where the family keeps them there (Gemma 4)
+            at = "" if getattr(fam, "native_in_layer", False) else f"{attr}."
+            state.update({f"{at}{k}": v for k, v in native_block_state(fam, block, count).items()})
         prefix = layer_prefix(model, i)
         writer.write(revert_weight_conversion(native, {f"{prefix}{k}": v for k, v in state.items()}))
 

@@ -337,8 +337,13 @@ class Checkpoint:
         for name, module in model.named_modules():
             if _in_layers(name) or not any(b.is_meta for b in module.buffers(recurse=False)):
                 continue
-            module.to_empty(device="cpu", recurse=False)
+            # the family's initialisation computes the buffers (Gemma's embedding scale) but would also overwrite
+            # the module's weights, just read: they are put back (any still on meta is refused below)
+            loaded = {key: param.data for key, param in module.named_parameters(recurse=False)}
+            module.to_empty(device="cpu", recurse=False)  # (swaps each parameter's data in place)
             model._init_weights(module)
+            for key, data in loaded.items():
+                getattr(module, key).data = data
         if getattr(self.config, "tie_word_embeddings", False):
             model.tie_weights()
         meta = [k for k, t in model.state_dict().items() if t.is_meta and not LAYER_KEY.match(k.removeprefix("model."))]
@@ -389,8 +394,10 @@ class Checkpoint:
         from zoo.moe import SparseMoE
 
         old = self.layers[i]
+        # a native checkpoint names a regrouped family's tensors as its native layer holds them (Gemma 4)
+        cls = self.family.native_layer_class(type(old)) if self.native else type(old)
         with no_init_weights(), local_torch_dtype(self.dtype):
-            layer = type(old)(self.config, i)  # fresh on CPU: non-persistent buffers are built, weights come next
+            layer = cls(self.config, i)  # fresh on CPU: non-persistent buffers are built, weights come next
             attr = self.family.block_attr
             if not self.native and isinstance(getattr(old, attr, None), SparseMoE):
                 setattr(layer, attr, build_block(getattr(old, attr).layout()))
@@ -405,6 +412,8 @@ class Checkpoint:
         if bad:
             self.layers[i] = old
             raise CheckpointError(f"{self.path}: NaN or inf in {', '.join(bad[:5])}")
+        if self.native:
+            self.family.regroup_layer(layer)
         if isinstance(getattr(layer, attr, None), self.family.block_class):
             setattr(layer, attr, self.family.from_native(getattr(layer, attr), self.config))
         return layer
