@@ -1,7 +1,8 @@
 """Every family the generic adapter converts (``zoo.architectures.families.GENERIC``), from a tiny random model
 built with the family's own config class: converted losslessly (logits within 1e-5 relative in fp32, greedy
 tokens equal), saved and reloaded through the family's Auto class, exported back to the native format, and
-changed once by a compressor, a router and the quantizer of the zoo."""
+changed once by a compressor, a router and the quantizer of the zoo; the head layer-by-layer evaluation puts on the
+last layer's output gives the family's own logits (or the family is refused there)."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -53,8 +54,10 @@ def test_converts_losslessly_and_round_trips(model_type, tmp_path):
     want, want_tokens = logits(native, ids), greedy(native, ids[:1])
     model = zoo.convert(native)
     assert moe_layers(model), "no MoE layer converted"
-    assert rel(logits(model, ids), want) <= 1e-5
+    got, last = logits_and_last_hidden(model, ids)
+    assert rel(got, want) <= 1e-5
     assert torch.equal(greedy(model, ids[:1]), want_tokens)
+    check_head(model_type, model, last, got)
 
     model.save_pretrained(tmp_path / "zoo")
     back = AUTO[GENERIC[model_type]].from_pretrained(tmp_path / "zoo").eval()
@@ -170,15 +173,10 @@ NO_HEAD = {"deepseek_v4", "glm5_next", "hy_v4", "hy_v4_vl", "inkling2", "inkling
            "inkling2_text", "qwen4_exp", "qwen4_exp_text"}
 
 
-@pytest.mark.parametrize("model_type", CONVERTED)
-def test_the_head_on_the_last_layers_output_gives_the_familys_logits(model_type):
-    """What ``zoo.editing.stream.evaluate`` computes after running the layers itself (final norm, LM head, the
-    family's logit scaling or soft-cap) is the family's own forward's logits, or the family is refused up front."""
-    from zoo.editing.head import NoHead, head_logits
+def logits_and_last_hidden(model, ids):
+    """The model's logits and its last decoder layer's output on ``ids``."""
     from zoo.moe.layout import decoder_layers
 
-    model = zoo.convert(native_model(model_type))
-    ids = input_ids(model)
     seen = {}
 
     def keep(module, args, out):  # returns None: the layer's output stays as it is
@@ -186,12 +184,19 @@ def test_the_head_on_the_last_layers_output_gives_the_familys_logits(model_type)
 
     hook = decoder_layers(model)[-1].register_forward_hook(keep)
     try:
-        want = logits(model, ids)
+        return logits(model, ids), seen["h"]
     finally:
         hook.remove()
+
+
+def check_head(model_type, model, last, want):
+    """What ``zoo.editing.stream.evaluate`` computes after running the layers itself (final norm, LM head, the
+    family's logit scaling or soft-cap) is the family's own forward's logits, or the family is refused up front."""
+    from zoo.editing.head import NoHead, head_logits
+
     if model_type in NO_HEAD:
         with pytest.raises(NoHead, match="between its last layer and its final norm"):
-            head_logits(model, seen["h"])
+            head_logits(model, last)
         return
     with torch.no_grad():
-        assert rel(head_logits(model, seen["h"]).float(), want) <= 1e-6
+        assert rel(head_logits(model, last).float(), want) <= 1e-6
