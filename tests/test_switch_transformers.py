@@ -9,7 +9,7 @@ from transformers import AutoModelForSeq2SeqLM, SwitchTransformersConfig, Switch
 
 import zoo
 from zoo.architectures.lookup import NotExportable
-from zoo.moe.layout import layer_prefix, moe_layers
+from zoo.moe.layout import decoder_layers, layer_prefix, moe_layers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,10 +113,36 @@ def test_steps_that_cannot_run_refuse_and_leave_the_model_as_it_was():
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match="quantizes gated"):  # BitMoD's lookup types: gated experts only
         zoo.apply(model, "quantize", bits=4, group_size=32, dtype="bitmod")
-    with pytest.raises(ValueError, match="prune-frequency calibrate layer by layer on one stack"):  # encoder-decoder
-        zoo.apply(model, "prune-frequency", calibration=[IDS], num_experts=3)
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_calibrated_pruning_runs_both_stacks_in_order():
+    """A calibrated compressor on the encoder-decoder, layer by layer in layout order (encoder first): each layer's
+    statistics come from the model whose earlier layers, the decoder's included, already hold their pruned blocks,
+    the decoder reading the pruned encoder's output (teacher-forced on the calibration text). Checked against that
+    procedure written out by hand: route each block's inputs, keep the 3 most used experts, go on."""
+    from zoo.moe.layout import put_block
+    from zoo.moe.surgery import keep_experts
+
+    model = zoo.apply(zoo.convert(native_model()), "prune-frequency", calibration=[IDS], num_experts=3)
+    ref = zoo.convert(native_model())
+    for i, block in moe_layers(ref):
+        seen = []
+        handle = block.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+        with torch.no_grad():
+            ref(input_ids=IDS, decoder_input_ids=ref._shift_right(IDS))
+        handle.remove()
+        x = seen[0].reshape(-1, seen[0].shape[-1])
+        with torch.no_grad():
+            indices = block.route(x).indices
+        counts = torch.bincount(indices[indices < block.num_experts], minlength=block.num_experts)
+        keep = sorted(counts.double().argsort(descending=True, stable=True)[:3].tolist())
+        layer = next(layer for j, layer in enumerate(decoder_layers(ref)) if j == i)
+        put_block(layer, keep_experts(block, keep))
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert [moe.num_experts for _, moe in moe_layers(model)] == [3] * 4
 
 
 def test_zoo_load_takes_native_and_zoo_folders_through_the_seq2seq_auto_class(tmp_path):

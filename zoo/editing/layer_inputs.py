@@ -18,7 +18,12 @@ class _Stop(Exception):
 
 
 def call_model(model, batch):
-    return model(**batch, use_cache=False) if isinstance(batch, dict) else model(input_ids=batch, use_cache=False)
+    if isinstance(batch, dict):
+        return model(**batch, use_cache=False)
+    if getattr(model.config, "is_encoder_decoder", False):  # the decoder reads the same text, teacher-forced
+        shift = getattr(model, "_shift_right", None)
+        return model(input_ids=batch, decoder_input_ids=shift(batch) if shift else batch, use_cache=False)
+    return model(input_ids=batch, use_cache=False)
 
 
 class LayerInputs:

@@ -151,11 +151,6 @@ def check(model, steps) -> None:
     """Every step's preconditions on every MoE layer, before anything is computed or changed; a later step is judged
     on the layer as the earlier steps will leave it (a prune after a quantize is refused here, as it is in memory,
     not after the quantize ran)."""
-    calibrated = [s.name for s in steps if getattr(s, "inputs_for", ())]
-    if calibrated and getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(f"{', '.join(calibrated)} calibrate layer by layer on one stack of decoder layers; "
-                         f"{type(model).__name__} is an encoder-decoder (its decoder reads the encoder's output), "
-                         "which the layer-at-a-time engine does not carry")
     layers = moe_layers(model)
     planned = {i: (block, block.num_experts) for i, block in layers}  # (the block or its stand-in, expert count)
     for step in steps:
