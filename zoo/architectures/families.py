@@ -27,24 +27,39 @@ GENERIC: dict[str, str] = {
 
 _TEXT_PART = ("the text sub-config of a vision-language family; converted as part of that family (no model class of "
               "its own)")
-_NO_FUSED = "its experts are not transformers' fused experts class (`@use_experts_implementation`)"
+_ROUTED_SHARED = ("its router scores the routed and the shared experts together: each token's shared experts are "
+                  "weighted by its normalised scores beside the routed ones it picked, where the zoo's shared experts "
+                  "have a fixed or sigmoid-gated weight (what it would take: shared-expert weights as a routing output "
+                  "beside the top-k)")
 
 # Why each of these is not converted, as the generic adapter reports it on the family's tiny model.
 EXCEPTIONS: dict[str, str] = {
     "diffusion_gemma": "a block-diffusion model: an encoder and a decoder stack of Gemma 4-style layers (router and "
                        "experts inside each layer) denoise a canvas of tokens; the zoo's Gemma 4 spec holds one stack "
                        "of causal layers (what it would take: the spec over both stacks' layer classes)",
-    "doge": _NO_FUSED,
+    "doge": "its experts are product-key retrieval experts (each expert one row of a down and an up embedding, chosen "
+            "by two sub-key gates of sqrt(E) rows) mixed into a dense MLP, and its routing reshapes the flat [T, 2 sqrt(E)] "
+            "logits as [2, T, sqrt(E)], mixing halves of different tokens (kept so by transformers for existing "
+            "checkpoints); the zoo has no product-key router (what it would take: one, over the zoo's ungated mlp "
+            "experts of width 1, with that split as an option)",
     "llama4": "its multimodal model holds a whole causal LM (`.language_model`) where the zoo classes expect the "
               "base model at `.model`, and its forward fails inside transformers 5.24 itself (no `image_outputs` on "
-              "its output); the text model (llama4_text) converts",
-    "ernie4_5_vl_moe": "each MoE layer holds a text and a vision expert block, chosen per token by its modality; the "
-                       "zoo block is one router over one expert set",
-    "inkling_text": "no [E, H] router gate inside the MoE block",
-    "inkling_mm_model": "no [E, H] router gate inside the MoE block",
-    "zaya": "no [E, H] router gate inside the MoE block",
+              "its output): no native logits to check a conversion against; the text model (llama4_text) converts "
+              "(what it would take: a transformers whose Llama 4 multimodal forward runs, and the zoo classes finding "
+              "the base model below .language_model)",
+    "ernie4_5_vl_moe": "each MoE layer holds a text and a vision expert block (each its own router and experts), "
+                       "chosen per token by its modality, around one shared MLP; the zoo block is one router over one "
+                       "expert set (what it would take: a block of per-modality SparseMoE parts that every compressor "
+                       "and router swap visits, each part its own layout entry)",
+    "inkling_text": _ROUTED_SHARED,
+    "inkling_mm_model": _ROUTED_SHARED,
+    "zaya": "its router is an MLP over a down-projected residual plus the previous MoE layer's router state (carried "
+            "from layer to layer), with a skip expert as one more router class; the zoo's routers read their block's "
+            "input alone (what it would take: a router state handed from layer to layer through the routing context)",
     "qwen3_omni_moe": "the omni model holds a thinker and a talker (each an MoE model of its own) and a speech "
-                      "decoder, with no base model at `.model`; its thinker (qwen3_omni_moe_thinker) converts",
+                      "decoder, with no base model at `.model`; its thinker (qwen3_omni_moe_thinker) converts (what "
+                      "it would take: layouts for two MoE models inside one, the talker's blocks beside the "
+                      "thinker's)",
     "nllb-moe": "transformers 5.24's NllbMoeExperts one-hot encodes the router's 0/1 first-choice mask as expert ids, "
                 "so only experts 0 and 1 ever run: a lossless conversion would copy that defect (its router is the "
                 "zoo's top2-capacity, exact in eval; the family converts once transformers runs the experts the "
