@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, JetMoeForCausalLM
 
 import zoo
-from tiny import greedy as greedy_of, logits as logits_of, rel
+from tiny import greedy as greedy_of, logits as logits_of, rel, reload_and_export_bit_for_bit
 from tests.families.test_generic_families import native_model
 from zoo.architectures.family import NotExportable
 from zoo.components.registry import registry
@@ -91,14 +91,7 @@ def test_converts_losslessly_with_the_familys_balance_loss_reloads_and_exports(t
     torch.testing.assert_close(aux, want_losses[1], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(loss, want_losses[0], rtol=1e-5, atol=1e-7)
 
-    model.save_pretrained(tmp_path / "zoo")
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "zoo").eval()
-    assert type(back) is type(model) and rel(logits(back), want) <= 1e-5
-
-    zoo.export(back, tmp_path / "native")
-    again = JetMoeForCausalLM.from_pretrained(tmp_path / "native").eval()
-    state = again.state_dict()
-    assert state.keys() == want_state.keys() and all(torch.equal(state[k], v) for k, v in want_state.items())
+    reload_and_export_bit_for_bit(model, tmp_path, AutoModelForCausalLM, JetMoeForCausalLM, logits, want, want_state)
 
 
 def test_zoo_components_change_it_and_the_export_says_why_not(tmp_path, one_thread):

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForImageTextToText, MuseSparkForConditionalGeneration
 
 import zoo
-from tiny import greedy as greedy_of, logits as logits_of, rel
+from tiny import greedy as greedy_of, logits as logits_of, rel, reload_and_export_bit_for_bit
 from tests.families.test_generic_families import native_model
 from zoo.components.registry import registry
 from zoo.editing.stats import layer_stats
@@ -141,13 +141,8 @@ def test_converts_losslessly_reloads_and_exports_bit_for_bit(tmp_path):
     assert moe.layout()["expert_output_norm"]["style"] == "input-offset"
     assert rel(logits(model), want) <= 1e-5
     assert torch.equal(greedy_of(model, IDS, 4), want_tokens)
-    model.save_pretrained(tmp_path / "zoo")
-    back = AutoModelForImageTextToText.from_pretrained(tmp_path / "zoo").eval()
-    assert type(back) is type(model) and rel(logits(back), want) <= 1e-5
-    zoo.export(back, tmp_path / "native")
-    again = MuseSparkForConditionalGeneration.from_pretrained(tmp_path / "native").eval()
-    state = again.state_dict()
-    assert state.keys() == want_state.keys() and all(torch.equal(state[k], v) for k, v in want_state.items())
+    reload_and_export_bit_for_bit(model, tmp_path, AutoModelForImageTextToText, MuseSparkForConditionalGeneration,
+                                  logits, want, want_state)
 
 
 @pytest.mark.parametrize("method, options", [("prune-reap", {"num_experts": 3}), ("hc-smoe", {"num_experts": 2}),

@@ -162,3 +162,17 @@ def greedy(model, ids, new_tokens: int):
 def rel(a, b) -> float:
     """Relative error of ``a`` against ``b`` (Frobenius norms)."""
     return ((a - b).norm() / b.norm()).item()
+
+
+def reload_and_export_bit_for_bit(model, folder, auto_class, native_class, logits_of, want, native_state) -> None:
+    """``model`` saved to ``folder/zoo`` reloads through ``auto_class`` as its own class with ``want``'s logits
+    (``logits_of(model)``, 1e-5), and its native export loads through ``native_class`` with exactly
+    ``native_state``."""
+    model.save_pretrained(folder / "zoo")
+    back = auto_class.from_pretrained(folder / "zoo").eval()
+    assert type(back) is type(model) and rel(logits_of(back), want) <= 1e-5
+    import zoo
+
+    zoo.export(back, folder / "native")
+    state = native_class.from_pretrained(folder / "native").eval().state_dict()
+    assert state.keys() == native_state.keys() and all(torch.equal(state[k], v) for k, v in native_state.items())

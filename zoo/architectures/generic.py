@@ -279,6 +279,41 @@ class RenamedBlockFamily(GenericFamily):
             raise NotExportable(f"{unknown[0]} has no place in a native {self.label} block")
         return {back[k]: v for k, v in sd.items()}
 
+    # ---- export -----------------------------------------------------------------------------------------------
+    def native_values(self, values: dict, first: dict, config) -> dict | None:
+        """The native config's values (``values``: the zoo config's own) for a layout whose MoE layers all hold
+        ``first``: the family's expert count, k and expert size set from it. None: the generic adapter's way."""
+        return None
+
+    def native_config(self, config, layout):
+        first_i, first, moe = self.uniform_entry(config, layout)
+        values = {key: v for key, v in config.to_dict().items() if not key.startswith("zoo_") and key != "model_type"}
+        values = self.native_values(values, first, config)
+        if values is None:
+            return super().native_config(config, layout)
+        try:
+            native = self.config_class(**values)
+            ids, blocks = self._meta_blocks(native)
+            expected = self.spec(blocks[0], native)["entry"]
+        except Exception as exc:  # the config class's own validators, or a block it cannot build
+            raise NotExportable(f"a native {self.label} config cannot hold {first['num_experts']} experts, "
+                                f"top-{first['num_experts_per_tok']}: {exc}") from None
+        if set(ids) != set(moe):
+            raise NotExportable(f"MoE layers {sorted(moe)} differ from the native pattern {sorted(ids)}")
+        if first != expected:
+            raise NotExportable(f"layer {first_i}: {first_difference(first, expected)}")
+        return native
+
+
+def recorded_entry(entry: dict, label: str) -> dict:
+    """A layout entry as a block built from it records itself (built on meta: its components' own checks run),
+    or NotConvertible naming the family."""
+    try:
+        with torch.device("meta"):
+            return build_block(entry).layout()
+    except ValueError as exc:
+        raise NotConvertible(f"{label} MoE block: {exc}") from None
+
 
 def first_difference(a: dict, b: dict) -> str:
     for key in sorted(set(a) | set(b)):

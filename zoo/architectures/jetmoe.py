@@ -12,11 +12,8 @@ records the attention gatings beside its own routers (``extra_routers``), so the
 """
 from __future__ import annotations
 
-import torch
-
 from zoo.architectures.family import NotConvertible, NotExportable
-from zoo.architectures.generic import RenamedBlockFamily, activation_name, first_difference
-from zoo.moe.layout import build_block
+from zoo.architectures.generic import RenamedBlockFamily, activation_name, recorded_entry
 
 # native key (below the MLP block) -> zoo key
 RENAMES = {"router.layer.weight": "router.weight", "input_linear.weight": "experts.gate_up_proj",
@@ -52,9 +49,7 @@ class Jetmoe(RenamedBlockFamily):
     def read_block(block, config) -> dict:
         return block_entry(block, config)
 
-    def native_config(self, config, layout):
-        first_i, first, moe = self.uniform_entry(config, layout)
-        values = {key: v for key, v in config.to_dict().items() if not key.startswith("zoo_") and key != "model_type"}
+    def native_values(self, values: dict, first: dict, config) -> dict:
         # one expert count and k serve both mixtures natively: the MLP's must still equal the attention's
         if (first["num_experts"], first["num_experts_per_tok"]) != (config.num_local_experts,
                                                                      config.num_experts_per_tok):
@@ -62,14 +57,7 @@ class Jetmoe(RenamedBlockFamily):
                                 f"{first['num_experts_per_tok']}, the attention mixture {config.num_local_experts}, "
                                 f"top-{config.num_experts_per_tok}: a native JetMoE config holds one count and k "
                                 "for both")
-        native = self.config_class(**values)
-        ids, blocks = self._meta_blocks(native)
-        expected = self.spec(blocks[0], native)["entry"]
-        if set(ids) != set(moe):
-            raise NotExportable(f"MoE layers {sorted(moe)} differ from the native pattern {sorted(ids)}")
-        if first != expected:
-            raise NotExportable(f"layer {first_i}: {first_difference(first, expected)}")
-        return native
+        return values
 
 
 def block_entry(block, config) -> dict:
@@ -83,8 +71,4 @@ def block_entry(block, config) -> dict:
              "experts_options": {"num_experts": E, "hidden_size": H, "intermediate_size": two_i // 2, "bias": False,
                                  "activation": activation_name(block.activation, config)},
              "shared_experts": None, "returns_router_scores": False, "output_bias": {"hidden_size": H}}
-    try:
-        with torch.device("meta"):
-            return build_block(entry).layout()  # as a converted block records itself
-    except ValueError as exc:
-        raise NotConvertible(f"JetMoE MLP mixture: {exc}") from None
+    return recorded_entry(entry, "JetMoE")

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from zoo.architectures.family import NotConvertible, NotExportable
-from zoo.architectures.generic import RenamedBlockFamily, activation_name, first_difference
-from zoo.moe.layout import build_block
+from zoo.architectures.family import NotConvertible
+from zoo.architectures.generic import RenamedBlockFamily, activation_name, recorded_entry
 
 # native key (below the block) -> zoo key
 RENAMES = {"router.classifier.weight": "router.weight",
@@ -64,24 +63,11 @@ class LongcatFlash(RenamedBlockFamily):
         return out
 
     # ---- export -----------------------------------------------------------------------------------------------
-    def native_config(self, config, layout):
-        first_i, first, moe = self.uniform_entry(config, layout)
-        experts, k = first["num_experts"], first["num_experts_per_tok"]
-        values = {key: v for key, v in config.to_dict().items() if not key.startswith("zoo_") and key != "model_type"}
-        values.update(n_routed_experts=experts, moe_topk=k, zero_expert_num=first.get("identity_experts", 0),
+    def native_values(self, values: dict, first: dict, config) -> dict:
+        values.update(n_routed_experts=first["num_experts"], moe_topk=first["num_experts_per_tok"],
+                      zero_expert_num=first.get("identity_experts", 0),
                       expert_ffn_hidden_size=first["experts_options"].get("intermediate_size"))
-        try:
-            native = self.config_class(**values)
-            ids, blocks = self._meta_blocks(native)
-            expected = self.spec(blocks[0], native)["entry"]
-        except Exception as exc:  # the config class's own validators, or a block it cannot build
-            raise NotExportable(f"a native LongCat-Flash config cannot hold {experts} experts, top-{k}: "
-                                f"{exc}") from None
-        if set(ids) != set(moe):
-            raise NotExportable(f"MoE layers {sorted(moe)} differ from the native pattern {sorted(ids)}")
-        if first != expected:
-            raise NotExportable(f"layer {first_i}: {first_difference(first, expected)}")
-        return native
+        return values
 
 
 def block_entry(block, config) -> dict:
@@ -103,8 +89,4 @@ def block_entry(block, config) -> dict:
                                  "activation": activation_name(experts.act_fn, config)},
              "shared_experts": None, "returns_router_scores": False,
              **({"identity_experts": experts.zero_expert_num} if experts.zero_expert_num else {})}
-    try:
-        with torch.device("meta"):
-            return build_block(entry).layout()  # as a converted block records itself
-    except ValueError as exc:
-        raise NotConvertible(f"LongCat-Flash MoE block: {exc}") from None
+    return recorded_entry(entry, "LongCat-Flash")

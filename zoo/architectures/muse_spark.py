@@ -13,11 +13,8 @@ long as every MoE layer keeps one expert count, k and the native parts.
 """
 from __future__ import annotations
 
-import torch
-
-from zoo.architectures.family import NotConvertible, NotExportable
-from zoo.architectures.generic import RenamedBlockFamily, activation_name, first_difference
-from zoo.moe.layout import build_block
+from zoo.architectures.family import NotConvertible
+from zoo.architectures.generic import RenamedBlockFamily, activation_name, recorded_entry
 
 # native key (below the block) -> zoo key
 RENAMES = {"gate.weight": "router.weight", "gate.e_score_correction_bias": "router.e_score_correction_bias",
@@ -46,24 +43,11 @@ class MuseSpark(RenamedBlockFamily):
     def read_block(block, config) -> dict:
         return block_entry(block, config)
 
-    def native_config(self, config, layout):
-        first_i, first, moe = self.uniform_entry(config, layout)
-        values = {key: v for key, v in config.to_dict().items() if not key.startswith("zoo_") and key != "model_type"}
-        text = values["text_config"]
-        text.update(num_local_experts=first["num_experts"], num_experts_per_tok=first["num_experts_per_tok"],
-                    moe_intermediate_size=first["experts_options"]["intermediate_size"])
-        try:
-            native = self.config_class(**values)
-            ids, blocks = self._meta_blocks(native)
-            expected = self.spec(blocks[0], native)["entry"]
-        except Exception as exc:  # the config class's own validators, or a block it cannot build
-            raise NotExportable(f"a native Muse Spark config cannot hold {first['num_experts']} experts, "
-                                f"top-{first['num_experts_per_tok']}: {exc}") from None
-        if set(ids) != set(moe):
-            raise NotExportable(f"MoE layers {sorted(moe)} differ from the native pattern {sorted(ids)}")
-        if first != expected:
-            raise NotExportable(f"layer {first_i}: {first_difference(first, expected)}")
-        return native
+    def native_values(self, values: dict, first: dict, config) -> dict:
+        values["text_config"].update(num_local_experts=first["num_experts"],
+                                     num_experts_per_tok=first["num_experts_per_tok"],
+                                     moe_intermediate_size=first["experts_options"]["intermediate_size"])
+        return values
 
 
 def block_entry(block, config) -> dict:
@@ -87,8 +71,4 @@ def block_entry(block, config) -> dict:
              "expert_output_norm": {"hidden_size": M, "eps": float(experts.post_expert_norm.eps),
                                     "style": "input-offset"},
              "output_proj": {"in_features": M, "out_features": H}}
-    try:
-        with torch.device("meta"):
-            return build_block(entry).layout()  # as a converted block records itself
-    except ValueError as exc:
-        raise NotConvertible(f"Muse Spark MoE block: {exc}") from None
+    return recorded_entry(entry, "Muse Spark")
