@@ -17,7 +17,7 @@ from zoo.io import loading, outputs
 from zoo.editing import distributed
 from zoo.architectures import remote_code
 from zoo.io.atomic import atomic_directory
-from zoo.io.checkpoint import LAYER_KEY, Checkpoint, checkpoint_bytes
+from zoo.io.checkpoint import Checkpoint, checkpoint_bytes
 from zoo.editing.layerwise import calibration_inputs, capture_inputs, check, compress_linears, outer_linears, run, set_module
 from zoo.moe.layout import get_block, layer_block_attr, layer_prefix, put_block
 from zoo.moe import SparseMoE
@@ -88,11 +88,11 @@ def layer_tensors(prefix: str, layer) -> dict[str, torch.Tensor]:
     return {f"{prefix}{k}": v for k, v in layer.state_dict().items()}
 
 
-def outer_tensors(model) -> dict[str, torch.Tensor]:
-    """Everything outside the decoder layers, tied weights once."""
+def outer_tensors(ckpt) -> dict[str, torch.Tensor]:
+    """Everything of the checkpoint's model outside its decoder layers (a vision tower included), tied weights once."""
     seen, out = set(), {}
-    for k, v in model.state_dict().items():
-        if LAYER_KEY.match(k.removeprefix("model.")) or v.data_ptr() in seen:
+    for k, v in ckpt.model.state_dict().items():
+        if ckpt.layer_of(k) is not None or v.data_ptr() in seen:
             continue
         seen.add(v.data_ptr())
         out[k] = v
@@ -187,7 +187,7 @@ def _write(ckpt, out, components, inputs, desc, record=()):
         writer = ShardWriter(tmp)
         for path, module in compress_linears(components, model, outer_linears(model)).items():
             set_module(model, path, module)  # the LM head, for a step that targets linears
-        writer.write(outer_tensors(model))  # embeddings and LM head in a shard of their own
+        writer.write(outer_tensors(ckpt))  # embeddings and LM head in a shard of their own
         ckpt.release_outer()  # the calibration inputs are captured: nothing runs them again
         run(Streamed(ckpt, lambda i, layer: writer.write(layer_tensors(layer_prefix(model, i), layer))), components,
             inputs, desc=desc)
@@ -230,7 +230,7 @@ def export(src, out) -> str:
 
     with atomic_directory(out) as tmp:
         writer = ShardWriter(tmp)
-        writer.write(revert_weight_conversion(native, outer_tensors(model)))
+        writer.write(revert_weight_conversion(native, outer_tensors(ckpt)))
         ckpt.release_outer()
         run(Streamed(ckpt, write), [], None, desc="export")
         writer.close()

@@ -21,10 +21,10 @@ from zoo.io import finite
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# a decoder layer's tensors as checkpoints name them: model.layers.N., backbone.layers.N. (Nemotron-H),
-# model.llm.layers.N. (Inkling2), transformer.blocks.N. (DBRX)
+# what a decoder-layer list is called (model.layers, backbone.layers (Nemotron-H), model.llm.layers (Inkling2),
+# transformer.blocks (DBRX), model.language_model.layers (a vision-language model)); which list holds the decoder
+# layers is the family's (``Checkpoint.layer_of``), never guessed from a name: vision towers have lists of their own
 LAYER_LISTS = ("layers", "blocks")
-LAYER_KEY = re.compile(rf"^(?:\w+\.){{0,2}}(?:{'|'.join(LAYER_LISTS)})\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
@@ -243,11 +243,6 @@ def trim_memory() -> None:
         LIBC.malloc_trim(0)
 
 
-def _in_layers(name: str) -> bool:
-    """Whether module ``name`` lies inside a decoder layer (``model.layers.3.mlp``, ``transformer.blocks.0``)."""
-    return any(f".{layers}." in f".{name}." for layers in LAYER_LISTS)
-
-
 class Checkpoint:
     """``Checkpoint(path)``: ``model`` is the skeleton (every layer on the meta device; embeddings, final norm
     and LM head loaded); ``load_layer(i)`` materialises decoder layer i, ``release(i)`` returns it to meta."""
@@ -262,17 +257,11 @@ class Checkpoint:
         if not os.path.isdir(self.path):
             raise CheckpointError(f"{self.path} is not a checkpoint folder")
         self.files = checked_weight_map(self.path)
-        self._index()
         self.config = AutoConfig.from_pretrained(self.path)
         self.config._name_or_path = self.path
         self.dtype = self.config.dtype if isinstance(self.config.dtype, torch.dtype) else torch.float32
         self.model = self._skeleton()
         self.layers = decoder_layers(self.model, self.family)
-        # what the family's own loader drops on purpose (DeepSeek-V3's multi-token-prediction layer 61) is dropped here
-        ignored = [re.compile(p) for p in getattr(self.model, "_keys_to_ignore_on_load_unexpected", None) or []]
-        if ignored:
-            self.files = {k: f for k, f in self.files.items() if not any(p.search(k) for p in ignored)}
-            self._index()
         self._check_whole()
         extra = sorted(i for i in self.by_layer if i is not None and not 0 <= i < len(self.layers))
         if extra:
@@ -280,12 +269,37 @@ class Checkpoint:
                                   f"{f' (and {len(extra) - 1} more layers)' if len(extra) > 1 else ''}, but its config "
                                   f"has {len(self.layers)} layers: they would be dropped (fix num_hidden_layers)")
 
-    def _index(self) -> None:
-        """``by_layer``: per decoder layer (None: outside the layers), per shard, the tensor names."""
+    def _index(self, model) -> None:
+        """``by_layer``: per decoder layer (None: outside the layers), per shard, the tensor names. A stored name is
+        read as the model's (through transformers' conversion mapping: a vision-language checkpoint may store its
+        language model's layers under another prefix), so a vision tower's own ``layers``/``blocks`` stay outside."""
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        renamings = [m for m in self.weight_mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in self.weight_mapping if isinstance(m, WeightConverter)]
+        meta = dict.fromkeys(model.state_dict())
+        # what the family's own loader drops on purpose (DeepSeek-V3's multi-token-prediction layer 61): a stored
+        # tensor the model has no place for that one of its patterns names (a pattern never drops a tensor the model
+        # holds: Unlimited-OCR's "lm_head" names the head it loads)
+        ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
         self.by_layer: dict[int | None, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+        dropped = set()
         for key, file in self.files.items():
-            m = LAYER_KEY.match(key)
-            self.by_layer[int(m.group(1)) if m else None][file].append(key)
+            name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+            if name not in meta and any(p.search(key) for p in ignored):
+                dropped.add(key)
+                continue
+            self.by_layer[self.layer_of(name)][file].append(key)
+        self.files = {k: f for k, f in self.files.items() if k not in dropped}
+
+    def layer_of(self, name: str) -> int | None:
+        """The decoder layer a model tensor or module name lies in (``model.language_model.layers.3.mlp``), else None."""
+        m = self._layer_name.match(name)
+        return int(m.group(1)) if m else None
+
+    def in_layers(self, name: str) -> bool:
+        """Whether a model module name lies inside a decoder layer."""
+        return self.layer_of(name + ".") is not None
 
     def _check_whole(self) -> None:
         """At open, from the headers alone: every stored dtype fits the weight it loads into, and (a zoo checkpoint,
@@ -294,8 +308,7 @@ class Checkpoint:
         stored = {k: DTYPES[shard_header(f)[1][k]["dtype"]] for k, f in self.files.items()}
         check_stored_dtypes(self.path, stored, self.model)
         if not self.native:
-            missing = sorted(k for k in self.model.state_dict() if LAYER_KEY.match(k.removeprefix("model."))
-                             and k not in self.files)
+            missing = sorted(k for k in self.model.state_dict() if self.layer_of(k) is not None and k not in self.files)
             if missing:
                 raise CheckpointError(f"{self.path} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
@@ -305,25 +318,36 @@ class Checkpoint:
 
     def _skeleton(self):
         from accelerate import init_empty_weights
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.initialization import no_init_weights
         from transformers.modeling_utils import local_torch_dtype
 
         from zoo.architectures.lookup import family_of
+        from zoo.components.registry import registry
 
-        if type(self.config) not in AutoModelForCausalLM._model_mapping:
-            raise CheckpointError(f"{self.path}: streaming works on causal-LM decoders; this {self.config.model_type} "
-                                  "model (vision-language) is worked on in memory (--no-stream)")
+        # the class users load the family with (Qwen3.5-MoE's config also maps to a text-only causal LM)
+        name = self.config.model_type.removeprefix("zoo_")
+        spec = next((r.obj for r in registry.all("architecture") if r.obj.name == name), None)
+        autos = {"causal-lm": AutoModelForCausalLM, "image-text-to-text": AutoModelForImageTextToText}
+        auto = autos.get(spec.auto) if spec is not None else next(
+            (a for a in autos.values() if type(self.config) in a._model_mapping), None)
+        if auto is None:
+            raise CheckpointError(f"{self.path}: streaming works on causal-LM and vision-language decoders; this "
+                                  f"{self.config.model_type} model is worked on in memory (--no-stream)")
         with init_empty_weights(include_buffers=True), no_init_weights(), local_torch_dtype(self.dtype):
-            model = AutoModelForCausalLM.from_config(self.config)
+            model = auto.from_config(self.config)
         model.eval()
         self.family = family_of(model)  # unsupported families are refused here
         self.family.discover(getattr(model, self.family.base_attr))
-        if self.family.layers_path not in LAYER_LISTS:
-            raise CheckpointError(f"{self.path}: streaming works on text decoders (model.layers); this "
-                                  f"{self.family.name} model keeps them at {self.family.base_attr}."
+        if self.family.layers_path.rsplit(".", 1)[-1] not in LAYER_LISTS:
+            raise CheckpointError(f"{self.path}: streaming works on decoders whose layers are a list (layers, "
+                                  f"blocks); this {self.family.name} model keeps them at {self.family.base_attr}."
                                   f"{self.family.layers_path}: work on it in memory (--no-stream)")
+        from zoo.moe.layout import layer_prefix
+
+        root = layer_prefix(model, 0, self.family)[:-len("0.")]
+        self._layer_name = re.compile(rf"^{re.escape(root)}(\d+)\.")
         self.native = getattr(type(model), "zoo_family", None) is None  # its MoE blocks are the family's own
         adapters = [p for p, spec in (getattr(self.config, "zoo_modules", None) or {}).items() if "adapter" in spec]
         for attr, found in (("zoo_attention", any(getattr(self.config, "zoo_attention", None) or [])),
@@ -332,10 +356,11 @@ class Checkpoint:
                 raise CheckpointError(f"{self.path} has {attr.replace('zoo_', '')} adapters outside the MoE blocks; "
                                       "such a model is worked on in memory (--no-stream)")
         self.weight_mapping = get_model_conversion_mapping(model)
+        self._index(model)
         # everything outside the decoder layers: loaded now; non-persistent buffers (rotary tables) rebuilt
-        self._load(model, self.by_layer.get(None, {}), prefix_filter=lambda k: not LAYER_KEY.match(k.removeprefix("model.")))
+        self._load(model, self.by_layer.get(None, {}), prefix_filter=lambda k: self.layer_of(k) is None)
         for name, module in model.named_modules():
-            if _in_layers(name) or not any(b.is_meta for b in module.buffers(recurse=False)):
+            if self.in_layers(name) or not any(b.is_meta for b in module.buffers(recurse=False)):
                 continue
             # the family's initialisation computes the buffers (Gemma's embedding scale) but would also overwrite
             # the module's weights, just read: they are put back (any still on meta is refused below)
@@ -344,9 +369,9 @@ class Checkpoint:
             model._init_weights(module)
             for key, data in loaded.items():
                 getattr(module, key).data = data
-        if getattr(self.config, "tie_word_embeddings", False):
-            model.tie_weights()
-        meta = [k for k, t in model.state_dict().items() if t.is_meta and not LAYER_KEY.match(k.removeprefix("model."))]
+        if any(getattr(c, "tie_word_embeddings", False) for c in (self.config, self.config.get_text_config())):
+            model.tie_weights()  # (a vision-language model states it in its text part)
+        meta = [k for k, t in model.state_dict().items() if t.is_meta and self.layer_of(k) is None]
         if meta:
             raise CheckpointError(f"{self.path} lacks tensors {meta[:5]}{' ...' if len(meta) > 5 else ''}")
         return model
@@ -397,7 +422,8 @@ class Checkpoint:
         # a native checkpoint names a regrouped family's tensors as its native layer holds them (Gemma 4)
         cls = self.family.native_layer_class(type(old)) if self.native else type(old)
         with no_init_weights(), local_torch_dtype(self.dtype):
-            layer = cls(self.config, i)  # fresh on CPU: non-persistent buffers are built, weights come next
+            # fresh on CPU: non-persistent buffers are built, weights come next (a vision-language model: its text part)
+            layer = cls(self.config.get_text_config(), i)
             attr = self.family.block_attr
             if not self.native and isinstance(getattr(old, attr, None), SparseMoE):
                 setattr(layer, attr, build_block(getattr(old, attr).layout()))
@@ -422,7 +448,7 @@ class Checkpoint:
         """Return the modules outside the decoder layers (embeddings, LM head) to meta, except ``keep``."""
         keep_ids = {id(p) for m in keep for p in m.parameters()}
         for name, module in self.model.named_modules():
-            if _in_layers(name) or name.endswith(LAYER_LISTS):
+            if self.in_layers(name) or name.endswith(LAYER_LISTS):
                 continue
             for key, p in list(module.named_parameters(recurse=False)):
                 if id(p) not in keep_ids:

@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 
 from zoo.architectures.family import Family
-from zoo.io.checkpoint import LAYER_KEY, Checkpoint, CheckpointError
+from zoo.io.checkpoint import Checkpoint, CheckpointError
 from zoo.runtime.offloaded import (READERS, ExpertCache, NotOffloadable, OffloadedExperts, ShardReader, check_offloadable,
                                one_expert_plan)
 from zoo.components.options import suggest
@@ -192,7 +192,7 @@ def _load_layer_without_experts(ckpt, i: int, keys: dict, files: ShardReader, ca
     for file, names in ckpt.by_layer.get(i, {}).items():
         by_file[file] = [k for k in names if k not in expert_keys]
     prefix = layer_prefix(ckpt.model, i, ckpt.family)
-    missing = ckpt._load(ckpt.model, by_file, lambda k: LAYER_KEY.match(k) and k.startswith(prefix))
+    missing = ckpt._load(ckpt.model, by_file, lambda k: k.startswith(prefix))
     if missing:
         raise CheckpointError(f"{ckpt.path} lacks tensors of layer {i}: {sorted(missing)[:5]}")
     if native_experts is not None:
