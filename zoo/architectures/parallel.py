@@ -56,7 +56,7 @@ SHARED_TP = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise
 def tp_plan(family) -> dict[str, str]:
     """The zoo's ``base_model_tp_plan`` for ``family`` (a Family, its name, or its native or zoo config class)."""
     family = _family(family)
-    plan = _zoo_plan(family, family.config_class.base_model_tp_plan)
+    plan = _zoo_plan(family, family.config_class.base_model_tp_plan, "tp")
     if plan and family.has_shared_experts:
         # SharedMLP is a SwiGLU MLP: split like the dense MLPs (DeepSeek-V3's native plan does the same); its
         # sigmoid gate (Qwen2-MoE, [1, H]) stays whole.
@@ -69,7 +69,7 @@ def ep_plan(family) -> dict[str, str]:
     """The zoo's ``base_model_ep_plan`` for ``family``: whole experts per rank, tokens dispatched by
     transformers' ``ep_dispatch_experts`` (its EP implementations: all_reduce, all_to_all)."""
     family = _family(family)
-    return _zoo_plan(family, family.config_class.base_model_ep_plan)
+    return _zoo_plan(family, family.config_class.base_model_ep_plan, "ep")
 
 
 def parallel_attributes(family) -> dict:
@@ -77,10 +77,9 @@ def parallel_attributes(family) -> dict:
     return {"base_model_tp_plan": tp_plan(family), "base_model_ep_plan": ep_plan(family)}
 
 
-def _zoo_plan(family, native: dict | None) -> dict[str, str]:
+def _zoo_plan(family, native: dict | None, kind: str) -> dict[str, str]:
     if getattr(family, "generic", False):
-        return generic_plan(native, "tp" if native is family.config_class.base_model_tp_plan else "ep") \
-            if getattr(family, "parallel_plans", True) else {}
+        return generic_plan(native, kind) if getattr(family, "parallel_plans", True) else {}
     plan = {}
     for key, style in (native or {}).items():
         key = _zoo_key(key, family.renames)
