@@ -1,6 +1,7 @@
 """zoo::moe_gemv's read speed against the machine's: GB/s of selected expert weights read per second, for
-every stored form, beside a compiled sum over a large bf16 tensor (the machine's read bandwidth as torch's best
-streaming code reaches it) and torch's own one-row kernels on the same experts, in one run.
+every stored form and every instruction set the processor has (interleaved), beside a compiled sum over a large
+bf16 tensor (the machine's read bandwidth as torch's best streaming code reaches it) and torch's own one-row
+kernels on the same experts, in one run, with the processor's flags.
 
     python benchmarks/moe_gemv.py                  # the 304M benchmark model's expert shape, 2 threads
     python benchmarks/moe_gemv.py --smoke          # small sizes, seconds (the test suite runs this)
@@ -20,16 +21,43 @@ from zoo.moe import kernels
 from zoo.moe.quantized import quantize_grouped, quantize_int8
 
 
-def clock(fn, calls: int, repeats: int = 5) -> float:
-    """Median seconds per call over ``repeats`` runs of ``calls`` calls (after one warm-up run)."""
-    fn(0)
-    runs = []
+def clock(fns, calls: int, repeats: int = 5) -> list:
+    """Median seconds per call of each function over ``repeats`` rounds of ``calls`` calls, the functions taking
+    turns within each round (so a slow spell of a noisy machine falls on all of them), after one warm-up call."""
+    runs = [[] for _ in fns]
+    for fn in fns:
+        fn(0)
     for _ in range(repeats):
-        t = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        runs.append((time.perf_counter() - t) / calls)
-    return statistics.median(runs)
+        for fn, times in zip(fns, runs):
+            t = time.perf_counter()
+            for i in range(calls):
+                fn(i)
+            times.append((time.perf_counter() - t) / calls)
+    return [statistics.median(times) for times in runs]
+
+
+def cpu_flags() -> str:
+    """The processor's vector flags, as the kernel's choice depends on them."""
+    try:
+        line = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.machine()
+    keep = ("avx", "fma", "f16c", "amx", "neon", "asimd", "sve")
+    return " ".join(sorted(f for f in line.split(":")[1].split() if f.startswith(keep)))
+
+
+def with_isa(name, fn):
+    """fn run with the kernel on instruction set ``name``."""
+    def run(i):
+        before = kernels.isa()
+        kernels.isa(name)
+        try:
+            return fn(i)
+        finally:
+            kernels.isa(before)
+    return run
 
 
 def stacks(S: int, N: int, K: int, group_size: int):
@@ -71,29 +99,32 @@ def main(argv=None):
     total = (2 ** 20 if args.smoke else 2 ** 29)  # 1 GiB of bf16 for the compiled sum
     big = torch.randn(total).to(torch.bfloat16)
     summed = torch.compile(lambda t: t.sum(dtype=torch.float32))
-    sum_s = clock(lambda i: summed(big), 3)
+    sum_s, = clock([lambda i: summed(big)], 3)
     sum_gbs = big.nbytes / sum_s / 1e9
     x = torch.randn(1, H).to(torch.bfloat16)
+    isas = list(kernels.ISAS[:kernels.ISAS.index(kernels.best_isa()) + 1][::-1])
+    print(f"processor flags: {cpu_flags()}\nkernel instruction sets: {', '.join(isas)} (best first)")
     print(f"machine read bandwidth (compiled sum over {big.nbytes / 2**20:.0f} MiB of bf16, {args.threads} threads): "
           f"{sum_gbs:.1f} GB/s\n")
-    head = f"{'stored form':12} {'MB / call':>9} {'kernel GB/s':>11} {'of sum':>7} {'torch GB/s':>10} {'kernel/torch':>12}"
+    head = f"{'stored form':12} {'MB / call':>9} " + " ".join(f"{n + ' GB/s':>16} {'of sum':>6}" for n in isas)
+    head += f" {'torch GB/s':>10} {'best/torch':>10}"
     print(head + "\n" + "-" * len(head))
     for label, bits, w, s, per_expert in stacks(S, 2 * I, H, group_size):
         pick = lambda i: torch.tensor([[(2 * i) % S, (2 * i + 1) % S]])  # noqa: E731
         picks = [pick(i) for i in range(calls)]
-        t_kernel = clock(lambda i: kernels.moe_gemv(x, picks[i], w, s, bits, group_size), calls)
-        gbs = k * per_expert / t_kernel / 1e9
+        fns = [with_isa(n, lambda i: kernels.moe_gemv(x, picks[i], w, s, bits, group_size)) for n in isas]
         row = torch_row(label, w, s, group_size)
-        if row is None:
-            t_torch = None
-        else:
-            t_torch = clock(lambda i: [row(x, int(e)) for e in picks[i][0]], calls)
-        torch_gbs = "-" if t_torch is None else f"{k * per_expert / t_torch / 1e9:.1f}"
-        ratio = "-" if t_torch is None else f"{t_torch / t_kernel:.2f}"
-        print(f"{label:12} {k * per_expert / 1e6:9.1f} {gbs:11.1f} {gbs / sum_gbs:7.2f} {torch_gbs:>10} {ratio:>12}")
-    print("\n(GB/s: bytes of the selected experts' stored weights and scales / time per call; 'of sum': the kernel's "
-          "share of the compiled sum's bandwidth; torch: F.linear / _weight_int8pack_mm / _weight_int4pack_mm_for_cpu "
-          "on each selected expert's view; 2/3 bits have no torch kernel)")
+        if row is not None:
+            fns.append(lambda i: [row(x, int(e)) for e in picks[i][0]])
+        times = clock(fns, calls)
+        gbs = [k * per_expert / t / 1e9 for t in times]
+        cells = " ".join(f"{g:16.1f} {g / sum_gbs:6.2f}" for g in gbs[:len(isas)])
+        torch_gbs = f"{gbs[-1]:10.1f} {times[-1] / times[0]:10.2f}" if row is not None else f"{'-':>10} {'-':>10}"
+        print(f"{label:12} {k * per_expert / 1e6:9.1f} {cells} {torch_gbs}")
+    print("\n(GB/s: bytes of the selected experts' stored weights and scales / time per call, bf16 inputs; 'of sum': "
+          "the share of the compiled sum's bandwidth; torch: F.linear / _weight_int8pack_mm / "
+          "_weight_int4pack_mm_for_cpu on each selected expert's view; 2/3 bits have no torch kernel; best/torch: "
+          "the first instruction set's speed over torch's)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,11 @@
 """zoo::moe_gemv (zoo/kernels): the C++ expert kernel against the dequantised naive reference, for every stored
-form, 1 to 8 tokens, empty slots, experts of another stack, both instruction sets; opcheck; the expert block
-it serves in compiled decode."""
+form, 1 to 8 tokens, empty slots, experts of another stack, every instruction set (AVX-512 with bf16 dot
+products, AVX-512, AVX2, portable) where this processor has it, and ZOO_KERNEL_ISA forcing one; opcheck; the
+expert block it serves in compiled decode."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -9,10 +14,7 @@ from zoo.moe.quantized import quantize_grouped, quantize_int8
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"kernel unavailable: {kernels.unavailable_reason()}")
 
-ISAS = ["avx512", "avx2"]
-
-
-@pytest.fixture(params=ISAS)
+@pytest.fixture(params=kernels.ISAS)
 def isa(request):
     before = kernels.isa()
     try:
@@ -86,6 +88,37 @@ def test_many_pairs_for_one_expert(isa):
     x = torch.randn(11, 64)
     torch.testing.assert_close(kernels.moe_gemv(x, idx, w, s, 4, 32), kernels.moe_gemv_reference(x, idx, w, s, 4, 32),
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("K", [32, 64, 77, 130])
+@pytest.mark.parametrize("T", [1, 3])
+def test_bf16_inputs_every_width(isa, K, T):
+    """bf16 weights times bf16 inputs (vdpbf16ps on avx512-bf16) for widths that fill whole steps and widths that
+    end in a masked part-step, per-slot inputs too."""
+    S, N, k = 4, 48, 2
+    w, _ = stack(16, S, N, K)
+    idx = routing(T, k, S)
+    for x in (torch.randn(T, K).bfloat16(), torch.randn(T, k, K).bfloat16()):
+        got = kernels.moe_gemv(x, idx, w, None, 16)
+        torch.testing.assert_close(got.float(), kernels.moe_gemv_reference(x, idx, w, None, 16).float(),
+                                   rtol=1e-2, atol=1e-3)
+
+
+def test_environment_forces_an_instruction_set(monkeypatch):
+    """ZOO_KERNEL_ISA picks the set a process uses; a misspelt name is one line naming the close ones; a set the
+    processor lacks leaves the kernel off with the reason (never an illegal instruction)."""
+    code = "from zoo.moe import kernels; print(kernels.load(), kernels.isa())"
+    env = dict(os.environ, ZOO_KERNEL_ISA="portable")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["True", "portable"], out.stderr
+    monkeypatch.setenv("ZOO_KERNEL_ISA", "avx-512")
+    with pytest.raises(ValueError, match="did you mean avx512"):
+        kernels._forced_isa()
+    monkeypatch.setenv("ZOO_KERNEL_ISA", "AVX2 ")
+    assert kernels._forced_isa() == "avx2"
+    assert kernels._lacking("avx512-bf16", 1) == ("ZOO_KERNEL_ISA=avx512-bf16 asks for instructions this processor "
+                                                  "lacks (it has avx2, portable)")
+    assert kernels._lacking("avx2", 1) is None
 
 
 def test_opcheck():

@@ -1,18 +1,19 @@
 """The zoo's own CPU kernels (C++), for what torch's kernels do slowly: ``zoo::moe_gemv`` reads the selected
 experts' stored weights once, in place, for a few tokens (decode), at memory speed.
 
-The library is built from ``moe_gemv.cpp`` with ``torch.utils.cpp_extension`` on first use (about 15 s with
+The library is built from ``moe_gemv.cpp`` with ``torch.utils.cpp_extension`` on first use (about 25 s with
 two cores) and cached in torch's extension folder, rebuilt only when the source changes. ``load()`` builds or
 loads it and says whether it is there; ``ready()`` only reads that answer, so compiled code can branch on it.
-Where it cannot be built (no C++ compiler, not x86-64, no AVX2, or ``ZOO_KERNELS=0``), the zoo keeps torch's
-path and ``unavailable_reason()`` says why.
+The kernels come in four instruction sets (``ISAS``), the best the processor has chosen at load; the environment
+variable ``ZOO_KERNEL_ISA`` forces one (``portable`` runs anywhere: SSE2 on x86-64, NEON on ARM64).
+Where the library cannot be built (no C++ compiler, or ``ZOO_KERNELS=0``), the zoo keeps torch's path and
+``unavailable_reason()`` says why.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import os
-import platform
 import shutil
 import sys
 import warnings
@@ -27,12 +28,36 @@ MAX_TOKENS = 8  # the kernel serves few tokens (decode); prefill stays on the so
 _state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load())", "off": False}
 
 
+ISAS = ("portable", "avx2", "avx512", "avx512-bf16")  # the kernel's codes 0..3; each needs all before it
+
+
+def _forced_isa() -> Optional[str]:
+    """The instruction set ZOO_KERNEL_ISA names (None: the best the processor has); a name not in ISAS is an
+    error that names the close ones."""
+    want = os.environ.get("ZOO_KERNEL_ISA", "").strip().lower()
+    if not want:
+        return None
+    if want not in ISAS:
+        import difflib
+
+        close = difflib.get_close_matches(want, ISAS, n=2, cutoff=0.5)
+        raise ValueError(f"ZOO_KERNEL_ISA={want!r} is not an instruction set of zoo's kernel"
+                         + (f"; did you mean {' or '.join(close)}?" if close else "") + f" (known: {', '.join(ISAS)})")
+    return want
+
+
+def _lacking(forced: str, has: int) -> Optional[str]:
+    """Why the forced set cannot run where the processor's best is ISAS[has] (None: it can)."""
+    if ISAS.index(forced) <= has:
+        return None
+    return f"ZOO_KERNEL_ISA={forced} asks for instructions this processor lacks (it has {', '.join(ISAS[:has + 1][::-1])})"
+
+
 def _build() -> Optional[str]:
     """Build or load the library; None when ``zoo::moe_gemv`` is ready, else why not."""
     if os.environ.get("ZOO_KERNELS", "1") == "0":
         return "turned off by ZOO_KERNELS=0"
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the kernels are written for x86-64, this is {platform.machine()}"
+    forced = _forced_isa()  # a misspelt name is refused before anything is built
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (c++ or $CXX) on PATH"
     # cpp_extension runs ninja from PATH; a venv's ninja (the pip package) sits beside its interpreter
@@ -53,8 +78,11 @@ def _build() -> Optional[str]:
                                extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # a compiler error, a missing ninja: the fallback serves
         return f"building {SOURCE.name} failed: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}"
-    if torch.ops.zoo.moe_gemv_isa(-1) == 0:
-        return "this processor has neither AVX-512 nor AVX2 with FMA"
+    if forced is not None:
+        lacking = _lacking(forced, torch.ops.zoo.moe_gemv_isa(-2))
+        if lacking:
+            return lacking
+        torch.ops.zoo.moe_gemv_isa(ISAS.index(forced))
     torch.library.register_fake("zoo::moe_gemv")(_fake_moe_gemv)
     torch.library.register_fake("zoo::dequantize_int4")(_fake_dequantize_int4)
     return None
@@ -126,10 +154,15 @@ def unavailable_reason() -> Optional[str]:
 
 
 def isa(want: Optional[str] = None) -> str:
-    """The instruction set the kernels use ("avx512" or "avx2"); ``isa("avx2")`` forces the AVX2 path (tests)."""
-    names = {2: "avx512", 1: "avx2"}
-    code = torch.ops.zoo.moe_gemv_isa(-1 if want is None else {v: k for k, v in names.items()}[want])
-    return names[code]
+    """The instruction set the kernels use (one of ``ISAS``); ``isa("avx2")`` switches to that one (tests;
+    RuntimeError where the processor lacks it)."""
+    code = torch.ops.zoo.moe_gemv_isa(-1 if want is None else ISAS.index(want))
+    return ISAS[code]
+
+
+def best_isa() -> str:
+    """The best instruction set this processor has for the kernels."""
+    return ISAS[torch.ops.zoo.moe_gemv_isa(-2)]
 
 
 def moe_gemv(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor], bits: int,

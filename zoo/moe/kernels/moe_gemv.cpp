@@ -7,8 +7,12 @@
 // zeros. A SwiGLU expert block is two calls (gate_up, then down on the activated product), with the activation
 // and the weighted sum in torch around them (zoo/kernels/__init__.py).
 //
-// The kernels (moe_gemv_body.h) are compiled for AVX-512 and for AVX2; the instruction set is chosen when the
-// library loads, from what the processor supports (moe_gemv_isa forces one, for tests).
+// The kernels (moe_gemv_body.h) are compiled four times: AVX-512 with bf16 dot products (vdpbf16ps for bf16
+// weights times bf16 inputs), AVX-512, AVX2, and a portable build with GCC's generic vectors (SSE2 on x86-64,
+// NEON on ARM64, whatever the target has elsewhere). Only the last is compiled for the baseline; the others sit in
+// `#pragma GCC target` regions and run only where the processor reports their instructions, so no path can
+// raise an illegal instruction. The set is chosen when the library loads (moe_gemv_isa forces one: tests, and
+// ZOO_KERNEL_ISA in zoo/moe/kernels/__init__.py).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -16,7 +20,10 @@
 #include <map>
 #include <vector>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#define ZOO_X86 1
 #include <immintrin.h>
+#endif
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -61,6 +68,7 @@ struct Problem {
   int64_t N, K, g;         // output rows, inputs, group size (2/3/4 bits)
   const float* X;          // inputs [rows, K] in fp32 (2/3 bits: permuted per 32-input chunk)
   const float* SX;         // per-group sums of the inputs [rows, K/g] (2/3/4 bits)
+  const uint16_t* XB;      // the inputs in bf16 [rows, K], for bf16 dot products (null: X serves)
   float* Y;                // outputs [T * k, N]
 };
 
@@ -92,28 +100,66 @@ static void int4_tail(const uint8_t* w, const Scales& sc, int64_t N, int64_t K, 
   }
 }
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
-namespace avx512 {
-constexpr int L = 16;
-#define ZOO_LANES 16
-typedef int8_t vi8 __attribute__((vector_size(16)));
-typedef uint8_t vu8 __attribute__((vector_size(16)));
-typedef float vf __attribute__((vector_size(64)));
-// 8-bit lanes to float: GCC's generic conversion of 8-bit vectors comes out scalar, so these two are intrinsics
-static inline vf to_float(vi8 v) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)v)); }
-static inline vf to_float(vu8 v) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)v)); }
-// 16 bytes of int4 codes to floats: each byte widened to a 32-bit lane, then a lookup in a table of 0..15, which
-// reads only the low 4 bits of each lane (no mask, no integer-to-float conversion)
+// the baseline build: 8 float lanes of GCC's generic vectors, which the compiler maps onto the target's own
+// registers (two SSE2 or NEON registers a vector)
+namespace portable {
+constexpr int L = 8;
+#define ZOO_LANES 8
+typedef int8_t vi8 __attribute__((vector_size(8)));
+typedef uint8_t vu8 __attribute__((vector_size(8)));
+typedef float vf __attribute__((vector_size(32)));
+static inline vf to_float(vi8 v) { return __builtin_convertvector(v, vf); }
+static inline vf to_float(vu8 v) { return __builtin_convertvector(v, vf); }
 static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
-  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  lo = (vf)_mm512_permutexvar_ps(v, table);
-  hi = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+  vu8 b;
+  std::memcpy(&b, p, sizeof b);
+  lo = __builtin_convertvector(vu8(b & 15), vf);
+  hi = __builtin_convertvector(vu8(b >> 4), vf);
 }
 #include "moe_gemv_body.h"
 #undef ZOO_LANES
+}  // namespace portable
+
+#ifdef ZOO_X86
+#define ZOO_AVX512_TYPES                                                                                          \
+  constexpr int L = 16;                                                                                           \
+  typedef int8_t vi8 __attribute__((vector_size(16)));                                                            \
+  typedef uint8_t vu8 __attribute__((vector_size(16)));                                                           \
+  typedef float vf __attribute__((vector_size(64)));                                                              \
+  /* 8-bit lanes to float: GCC's generic conversion of 8-bit vectors comes out scalar, so these are intrinsics */ \
+  static inline vf to_float(vi8 v) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)v)); }           \
+  static inline vf to_float(vu8 v) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)v)); }           \
+  /* 16 bytes of int4 codes to floats: each byte widened to a 32-bit lane, then a lookup in a table of 0..15,  */ \
+  /* which reads only the low 4 bits of each lane (no mask, no integer-to-float conversion) */                    \
+  static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {                                         \
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);                    \
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));                                         \
+    lo = (vf)_mm512_permutexvar_ps(v, table);                                                                     \
+    hi = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);                                               \
+  }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+namespace avx512 {
+#define ZOO_LANES 16
+ZOO_AVX512_TYPES
+#include "moe_gemv_body.h"
+#undef ZOO_LANES
 }  // namespace avx512
+#pragma GCC pop_options
+
+// AVX-512 with bf16 dot products: the same kernels, and bf16 weights times bf16 inputs on vdpbf16ps (products
+// exact in fp32, as the widening path's, summed in fp32; only the order of the sums differs)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")
+namespace avx512bf16 {
+#define ZOO_LANES 16
+#define ZOO_BF16_DOT 1
+ZOO_AVX512_TYPES
+#include "moe_gemv_body.h"
+#undef ZOO_BF16_DOT
+#undef ZOO_LANES
+}  // namespace avx512bf16
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -135,24 +181,54 @@ static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
 #undef ZOO_LANES
 }  // namespace avx2
 #pragma GCC pop_options
+#endif  // ZOO_X86
 
-// 2: AVX-512, 1: AVX2, 0: neither (the op refuses; Python keeps torch's path)
+// 3: AVX-512 with bf16 dot products, 2: AVX-512, 1: AVX2 (with FMA), 0: portable. Each set needs all below it.
 static int detect_isa() {
+#ifdef ZOO_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    return 2;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
+  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")))
+    return 1;
+  return __builtin_cpu_supports("avx512bf16") ? 3 : 2;
+#else
   return 0;
+#endif
 }
 static int g_isa = detect_isa();
 
+// -1: the set in use; 0..3: use that one (refused if the processor lacks it); -2: the best the processor has
 int64_t moe_gemv_isa(int64_t want) {
+  if (want == -2) return detect_isa();
   if (want >= 0) {
     TORCH_CHECK(want <= detect_isa(), "moe_gemv_isa: this processor does not support instruction set ", want);
     g_isa = int(want);
   }
   return g_isa;
+}
+
+static void run_all(const Problem& pb, const std::vector<Item>& items) {
+  switch (g_isa) {
+#ifdef ZOO_X86
+    case 3: return avx512bf16::run_items(pb, items);
+    case 2: return avx512::run_items(pb, items);
+    case 1: return avx2::run_items(pb, items);
+#endif
+    default: return portable::run_items(pb, items);
+  }
+}
+
+template <class OUT>
+static void dequant_int4_any(const uint8_t* w, const Scales& sc, int64_t N, int64_t K, int64_t g, OUT* wt) {
+  switch (g_isa) {
+#ifdef ZOO_X86
+    case 3: return avx512bf16::dequant_int4(w, sc, N, K, g, wt);
+    case 2: return avx512::dequant_int4(w, sc, N, K, g, wt);
+    case 1: return avx2::dequant_int4(w, sc, N, K, g, wt);
+#endif
+    default: return portable::dequant_int4(w, sc, N, K, g, wt);
+  }
 }
 
 // the input order rows_packed reads: chunk c, shift s, lane j <- input 32c + (k of lane j at shift s)
@@ -168,7 +244,6 @@ static void permute_for_packed(const float* x, float* out, int64_t K, int bits) 
 at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
                     const std::optional<at::Tensor>& scale, int64_t bits, int64_t group_size,
                     const std::optional<at::Tensor>& slot_of) {
-  TORCH_CHECK(g_isa > 0, "zoo::moe_gemv needs a processor with AVX2 and FMA");
   TORCH_CHECK(x.device().is_cpu() && indices.device().is_cpu() && weight.device().is_cpu(),
               "zoo::moe_gemv runs on CPU tensors");
   TORCH_CHECK(indices.dim() == 2 && indices.scalar_type() == at::kLong, "indices must be int64 [T, k]");
@@ -226,8 +301,10 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   const int64_t rows = x.numel() / K;
   const bool f32 = x.scalar_type() == at::kFloat;
   at::Tensor xc = x.contiguous();
+  // bf16 weights times bf16 inputs on bf16 dot products: the inputs are read as they are, never widened
+  const bool bf16_dot = g_isa == 3 && kind == Kind::bf16 && !f32;
   std::vector<float> xbuf;
-  if (!f32) {
+  if (!f32 && !bf16_dot) {
     xbuf.resize(rows * K);
     const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
     for (int64_t i = 0; i < rows * K; ++i) xbuf[i] = float(xb[i]);
@@ -276,11 +353,9 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   float* Yp = f32 ? Y.data_ptr<float>() : ybuf.data();
   for (int64_t p : unread) std::memset(Yp + p * N, 0, N * sizeof(float));
   Problem pb{kind, weight.data_ptr(), weight.stride(0) * weight.element_size(), sc, N, K, group_size,
-             permuted.empty() ? Xp : permuted.data(), sums.empty() ? nullptr : sums.data(), Yp};
-  if (g_isa == 2)
-    avx512::run_items(pb, items);
-  else
-    avx2::run_items(pb, items);
+             permuted.empty() ? Xp : permuted.data(), sums.empty() ? nullptr : sums.data(),
+             bf16_dot ? reinterpret_cast<const uint16_t*>(xc.data_ptr()) : nullptr, Yp};
+  run_all(pb, items);
   if (!f32) {  // round to nearest even, NaN kept (as .to() does), in a loop the compiler vectorises
     uint16_t* yb = reinterpret_cast<uint16_t*>(Y.data_ptr());
     for (int64_t i = 0; i < T * k * N; ++i) {
@@ -298,7 +373,6 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
 // beats a low-bit kernel, and the transposed view is what the matmul reads best.
 at::Tensor dequantize_int4(const at::Tensor& weight, const at::Tensor& scale, int64_t group_size,
                            at::ScalarType dtype) {
-  TORCH_CHECK(g_isa > 0, "zoo::dequantize_int4 needs a processor with AVX2 and FMA");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
               "weight must be a contiguous uint8 [N, K/2] int4 pack");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
@@ -314,14 +388,10 @@ at::Tensor dequantize_int4(const at::Tensor& weight, const at::Tensor& scale, in
   sc.N = N;
   at::Tensor wt = at::empty({K, N}, weight.options().dtype(dtype));
   const uint8_t* w = weight.data_ptr<uint8_t>();
-  if (dtype == at::kFloat) {
-    if (g_isa == 2) avx512::dequant_int4(w, sc, N, K, group_size, wt.data_ptr<float>());
-    else avx2::dequant_int4(w, sc, N, K, group_size, wt.data_ptr<float>());
-  } else {
-    auto* out = reinterpret_cast<uint16_t*>(wt.data_ptr());
-    if (g_isa == 2) avx512::dequant_int4(w, sc, N, K, group_size, out);
-    else avx2::dequant_int4(w, sc, N, K, group_size, out);
-  }
+  if (dtype == at::kFloat)
+    dequant_int4_any(w, sc, N, K, group_size, wt.data_ptr<float>());
+  else
+    dequant_int4_any(w, sc, N, K, group_size, reinterpret_cast<uint16_t*>(wt.data_ptr()));
   return wt.t();
 }
 

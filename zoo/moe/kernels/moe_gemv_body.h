@@ -68,6 +68,39 @@ static void rows_dense(const W* w, const Scales& sc, int64_t K, int64_t r0, int6
   }
 }
 
+#ifdef ZOO_BF16_DOT
+// bf16 weights times bf16 inputs: vdpbf16ps multiplies 32 pairs and adds them into 16 fp32 lanes, so a step
+// reads 64 weights (two cache lines) with no widening
+template <int NP>
+static void rows_bf16_dot(const uint16_t* w, int64_t K, int64_t r0, int64_t r1, const uint16_t* const* xs,
+                          float* const* ys) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* wr = w + r * K;
+    __m512 a[2][NP];
+    for (int p = 0; p < NP; ++p) a[0][p] = a[1][p] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k), w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
+      for (int p = 0; p < NP; ++p) {
+        a[0][p] = _mm512_dpbf16_ps(a[0][p], w0, (__m512bh)_mm512_loadu_si512(xs[p] + k));
+        a[1][p] = _mm512_dpbf16_ps(a[1][p], w1, (__m512bh)_mm512_loadu_si512(xs[p] + k + 32));
+      }
+    }
+    if (k < K) {  // the last 1..63 inputs: masked loads read zeros past the row's end
+      const int64_t n0 = std::min<int64_t>(32, K - k), n1 = K - k - n0;
+      const __mmask32 m0 = n0 == 32 ? ~__mmask32(0) : (__mmask32(1) << n0) - 1, m1 = (__mmask32(1) << n1) - 1;
+      const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, wr + k);
+      const __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, wr + k + 32);
+      for (int p = 0; p < NP; ++p) {
+        a[0][p] = _mm512_dpbf16_ps(a[0][p], w0, (__m512bh)_mm512_maskz_loadu_epi16(m0, xs[p] + k));
+        a[1][p] = _mm512_dpbf16_ps(a[1][p], w1, (__m512bh)_mm512_maskz_loadu_epi16(m1, xs[p] + k + 32));
+      }
+    }
+    for (int p = 0; p < NP; ++p) ys[p][r] = _mm512_reduce_add_ps(_mm512_add_ps(a[0][p], a[1][p]));
+  }
+}
+#endif
+
 // torch's CPU int4 pack, one block of 64 rows: for each k, 32 bytes; byte j holds row j (low nibble) and row
 // j + 32 (high nibble). Scale and zero per group of g inputs: w = (q - 8) * s + z, so a group contributes
 // s * sum(q x) + (z - 8 s) * sum(x), and sum(x) per group is precomputed (sxs).
@@ -242,6 +275,14 @@ static void run_item(const Problem& pb, const Item& it) {
       ZOO_NP((rows_dense<NP>(reinterpret_cast<const float*>(w), sc, pb.K, it.r0, it.r1, xs, ys)));
       break;
     case Kind::bf16:
+#ifdef ZOO_BF16_DOT
+      if (pb.XB) {
+        const uint16_t* xbs[8];
+        for (int p = 0; p < it.np; ++p) xbs[p] = pb.XB + it.in_row[p] * pb.K;
+        ZOO_NP((rows_bf16_dot<NP>(reinterpret_cast<const uint16_t*>(w), pb.K, it.r0, it.r1, xbs, ys)));
+        break;
+      }
+#endif
       ZOO_NP((rows_dense<NP>(reinterpret_cast<const uint16_t*>(w), sc, pb.K, it.r0, it.r1, xs, ys)));
       break;
     case Kind::int8:
