@@ -70,26 +70,29 @@ def worker(spec: dict) -> dict:
     t = time.perf_counter()
     if spec["engine"] == "memory":
         model = zoo.load(spec["folder"]).eval()
+    elif spec["engine"] == "in-place":
+        model = zoo.offload(spec["folder"], reader="in-place")
     else:
         model = zoo.offload(spec["folder"], cache_experts=spec["cache_experts"])
     load_s = time.perf_counter() - t
     ids = torch.tensor([spec["prompt"]])
-    n = spec["new_tokens"]
+    n, compiled = spec["new_tokens"], spec.get("compiled", False)
     cache = cache_of(model) if spec["engine"] == "offload" else None
     with torch.no_grad():
-        out = greedy(model, ids, n, compile=False)  # warm-up: fills the cache
+        greedy(model, ids, 1, compile=compiled)  # warm-up: fills the cache, compiles both lengths' steps
+        out = greedy(model, ids, n, compile=compiled)
         speeds, counts = [], []
         for _ in range(2):
             t0 = time.perf_counter()
-            first = counted(cache, lambda: greedy(model, ids, 1, compile=False))
+            first = counted(cache, lambda: greedy(model, ids, 1, compile=compiled))
             t1 = time.perf_counter()
-            full = counted(cache, lambda: greedy(model, ids, n, compile=False))
+            full = counted(cache, lambda: greedy(model, ids, n, compile=compiled))
             t2 = time.perf_counter()
             speeds.append((n - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
             counts.append({k: (full[k] - first[k]) / (n - 1) for k in full})  # per decode token: full minus prefill
-        out = greedy(model, ids, n, compile=False)
+        out = greedy(model, ids, n, compile=compiled)
     row = {"decode": statistics.median(speeds), "load_s": load_s, "start_mb": start, "peak_mb": rss_mb(),
-           "tokens": out[0, len(spec["prompt"]):].tolist()}
+           "anon_mb": rss_mb("RssAnon"), "tokens": out[0, len(spec["prompt"]):].tolist()}
     if cache is not None:
         row["cache"] = {k: statistics.mean(c[k] for c in counts) for k in counts[0]}
         row["cache"]["resident_mb"] = cache.peak_resident / 1e6
@@ -125,7 +128,7 @@ def llama_worker(spec: dict) -> dict:
             tokens.append(llm.sample(top_k=1, temp=0.0))
         speeds.append((n - 1) / (time.perf_counter() - t))
     return {"decode": statistics.median(speeds[1:]), "load_s": load_s, "tokens": tokens, "start_mb": start,
-            "peak_mb": rss_mb()}
+            "peak_mb": rss_mb(), "anon_mb": rss_mb("RssAnon")}
 
 
 def run_child(spec: dict, llama_path: str | None) -> dict:
@@ -209,24 +212,27 @@ def main(argv=None):
             for share in (0.5, 0.25):
                 specs.append({"label": f"offload, cache {share:.0%} ({round(total * share)}/{total})",
                               "engine": "offload", "cache_experts": round(total * share), **common})
+            specs += [{"label": "in memory, compiled", "engine": "memory", "compiled": True, **common},
+                      {"label": "in place (mapped), compiled", "engine": "in-place", "compiled": True, **common}]
             if gguf is not None:
                 specs.append({"label": "llama.cpp mmap" + (" (Q4_1)" if storage == "int4" else ""),
                               "engine": "llama.cpp", "gguf": str(gguf), **common})
-            reference = None
+            reference = {}  # eager and compiled steps each against their own in-memory tokens
             for spec in specs:
                 for repeat in range(1 if spec["engine"] == "llama.cpp" else args.repeats):
                     r = run_child(spec, args.llama_cpp_path)
-                    reference = r["tokens"] if reference is None else reference
+                    compiled = spec.get("compiled", False)
+                    reference.setdefault(compiled, r["tokens"])
                     r.update(storage=storage, label=spec["label"], size_mb=size, repeat=repeat,
                              engine=spec["engine"], cache=r.get("cache"),
-                             same=None if spec["engine"] == "llama.cpp" else r["tokens"] == reference)
+                             same=None if spec["engine"] == "llama.cpp" else r["tokens"] == reference[compiled])
                     rows.append(r)
                     print(f"  {storage}: {spec['label']} #{repeat + 1} done ({r['decode']:.1f} tok/s)", flush=True)
     print(f"\n{args.new_tokens} greedy tokens after a {args.prompt}-token prompt, batch 1, {args.threads} threads; "
           f"{'mixtral-smoke' if args.smoke else 'Mixtral-shaped 304M (4 layers x 8 experts, top-2)'}; "
           "each row a fresh process")
     head = (f"{'experts':8} {'ckpt MB':>7} {'engine':30} {'decode tok/s':>12} {'peak RSS MB':>11} "
-            f"{'start MB':>8} {'peak-start':>10} {'cache MB':>8} {'load s':>6} {'hits/tok':>8} {'misses/tok':>10} "
+            f"{'start MB':>8} {'peak-start':>10} {'anon MB':>7} {'cache MB':>8} {'load s':>6} {'hits/tok':>8} {'misses/tok':>10} "
             f"{'MB read/tok':>11} {'same tokens':>11}")
     print(head + "\n" + "-" * len(head))
     for r in rows:
@@ -235,11 +241,12 @@ def main(argv=None):
                                  f"{c['bytes_read'] / 1e6:.1f}", f"{c['resident_mb']:.0f}"))
         same = "-" if r["same"] is None else "yes" if r["same"] else "no"
         print(f"{r['storage']:8} {r['size_mb']:7.0f} {r['label']:30} {r['decode']:12.1f} {r['peak_mb']:11.0f} "
-              f"{r['start_mb']:8.0f} {r['peak_mb'] - r['start_mb']:10.0f} {held:>8} {r['load_s']:6.1f} {hit:>8} "
+              f"{r['start_mb']:8.0f} {r['peak_mb'] - r['start_mb']:10.0f} {r.get('anon_mb', float('nan')):7.0f} {held:>8} {r['load_s']:6.1f} {hit:>8} "
               f"{miss:>10} {read:>11} {same:>11}")
-    print("(start: the process's RSS after its imports; cache MB: the most the expert cache held; hits, misses and MB\n"
+    print("(start: the process's RSS after its imports; anon MB: its anonymous memory at the end (RSS less the pages\n"
+          " of memory-mapped files, which the kernel can drop and read again); cache MB: the most the expert cache held; hits, misses and MB\n"
           " read per decode token: a full run's counts minus its 1-token run's (the prefill), over the new tokens;\n"
-          " same tokens: equal to the in-memory row's greedy tokens of the same storage; llama.cpp's peak RSS counts\n"
+          " same tokens: equal to the in-memory row's greedy tokens of the same storage and step (eager or compiled); llama.cpp's peak RSS counts\n"
           " the pages of its memory-mapped file that it touched)")
     if why_not is not None:
         print(f"llama.cpp: not measured ({why_not})")
@@ -264,13 +271,13 @@ def judged(rows: list[dict]) -> dict:
     from zoo.evaluation.claims import combine, judge
 
     def values(storage, label_start, key):
-        return [key(r) for r in rows if r["storage"] == storage and r["label"].startswith(label_start)]
+        return [key(r) for r in rows if r["storage"] == storage and r["label"].split(" (")[0] == label_start]
 
     above = lambda r: r["peak_mb"] - r["start_mb"]  # noqa: E731
     memory = judge(values("bf16", "offload, cache 25%", above), values("bf16", "in memory", above))
     speed = judge(values("int4", "offload, cache 25%", lambda r: r["decode"]),
                   values("bf16", "offload, cache 25%", lambda r: r["decode"]), lower_is_better=False)
-    same = all(r["same"] for r in rows if r["same"] is not None)
+    same = all(r["same"] for r in rows if r["engine"] == "offload")  # the judged rows: the cache's
     judgements = {"memory: bf16 offload (25% cache) vs in memory, MB above the imports": memory,
                   "speed: int4 vs bf16 experts, offloaded (25% cache), decode tok/s": speed}
     verdict = combine([memory["verdict"], speed["verdict"]]) if same else "does not hold"

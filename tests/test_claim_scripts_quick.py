@@ -20,7 +20,8 @@ HEAD = re.compile(rf"^(?P<label>\S.*): {VERDICT}$")
 PART = re.compile(rf"^  - (?P<name>.+): {VERDICT}, margin \S+ vs noise \S+ over [2-9] "
                   rf"(paired draws|seeds|seeds, paired by seed|calibration draws) \((?P<reason>.+)\)$")
 # these have their own quick tests, which assert more (tests/test_quantize_claims_quick.py,
-# tests/test_multimodal_claim_quick.py; offload's --smoke run in tests/test_benchmark_smoke.py)
+# tests/test_multimodal_claim_quick.py); offload.py has no quick mode: its --smoke run takes ~8 minutes (a fresh
+# process per row, compiled steps), so its engine is what is tested (tests/test_offload.py)
 OWN_TESTS = {"quantize_claims.py", "quantize_formats_claims.py", "multimodal.py", "offload.py"}
 DRIVER = r"""
 import contextlib, io, json, runpy, sys, traceback

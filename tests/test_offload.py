@@ -43,6 +43,24 @@ def test_same_logits_and_tokens_as_in_memory(saved, kind, reader):
         assert torch.equal(greedy(off, ids[:1], 6, compile=False), greedy(ref, ids[:1], 6, compile=False))
     stats = cache_of(off).stats()
     assert stats["misses"] > 0 and stats["evictions"] > 0 and stats["cached_experts"] <= 3
+    assert (stats["reads_into_evicted"] > 0) == (reader == "pread")  # the evicted experts' memory read into again
+
+
+@torch.no_grad()
+def test_evicted_memory_is_reused_only_when_nothing_holds_it(saved):
+    ref = zoo.load(saved["dense"]).eval().model.layers[0].mlp.experts
+    experts = zoo.offload(saved["dense"], cache_experts=1).model.layers[0].mlp.experts
+    cache = cache_of(experts)
+    held = experts.fetch(0).gate_up_proj  # a caller keeps a tensor of expert 0
+    before = held.clone()
+    experts.fetch(1)  # evicts 0: its down_proj's memory is read into again, its held gate_up_proj's is not
+    assert cache.reads_into_evicted == 1
+    experts.fetch(2)  # evicts 1, whose memory nothing holds: expert 2 is read into both its tensors
+    assert cache.reads_into_evicted == 3
+    assert torch.equal(held, before)
+    for e in (2, 1, 0):  # each read into reused memory is the expert's own bytes
+        module = experts.fetch(e)
+        assert torch.equal(module.gate_up_proj[0], ref.gate_up_proj[e]) and torch.equal(module.down_proj[0], ref.down_proj[e])
 
 
 @torch.no_grad()
@@ -126,3 +144,53 @@ def test_compiled_decode_is_refused_in_one_line(saved):
     off = zoo.offload(saved["dense"], cache_experts=2)
     with pytest.raises(ValueError, match="offloaded experts .* decode it with compile=False"):
         greedy(off, torch.tensor([[5, 17]]), 2)
+
+
+def _file_spans(path) -> list[tuple[int, int]]:
+    """Address ranges of this process's memory maps of ``path``."""
+    with open("/proc/self/maps") as f:
+        rows = [line.split() for line in f if line.rstrip().endswith(str(path))]
+    return [tuple(int(x, 16) for x in row[0].split("-")) for row in rows]
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("kind", ["dense", "packed"])
+@torch.no_grad()
+def test_in_place_experts_are_the_mapped_file(saved, kind):
+    """reader='in-place': every expert tensor's data lies in a memory map of the shard (nothing copied), the model
+    gives the in-memory model's logits and greedy tokens (the compiled step too), and a write to an expert changes
+    this process's copy of the page, never the file."""
+    ref = zoo.load(saved[kind]).eval()
+    model = zoo.offload(saved[kind], reader="in-place")
+    shard = (saved[kind] / "model.safetensors").resolve()
+    spans = _file_spans(shard)
+    tensors = [t for layer in model.model.layers for t in layer.mlp.experts.state_dict().values()]
+    assert spans and tensors and all(any(a <= t.data_ptr() < b for a, b in spans) for t in tensors)
+    assert not any(any(a <= p.data_ptr() < b for a, b in spans) for n, p in model.named_parameters()
+                   if ".experts." not in n)  # the rest is loaded into memory as zoo.load loads it
+    ids, mask = padded_batch()
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).logits,
+                       ref(input_ids=ids, attention_mask=mask).logits)
+    eager = greedy(ref, ids[:1], 5, compile=False)
+    assert torch.equal(greedy(model, ids[:1], 5, compile=False), eager)
+    if kind == "dense":
+        torch._dynamo.reset()
+        assert torch.equal(greedy(model, ids[:1], 5, ahead_of_time=False), eager)
+    before = shard.read_bytes()
+    model.model.layers[0].mlp.experts.state_dict()[next(iter(model.model.layers[0].mlp.experts.state_dict()))].zero_()
+    assert shard.read_bytes() == before
+
+
+def test_in_place_refuses_what_it_cannot_map(saved, tmp_path):
+    with pytest.raises(ValueError, match="keeps no cache of its own"):
+        zoo.offload(saved["dense"], reader="in-place", cache_experts=2)
+    apart = tmp_path / "apart"
+    tiny_native("mixtral", seed=2).save_pretrained(apart)
+    with pytest.raises(NotOffloadable, match="stores each expert's matrices apart"):
+        zoo.offload(apart, reader="in-place")
+    halved = tmp_path / "bf16"
+    zoo.load(saved["dense"]).to(torch.bfloat16).save_pretrained(halved)
+    config = (halved / "config.json").read_text().replace('"bfloat16"', '"float32"')
+    (halved / "config.json").write_text(config)  # a config whose dtype is not the stored one
+    with pytest.raises(NotOffloadable, match="stored as torch.bfloat16, the model holds it as torch.float32"):
+        zoo.offload(halved, reader="in-place")

@@ -10,13 +10,16 @@ is and is not here). Decode eagerly: ``zoo.runtime.decode.greedy(model, ids, n, 
 """
 from __future__ import annotations
 
+import copy
 import numbers
 from collections import defaultdict
 
 import torch
 
 from zoo.architectures.family import Family
+from zoo.io import finite
 from zoo.io.checkpoint import Checkpoint, CheckpointError
+from zoo.moe.quantized import QuantizedExperts
 from zoo.runtime.offloaded import (READERS, ExpertCache, NotOffloadable, OffloadedExperts, ShardReader, check_offloadable,
                                one_expert_plan)
 from zoo.components.options import suggest
@@ -31,6 +34,10 @@ def _check_options(cache_experts, cache_bytes, reader):
         raise ValueError(f"cache_experts must be a whole number >= 0 or None, got {cache_experts!r}")
     if reader not in READERS:
         raise ValueError(f"unknown reader {reader!r}{suggest(str(reader), READERS)} (choose from {', '.join(READERS)})")
+    if reader == "in-place" and (cache_experts is not None or cache_bytes is not None):
+        raise ValueError("reader='in-place' keeps no cache of its own (the experts are the memory-mapped checkpoint; "
+                         "the operating system's page cache holds what was read): leave out cache_experts and "
+                         "cache_bytes")
     if cache_bytes is None:
         return cache_experts, None
     size = parse_bytes(cache_bytes)
@@ -45,7 +52,12 @@ def offload(path, cache_experts: int | None = None, cache_bytes=None, reader: st
 
     ``cache_experts``: how many experts (over all layers) the cache keeps; ``cache_bytes`` (``"512MB"`` or a number):
     how many bytes they may take. Either, both, or neither (no limit: every expert is read once, on first use).
-    ``reader``: ``"pread"`` (plain reads, the default) or ``"mmap"`` (safetensors' memory map). The cache is
+    ``reader``: ``"pread"`` (plain reads, the default) or ``"mmap"`` (safetensors' memory map), both into the cache;
+    or ``"in-place"``: no cache and no reads of the zoo's own, each layer's expert tensors are views of the
+    memory-mapped checkpoint (as llama.cpp maps a GGUF file), computed where they lie, by the experts' own module
+    (so the compiled decode step and the zoo's kernel run on them); the page cache holds what was touched and the
+    operating system drops it under memory pressure. It needs each layer's experts stored as fused tensors in the
+    model's dtype (a zoo checkpoint). The cache is
     ``zoo.runtime.offloading.cache_of(model)``: hits, misses, bytes read. Options are checked and every expert tensor of
     the checkpoint is looked up before anything is loaded: a missing one fails with its name."""
     from zoo.editing.stream import resolve
@@ -69,10 +81,15 @@ def offload(path, cache_experts: int | None = None, cache_bytes=None, reader: st
     if cache_bytes is not None and cache_experts != 0 and cache_bytes < largest:
         raise ValueError(f"cache_bytes={cache_bytes} cannot hold one expert ({largest} bytes); give at least that, "
                          "or cache_experts=0 for no cache")
-    cache = ExpertCache(cache_experts, cache_bytes)
+    if reader == "in-place":
+        _check_mappable(ckpt, files, blocks, keys)
+        place = lambda experts, i: _mapped(experts, i, keys[i], files)  # noqa: E731
+    else:
+        cache = ExpertCache(cache_experts, cache_bytes)
+        place = lambda experts, i: OffloadedExperts(experts, i, keys[i], files, cache)  # noqa: E731
     for i, layer in enumerate(ckpt.layers):
         if i in blocks:
-            _load_layer_without_experts(ckpt, i, keys[i], files, cache)
+            _load_layer_without_experts(ckpt, i, keys[i], place)
         else:
             ckpt.load_layer(i)
     model = ckpt.model
@@ -162,9 +179,40 @@ def _check_expert_tensors(ckpt, files: ShardReader, blocks: dict, keys: dict) ->
     return largest
 
 
-def _load_layer_without_experts(ckpt, i: int, keys: dict, files: ShardReader, cache: ExpertCache) -> None:
-    """Decoder layer i in memory but for its experts, which become ``OffloadedExperts`` over the checkpoint. A native
-    block is loaded as the family's own (its experts a placeholder) and converted as ``zoo.convert`` converts it."""
+def _check_mappable(ckpt, files: ShardReader, blocks: dict, keys: dict) -> None:
+    """NotOffloadable unless every expert tensor is one fused tensor of exactly the dtype the module holds (a view
+    of the file cannot be converted or concatenated without becoming a copy)."""
+    for i, block in blocks.items():
+        for name, t in block.experts.state_dict().items():
+            key = keys[i][name]
+            if not isinstance(key, str):
+                raise NotOffloadable(f"{ckpt.path} stores each expert's matrices apart ({key[0].format(e=0)}, ...): "
+                                     "they cannot be used in place as one stack; convert it first "
+                                     "(zoo.editing.stream.convert(src, out)) or use reader='pread'")
+            dtype = files.info(key)[0]
+            if dtype != t.dtype:
+                raise NotOffloadable(f"{ckpt.path}: tensor {key} is stored as {dtype}, the model holds it as {t.dtype}: "
+                                     "it cannot be used in place; save the model in its dtype or use reader='pread'")
+
+
+def _mapped(stored, i: int, keys: dict, files: ShardReader):
+    """Layer i's experts module of the stored kind whose tensors are views of the memory-mapped checkpoint."""
+    tensors = {name: files.mapped(keys[name]) for name in stored.state_dict()}
+    bad = finite.non_finite(tensors.items()) if finite.enabled() else []
+    if bad:
+        raise NotOffloadable(f"NaN or inf in the experts of layer {i} ({', '.join(bad)}): the checkpoint is corrupt")
+    experts = copy.deepcopy(stored)  # (on meta: the kind and its options, nothing allocated)
+    experts.load_state_dict(tensors, assign=True, strict=True)
+    if isinstance(experts, QuantizedExperts):  # its index tables, which a load never fills (not saved)
+        experts.register_buffer("width_of", torch.tensor(experts.bits), persistent=False)
+        experts.register_buffer("slot_of", torch.tensor(experts.slot), persistent=False)
+    return experts
+
+
+def _load_layer_without_experts(ckpt, i: int, keys: dict, place) -> None:
+    """Decoder layer i in memory but for its experts, which ``place(experts on meta, i)`` makes (``OffloadedExperts``
+    over the checkpoint, or the experts mapped in place). A native block is loaded as the family's own (its experts
+    a placeholder) and converted as ``zoo.convert`` converts it."""
     from transformers.initialization import no_init_weights
     from transformers.modeling_utils import local_torch_dtype
 
@@ -174,11 +222,9 @@ def _load_layer_without_experts(ckpt, i: int, keys: dict, files: ShardReader, ca
     with no_init_weights(), local_torch_dtype(ckpt.dtype), torch.device("meta"):
         layer = type(old)(ckpt.config, i)
         block = get_block(layer) if ckpt.native else build_block(get_block(old).layout())
-    native_experts = None
-    if ckpt.native:
-        native_experts, block.experts = block.experts, torch.nn.Module()  # nothing of them is allocated or loaded
-    else:
-        block.experts = OffloadedExperts(block.experts, i, keys, files, cache)
+    # the experts stay on meta, out of the layer, while the rest is allocated and loaded: nothing of them is read
+    stored, block.experts = block.experts, torch.nn.Module()
+    if not ckpt.native:
         put_block(layer, block)
     layer.to_empty(device="cpu")
     layer.eval()
@@ -195,11 +241,12 @@ def _load_layer_without_experts(ckpt, i: int, keys: dict, files: ShardReader, ca
     missing = ckpt._load(ckpt.model, by_file, lambda k: k.startswith(prefix))
     if missing:
         raise CheckpointError(f"{ckpt.path} lacks tensors of layer {i}: {sorted(missing)[:5]}")
-    if native_experts is not None:
-        block.experts = native_experts
-        moe = ckpt.family.from_native(block, ckpt.config)  # the router etc. as zoo.convert makes them
-        moe.experts = OffloadedExperts(moe.experts, i, keys, files, cache)
-        put_block(layer, moe)
+    if ckpt.native:
+        block.experts = stored
+        block = ckpt.family.from_native(block, ckpt.config)  # the router etc. as zoo.convert makes them
+        stored = block.experts
+    block.experts = place(stored, i)
+    put_block(layer, block)
 
 
 __all__ = ["offload", "cache_of", "NotOffloadable"]
