@@ -38,4 +38,5 @@ def test_moe_gemv_benchmark_smoke():
         return
     assert "compiled sum" in run.stdout
     forms = [line.split()[0] for line in run.stdout.splitlines() if line.startswith(("bf16 ", "int"))]
-    assert forms == ["bf16", "int8", "int4", "int3", "int2"], run.stdout
+    int8_dot = ["int8,"] if kernels.best_isa() == "avx512-bf16" else []  # the 8-bit-input row, where it can run
+    assert forms == ["bf16", "int8", *int8_dot, "int4", "int3", "int2"], run.stdout

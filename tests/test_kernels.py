@@ -104,6 +104,78 @@ def test_bf16_inputs_every_width(isa, K, T):
                                    rtol=1e-2, atol=1e-3)
 
 
+def int8_inputs_reference(x, idx, w, s, slot_of=None):
+    """The 8-bit-input path's exact result: each input row rounded to q = round(x / a) in [-127, 127] with
+    a = max|x| / 127, the integer dot with the int8 row, times a and the row's scale (in float64)."""
+    T, k = idx.shape
+    xf = x.float()
+    a = xf.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(xf / a).clamp(-127, 127).double()
+    y = torch.zeros(T, k, w.shape[1], dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            e = int(idx[t, j])
+            slot = e if slot_of is None else int(slot_of[e])
+            row = (t, j) if x.dim() == 3 else (t,)
+            y[t, j] = (w[slot].double() @ q[row]) * a[row].double() * s[slot].double()
+    return y
+
+
+@pytest.fixture
+def int8_inputs():
+    if kernels.best_isa() != "avx512-bf16":
+        pytest.skip("this processor has no int8 dot products (AVX512-VNNI with AVX512-BF16)")
+    before = kernels.isa()
+    kernels.isa("avx512-bf16")
+    kernels.int8_inputs(True)
+    yield
+    kernels.int8_inputs(False)
+    kernels.isa(before)
+
+
+@pytest.mark.parametrize("K", [64, 100, 192])
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_int8_inputs_are_exact_integer_dots(int8_inputs, K, T):
+    """int8 weights times inputs rounded to 8 bits on vpdpbusd: equal (up to the float products at the end) to the
+    integer reference, for whole and part 64-byte steps, fp32 and bf16 inputs, an input per slot, a stack holding
+    some experts; and within rounding distance of the float-input path."""
+    S, N, k = 3, 48, 2
+    w, s = stack(8, S, N, K, dtype=torch.float32)
+    slot_of = torch.tensor([0, 2, 1, -1])
+    idx = routing(T, k, 3, seed=T)
+    for x in (torch.randn(T, K), torch.randn(T, K).bfloat16(), torch.randn(T, k, K)):
+        got = kernels.moe_gemv(x, idx, w, s, 8, 64, slot_of)
+        want = int8_inputs_reference(x, idx, w, s, slot_of)
+        tol = 1e-5 if x.dtype == torch.float32 else 1e-2  # bf16 outputs are rounded once more
+        torch.testing.assert_close(got.double(), want.to(got.dtype).double(), rtol=tol, atol=tol)
+    kernels.int8_inputs(False)
+    exact = kernels.moe_gemv(x, idx, w, s, 8, 64, slot_of)
+    kernels.int8_inputs(True)
+    assert not torch.equal(got, exact) and float((got - exact).norm() / exact.norm()) < 0.02
+
+
+def test_int8_inputs_are_refused_without_int8_dot_products(monkeypatch):
+    """Asking for 8-bit inputs on a set without vpdpbusd is one line, in the API and in the environment
+    variable; a value other than 0/1 is refused before anything is built."""
+    before = kernels.isa()
+    kernels.isa("avx2")
+    try:
+        with pytest.raises(ValueError, match="need int8 dot products .* the kernels use avx2"):
+            kernels.int8_inputs(True)
+        assert kernels.int8_inputs() is False and kernels.int8_inputs(False) is False
+    finally:
+        kernels.isa(before)
+    with pytest.raises(ValueError, match="True, False or None"):
+        kernels.int8_inputs(1)
+    monkeypatch.setenv("ZOO_KERNEL_INT8_INPUTS", "yes")
+    with pytest.raises(ValueError, match="use 1 .* or 0"):
+        kernels._int8_inputs_asked()
+    code = "from zoo.moe import kernels; print(kernels.load(), kernels.int8_inputs())"
+    env = dict(os.environ, ZOO_KERNEL_ISA="avx2", ZOO_KERNEL_INT8_INPUTS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[0] == "False" and "needs int8 dot products" in out.stderr, out.stderr
+
+
 def test_environment_forces_an_instruction_set(monkeypatch):
     """ZOO_KERNEL_ISA picks the set a process uses; a misspelt name is one line naming the close ones; a set the
     processor lacks leaves the kernel off with the reason (never an illegal instruction)."""

@@ -5,7 +5,9 @@ The library is built from ``moe_gemv.cpp`` with ``torch.utils.cpp_extension`` on
 two cores) and cached in torch's extension folder, rebuilt only when the source changes. ``load()`` builds or
 loads it and says whether it is there; ``ready()`` only reads that answer, so compiled code can branch on it.
 The kernels come in four instruction sets (``ISAS``), the best the processor has chosen at load; the environment
-variable ``ZOO_KERNEL_ISA`` forces one (``portable`` runs anywhere: SSE2 on x86-64, NEON on ARM64).
+variable ``ZOO_KERNEL_ISA`` forces one (``portable`` runs anywhere: SSE2 on x86-64, NEON on ARM64). ``int8_inputs(True)``
+(or ``ZOO_KERNEL_INT8_INPUTS=1``) multiplies int8 weights by inputs rounded to 8 bits on int8 dot products (VNNI),
+an option: faster, and less exact.
 Where the library cannot be built (no C++ compiler, or ``ZOO_KERNELS=0``), the zoo keeps torch's path and
 ``unavailable_reason()`` says why.
 """
@@ -46,6 +48,14 @@ def _forced_isa() -> Optional[str]:
     return want
 
 
+def _int8_inputs_asked() -> bool:
+    """Whether ZOO_KERNEL_INT8_INPUTS asks for 8-bit inputs ("1") or not ("0", unset); another value is an error."""
+    value = os.environ.get("ZOO_KERNEL_INT8_INPUTS", "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"ZOO_KERNEL_INT8_INPUTS={value!r}: use 1 (8-bit inputs on int8 dot products) or 0")
+    return value == "1"
+
+
 def _lacking(forced: str, has: int) -> Optional[str]:
     """Why the forced set cannot run where the processor's best is ISAS[has] (None: it can)."""
     if ISAS.index(forced) <= has:
@@ -58,6 +68,7 @@ def _build() -> Optional[str]:
     if os.environ.get("ZOO_KERNELS", "1") == "0":
         return "turned off by ZOO_KERNELS=0"
     forced = _forced_isa()  # a misspelt name is refused before anything is built
+    int8 = _int8_inputs_asked()
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (c++ or $CXX) on PATH"
     # cpp_extension runs ninja from PATH; a venv's ninja (the pip package) sits beside its interpreter
@@ -83,6 +94,11 @@ def _build() -> Optional[str]:
         if lacking:
             return lacking
         torch.ops.zoo.moe_gemv_isa(ISAS.index(forced))
+    if int8:
+        if torch.ops.zoo.moe_gemv_isa(-1) != ISAS.index("avx512-bf16"):
+            return (f"ZOO_KERNEL_INT8_INPUTS=1 needs int8 dot products (AVX512-VNNI, the avx512-bf16 set); the set in "
+                    f"use is {ISAS[torch.ops.zoo.moe_gemv_isa(-1)]}")
+        torch.ops.zoo.moe_gemv_int8_inputs(1)
     torch.library.register_fake("zoo::moe_gemv")(_fake_moe_gemv)
     torch.library.register_fake("zoo::dequantize_int4")(_fake_dequantize_int4)
     return None
@@ -158,6 +174,22 @@ def isa(want: Optional[str] = None) -> str:
     RuntimeError where the processor lacks it)."""
     code = torch.ops.zoo.moe_gemv_isa(-1 if want is None else ISAS.index(want))
     return ISAS[code]
+
+
+def int8_inputs(on: Optional[bool] = None) -> bool:
+    """Whether int8 weights are multiplied by inputs rounded to 8 bits (one absmax scale per input row) on int8 dot
+    products; ``int8_inputs(True)`` / ``(False)`` turns that on / off (on: ValueError unless the set in use has
+    them, ``avx512-bf16``). Off by default: it changes the results (see the kernel benchmark's error column)."""
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"int8_inputs takes True, False or None, got {on!r}")
+    if not load():
+        if on:
+            raise ValueError(f"zoo's CPU kernel is not available ({unavailable_reason()})")
+        return False
+    if on and isa() != "avx512-bf16":
+        raise ValueError(f"8-bit inputs need int8 dot products (AVX512-VNNI, the avx512-bf16 set); the kernels use "
+                         f"{isa()} here")
+    return bool(torch.ops.zoo.moe_gemv_int8_inputs(-1 if on is None else int(on)))
 
 
 def best_isa() -> str:

@@ -101,6 +101,38 @@ static void rows_bf16_dot(const uint16_t* w, int64_t K, int64_t r0, int64_t r1, 
 }
 #endif
 
+#ifdef ZOO_VNNI
+// int8 weights times 8-bit inputs (stored q + 128, unsigned, as vpdpbusd takes them): 64 products a step summed
+// exactly in int32 lanes; a second vpdpbusd with ones sums the row's weights, to take off the 128 * sum(w) the
+// offset adds: y = (sum((q + 128) w) - 128 sum(w)) * input scale * row scale.
+template <int NP>
+static void rows_int8_dot(const int8_t* w, const Scales& sc, int64_t K, int64_t r0, int64_t r1,
+                          const uint8_t* const* xs, const float* xscale, float* const* ys) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int8_t* wr = w + r * K;
+    __m512i a[NP], s = _mm512_setzero_si512();
+    for (int p = 0; p < NP; ++p) a[p] = _mm512_setzero_si512();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+      const __m512i wv = _mm512_loadu_si512(wr + k);
+      s = _mm512_dpbusd_epi32(s, ones, wv);
+      for (int p = 0; p < NP; ++p) a[p] = _mm512_dpbusd_epi32(a[p], _mm512_loadu_si512(xs[p] + k), wv);
+    }
+    if (k < K) {  // the last 1..63 inputs: masked loads read zeros (a zero weight adds nothing)
+      const __mmask64 m = (__mmask64(1) << (K - k)) - 1;
+      const __m512i wv = _mm512_maskz_loadu_epi8(m, wr + k);
+      s = _mm512_dpbusd_epi32(s, ones, wv);
+      for (int p = 0; p < NP; ++p) a[p] = _mm512_dpbusd_epi32(a[p], _mm512_maskz_loadu_epi8(m, xs[p] + k), wv);
+    }
+    const int32_t row_sum = _mm512_reduce_add_epi32(s);
+    const float row_scale = sc.ptr ? sc.at(r) : 1.f;
+    for (int p = 0; p < NP; ++p)
+      ys[p][r] = float(_mm512_reduce_add_epi32(a[p]) - 128 * row_sum) * xscale[p] * row_scale;
+  }
+}
+#endif
+
 // torch's CPU int4 pack, one block of 64 rows: for each k, 32 bytes; byte j holds row j (low nibble) and row
 // j + 32 (high nibble). Scale and zero per group of g inputs: w = (q - 8) * s + z, so a group contributes
 // s * sum(q x) + (z - 8 s) * sum(x), and sum(x) per group is precomputed (sxs).
@@ -286,6 +318,18 @@ static void run_item(const Problem& pb, const Item& it) {
       ZOO_NP((rows_dense<NP>(reinterpret_cast<const uint16_t*>(w), sc, pb.K, it.r0, it.r1, xs, ys)));
       break;
     case Kind::int8:
+#ifdef ZOO_VNNI
+      if (pb.XQ) {
+        const uint8_t* xqs[8];
+        float scales[8];
+        for (int p = 0; p < it.np; ++p) {
+          xqs[p] = pb.XQ + it.in_row[p] * pb.K;
+          scales[p] = pb.XQS[it.in_row[p]];
+        }
+        ZOO_NP((rows_int8_dot<NP>(reinterpret_cast<const int8_t*>(w), sc, pb.K, it.r0, it.r1, xqs, scales, ys)));
+        break;
+      }
+#endif
       ZOO_NP((rows_dense<NP>(reinterpret_cast<const int8_t*>(w), sc, pb.K, it.r0, it.r1, xs, ys)));
       break;
     case Kind::int4:

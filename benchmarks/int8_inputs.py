@@ -1,0 +1,114 @@
+"""The kernel's 8-bit-input option (``zoo.moe.kernels.int8_inputs(True)``: int8 weights times inputs rounded to 8
+bits, one absmax scale per input row, on int8 dot products) against the exact path, in one run:
+
+- speed: compiled greedy decode of the 304M benchmark model with int8 experts (and with every linear layer int8),
+  the two settings taking turns over the same compiled step;
+- accuracy: the held-out English split scored token by token through the compiled decode step (where the kernel
+  reads every int8 matrix) by zoo-tiny-moe with int8 experts and layers: mean negative log-likelihood and the share of
+  positions whose top-1 prediction changes.
+
+    python benchmarks/int8_inputs.py            # needs a processor with AVX512-VNNI and AVX512-BF16
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def decode_speed(model, rounds: int, new_tokens: int) -> dict:
+    from zoo.moe import kernels
+    from zoo.runtime.decode import greedy
+
+    ids = torch.tensor([list(range(5, 21))])
+    speeds, tokens = {False: [], True: []}, {}
+    with torch.no_grad():
+        greedy(model, ids, new_tokens)  # compiles the step once: the setting is read by the kernel at run time
+        for _ in range(rounds):
+            for on in (False, True):
+                kernels.int8_inputs(on)
+                t = time.perf_counter()
+                out = greedy(model, ids, new_tokens)
+                speeds[on].append(new_tokens / (time.perf_counter() - t))
+                tokens[on] = out[0, ids.shape[1]:].tolist()
+    kernels.int8_inputs(False)
+    return {"exact": speeds[False], "int8": speeds[True],
+            "same_tokens": sum(a == b for a, b in zip(tokens[False], tokens[True]))}
+
+
+def token_by_token(model, ids: torch.Tensor, step) -> tuple[list[float], list[int]]:
+    """Negative log-likelihood of each next token and the top-1 prediction, each position through the compiled
+    decode step (where the kernel reads every int8 matrix), fed the held-out tokens."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=len(ids))
+    nll, top = [], []
+    with torch.no_grad():
+        logits = model(input_ids=ids[None, :1], past_key_values=cache, cache_position=torch.arange(1), use_cache=True,
+                       logits_to_keep=1).logits
+        for i in range(1, len(ids)):
+            last = logits[0, -1].float()
+            nll.append(float(-torch.log_softmax(last, -1)[ids[i]]))
+            top.append(int(last.argmax()))
+            if i + 1 < len(ids):
+                logits = step(ids[i].view(1, 1), i, cache)
+    return nll, top
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=512, help="held-out tokens scored")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    import zoo
+    from decode import mixtral_shaped
+    from zoo.data.tokens import token_stream
+    from zoo.moe import kernels
+    from zoo.moe.kernels.linear import read_linears_with_kernel
+    from zoo.runtime.decode import ahead_of_time_step
+
+    if not kernels.load() or kernels.best_isa() != "avx512-bf16":
+        print(f"8-bit inputs need AVX512-VNNI and AVX512-BF16 (kernel: {kernels.unavailable_reason() or kernels.isa()})")
+        return
+    base = zoo.convert(mixtral_shaped(False)).eval()
+    print(f"decode, 304M benchmark model, {args.new_tokens} greedy tokens, {args.threads} threads, compiled step, "
+          f"{args.rounds} rounds taking turns")
+    for targets in ("experts", "all"):
+        model = zoo.apply(copy.deepcopy(base), "quantize", bits=8, **({"targets": "all"} if targets == "all" else {}))
+        r = decode_speed(model, args.rounds, args.new_tokens)
+        ratio = statistics.median(r["int8"]) / statistics.median(r["exact"])
+        print(f"  int8 {targets:8} exact inputs {' '.join(f'{v:6.1f}' for v in r['exact'])} tok/s | 8-bit inputs "
+              f"{' '.join(f'{v:6.1f}' for v in r['int8'])} tok/s | ratio of medians {ratio:.2f} | greedy tokens "
+              f"equal {r['same_tokens']}/{args.new_tokens} (random weights: near-tied logits)")
+
+    tiny = zoo.apply(zoo.load("zoo-tiny-moe").eval(), "quantize", bits=8, targets="all")
+    ids = token_stream("english", "val", zoo.load_tokenizer("zoo-tiny-moe"))[:args.tokens].long()
+    read_linears_with_kernel(tiny)
+    step = ahead_of_time_step(tiny, 1, len(ids))
+    runs = {}
+    for on in (False, True):
+        kernels.int8_inputs(on)
+        runs[on] = token_by_token(tiny, ids, step)
+    kernels.int8_inputs(False)
+    (nll0, top0), (nll1, top1) = runs[False], runs[True]
+    changed = sum(a != b for a, b in zip(top0, top1)) / len(top0)
+    print(f"\naccuracy, zoo-tiny-moe (int8 experts and layers), {len(nll0)} held-out English tokens, one a step:")
+    print(f"  mean NLL exact inputs {statistics.mean(nll0):.4f} (ppl {math.exp(statistics.mean(nll0)):.2f}) | 8-bit "
+          f"inputs {statistics.mean(nll1):.4f} (ppl {math.exp(statistics.mean(nll1)):.2f}) | top-1 changed at "
+          f"{changed:.1%} of positions")
+
+
+if __name__ == "__main__":
+    main()
