@@ -74,7 +74,9 @@ struct Problem {
   float* Y;                // outputs [T * k, N]
 };
 
-struct Item {  // rows [r0, r1) of one expert for up to 8 (token, slot) pairs
+constexpr int64_t ROWS_PER_ITEM = 64;
+
+struct Item {  // rows [r0, r1) of one expert (at most ROWS_PER_ITEM) for up to 8 (token, slot) pairs
   int64_t slot, r0, r1;
   int np;
   int64_t in_row[8], out_row[8];
@@ -145,7 +147,9 @@ static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
 namespace avx512 {
 #define ZOO_LANES 16
 ZOO_AVX512_TYPES
+#define ZOO_X86_PACKED 1  // 2/3-bit rows on AVX2 instructions (every AVX-512 processor has them)
 #include "moe_gemv_body.h"
+#undef ZOO_X86_PACKED
 #undef ZOO_LANES
 }  // namespace avx512
 #pragma GCC pop_options
@@ -160,7 +164,9 @@ namespace avx512bf16 {
 #define ZOO_BF16_DOT 1
 #define ZOO_VNNI 1
 ZOO_AVX512_TYPES
+#define ZOO_X86_PACKED 1  // 2/3-bit rows on AVX2 instructions (every AVX-512 processor has them)
 #include "moe_gemv_body.h"
+#undef ZOO_X86_PACKED
 #undef ZOO_VNNI
 #undef ZOO_BF16_DOT
 #undef ZOO_LANES
@@ -182,7 +188,9 @@ static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
   lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
   hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 }
+#define ZOO_X86_PACKED 1  // 2/3-bit rows on AVX2 instructions (every AVX-512 processor has them)
 #include "moe_gemv_body.h"
+#undef ZOO_X86_PACKED
 #undef ZOO_LANES
 }  // namespace avx2
 #pragma GCC pop_options
@@ -374,7 +382,7 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
     else
       unread.push_back(p);
   }
-  const int64_t block = 64;
+  const int64_t block = ROWS_PER_ITEM;  // (int4: one block of torch's pack)
   std::vector<Item> items;
   for (auto& [slot, pairs] : pairs_of)
     for (size_t first = 0; first < pairs.size(); first += 8)

@@ -178,6 +178,41 @@ static void block_int4(const uint8_t* blk, const Scales& sc, int64_t K, int64_t 
     for (int c = 0; c < 2 * C; ++c) std::memcpy(ys[p] + n0 + c * L, &acc[p][c], sizeof(vf));
 }
 
+// One 32-code chunk of a 2- or 3-bit row as eight 32-bit words: 2 bits, lane i holds byte i (codes 4i..4i+3);
+// 3 bits, lanes 0..3 hold the four 24-bit words (8 codes each) and lanes 4..7 the same words, read from bit 12.
+// codes_to_float: each lane's code at bit `shift`, as a float.
+#ifdef ZOO_X86_PACKED
+// x86 (AVX2 and up): the bytes widened in one instruction (3 bits: one byte shuffle), and each code turned into a
+// float by a lookup in a table of 8 floats (vpermps reads an index's low 3 bits: no mask, no int-to-float convert)
+template <int BITS>
+static inline vw8 packed_words(const uint8_t* b) {
+  if (BITS == 2) return (vw8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)b));
+  uint32_t last;  // bytes 8..11, read apart: never past the chunk (the row may end there)
+  std::memcpy(&last, b + 8, 4);
+  const __m128i v = _mm_insert_epi32(_mm_loadl_epi64((const __m128i*)b), int(last), 2);
+  const __m128i words = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1));
+  return (vw8)_mm256_broadcastsi128_si256(words);
+}
+template <int BITS>
+static inline vf8 codes_to_float(vw8 words, vw8 shift) {
+  // 2 bits: the index's third bit is the next code's, so the table repeats 0..3
+  const __m256 table = BITS == 2 ? _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3) : _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  return (vf8)_mm256_permutevar8x32_ps(table, _mm256_srlv_epi32((__m256i)words, (__m256i)shift));
+}
+#else
+template <int BITS>
+static inline vw8 packed_words(const uint8_t* b) {
+  if (BITS == 2) return __builtin_convertvector(load<vb8>(b), vw8);
+  uint32_t u[4];
+  for (int i = 0; i < 4; ++i) u[i] = b[3 * i] | (b[3 * i + 1] << 8) | (b[3 * i + 2] << 16);
+  return vw8{u[0], u[1], u[2], u[3], u[0], u[1], u[2], u[3]};
+}
+template <int BITS>
+static inline vf8 codes_to_float(vw8 words, vw8 shift) {
+  return __builtin_convertvector(vi32_8((words >> shift) & ((1u << BITS) - 1)), vf8);
+}
+#endif
+
 // 2- or 3-bit codes packed densely along each row (zoo.moe.packing). 32 codes (4 * BITS bytes) at a time as
 // eight lanes x four shifts; the inputs come permuted to match (permute_for_packed), so each shift's lanes
 // multiply contiguous inputs. Groups are multiples of 32, so a 32-code chunk never straddles two.
@@ -186,7 +221,6 @@ static void rows_packed(const uint8_t* w, const Scales& sc, int64_t K, int64_t g
                         const float* const* xs, const float* const* sxs, float* const* ys) {
   const int64_t row_bytes = K * BITS / 8;
   const vw8 base = BITS == 2 ? vw8{0, 0, 0, 0, 0, 0, 0, 0} : vw8{0, 0, 0, 0, 12, 12, 12, 12};
-  const uint32_t mask = (1u << BITS) - 1;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* wr = w + r * row_bytes;
     vf8 acc[NP];
@@ -196,17 +230,9 @@ static void rows_packed(const uint8_t* w, const Scales& sc, int64_t K, int64_t g
       vf8 ga[NP];
       for (int p = 0; p < NP; ++p) ga[p] = vf8{};
       for (int64_t c = gi * g / 32; c < (gi + 1) * g / 32; ++c) {
-        const uint8_t* b = wr + c * 4 * BITS;
-        vw8 words;
-        if (BITS == 2) {
-          words = __builtin_convertvector(load<vb8>(b), vw8);  // lane i: codes 4i..4i+3
-        } else {
-          uint32_t u[4];
-          for (int i = 0; i < 4; ++i) u[i] = b[3 * i] | (b[3 * i + 1] << 8) | (b[3 * i + 2] << 16);
-          words = vw8{u[0], u[1], u[2], u[3], u[0], u[1], u[2], u[3]};  // lanes 4..7 read the upper half-words
-        }
+        const vw8 words = packed_words<BITS>(wr + c * 4 * BITS);
         for (int s = 0; s < 4; ++s) {
-          vf8 q = __builtin_convertvector(vi32_8((words >> (base + BITS * s)) & mask), vf8);
+          const vf8 q = codes_to_float<BITS>(words, base + BITS * s);
           for (int p = 0; p < NP; ++p) ga[p] += q * load<vf8>(xs[p] + c * 32 + s * 8);
         }
       }
