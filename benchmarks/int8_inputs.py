@@ -1,11 +1,13 @@
 """The kernel's 8-bit-input option (``zoo.moe.kernels.int8_inputs(True)``: int8 weights times inputs rounded to 8
 bits, one absmax scale per input row, on int8 dot products) against the exact path, in one run:
 
-- speed: compiled greedy decode of the 304M benchmark model with int8 experts (and with every linear layer int8),
-  the two settings taking turns over the same compiled step;
+- decode speed: compiled greedy decode of the 304M benchmark model with int8 experts (and with every linear layer
+  int8), the two settings taking turns over the same compiled step;
+- prefill speed: a 256-token prompt through the same models, beside transformers' own bf16 model (eager), taking
+  turns;
 - accuracy: the held-out English split scored token by token through the compiled decode step (where the kernel
   reads every int8 matrix) by zoo-tiny-moe with int8 experts and layers: mean negative log-likelihood and the share of
-  positions whose top-1 prediction changes.
+  positions whose top-1 prediction changes; and the same split scored in windows of 256 tokens (the prefill path).
 
     python benchmarks/int8_inputs.py            # needs a processor with AVX512-VNNI and AVX512-BF16
 """
@@ -63,12 +65,44 @@ def token_by_token(model, ids: torch.Tensor, step) -> tuple[list[float], list[in
     return nll, top
 
 
+def prefill_speed(models: dict, tokens: int, rounds: int) -> dict:
+    """tok/s of one forward over a ``tokens``-long prompt for each (label: (model, int8 inputs)), taking turns."""
+    from zoo.moe import kernels
+
+    ids = torch.randint(3, 8192, (1, tokens), generator=torch.Generator().manual_seed(1))
+    speeds = {label: [] for label in models}
+    with torch.no_grad():
+        for model, _ in models.values():
+            model(input_ids=ids)
+        for _ in range(rounds):
+            for label, (model, on) in models.items():
+                kernels.int8_inputs(on)
+                t = time.perf_counter()
+                model(input_ids=ids)
+                speeds[label].append(tokens / (time.perf_counter() - t))
+    kernels.int8_inputs(False)
+    return speeds
+
+
+def windowed_nll(model, ids: torch.Tensor, width: int) -> float:
+    """Mean next-token NLL over consecutive windows of ``width`` tokens, each one forward (prefill)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, width):
+            window = ids[start:start + width + 1]
+            logits = model(input_ids=window[None, :-1]).logits[0].float()
+            total += float(torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum"))
+            count += len(window) - 1
+    return total / count
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=512, help="held-out tokens scored")
+    ap.add_argument("--prefill", type=int, default=256)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -93,6 +127,19 @@ def main(argv=None):
               f"{' '.join(f'{v:6.1f}' for v in r['int8'])} tok/s | ratio of medians {ratio:.2f} | greedy tokens "
               f"equal {r['same_tokens']}/{args.new_tokens} (random weights: near-tied logits)")
 
+    native = mixtral_shaped(False).eval()
+    models = {"transformers bf16 (eager)": (native, False)}
+    for targets in ("experts", "all"):
+        model = zoo.apply(copy.deepcopy(base), "quantize", bits=8, **({"targets": "all"} if targets == "all" else {}))
+        models[f"int8 {targets}, exact inputs"] = (model, False)
+        models[f"int8 {targets}, 8-bit inputs"] = (model, True)
+    speeds = prefill_speed(models, args.prefill, args.rounds)
+    ref = statistics.median(speeds["transformers bf16 (eager)"])
+    print(f"\nprefill, {args.prefill}-token prompt, one forward, {args.rounds} rounds taking turns:")
+    for label, v in speeds.items():
+        print(f"  {label:28} {' '.join(f'{t:7.0f}' for t in v)} tok/s | {statistics.median(v) / ref:.2f}x transformers")
+    del models, native
+
     tiny = zoo.apply(zoo.load("zoo-tiny-moe").eval(), "quantize", bits=8, targets="all")
     ids = token_stream("english", "val", zoo.load_tokenizer("zoo-tiny-moe"))[:args.tokens].long()
     read_linears_with_kernel(tiny)
@@ -108,6 +155,13 @@ def main(argv=None):
     print(f"  mean NLL exact inputs {statistics.mean(nll0):.4f} (ppl {math.exp(statistics.mean(nll0)):.2f}) | 8-bit "
           f"inputs {statistics.mean(nll1):.4f} (ppl {math.exp(statistics.mean(nll1)):.2f}) | top-1 changed at "
           f"{changed:.1%} of positions")
+    nll = {}
+    for on in (False, True):
+        kernels.int8_inputs(on)
+        nll[on] = windowed_nll(tiny, ids, 256)
+    kernels.int8_inputs(False)
+    print(f"  the same tokens in windows of 256 (prefill): mean NLL exact inputs {nll[False]:.4f} | 8-bit inputs "
+          f"{nll[True]:.4f}")
 
 
 if __name__ == "__main__":

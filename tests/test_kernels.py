@@ -154,6 +154,24 @@ def test_int8_inputs_are_exact_integer_dots(int8_inputs, K, T):
     assert not torch.equal(got, exact) and float((got - exact).norm() / exact.norm()) < 0.02
 
 
+@pytest.mark.parametrize("K", [64, 100])
+def test_int8_inputs_prefill_rounds_as_the_kernel(int8_inputs, K):
+    """Many rows (prefill) go through torch's int8 matrix product on the kernel's rounding: the integer reference's
+    result, and the decode kernel's on the same rows."""
+    from zoo.moe.in_place import PREFILL_ROWS, kernel_linear
+
+    w, s = stack(8, 1, 48, K, dtype=torch.float32)
+    x = torch.randn(PREFILL_ROWS + 3, K)
+    one = torch.zeros(x.shape[0], 1, dtype=torch.long)
+    got = kernel_linear(x, w[0], s[0], 8, 64)
+    torch.testing.assert_close(got.double(), int8_inputs_reference(x, one, w, s)[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, kernels.moe_gemv(x, one, w, s, 8)[:, 0], rtol=1e-5, atol=1e-5)
+    kernels.int8_inputs(False)
+    exact = kernel_linear(x, w[0], s[0], 8, 64)
+    kernels.int8_inputs(True)
+    assert not torch.equal(got, exact) and float((got - exact).norm() / exact.norm()) < 0.02
+
+
 def test_int8_inputs_are_refused_without_int8_dot_products(monkeypatch):
     """Asking for 8-bit inputs on a set without vpdpbusd is one line, in the API and in the environment
     variable; a value other than 0/1 is refused before anything is built."""

@@ -27,7 +27,7 @@ import torch
 SOURCE = Path(__file__).with_name("moe_gemv.cpp")
 HEADER = Path(__file__).with_name("moe_gemv_body.h")
 MAX_TOKENS = 8  # the kernel serves few tokens (decode); prefill stays on the sorted dispatch
-_state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load())", "off": False}
+_state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load())", "off": False, "int8_inputs": False}
 
 
 ISAS = ("portable", "avx2", "avx512", "avx512-bf16")  # the kernel's codes 0..3; each needs all before it
@@ -99,6 +99,7 @@ def _build() -> Optional[str]:
             return (f"ZOO_KERNEL_INT8_INPUTS=1 needs int8 dot products (AVX512-VNNI, the avx512-bf16 set); the set in "
                     f"use is {ISAS[torch.ops.zoo.moe_gemv_isa(-1)]}")
         torch.ops.zoo.moe_gemv_int8_inputs(1)
+        _state["int8_inputs"] = True
     torch.library.register_fake("zoo::moe_gemv")(_fake_moe_gemv)
     torch.library.register_fake("zoo::dequantize_int4")(_fake_dequantize_int4)
     return None
@@ -178,8 +179,10 @@ def isa(want: Optional[str] = None) -> str:
 
 def int8_inputs(on: Optional[bool] = None) -> bool:
     """Whether int8 weights are multiplied by inputs rounded to 8 bits (one absmax scale per input row) on int8 dot
-    products; ``int8_inputs(True)`` / ``(False)`` turns that on / off (on: ValueError unless the set in use has
-    them, ``avx512-bf16``). Off by default: it changes the results (see the kernel benchmark's error column)."""
+    products: the kernel's (decode, vpdpbusd) and, for many rows (prefill), torch's int8 matrix product
+    (``torch._int_mm``) on the same rounding. ``int8_inputs(True)`` / ``(False)`` turns that on / off (on: ValueError
+    unless the kernels run the ``avx512-bf16`` set, which has them). Off by default: it changes the results
+    (``benchmarks/int8_inputs.py`` measures by how much)."""
     if on is not None and not isinstance(on, bool):
         raise ValueError(f"int8_inputs takes True, False or None, got {on!r}")
     if not load():
@@ -189,7 +192,22 @@ def int8_inputs(on: Optional[bool] = None) -> bool:
     if on and isa() != "avx512-bf16":
         raise ValueError(f"8-bit inputs need int8 dot products (AVX512-VNNI, the avx512-bf16 set); the kernels use "
                          f"{isa()} here")
-    return bool(torch.ops.zoo.moe_gemv_int8_inputs(-1 if on is None else int(on)))
+    _state["int8_inputs"] = bool(torch.ops.zoo.moe_gemv_int8_inputs(-1 if on is None else int(on)))
+    return _state["int8_inputs"]
+
+
+def int8_inputs_on() -> bool:
+    """``int8_inputs()`` without calling into the library (safe inside compiled code, which guards on it)."""
+    return _state["int8_inputs"] and ready()
+
+
+def int8_input_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [n, K], scale fp32 [n, 1]) with x ~ q * scale: the kernel's rounding of its inputs (absmax / 127 per
+    row, x times the scale's reciprocal rounded half to even, clamped to [-127, 127]), for the prefill product."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (xf * scale.reciprocal()).clamp_(-127, 127).round_().to(torch.int8), scale
 
 
 def best_isa() -> str:
