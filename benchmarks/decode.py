@@ -93,6 +93,37 @@ def engines(model, without_kernel: bool = True):
     return rows
 
 
+def bytes_per_token(model) -> int:
+    """Bytes of weights one decode token reads at batch 1: every parameter and buffer but the embedding table (one
+    row a token; all of it when tied to the LM head, which reads it whole), and of each layer's routed experts the
+    top-k share (k of E experts a token)."""
+    cfg = model.config
+    k = getattr(cfg, "num_experts_per_tok", None)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    share = k / experts if k and experts else 1.0
+    embed = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is embed
+    total = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t is embed and not tied:
+            continue
+        total += t.numel() * t.element_size() * (share if ".experts." in name else 1.0)
+    return int(total)
+
+
+def read_bandwidth(threads: int, smoke: bool) -> float:
+    """The machine's read bandwidth, GB/s: a compiled sum over a bf16 tensor far beyond the last-level cache."""
+    big = torch.randn(2 ** 20 if smoke else 2 ** 29).to(torch.bfloat16)
+    summed = torch.compile(lambda t: t.sum(dtype=torch.float32))
+    summed(big)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        summed(big)
+        times.append(time.perf_counter() - t)
+    return big.nbytes / statistics.median(times) / 1e9
+
+
 @torch.no_grad()
 def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int, loop: bool = True) -> list:
     """Every engine's row; ``loop=False`` skips the zoo-loop column and the rows without the zoo's kernel (more
@@ -110,7 +141,8 @@ def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int, loop
         reference = r["tokens"] if reference is None else reference
         rows.append({"model": name, "engine": label, "decode": r["decode_tok_s"], "loop": lean, "jit": jit,
                      "prefill": prefill_tok_s(m, prefill, vocab), "compile_s": r["warmup_s"] if compiled else None,
-                     "first_ms": r["first_token_s"] * 1e3, "same": bool(torch.equal(r["tokens"], reference))})
+                     "first_ms": r["first_token_s"] * 1e3, "same": bool(torch.equal(r["tokens"], reference)),
+                     "bytes": bytes_per_token(m)})
         print(f"  {name}: {label} done ({r['decode_tok_s']:.0f} tok/s)", flush=True)
     return rows
 
@@ -158,7 +190,10 @@ def main(argv=None):
     models = [("mixtral-304M" if not args.smoke else "mixtral-smoke", mixtral_shaped(args.smoke))]
     if not args.skip_shipped and not args.smoke:
         models.append(("zoo-tiny-moe", zoo.load("zoo-tiny-moe", convert=False).eval()))
+    from moe_gemv import cpu_flags
+
     rows = []
+    bandwidth = read_bandwidth(args.threads, args.smoke)
     tokenizer = zoo.load_tokenizer("zoo-tiny-moe")
     for name, model in models:
         rows += run_model(name, model, args.new_tokens, args.prompt, args.prefill, loop=not args.smoke)
@@ -172,9 +207,11 @@ def main(argv=None):
             same = same_weights(zoo.convert(copy.deepcopy(model)).eval())
             rows += llama_rows(name, same, tokenizer, prompt, prefill, args.new_tokens, args.threads, args.own_quantized)
     print(f"\n{args.new_tokens} greedy tokens after a {args.prompt}-token prompt, batch 1; prefill {args.prefill} "
-          f"tokens; torch threads {args.threads}; ratios to transformers eager bf16 of the same model")
+          f"tokens; torch threads {args.threads}; ratios to transformers eager bf16 of the same model\nprocessor flags: "
+          f"{cpu_flags()}; machine read bandwidth (compiled sum over bf16, {args.threads} threads): {bandwidth:.1f} GB/s")
     head = (f"{'model':14} {'engine':24} {'decode tok/s':>12} {'ratio':>6} {'zoo loop':>8} {'ratio':>6} {'jit loop':>8} "
-            f"{'prefill tok/s':>13} {'ratio':>6} {'compile s':>9} {'1st token ms':>12} {'same tokens':>11}")
+            f"{'prefill tok/s':>13} {'ratio':>6} {'compile s':>9} {'1st token ms':>12} {'same tokens':>11} "
+            f"{'MB/token':>8} {'GB/s':>6} {'of bw':>5}")
     print(head + "\n" + "-" * len(head))
     for r in rows:
         ref = next(x for x in rows if x["model"] == r["model"] and x["engine"] == "transformers eager")
@@ -182,10 +219,15 @@ def main(argv=None):
         compile_s = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
         loop = ("-", "-") if r["loop"] is None else (f"{r['loop']:.1f}", f"{r['loop'] / ref['decode']:.2f}")
         jit = "-" if r.get("jit") is None else f"{r['jit']:.1f}"
+        gbs = r["bytes"] * max(r["decode"], r["loop"] or 0) / 1e9 if "bytes" in r else None
+        traffic = (f"{r['bytes'] / 1e6:8.1f} {gbs:6.1f} {gbs / bandwidth:5.2f}" if gbs is not None
+                   else f"{'-':>8} {'-':>6} {'-':>5}")
         print(f"{r['model']:14} {r['engine']:24} {r['decode']:12.1f} {r['decode'] / ref['decode']:6.2f} "
               f"{loop[0]:>8} {loop[1]:>6} {jit:>8} {r['prefill']:13.0f} {r['prefill'] / ref['prefill']:6.2f} {compile_s:>9} {r['first_ms']:12.1f} "
-              f"{same:>11}")
-    print("(same tokens: equal to the first engine's greedy tokens; quantized experts may differ by design;\n"
+              f"{same:>11} {traffic}")
+    print("(MB/token: weight bytes a decode token reads (experts: the top-k share); GB/s: that times the fastest decode\n"
+          " column of the row (zoo loop where measured); of bw: its share of the machine's read bandwidth;\n"
+          " same tokens: equal to the first engine's greedy tokens; quantized experts may differ by design;\n"
           " zoo loop: zoo.runtime.decode.greedy instead of generate, its step compiled ahead of time (AOTInductor);\n"
           " jit loop: the same loop with the JIT-compiled step generate uses (torch.compile, C++ wrapper);\n"
           " compiled rows read the experts with zoo::moe_gemv, 'torch kernels' rows are the same step without it:\n"

@@ -23,7 +23,8 @@ def test_decode_benchmark_smoke():
     engines = ["transformers eager", "transformers grouped_mm", "zoo bf16 eager", "zoo bf16 compiled",
                "zoo int8 compiled", "zoo int4 compiled"]
     assert [e for e in engines if any(e in r for r in rows)] == engines, run.stdout
-    assert all(r.split()[-1] == "yes" for r in rows[:4]), run.stdout  # bf16 engines: same greedy tokens
+    assert all(r.split()[-4] == "yes" for r in rows[:4]), run.stdout  # bf16 engines: same greedy tokens
+    assert "machine read bandwidth" in run.stdout and all(float(r.split()[-2]) > 0 for r in rows), run.stdout
 
 
 def test_moe_gemv_benchmark_smoke():
