@@ -102,7 +102,7 @@ def bytes_per_token(model) -> int:
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     share = k / experts if k and experts else 1.0
     embed = model.get_input_embeddings().weight
-    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is embed
+    tied = getattr(model.get_output_embeddings(), "weight", None) is embed  # (a packed head has no .weight)
     total = 0
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t is embed and not tied:
