@@ -104,14 +104,18 @@ static void int4_tail(const uint8_t* w, const Scales& sc, int64_t N, int64_t K, 
   }
 }
 
+// 8 float lanes (the portable and AVX2 builds): the lane count, a float vector and the 8-bit vectors widened to it
+#define ZOO_EIGHT_LANE_TYPES                                \
+  constexpr int L = 8;                                      \
+  typedef int8_t vi8 __attribute__((vector_size(8)));       \
+  typedef uint8_t vu8 __attribute__((vector_size(8)));      \
+  typedef float vf __attribute__((vector_size(32)));
+
 // the baseline build: 8 float lanes of GCC's generic vectors, which the compiler maps onto the target's own
 // registers (two SSE2 or NEON registers a vector)
 namespace portable {
-constexpr int L = 8;
 #define ZOO_LANES 8
-typedef int8_t vi8 __attribute__((vector_size(8)));
-typedef uint8_t vu8 __attribute__((vector_size(8)));
-typedef float vf __attribute__((vector_size(32)));
+ZOO_EIGHT_LANE_TYPES
 static inline vf to_float(vi8 v) { return __builtin_convertvector(v, vf); }
 static inline vf to_float(vu8 v) { return __builtin_convertvector(v, vf); }
 static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
@@ -176,11 +180,8 @@ ZOO_AVX512_TYPES
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
-constexpr int L = 8;
 #define ZOO_LANES 8
-typedef int8_t vi8 __attribute__((vector_size(8)));
-typedef uint8_t vu8 __attribute__((vector_size(8)));
-typedef float vf __attribute__((vector_size(32)));
+ZOO_EIGHT_LANE_TYPES
 static inline vf to_float(vi8 v) { return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)&v))); }
 static inline vf to_float(vu8 v) { return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)&v))); }
 static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
