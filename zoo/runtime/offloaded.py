@@ -85,20 +85,18 @@ class ExpertCache:
 
     def _evict_for(self, nbytes: int) -> None:
         while self.entries and not self._fits(len(self.entries) + 1, self.resident + nbytes):
-            evicted = list(self.entries.popitem(last=False)[1])  # [module, bytes]
-            self.resident -= evicted[1]
+            _, (module, freed) = self.entries.popitem(last=False)
+            self.resident -= freed
             self.evictions += 1
-            self._keep_spare(evicted)
+            held = module.state_dict().values() if isinstance(module, torch.nn.Module) else []
+            storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in held}.values())
+            del held
+            del module  # the cache's reference: its memory is free to read into unless something else holds it
+            self._keep_spare(storages)
 
-    def _keep_spare(self, evicted: list) -> None:
-        """The evicted module's memory, kept for the next load to read into: only storages nothing else holds (a
-        tensor of the module kept by a caller stays untouched). ``evicted`` is emptied: no reference stays here."""
-        module = evicted.pop(0)
-        if not isinstance(module, torch.nn.Module):
-            return
-        storages = list({t.untyped_storage().data_ptr(): t.untyped_storage()
-                         for t in module.state_dict().values()}.values())
-        del module
+    def _keep_spare(self, storages: list) -> None:
+        """An evicted module's storages, kept for the next load to read into: only those nothing else holds (a
+        tensor of the module kept by a caller stays untouched). ``storages`` is emptied."""
         while storages:
             storage = storages.pop()
             if _only_held_here(storage):
@@ -116,7 +114,8 @@ class ExpertCache:
     def stats(self) -> dict:
         looked = self.hits + self.misses
         return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hits / looked if looked else None,
-                "evictions": self.evictions, "bytes_read": self.bytes_read, "reads_into_evicted": self.reads_into_evicted, "cached_experts": len(self.entries),
+                "evictions": self.evictions, "bytes_read": self.bytes_read,
+                "reads_into_evicted": self.reads_into_evicted, "cached_experts": len(self.entries),
                 "resident_bytes": self.resident, "peak_resident_bytes": self.peak_resident,
                 "max_experts": self.max_experts, "max_bytes": self.max_bytes}
 

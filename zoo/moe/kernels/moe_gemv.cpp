@@ -74,9 +74,7 @@ struct Problem {
   float* Y;                // outputs [T * k, N]
 };
 
-constexpr int64_t ROWS_PER_ITEM = 64;
-
-struct Item {  // rows [r0, r1) of one expert (at most ROWS_PER_ITEM) for up to 8 (token, slot) pairs
+struct Item {  // rows [r0, r1) of one expert for up to 8 (token, slot) pairs
   int64_t slot, r0, r1;
   int np;
   int64_t in_row[8], out_row[8];
@@ -129,6 +127,7 @@ static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
 }  // namespace portable
 
 #ifdef ZOO_X86
+#define ZOO_X86_PACKED 1  // x86 builds read 2/3-bit rows with AVX2 instructions (every AVX-512 processor has them)
 #define ZOO_AVX512_TYPES                                                                                          \
   constexpr int L = 16;                                                                                           \
   typedef int8_t vi8 __attribute__((vector_size(16)));                                                            \
@@ -151,9 +150,7 @@ static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
 namespace avx512 {
 #define ZOO_LANES 16
 ZOO_AVX512_TYPES
-#define ZOO_X86_PACKED 1  // 2/3-bit rows on AVX2 instructions (every AVX-512 processor has them)
 #include "moe_gemv_body.h"
-#undef ZOO_X86_PACKED
 #undef ZOO_LANES
 }  // namespace avx512
 #pragma GCC pop_options
@@ -168,9 +165,7 @@ namespace avx512bf16 {
 #define ZOO_BF16_DOT 1
 #define ZOO_VNNI 1
 ZOO_AVX512_TYPES
-#define ZOO_X86_PACKED 1  // 2/3-bit rows on AVX2 instructions (every AVX-512 processor has them)
 #include "moe_gemv_body.h"
-#undef ZOO_X86_PACKED
 #undef ZOO_VNNI
 #undef ZOO_BF16_DOT
 #undef ZOO_LANES
@@ -189,12 +184,11 @@ static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
   lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
   hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 }
-#define ZOO_X86_PACKED 1  // 2/3-bit rows on AVX2 instructions (every AVX-512 processor has them)
 #include "moe_gemv_body.h"
-#undef ZOO_X86_PACKED
 #undef ZOO_LANES
 }  // namespace avx2
 #pragma GCC pop_options
+#undef ZOO_X86_PACKED
 #endif  // ZOO_X86
 
 // 3: AVX-512 with bf16 and int8 dot products, 2: AVX-512, 1: AVX2 (with FMA), 0: portable. Each set needs all
@@ -383,7 +377,7 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
     else
       unread.push_back(p);
   }
-  const int64_t block = ROWS_PER_ITEM;  // (int4: one block of torch's pack)
+  const int64_t block = 64;
   std::vector<Item> items;
   for (auto& [slot, pairs] : pairs_of)
     for (size_t first = 0; first < pairs.size(); first += 8)
