@@ -245,7 +245,8 @@ def test_compiled_dense_experts_use_the_kernel(dtype):
     x = torch.randn(2, 64).to(dtype)
     indices = torch.tensor([[0, 3], [2, 4]])  # T * k <= E: the gather path compiles too, for the kernel-off run
     weights = torch.tensor([[0.7, 0.3], [1.0, float("nan")]]).to(dtype)
-    eager = experts(x, Routing(weights, indices))
+    with kernels.turned_off():  # (eager inference on few tokens takes the kernel too, where it is on)
+        eager = experts(x, Routing(weights, indices))
     for off in (False, True):
         ops = []
 
@@ -260,6 +261,76 @@ def test_compiled_dense_experts_use_the_kernel(dtype):
         assert ("zoo.moe_gemv.default" in ops) != off, ops
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out, eager, rtol=tol, atol=tol)
+
+
+def kernel_calls(monkeypatch) -> list:
+    calls, real = [], kernels.moe_gemv
+    monkeypatch.setattr(kernels, "moe_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp32", "int8", "int4"])
+def test_eager_inference_on_few_tokens_uses_the_kernel(kind, monkeypatch):
+    """Eager inference (a short prompt's prefill, an eager decode step) reads the experts with zoo::moe_gemv up to
+    kernels.PAIRS_PER_EXPERT pairs per expert on average (8 for dense weights, 4 for packed), the sorted dispatch
+    past it, with gradients, or with the kernel off; the kernel's output is the sorted dispatch's."""
+    from zoo.moe import Routing
+    from zoo.moe.experts import SwiGLUExperts
+    from zoo.moe.quantized import QuantizedExperts
+
+    torch.manual_seed(0)
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    experts = SwiGLUExperts(4, 64, 96).to(dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.1)
+    if kind.startswith("int"):
+        experts = QuantizedExperts.from_dense(experts, int(kind[3:]), group_size=32)
+    limit = kernels.PAIRS_PER_EXPERT["packed" if kind.startswith("int") else 16] * 4 // 2  # tokens at k=2, E=4
+    calls = kernel_calls(monkeypatch)
+    for T, uses in ((1, True), (limit, True), (limit + 1, False)):
+        x = torch.randn(T, 64).to(dtype)
+        r = Routing(torch.rand(T, 2).to(dtype), routing(T, 2, 4, seed=T))
+        calls.clear()
+        with torch.no_grad():
+            got = experts(x, r)
+        assert bool(calls) == uses and all(n == T for n in calls), (T, calls)
+        with torch.no_grad(), kernels.turned_off():
+            want = experts(x, r)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    calls.clear()
+    x = torch.randn(2, 64, dtype=dtype, requires_grad=True)  # training: the sorted dispatch, which has gradients
+    experts(x, Routing(torch.rand(2, 2).to(dtype), routing(2, 2, 4))).sum().backward()
+    assert not calls and x.grad is not None
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@torch.no_grad()
+def test_eager_linear_layers_on_few_rows_use_the_kernel(bits, monkeypatch):
+    """A kernel-read plain linear layer takes zoo::moe_gemv eagerly up to PAIRS_PER_EXPERT[16] rows (the LM head on a
+    prompt's last position, an eager decode step), a quantized one at one row (torch's int8/int4 matmuls win from a
+    few rows on); both give the library path's output."""
+    from zoo.moe.kernels import linear
+    from zoo.moe.quantized_linear import QuantizedLinear
+
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    if bits == 16:
+        layer, limit = dense, kernels.PAIRS_PER_EXPERT[16]
+        linear.read_linears_with_kernel(layer)
+        assert isinstance(layer, linear.KernelLinear)
+    else:
+        layer, limit = QuantizedLinear.from_linear(dense, bits, group_size=32), 1
+    calls = kernel_calls(monkeypatch)
+    for rows, uses in ((1, True), (limit, True), (limit + 1, False)):
+        x = torch.randn(1, rows, 64).to(torch.bfloat16)
+        calls.clear()
+        got = layer(x)
+        assert bool(calls) == uses, (rows, calls)
+        with kernels.turned_off():
+            torch.testing.assert_close(got, layer(x), rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -134,12 +134,17 @@ ACTIVATIONS = {"silu": _silu_glu, "clamped-swiglu": _clamped_glu, "clamped-silu"
 _TP_METHODS = ("forward", "expert", "glu", "_forward_sorted", "_forward_gather")
 
 
-def use_kernel(hidden: torch.Tensor, routing, *stored: torch.Tensor) -> bool:
-    """Whether a few-token inference step can run on ``zoo::moe_gemv`` (loaded by ``zoo.runtime.decode``'s compile
-    config): no gradients, at most ``kernels.MAX_TOKENS`` tokens, CPU tensors of float32/bfloat16 activations and
-    contiguous stored weights."""
-    return (kernels.ready() and not torch.is_grad_enabled() and routing.indices.shape[0] <= kernels.MAX_TOKENS
-            and hidden.device.type == "cpu" and hidden.dtype in (torch.float32, torch.bfloat16)
+def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.Tensor, packed: bool = False) -> bool:
+    """Whether an inference call on few tokens can run on ``zoo::moe_gemv`` (loaded by ``zoo.runtime.decode``'s
+    compile config, or by the quantized experts' first call): no gradients, few tokens (a compiled step: at most
+    ``kernels.MAX_TOKENS``; an eager call, a short prompt's prefill or an eager decode step: at most
+    ``kernels.PAIRS_PER_EXPERT`` (token, slot) pairs per expert on average, fewer for ``packed`` weights), CPU tensors
+    of float32/bfloat16 activations and contiguous stored weights."""
+    tokens, k = routing.indices.shape
+    few = tokens <= kernels.MAX_TOKENS if torch.compiler.is_compiling() \
+        else tokens * k <= kernels.PAIRS_PER_EXPERT["packed" if packed else 16] * num_experts
+    return (few and kernels.ready() and not torch.is_grad_enabled() and hidden.device.type == "cpu"
+            and hidden.dtype in (torch.float32, torch.bfloat16)
             and all(t.device.type == "cpu" and t.is_contiguous() for t in stored))
 
 
@@ -226,16 +231,14 @@ class SwiGLUExperts(Experts):
 
     def forward(self, hidden: torch.Tensor, routing) -> torch.Tensor:
         tokens, k = routing.indices.shape
-        # Compiled decode: the zoo's kernel reads the selected experts in place (inference, where it is
-        # loaded); otherwise gather the selected experts' weights (static shapes, no host sync). Eager code
-        # takes the sorted path even for one token: slicing experts by Python index reads weights in place,
-        # where the gather would copy whole expert matrices. (Reading them in place with torch's eager one-row
-        # bf16/fp32 matmul measured slower than inductor's batched matmul over the gathered weights.)
-        if torch.compiler.is_compiling():
-            if use_kernel(hidden, routing, self.gate_up_proj, self.down_proj):
-                return self._forward_kernel(hidden, routing)
-            if tokens * k <= self.num_experts:
-                return self._forward_gather(hidden, routing)
+        # Inference on few tokens (a compiled decode step, a short prompt, an eager step): the zoo's kernel reads
+        # the selected experts in place, where it is loaded. Otherwise compiled code gathers the selected experts'
+        # weights (static shapes, no host sync) and eager code sorts the pairs by expert: slicing experts by Python
+        # index reads weights in place, where the gather would copy whole expert matrices.
+        if use_kernel(hidden, routing, self.num_experts, self.gate_up_proj, self.down_proj):
+            return self._forward_kernel(hidden, routing)
+        if torch.compiler.is_compiling() and tokens * k <= self.num_experts:
+            return self._forward_gather(hidden, routing)
         return self._forward_sorted(hidden, routing)
 
     # transformers' experts functions (``experts_implementation``) that compute these experts: they read the fused

@@ -337,6 +337,10 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
                 return self._forward_gather(hidden, routing)
         kernels.load()  # prefill dequantises int4 with the zoo's kernel (built once per machine, then cached)
         self._build_kernel_stacks()
+        stacks = self._kernel_stacks()  # few tokens (a short prompt, an eager step): the kernel reads them in place
+        if use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True):
+            return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self.glu,
+                                        self.gate_up_proj_bias, self.down_proj_bias)
         return self._forward_sorted(hidden, routing)
 
     def _forward_in_place(self, hidden, routing):
@@ -344,7 +348,7 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
         where it is loaded, else ``zoo::lowbit_experts``, which slices each selected expert's packed weights
         as views for torch's kernels; both are opaque to the compiler, so the compiled step stays one graph."""
         stacks = self._kernel_stacks()
-        if use_kernel(hidden, routing, *(t for st in stacks for t in st[:4])):
+        if use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True):
             return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self.glu,
                                         self.gate_up_proj_bias, self.down_proj_bias)
         return lowbit_experts(*self.in_place_args(hidden, routing))
@@ -419,13 +423,16 @@ class QuantizedMLPExperts(PackedStacks, MLPExperts):
         if torch.compiler.is_compiling():
             if not torch.is_grad_enabled():
                 stacks = self._kernel_stacks()
-                if use_kernel(hidden, routing, *(t for st in stacks for t in st[:4])):
+                if use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True):
                     return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts,
                                                 self._act)
             if tokens * k <= self.num_experts:
                 return self._forward_gather(hidden, routing)
         kernels.load()  # prefill dequantises int4 with the zoo's kernel (built once per machine, then cached)
         self._build_kernel_stacks()
+        stacks = self._kernel_stacks()  # few tokens (a short prompt, an eager step): the kernel reads them in place
+        if use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True):
+            return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self._act)
         return run_sorted(hidden, routing.indices, routing.weights, self.num_experts, self.expert)
 
     def num_parameters(self) -> int:

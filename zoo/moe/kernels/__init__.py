@@ -26,7 +26,14 @@ import torch
 
 SOURCE = Path(__file__).with_name("moe_gemv.cpp")
 HEADER = Path(__file__).with_name("moe_gemv_body.h")
-MAX_TOKENS = 8  # the kernel serves few tokens (decode); prefill stays on the sorted dispatch
+MAX_TOKENS = 8  # a compiled step serves at most this many tokens from the kernel (decode)
+# Outside a compiled step the kernel serves a call when its (token, slot) pairs average at most this many per expert:
+# each work item reads a block of an expert's rows once for up to 8 pairs, so each selected expert is read about once
+# where a library matmul on a few rows reads at a fraction of the bandwidth. Measured on the 304M benchmark model's
+# shapes (2 threads): bf16 experts 3.2x a library matmul at 4 rows, 1.4x at 8, 0.6x at 16 (the widening to fp32 then
+# bounds it); packed ones widen their codes per row, so past ~4 rows torch's int8/int4 matmuls win (int8 0.85-1.1x at
+# 4 rows, 0.6-0.7x at 8).
+PAIRS_PER_EXPERT = {16: 8, "packed": 4}
 _state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load())", "off": False, "int8_inputs": False}
 
 

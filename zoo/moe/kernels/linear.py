@@ -1,10 +1,10 @@
-"""Plain linear layers (attention projections, the LM head) read by ``zoo::moe_gemv`` in a compiled decode step.
+"""Plain linear layers (attention projections, the LM head) read by ``zoo::moe_gemv`` on a few rows.
 
 In one decode step the large one-row matmuls outside the experts ran as library matmuls at a third of the
 machine's read bandwidth (profile of the 304M benchmark model: ``aten::mm`` 5.3 ms of a 20 ms step). The kernel
 reads a weight as a one-expert stack at memory speed. ``read_linears_with_kernel(model)`` gives a model's plain
-``nn.Linear`` layers this forward by a class swap: same parameters and state dict, and outside a compiled
-few-token inference step the very same ``nn.Linear.forward``.
+``nn.Linear`` layers this forward by a class swap: same parameters and state dict, and outside few-row inference
+(a compiled decode step, an eager call on a few rows) the very same ``nn.Linear.forward``.
 """
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ MIN_WEIGHTS = 1 << 20  # smaller weights (routers, small key/value projections) 
 
 
 class KernelLinear(nn.Linear):
-    """``nn.Linear`` whose compiled few-token inference reads the weight with ``zoo::moe_gemv``."""
+    """``nn.Linear`` whose few-row inference (a compiled decode step; eager: up to ``kernels.PAIRS_PER_EXPERT[16]``
+    rows, e.g. the LM head on a prompt's last position) reads the weight with ``zoo::moe_gemv``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if (torch.compiler.is_compiling() and kernels.ready() and not torch.is_grad_enabled()
-                and rows <= kernels.MAX_TOKENS and self.weight.numel() >= MIN_WEIGHTS and x.device.type == "cpu"
+        few = rows <= (kernels.MAX_TOKENS if torch.compiler.is_compiling() else kernels.PAIRS_PER_EXPERT[16])
+        if (few and kernels.ready() and not torch.is_grad_enabled() and self.weight.numel() >= MIN_WEIGHTS
+                and x.device.type == "cpu"
                 and x.dtype in (torch.float32, torch.bfloat16) and self.weight.is_contiguous()):
             one = torch.zeros(rows, 1, dtype=torch.long, device=x.device)  # every row reads "expert" 0
             y = kernels.moe_gemv(x.reshape(rows, x.shape[-1]), one, self.weight.unsqueeze(0), None, 16)
