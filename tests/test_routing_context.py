@@ -151,3 +151,15 @@ def test_calibrated_compression_publishes_the_context_layer_by_layer(hash_router
     zoo.apply(model, "prune-reap", calibration=[ids], num_experts=2)
     kept = model.config.zoo_recipe[-1]["results"]["kept"]
     assert all(sorted(k) == [2, 3] for k in kept.values()), kept
+
+
+def test_statistics_taken_in_chunks_route_each_chunk_in_its_own_context(hash_router):
+    """Layer statistics route a layer's calibration tokens in chunks: each chunk's router call gets the context of its
+    own rows (the whole call's would not line up with them)."""
+    from zoo.editing.stats import layer_stats
+
+    moe = moe_layers(zoo.apply(tiny_native("mixtral"), "test-hash"))[0][1]
+    x = torch.randn(8, moe.router.hidden_size, generator=torch.Generator().manual_seed(0))
+    with routing_context(RoutingContext(input_ids=torch.tensor([[1, 5, 1, 5, 1, 5, 2, 1]]))):
+        stats = layer_stats(0, moe, x, chunk=3)
+    assert stats.counts.tolist() == [0, 0, 1, 7]  # 1 -> 3, 5 -> 3, 2 -> 2 (x * 7 % 4)

@@ -64,11 +64,15 @@ def error_curve(block, x: torch.Tensor, order: list[int], floor: int) -> dict[in
     for n from ``floor`` to all of them (the router renormalises over the kept ones, as the pruned block will)."""
     from zoo.moe.surgery import keep_experts
 
-    full = block(x).double()
+    def output(moe):  # a block that returns more beside its output (GPT-OSS's scores, Zaya's router state)
+        out = moe(x)
+        return (out[0] if isinstance(out, tuple) else out).double()
+
+    full = output(block)
     norm = full.pow(2).sum().clamp(min=1e-30)
     curve = {}
     for n in range(floor, len(order) + 1):
-        out = full if n == len(order) else keep_experts(block, order[:n])(x).double()
+        out = full if n == len(order) else output(keep_experts(block, order[:n]))
         curve[n] = float((out - full).pow(2).sum() / norm)
     return curve
 

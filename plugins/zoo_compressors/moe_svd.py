@@ -21,6 +21,7 @@ import math
 import torch
 
 from zoo import Compressor
+from zoo.moe.context import routing_context, row_parts
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.factored import FactoredExperts
 from zoo.components.controls import Control
@@ -46,8 +47,9 @@ def layer_grams(moe, x: torch.Tensor, chunk: int = 4096) -> dict:
           "inter": torch.zeros(moe.num_experts, ex.intermediate_size, ex.intermediate_size, dtype=torch.float64),
           "counts": torch.zeros(moe.num_experts, dtype=torch.float64),
           "outliers": torch.zeros(moe.num_experts, dtype=torch.float64)}
-    for part in x.split(chunk):
-        routing = moe.route(part)
+    for part, ctx in row_parts(x, chunk):  # each chunk routed in the context of its own rows
+        with routing_context(ctx):
+            routing = moe.route(part)
         part = moe.expert_inputs(part)  # what the experts read (a normed copy where the block has an input norm)
         xd = part.double()
         st["input"] += xd.T @ xd

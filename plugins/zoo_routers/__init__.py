@@ -7,6 +7,7 @@ def register_routers(register):
     from zoo_routers.adamoe import AdaMoE
     from zoo_routers.expert_choice import ExpertChoice
     from zoo_routers.gemma4_topk import Gemma4TopK
+    from zoo_routers.inkling_topk import InklingTopK
     from zoo_routers.top1_capacity import Top1Capacity
     from zoo_routers.top2_capacity import Top2Capacity
     from zoo_routers.mixture_of_heads import MixtureOfHeads
@@ -20,6 +21,7 @@ def register_routers(register):
     from zoo_routers.top_p import TopP
     from zoo_routers.topk_softmax import TopKSoftmax
     from zoo_routers.uncertainty_aware import UncertaintyAware
+    from zoo_routers.zaya_mlp import ZayaMLP
 
     register(TopKSoftmax)
     register(SigmoidBias)
@@ -35,5 +37,7 @@ def register_routers(register):
     register(AdaMoE)
     register(UncertaintyAware)
     register(Gemma4TopK)
+    register(InklingTopK)
     register(Top1Capacity)
     register(Top2Capacity)
+    register(ZayaMLP)

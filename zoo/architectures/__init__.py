@@ -34,6 +34,7 @@ def family_specs() -> tuple:
     from zoo.architectures.gemma4 import Gemma4
     from zoo.architectures.generic import GenericFamily
     from zoo.architectures.gpt_oss import GptOss
+    from zoo.architectures.inkling import Inkling
     from zoo.architectures.jetmoe import Jetmoe
     from zoo.architectures.llama4 import Llama4Text
     from zoo.architectures.longcat_flash import LongcatFlash
@@ -43,12 +44,15 @@ def family_specs() -> tuple:
     from zoo.architectures.qwen2_moe import Qwen2Moe
     from zoo.architectures.qwen3_moe import Qwen3Moe
     from zoo.architectures.switch_transformers import SwitchTransformers
+    from zoo.architectures.zaya import Zaya
     from zoo.components.model_entries import GENERIC_PUBLIC
 
     # generic families with a small spec of their own
     specs = {"llama4_text": Llama4Text, "cohere2_moe": Cohere2Moe, "deepseek_v4": DeepseekV4,
              "gemma4_text": Gemma4, "gemma4": lambda: Gemma4("gemma4", "image-text-to-text"),
-             "longcat_flash": LongcatFlash, "jetmoe": Jetmoe, "muse_spark": MuseSpark}
+             "longcat_flash": LongcatFlash, "jetmoe": Jetmoe, "muse_spark": MuseSpark,
+             "inkling_text": Inkling, "inkling_mm_model": lambda: Inkling("inkling_mm_model", "image-text-to-text"),
+             "zaya": Zaya}
     papers = {entry.family: entry.paper for entry in GENERIC_PUBLIC}  # the papers of their public checkpoints
     generic = [specs[t]() if t in specs else GenericFamily(t, auto, paper=papers.get(t, ""))
                for t, auto in GENERIC.items() if t in CONFIG_MAPPING_NAMES]  # an older transformers may lack some

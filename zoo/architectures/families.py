@@ -12,25 +12,22 @@ GENERIC: dict[str, str] = {
         "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v32",
         "deepseek_v4", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text",
         "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
-        "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "jamba",
-        "jetmoe", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text", "longcat_flash",
+        "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "inkling_text",
+        "jamba", "jetmoe", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text", "longcat_flash",
         "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "nemotron_h", "phimoe",
-        "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open")},
+        "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open",
+        "zaya")},
     # vision-language models: the language model's MoE blocks convert, the vision tower stays (dots3_note's
     # vision tower has MoE blocks of its own: they stay native)
     **{t: "image-text-to-text" for t in (
         "aria", "deepseek_ocr2", "dots3_note", "gemma4", "glm4v_moe", "glm5_next", "hy_v4_vl", "inkling2",
-        "inkling2_loop", "minimax_m3_vl", "mistral4", "mistral_large4", "muse_spark",
+        "inkling2_loop", "inkling_mm_model", "minimax_m3_vl", "mistral4", "mistral_large4", "muse_spark",
         "qwen3_5_moe", "step3p7",
         "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp", "unlimited_ocr")},
 }
 
 _TEXT_PART = ("the text sub-config of a vision-language family; converted as part of that family (no model class of "
               "its own)")
-_ROUTED_SHARED = ("its router scores the routed and the shared experts together: each token's shared experts are "
-                  "weighted by its normalised scores beside the routed ones it picked, where the zoo's shared experts "
-                  "have a fixed or sigmoid-gated weight (what it would take: shared-expert weights as a routing output "
-                  "beside the top-k)")
 
 # Why each of these is not converted, as the generic adapter reports it on the family's tiny model.
 EXCEPTIONS: dict[str, str] = {
@@ -51,11 +48,6 @@ EXCEPTIONS: dict[str, str] = {
                        "chosen per token by its modality, around one shared MLP; the zoo block is one router over one "
                        "expert set (what it would take: a block of per-modality SparseMoE parts that every compressor "
                        "and router swap visits, each part its own layout entry)",
-    "inkling_text": _ROUTED_SHARED,
-    "inkling_mm_model": _ROUTED_SHARED,
-    "zaya": "its router is an MLP over a down-projected residual plus the previous MoE layer's router state (carried "
-            "from layer to layer), with a skip expert as one more router class; the zoo's routers read their block's "
-            "input alone (what it would take: a router state handed from layer to layer through the routing context)",
     "qwen3_omni_moe": "the omni model holds a thinker and a talker (each an MoE model of its own) and a speech "
                       "decoder, with no base model at `.model`; its thinker (qwen3_omni_moe_thinker) converts (what "
                       "it would take: layouts for two MoE models inside one, the talker's blocks beside the "

@@ -195,7 +195,11 @@ def _swap_routers(model, cls, options):
 
 def new_router(i, moe, cls, options):
     """Layer i's router of class ``cls``: options the old router had and the new class accepts carry over (so
-    ``top_k=1`` keeps ``norm_topk_prob``), and so do gate weights of matching name and shape."""
+    ``top_k=1`` keeps ``norm_topk_prob``), and so do gate weights of matching name and shape (the experts' rows of
+    the gate where one router also scores shared experts). A router that weighs S shared experts needs S of them."""
+    import torch
+
+    from zoo.moe.block import check_shared_rows
     from zoo.moe.surgery import place_like
 
     accepted = set(accepted_options(cls, skip=("hidden_size", "num_experts", "top_k")))
@@ -204,8 +208,13 @@ def new_router(i, moe, cls, options):
     opts.update({k: v for k, v in options.items() if k != "top_k"})
     opts.update({k: fill(i, old) for k, fill in LAYER_OPTIONS.items() if k in accepted})
     router = cls(old.hidden_size, old.num_experts, options.get("top_k", _default_k(cls, old.top_k)), **opts)
-    mine = router.state_dict()
-    carried = {k: v for k, v in old.state_dict().items() if k in mine and mine[k].shape == v.shape}
+    check_shared_rows(router, moe.shared_experts)
+    mine, theirs = router.state_dict(), old.state_dict()
+    carried = {k: v for k, v in theirs.items() if k in mine and mine[k].shape == v.shape}
+    if old.shared_rows != router.shared_rows:  # rows scoring shared experts (inkling-topk's) differ in number:
+        for k in ("weight", "bias"):  # the experts' rows, before them, carry over
+            if k in mine and torch.is_tensor(theirs.get(k)) and theirs[k].shape[1:] == mine[k].shape[1:]:
+                carried[k] = torch.cat([theirs[k][:old.num_experts], mine[k][old.num_experts:]])
     router.load_state_dict(carried, strict=False)
     return place_like(router, old)
 

@@ -91,6 +91,12 @@ def my_rows(x: torch.Tensor) -> torch.Tensor:
     return x if size == 1 else x.tensor_split(size)[rank]
 
 
+def my_rows_start(n: int) -> int:
+    """Where this rank's slice (``my_rows``) starts among ``n`` rows (as ``tensor_split`` cuts them)."""
+    rank, size = world()
+    return rank * (n // size) + min(rank, n % size)
+
+
 def all_reduce_sum(*tensors) -> None:
     """Sum each tensor over the ranks, in place (no-op alone or for None)."""
     import torch.distributed as dist

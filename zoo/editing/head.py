@@ -1,7 +1,8 @@
 """The model's output head on the last decoder layer's hidden states, for code that runs the layers itself
 (``zoo.editing.stream.evaluate``): the final norm, the LM head, and what the family's forward does to the logits
 after it (Granite's ``logits_scaling``, Cohere's ``logit_scale``, Muse Spark's ``output_multiplier``, Gemma's, Beam's
-and Muse Spark's final soft-cap).
+and Muse Spark's final soft-cap; Inkling divides the normed hidden states by ``logits_mup_width_multiplier`` and drops
+the head's padding rows).
 
 A family whose forward does more between its last layer and its logits (hyper-connection streams merged at the end,
 a head of its own) is refused with ``NoHead``: ``tests/families`` checks, for every converted family, that the head
@@ -55,7 +56,13 @@ def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The logits the model's forward computes from its last decoder layer's output ``hidden [B, S, H]``."""
     check_head(model)
     config = model.config.get_text_config()
-    logits = model.lm_head(final_norm(model)(hidden))
+    normed = final_norm(model)(hidden)
+    inkling = hasattr(config, "logits_mup_width_multiplier")  # Inkling (v1)'s alone
+    if inkling:  # muP's width multiplier divides what the head reads
+        normed = normed / config.logits_mup_width_multiplier
+    logits = model.lm_head(normed)
+    if inkling and config.unpadded_vocab_size is not None:  # the head's rows past the checkpoint's vocabulary
+        logits = logits[..., :config.unpadded_vocab_size]
     scaling = getattr(config, "logits_scaling", None)  # Granite: divided
     if isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and scaling != 1:
         logits = logits / scaling

@@ -24,8 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from zoo.editing import distributed
-from zoo.editing.layer_inputs import LayerInputs, _Stop, call_model
+from zoo.editing.layer_inputs import LayerInputs, _Stop, block_call, call_model
 from zoo.moe import context, routing_context
 from zoo.moe.layout import decoder_layers, get_block, put_block
 
@@ -181,13 +180,15 @@ class LinkedCalls(LayerInputs):
 
     @torch.no_grad()
     def block_inputs(self, i: int, layer) -> torch.Tensor:
-        seen = []
+        seen, states = [], []
 
-        def take(module, args):
-            seen.append(args[0].reshape(-1, args[0].shape[-1]))
+        def take(module, args, kwargs):
+            rows, state = block_call(module, args, kwargs)
+            seen.append(rows)
+            states.append(state)
             raise _Stop
 
-        handle = get_block(layer).register_forward_pre_hook(take)
+        handle = get_block(layer).register_forward_pre_hook(take, with_kwargs=True)
         try:
             for args, kwargs, ctx in self._calls(i):
                 try:
@@ -197,7 +198,7 @@ class LinkedCalls(LayerInputs):
                     pass
         finally:
             handle.remove()
-        return distributed.gather_tokens(torch.cat(seen))
+        return self.gathered(seen, states)
 
     @torch.no_grad()
     def advance(self, i: int, layer, block=None) -> LinkedCalls:
@@ -226,10 +227,12 @@ class RerunCalls(LayerInputs):
     def block_inputs(self, i: int, layer) -> torch.Tensor:
         if layer is not self.layers[i]:
             raise ValueError(f"layer {i} is not the model's own: this model is calibrated by running it whole")
-        seen, count = [], [0]
+        seen, states, count = [], [], [0]
 
-        def take(module, args, wanted):
-            seen.append(args[0].reshape(-1, args[0].shape[-1]))
+        def take(module, args, kwargs, wanted):
+            rows, state = block_call(module, args, kwargs)
+            seen.append(rows)
+            states.append(state)
             count[0] += 1
             if count[0] == wanted:
                 raise _Stop  # layer i's last call of the batch: nothing after it is needed
@@ -242,7 +245,8 @@ class RerunCalls(LayerInputs):
                 if not counts[i]:
                     continue
                 count[0] = 0
-                handle = get_block(layer).register_forward_pre_hook(lambda m, a, n=counts[i]: take(m, a, n))
+                handle = get_block(layer).register_forward_pre_hook(lambda m, a, kw, n=counts[i]: take(m, a, kw, n),
+                                                                    with_kwargs=True)
                 try:
                     call_model(self.model, batch)
                 except _Stop:
@@ -252,7 +256,7 @@ class RerunCalls(LayerInputs):
         finally:
             for j, block in old.items():
                 put_block(self.layers[j], block)
-        return distributed.gather_tokens(torch.cat(seen))
+        return self.gathered(seen, states)
 
     def advance(self, i: int, layer, block=None) -> RerunCalls:
         blocks = self.blocks if block is None or block is get_block(layer) else {**self.blocks, i: block}

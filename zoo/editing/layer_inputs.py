@@ -17,6 +17,15 @@ class _Stop(Exception):
     """Raised inside a forward once what was wanted has been recorded."""
 
 
+def block_call(block, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows ``[T, H]`` a block is called on, and the router state ``[T, R]`` handed in beside them (to a block
+    that carries one, ``SparseMoE.carries_router_state``: its second input; else None)."""
+    rows, state = args[0].reshape(-1, args[0].shape[-1]), None
+    if getattr(block, "carries_router_state", False):
+        state = args[1] if len(args) > 1 else kwargs.get("router_state")
+    return rows, state.reshape(rows.shape[0], -1) if torch.is_tensor(state) else None
+
+
 def call_model(model, batch):
     if isinstance(batch, dict):
         return model(**batch, use_cache=False)
@@ -35,18 +44,27 @@ class LayerInputs:
         self.hidden, self.kwargs = hidden, kwargs
         self.contexts = contexts or [None] * len(hidden)
         self.batches: list | None = None  # the calibration batches themselves (set for the layer-0 inputs)
+        self.router_state = None  # [T, R] handed in beside the rows the last ``block_inputs`` returned (Zaya), or None
 
     def joined_context(self):
-        """One context for the tokens of every batch together (the rows ``block_inputs`` returns), or None."""
+        """One context for the tokens of every batch together (the rows ``block_inputs`` returns, with the router
+        state they were handed), or None."""
         if any(c is None for c in self.contexts):
-            return None
+            return None if self.router_state is None else context.RoutingContext(router_state=self.router_state)
         fields = {}
         for name in ("input_ids", "positions", "attention_mask", "modality"):
             values = [getattr(c, name) for c in self.contexts]
             if all(v is not None for v in values):  # every rank's tokens, as block_inputs gives them
                 rows = distributed.gather_tokens(torch.cat([v.reshape(-1) for v in values])[:, None])
                 fields[name] = rows.reshape(1, -1)
-        return context.RoutingContext(**fields)
+        return context.RoutingContext(**fields, router_state=self.router_state)
+
+    def gathered(self, seen: list, states: list) -> torch.Tensor:
+        """The rows ``seen`` of every batch (under a process group, every rank's share); the router states handed in
+        beside them are kept for ``joined_context``."""
+        known = bool(states) and all(s is not None for s in states)
+        self.router_state = distributed.gather_tokens(torch.cat(states)) if known else None
+        return distributed.gather_tokens(torch.cat(seen))
 
     @classmethod
     @torch.no_grad()
@@ -94,13 +112,15 @@ class LayerInputs:
     def block_inputs(self, i: int, layer) -> torch.Tensor:
         """The tokens ``[T, H]`` that enter layer i's MLP block (its attention runs; the block does not); under a
         process group, the tokens of every rank's share."""
-        seen = []
+        seen, states = [], []
 
-        def record(module, args):
-            seen.append(args[0].reshape(-1, args[0].shape[-1]))
+        def record(module, args, kwargs):
+            rows, state = block_call(module, args, kwargs)
+            seen.append(rows)
+            states.append(state)
             raise _Stop
 
-        handle = get_block(layer).register_forward_pre_hook(record)
+        handle = get_block(layer).register_forward_pre_hook(record, with_kwargs=True)
         try:
             with torch.no_grad():
                 for h, kw, ctx in zip(self.hidden, self.kwargs, self.contexts):
@@ -111,7 +131,7 @@ class LayerInputs:
                         pass
         finally:
             handle.remove()
-        return distributed.gather_tokens(torch.cat(seen))  # every rank's share, in the one-process order
+        return self.gathered(seen, states)  # every rank's share, in the one-process order
 
     def advance(self, i: int, layer, block=None) -> LayerInputs:
         """The inputs of layer i + 1: these run through layer i (with ``block`` as its MLP, if given)."""

@@ -204,8 +204,11 @@ def one_pass(source, steps, inputs, observer=None, keep=None, desc="layers") -> 
                         with phase("calibrate"):
                             uses[s] = uses[s].advance(i, layer, block)
                 if observer is not None:
-                    with phase("statistics pass"), routing_context(None if watch is None else watch.joined_context()):
-                        observer.observe(i, block, None if watch is None else watch.block_inputs(i, layer))
+                    with phase("statistics pass"):
+                        x = None if watch is None else watch.block_inputs(i, layer)  # the context joins its rows
+                        with routing_context(None if watch is None else watch.joined_context()):
+                            observer.observe(i, block, x)
+                        del x
                         if watch is not None and i + 1 < len(source.layers):
                             watch = watch.advance(i, layer, block)
             else:  # a dense layer: every carried input goes through it unchanged (once per distinct carry)

@@ -90,12 +90,15 @@ def expert_output(experts, e: int, x: torch.Tensor) -> torch.Tensor:
 def layer_stats(layer: int, moe, x: torch.Tensor, all_outputs: bool = False, chunk: int = 1024) -> ExpertStats:
     """Statistics of one MoE block on its calibration inputs ``x [T, H]`` (taken in chunks of tokens). Under a
     process group every rank holds all of ``x``, works on its slice of the tokens, and the sums are added up
-    (``zoo.editing.distributed``): the statistics' declared reduction is a sum."""
+    (``zoo.editing.distributed``): the statistics' declared reduction is a sum. Each chunk is routed in the routing
+    context of its own rows (token ids, a carried router state)."""
     from zoo.editing import distributed
+    from zoo.moe.context import routing_context, row_parts
 
     st = ExpertStats.empty(layer, moe, all_outputs)
-    for part in distributed.my_rows(x).split(chunk):
-        st.add(moe, part)
+    for part, ctx in row_parts(distributed.my_rows(x), chunk, distributed.my_rows_start(x.shape[0])):
+        with routing_context(ctx):
+            st.add(moe, part)
     distributed.all_reduce_sum(st.counts, st.gate_sum, st.reap_sum, st.output_sum)
     st.tokens = x.shape[0]
     return st

@@ -13,13 +13,23 @@ from zoo.moe.routing import Router, Routing
 
 class SharedMLP(nn.Module):
     """Always-on shared expert(s): a gated MLP (SiLU by default; ``glu=False``: ungated), optionally scaled by a
-    sigmoid gate (Qwen2-MoE)."""
+    sigmoid gate (Qwen2-MoE).
+
+    ``num_experts`` S: the intermediate width holds S experts side by side (S equal slices), which a router may weigh
+    per token (``Routing.shared_weights`` [T, S], passed as ``weights``: each slice's activations times its weight,
+    as Inkling weighs its shared experts). Without weights they add up as one MLP of the whole width."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, gated: bool = False, activation: str = "silu",
-                 scale: float = 1.0, glu: bool = True, swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702):
+                 scale: float = 1.0, glu: bool = True, swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702,
+                 num_experts: int = 1):
         super().__init__()
         if activation not in (ACTIVATIONS if glu else ACT2FN):
             raise ValueError(f"unknown activation {activation!r} for the shared experts")
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1 \
+                or intermediate_size % num_experts:
+            raise ValueError(f"num_experts must be a positive integer dividing intermediate_size "
+                             f"({intermediate_size}), got {num_experts!r}")
+        self.num_experts = num_experts
         self.hidden_size, self.intermediate_size, self.activation = hidden_size, intermediate_size, activation
         self.scale = float(scale)  # Cohere2-MoE's "average" combination halves the shared and the routed outputs
         self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)  # clamped activations
@@ -38,14 +48,20 @@ class SharedMLP(nn.Module):
         if self.gate_proj is None:
             opts["glu"] = False
         opts.update({name: getattr(self, name) for name in PARAMETERS.get(self.activation, ())})
+        if self.num_experts != 1:
+            opts["num_experts"] = self.num_experts
         return opts if self.scale == 1.0 else {**opts, "scale": self.scale}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, H]``; ``weights [T, S]``: each shared expert's weight per token (None: 1 each)."""
         up = self.up_proj(x)
         if self.gate_proj is None:
-            out = self.down_proj(self.act_fn(up))
+            hidden = self.act_fn(up)
         else:
-            out = self.down_proj(self.act_fn(self.gate_proj(x), up, self.swiglu_limit, self.swiglu_alpha))
+            hidden = self.act_fn(self.gate_proj(x), up, self.swiglu_limit, self.swiglu_alpha)
+        if weights is not None:  # expert s's slice of the activations times its weight (down_proj is linear)
+            hidden = (hidden.unflatten(-1, (self.num_experts, -1)) * weights.to(hidden.dtype)[..., None]).flatten(-2)
+        out = self.down_proj(hidden)
         out = out if self.gate is None else torch.sigmoid(self.gate(x)) * out
         return out if self.scale == 1.0 else out * self.scale
 
@@ -70,6 +86,13 @@ class SparseMoE(nn.Module):
     ``identity_experts`` Z (LongCat-Flash's zero-computation experts): the router has E + Z rows; a token routed to
     row E + j (j < Z) gets ``weight * x`` added, ``x`` being the block's input (before ``input_norm``), and costs
     no compute. ``num_experts`` stays E, the experts that compute; indices from E + Z up are empty slots, as ever.
+
+    A router that weighs the shared experts per token (``Router.shared_rows`` S > 0, Inkling's ``inkling-topk``)
+    needs S shared experts beside it (``SharedMLP(num_experts=S)``); its ``Routing.shared_weights`` go to them.
+
+    ``carries_router_state`` (Zaya, whose decoder layers hand a router state from one MoE block to the next): the block
+    is called ``block(hidden, router_state)`` and returns ``(out, state)``; a router that carries state
+    (``Router.carries_state``) reads the one handed in and gives the next ([B, S, R]); any other router hands on None.
     """
 
     zoo_moe_block = True  # how code that must not import the MoE core finds the blocks (demo-control declarations)
@@ -79,8 +102,10 @@ class SparseMoE(nn.Module):
                  input_norm: nn.Module | None = None, output_norm: nn.Module | None = None,
                  identity_experts: int = 0, input_proj: nn.Module | None = None,
                  expert_output_norm: nn.Module | None = None, output_proj: nn.Module | None = None,
-                 output_bias: nn.Module | None = None):
+                 output_bias: nn.Module | None = None, carries_router_state: bool = False):
         super().__init__()
+        if carries_router_state and returns_router_scores:
+            raise ValueError("a block returns either its router scores or its router state beside its output, not both")
         parts = {"input_proj": input_proj, "input_norm": input_norm, "expert_output_norm": expert_output_norm,
                  "output_proj": output_proj, "output_bias": output_bias, "output_norm": output_norm}
         width, expert_width = getattr(unwrapped(router), "hidden_size", None), getattr(experts, "hidden_size", None)
@@ -95,10 +120,12 @@ class SparseMoE(nn.Module):
                              + (f" and {self.identity_experts} identity experts (needs "
                                 f"{experts.num_experts + self.identity_experts} router rows)"
                                 if self.identity_experts else ""))
+        check_shared_rows(router, shared_experts)
         self.router, self.experts, self.shared_experts = router, experts, shared_experts
         for name, part in parts.items():
             setattr(self, name, part)
         self.returns_router_scores = returns_router_scores
+        self.carries_router_state = bool(carries_router_state)
         # transformers' experts function the model's ``experts_implementation`` names, run where the experts are plain
         # fused SwiGLU experts (``SwiGLUExperts.transformers_forward``); "eager": the zoo's own dispatch
         self.experts_implementation = "eager"
@@ -117,7 +144,8 @@ class SparseMoE(nn.Module):
         block = SparseMoE(self.router if router is None else router, self.experts if experts is None else experts,
                           self.shared_experts, self.returns_router_scores, self.weights_scale_input,
                           self._expert_map if expert_map is ... else expert_map,
-                          identity_experts=self.identity_experts, **self.parts())
+                          identity_experts=self.identity_experts, carries_router_state=self.carries_router_state,
+                          **self.parts())
         block.experts_implementation = self.experts_implementation
         return block
 
@@ -158,12 +186,13 @@ class SparseMoE(nn.Module):
     def top_k(self) -> int:
         return unwrapped(self.router).top_k
 
-    def forward(self, hidden: torch.Tensor, **family_inputs):
-        """``family_inputs``: what a family's decoder layer hands its block besides the hidden states (DeepSeek-V4
-        passes ``input_ids``); routers read such facts from the routing context instead, so they are ignored."""
+    def forward(self, hidden: torch.Tensor, router_state: torch.Tensor | None = None, **family_inputs):
+        """``router_state``: the previous MoE block's router state (``carries_router_state``). ``family_inputs``: what a
+        family's decoder layer hands its block besides the hidden states (DeepSeek-V4 passes ``input_ids``); routers
+        read such facts from the routing context instead, so they are ignored."""
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
-        routing = self.route(x)
+        routing = self.route(x, router_state if self.carries_router_state else None)
         xe = self.expert_inputs(x)
         computing = self.computing_routing(routing)
         if self.expert_output_norm is not None:
@@ -183,10 +212,13 @@ class SparseMoE(nn.Module):
         if self.output_bias is not None:
             out = self.output_bias(out)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = routing.shared_weights
+            out = out + (self.shared_experts(x) if shared is None else self.shared_experts(x, shared))
         if self.output_norm is not None:
             out = self.output_norm(out)
         out = out.view(shape)
+        if self.carries_router_state:
+            return out, None if routing.state is None else routing.state.view(*shape[:-1], -1)
         return (out, routing.weights) if self.returns_router_scores else out
 
     def computing_routing(self, routing: Routing) -> Routing:
@@ -209,10 +241,13 @@ class SparseMoE(nn.Module):
         x = x if self.input_proj is None else self.input_proj(x)
         return x if self.input_norm is None else self.input_norm(x)
 
-    def route(self, x: torch.Tensor) -> Routing:
-        """The router's choice for tokens ``x [T, H]``, with the routing context when the router reads it."""
+    def route(self, x: torch.Tensor, state: torch.Tensor | None = None) -> Routing:
+        """The router's choice for tokens ``x [T, H]``, with the routing context when the router reads it, and the
+        previous MoE layer's router state ``state`` when it carries one."""
         # called through a PEFT wrapper where there is one (LoRA on ``router.weight``), its facts read off the router
-        return self.router(x, context.current()) if unwrapped(self.router).uses_context else self.router(x)
+        router = unwrapped(self.router)
+        args = (x, context.current()) if router.uses_context else (x,)
+        return self.router(*args, state=state) if router.carries_state else self.router(*args)
 
     def _input_scaled_experts(self, x: torch.Tensor, routing) -> torch.Tensor:
         """Each (token, slot) pair as its own row, scaled by its weight, sent to its expert with weight 1."""
@@ -262,6 +297,7 @@ class SparseMoE(nn.Module):
             **({"weights_scale_input": True} if self.weights_scale_input else {}),
             **({"expert_map": list(self._expert_map)} if self._expert_map is not None else {}),
             **({"identity_experts": self.identity_experts} if self.identity_experts else {}),
+            **({"carries_router_state": True} if self.carries_router_state else {}),
             **{name: part.options() for name, part in self.parts().items() if part is not None},
         }
 
@@ -270,6 +306,15 @@ def unwrapped(module: nn.Module) -> nn.Module:
     """The module a PEFT layer wraps (LoRA on one of its parameters, e.g. ``target_parameters=["router.weight"]``
     or the router's own name in ``target_modules``), else the module itself."""
     return module.get_base_layer() if hasattr(module, "get_base_layer") else module
+
+
+def check_shared_rows(router: nn.Module, shared_experts: nn.Module | None) -> None:
+    """ValueError unless a router that weighs S shared experts per token (``Router.shared_rows``) sits beside S."""
+    rows = getattr(unwrapped(router), "shared_rows", 0)
+    held = 0 if shared_experts is None else getattr(shared_experts, "num_experts", 1)
+    if rows and rows != held:
+        raise ValueError(f"router {unwrapped(router).name!r} weighs {rows} shared experts per token but the block "
+                         f"holds {held} (shared_experts.num_experts must be {rows})")
 
 
 def check_identity_experts(identity_experts, expert_map=None) -> int:

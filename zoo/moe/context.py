@@ -12,6 +12,7 @@ visual experts) sets its own with ``routing_context``. Models without a context 
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 from contextlib import contextmanager
@@ -33,6 +34,9 @@ class RoutingContext:
     modality: torch.Tensor | None = None  # [B, S] TEXT, VISION or AUDIO
     prompt_embeds: torch.Tensor | None = None  # [B, L, C] text embeddings that condition the routing (Parrot)
     prompt_mask: torch.Tensor | None = None  # [B, L] 1 for a real prompt token
+    # [T, R] the router state each token's router reads from the previous MoE layer's (Zaya's ``zaya-mlp``): set by
+    # the layer-at-a-time engine for the block it works on (in a model's forward the block is handed it instead)
+    router_state: torch.Tensor | None = None
 
     def rows(self, name: str, tokens: int) -> torch.Tensor:
         """Field ``name`` as ``[T]``, one entry per hidden row; a clear error if absent or not aligned."""
@@ -44,6 +48,25 @@ class RoutingContext:
             raise ValueError(f"routing context {name} has {flat.numel()} entries for {tokens} hidden rows: "
                              "this block does not run on the call's token sequence")
         return flat
+
+    def part(self, start: int, stop: int) -> RoutingContext:
+        """The context of hidden rows ``start:stop`` alone (a chunk of a block's tokens); the prompt fields, per
+        sequence, stay whole."""
+        rows = {name: getattr(self, name).reshape(-1)[start:stop][None]
+                for name in ("input_ids", "positions", "attention_mask", "modality") if getattr(self, name) is not None}
+        if self.router_state is not None:
+            rows["router_state"] = self.router_state[start:stop]
+        return dataclasses.replace(self, **rows)
+
+
+def row_parts(x: torch.Tensor, chunk: int, offset: int = 0):
+    """``(part, context)`` for consecutive chunks of ``chunk`` rows of ``x [T, H]`` (row 0 of ``x`` being row ``offset``
+    of the current context's), each with the context of its own rows (None outside one): a router that reads
+    per-token facts sees its chunk's."""
+    ctx = current()
+    for start in range(0, x.shape[0], chunk):
+        part = x[start:start + chunk]
+        yield part, None if ctx is None else ctx.part(offset + start, offset + start + part.shape[0])
 
 
 _state = threading.local()

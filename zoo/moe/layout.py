@@ -203,7 +203,8 @@ def build_block(entry: dict, provided_by: dict | None = None) -> SparseMoE:
     parts = {name: cls(**entry[name]) for name, cls in PARTS.items() if entry.get(name)}
     return SparseMoE(router, experts, shared, returns_router_scores=entry.get("returns_router_scores", False),
                      weights_scale_input=entry.get("weights_scale_input", False), expert_map=entry.get("expert_map"),
-                     identity_experts=entry.get("identity_experts", 0), **parts)
+                     identity_experts=entry.get("identity_experts", 0),
+                     carries_router_state=entry.get("carries_router_state", False), **parts)
 
 
 def block_width(entry: dict, experts) -> int:

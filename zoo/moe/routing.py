@@ -20,12 +20,16 @@ class Routing(NamedTuple):
 
     ``indices`` equal to the number of experts mark an empty slot (a token routed to fewer than k experts,
     as with expert-choice); their weight is ignored. A NamedTuple so transformers' output recorders can
-    pick ``logits`` by position.
+    pick ``logits`` by position. ``shared_weights`` [T, S]: a router that weighs the block's S shared experts per
+    token (Inkling's, ``inkling-topk``) gives each token's weight of each; None: the shared experts' own weight.
+    ``state`` [T, R]: what a router that carries state (``Router.carries_state``) hands the next MoE layer's router.
     """
 
     weights: torch.Tensor  # [T, k]
     indices: torch.Tensor  # [T, k] long
     logits: torch.Tensor | None = None  # [T, E]
+    shared_weights: torch.Tensor | None = None  # [T, S]
+    state: torch.Tensor | None = None  # [T, R]
 
 
 def map_routing(routing: Routing, expert_map, num_merged: int) -> Routing:
@@ -33,7 +37,7 @@ def map_routing(routing: Routing, expert_map, num_merged: int) -> Routing:
     tensor) sends original expert e to merged expert ``expert_map[e]`` in ``[0, num_merged)``. Two slots of a token
     that land on the same merged expert become one slot with their weights summed (the other slot is left empty,
     index ``num_merged``, weight 0): the same output as running that expert once per slot. Empty input slots
-    (index E) stay empty. The logits stay the router's [T, E]."""
+    (index E) stay empty. The logits (and shared weights) stay the router's."""
     idx, w = routing.indices, routing.weights
     table = torch.as_tensor(list(expert_map) + [num_merged], dtype=torch.long, device=idx.device)
     empty = idx >= len(table) - 1
@@ -44,7 +48,7 @@ def map_routing(routing: Routing, expert_map, num_merged: int) -> Routing:
     earlier = torch.ones(k, k, dtype=torch.bool, device=idx.device).tril(-1)  # slot j < slot i
     repeat = (same & earlier).any(-1)  # a slot whose merged expert an earlier slot already has
     summed = (same.to(w.dtype) * w[:, None, :]).sum(-1)
-    return Routing(summed.masked_fill(repeat, 0), mapped.masked_fill(repeat, num_merged), routing.logits)
+    return routing._replace(weights=summed.masked_fill(repeat, 0), indices=mapped.masked_fill(repeat, num_merged))
 
 
 def _mapped_forward(forward):
@@ -90,6 +94,14 @@ class Router(nn.Module, DemoControls):
     # choice among the E experts is then mapped to the merged ones (``map_routing``), so every reader of the
     # router's output (the block, statistics, usage hooks) sees the experts that run. None: no map.
     serving_map: tuple[int, ...] | None = None
+    # Rows of ``weight`` (and ``bias``) after the E experts' that score the block's shared experts (``inkling-topk``:
+    # S, and its output's ``shared_weights``); the block checks them against its shared experts, and pruning and
+    # merging keep them after the kept experts' rows (``zoo.moe.surgery``).
+    shared_rows: int = 0
+    # ``carries_state``: ``forward(hidden, state=None)`` also reads the router state the previous MoE layer's router
+    # handed on ([T, R] or None) and gives its own as ``Routing.state`` (Zaya's ``zaya-mlp``); the block passes it
+    # from layer to layer where the family's decoder layers do (``SparseMoE(carries_router_state=True)``).
+    carries_state: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

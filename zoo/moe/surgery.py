@@ -2,7 +2,8 @@
 
 Pruning keeps one router row per remaining expert, so routing among the survivors is unchanged. Merging either
 keeps every router row and serves each original expert by its group's merged expert (an expert map, HC-SMoE's
-code), or cuts the router to one row per group (``router_rows``).
+code), or cuts the router to one row per group (``router_rows``). A router's rows that score shared experts
+(``Router.shared_rows``: Inkling's) are no experts: every edit keeps them, after the experts' rows.
 """
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from zoo.moe.block import SparseMoE
 
 
 def place_like(router, old):
-    """Put a new router where the old one lived: same device, parameters in the old dtype (buffers such as
+    """Put a new router where the old one lived: same device, parameters in the old dtype (that of the old
+    parameter of the same name where there is one: Inkling keeps its ``global_scale`` in fp32; buffers such as
     DeepSeek's selection bias keep their own dtype)."""
     router.to(old.weight.device)
-    for p in router.parameters():
-        p.data = p.data.to(old.weight.dtype)
+    dtypes = {name: p.dtype for name, p in old.named_parameters()}
+    for name, p in router.named_parameters():
+        p.data = p.data.to(dtypes.get(name, old.weight.dtype))
     return router
 
 
@@ -48,12 +51,26 @@ def _slice_experts(experts, rows: torch.Tensor, weights: torch.Tensor | None = N
 
 
 def _router_rows(old, rows: torch.Tensor):
-    """A router like ``old`` with only its rows ``rows`` (all of them: a copy)."""
+    """A router like ``old`` with only its rows ``rows`` (all of them: a copy); rows scoring shared experts stay."""
     router = router_like(old, len(rows))
+    routed, shared = _split_shared_rows(old)
     state = {k: (v.index_select(0, rows.to(v.device)) if v.dim() and v.shape[0] == old.num_experts else v)
-             for k, v in old.state_dict().items()}
-    router.load_state_dict(state)
+             for k, v in routed.items()}
+    router.load_state_dict(_with_shared_rows(state, shared))
     return place_like(router, old)
+
+
+def _split_shared_rows(router) -> tuple[dict, dict]:
+    """(the router's state with only its experts' rows, the rows after them that score shared experts, by name)."""
+    state, E, S = router.state_dict(), router.num_experts, router.shared_rows
+    if not S:
+        return state, {}
+    scoring = {k for k, v in state.items() if v.dim() and v.shape[0] == E + S}
+    return {k: v[:E] if k in scoring else v for k, v in state.items()}, {k: state[k][E:] for k in scoring}
+
+
+def _with_shared_rows(state: dict, shared: dict) -> dict:
+    return {k: torch.cat([v, shared[k].to(v.device, v.dtype)]) if k in shared else v for k, v in state.items()}
 
 
 @torch.no_grad()
@@ -110,6 +127,7 @@ def merge_experts(moe: SparseMoE, groups: list[list[int]], weights: list[list[fl
         raise ValueError("a cut router needs one router row per expert, but this block already serves its router's "
                          f"{moe.router.num_experts} rows with {moe.num_experts} merged experts (an expert map)")
     router = router_like(moe.router, len(groups))
-    router.load_state_dict(router_rows(moe.router.state_dict(), mix))
+    routed, shared = _split_shared_rows(moe.router)  # the function sees the experts' rows alone
+    router.load_state_dict(_with_shared_rows(router_rows(routed, mix), shared))
     place_like(router, moe.router)
     return moe.with_parts(router, merged)

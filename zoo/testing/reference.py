@@ -33,7 +33,8 @@ def check_reference(module, top_k: int = 2, tokens: int = 12, seed: int = 0, whe
     gradients (of the input, the routing weights and the parameters) of a random projection of the float outputs.
     Experts get a routing with distinct experts per token and one empty slot (index E); router outputs are
     compared slot by slot in expert order, with the weights of empty slots (ignored by contract) zeroed. A router
-    that reads the routing context gets one with seeded token ids and positions, the same for both."""
+    that reads the routing context gets one with seeded token ids and positions, the same for both; one that carries
+    a state from layer to layer, a seeded previous state (and its own state is compared too)."""
     from zoo.moe import Router, Routing, RoutingContext
 
     g = torch.Generator().manual_seed(seed)
@@ -43,19 +44,22 @@ def check_reference(module, top_k: int = 2, tokens: int = 12, seed: int = 0, whe
     hidden = torch.randn(tokens, module.hidden_size, generator=g).to(dtype).requires_grad_()
     leaves, E = [hidden], module.num_experts
     if isinstance(module, Router):
-        names = ["indices", "weights", "logits"]
-        context = None
+        names = ["indices", "weights", "logits", "shared_weights", "state"]
+        context, carried = None, {}
+        if module.carries_state:  # the previous layer's state, as wide as the one this router hands on
+            width = module(hidden.detach()[:1]).state.shape[-1]
+            carried = {"state": torch.randn(tokens, width, generator=g).to(dtype)}
         if module.uses_context:
             vocab = int(module.options.get("vocab_size", 64))
             context = RoutingContext(input_ids=torch.randint(vocab, (1, tokens), generator=g),
                                      positions=torch.arange(tokens)[None], attention_mask=torch.ones(1, tokens))
 
         def outputs(fn):
-            r = fn(hidden, context) if module.uses_context else fn(hidden)
+            r = fn(hidden, context, **carried) if module.uses_context else fn(hidden, **carried)
             order = r.indices.argsort(dim=-1, stable=True)
             indices = r.indices.gather(-1, order)
             weights = r.weights.gather(-1, order).masked_fill(indices >= E, 0)
-            return [indices, weights] + ([r.logits] if r.logits is not None else [])
+            return [indices, weights] + [t for t in (r.logits, r.shared_weights, r.state) if t is not None]
     else:
         names = ["output"]
         indices = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)])
