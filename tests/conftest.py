@@ -12,6 +12,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker per core:
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def pytest_sessionstart(session):
+    """Eager inference on a few tokens takes the zoo's expert kernel once it is loaded (zoo.moe.experts.use_kernel):
+    load it in every process up front, so the path a test sees does not depend on which test ran before it."""
+    from zoo.moe import kernels
+
+    kernels.load()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """For files of tiny tensors: one intra-op thread is faster, and does not spin against other work on a

@@ -258,3 +258,29 @@ def test_options_are_recorded_for_rebuilding():
     rebuilt = SigmoidBias(H, 16, 4, **router.options)
     assert rebuilt.options == router.options and rebuilt.bias is not None
     assert math.isclose(rebuilt.routed_scaling_factor, 2.5)
+
+
+def test_routing_is_the_three_field_tuple_of_the_contract_with_extras_beside_it():
+    """Routing(weights, indices, logits) unpacks and iterates as three (plugins written against the contract
+    keep working: a toy checker rebuilds a routing by zipping its fields); ``shared_weights`` and ``state`` ride as
+    keyword-only extras that ``_replace`` and copies keep, also inside a fully compiled graph."""
+    import copy
+
+    x = torch.randn(4, 3)
+    r = Routing(x.softmax(-1), x.argmax(-1, keepdim=True), x, state=x * 2)
+    weights, indices, logits = r
+    assert len(r) == 3 and r[2] is logits and r.shared_weights is None and torch.equal(r.state, x * 2)
+    rebuilt = Routing(*(torch.cat(parts) for parts in zip(r, r)))
+    assert rebuilt.weights.shape == (8, 3) and rebuilt.state is None
+    moved = r._replace(weights=r.weights * 2)
+    assert moved.state is r.state and torch.equal(moved.weights, r.weights * 2)
+    assert torch.equal(copy.deepcopy(r).state, r.state)
+    with pytest.raises(TypeError):
+        Routing(x, x, x, x)  # the extras are keywords only
+
+    def step(t):
+        got = Routing(t.softmax(-1), t.argmax(-1, keepdim=True), shared_weights=t[:, :1])._replace(logits=t)
+        return got.weights.sum() + got.shared_weights.sum() + got[2].sum()
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(step, fullgraph=True)(x), step(x))

@@ -138,14 +138,18 @@ def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.T
     """Whether an inference call on few tokens can run on ``zoo::moe_gemv`` (loaded by ``zoo.runtime.decode``'s
     compile config, or by the quantized experts' first call): no gradients, few tokens (a compiled step: at most
     ``kernels.MAX_TOKENS``; an eager call, a short prompt's prefill or an eager decode step: at most
-    ``kernels.PAIRS_PER_EXPERT`` (token, slot) pairs per expert on average, fewer for ``packed`` weights), CPU tensors
-    of float32/bfloat16 activations and contiguous stored weights."""
-    tokens, k = routing.indices.shape
-    few = tokens <= kernels.MAX_TOKENS if torch.compiler.is_compiling() \
-        else tokens * k <= kernels.PAIRS_PER_EXPERT["packed" if packed else 16] * num_experts
-    return (few and kernels.ready() and not torch.is_grad_enabled() and hidden.device.type == "cpu"
-            and hidden.dtype in (torch.float32, torch.bfloat16)
-            and all(t.device.type == "cpu" and t.is_contiguous() for t in stored))
+    ``kernels.PAIRS_PER_EXPERT`` (token, slot) pairs per selected expert on average, fewer for ``packed`` weights),
+    CPU tensors of float32/bfloat16 activations and contiguous stored weights. (Per selected expert, so that the
+    same routing takes the same path whichever stack holds the experts: a consolidated model's pool, its own.)"""
+    if not (kernels.ready() and not torch.is_grad_enabled() and hidden.device.type == "cpu"):
+        return False
+    if torch.compiler.is_compiling():
+        few = routing.indices.shape[0] <= kernels.MAX_TOKENS
+    else:
+        chosen = routing.indices[routing.indices < num_experts]
+        few = chosen.numel() <= kernels.PAIRS_PER_EXPERT["packed" if packed else 16] * max(1, len(chosen.unique()))
+    return few and hidden.dtype in (torch.float32, torch.bfloat16) and all(
+        t.device.type == "cpu" and t.is_contiguous() for t in stored)
 
 
 def naive_experts(module, hidden: torch.Tensor, routing) -> torch.Tensor:

@@ -15,21 +15,39 @@ from zoo.components.controls import (Control, DemoControls, controls_from_signat
 from zoo.components.options import check_options
 
 
-class Routing(NamedTuple):
-    """The result of a router for T tokens.
-
-    ``indices`` equal to the number of experts mark an empty slot (a token routed to fewer than k experts,
-    as with expert-choice); their weight is ignored. A NamedTuple so transformers' output recorders can
-    pick ``logits`` by position. ``shared_weights`` [T, S]: a router that weighs the block's S shared experts per
-    token (Inkling's, ``inkling-topk``) gives each token's weight of each; None: the shared experts' own weight.
-    ``state`` [T, R]: what a router that carries state (``Router.carries_state``) hands the next MoE layer's router.
-    """
-
+class _RoutingFields(NamedTuple):
     weights: torch.Tensor  # [T, k]
     indices: torch.Tensor  # [T, k] long
     logits: torch.Tensor | None = None  # [T, E]
-    shared_weights: torch.Tensor | None = None  # [T, S]
-    state: torch.Tensor | None = None  # [T, R]
+
+
+class Routing(_RoutingFields):
+    """The result of a router for T tokens: ``Routing(weights [T, k], indices [T, k], logits [T, E] | None)``.
+
+    ``indices`` equal to the number of experts mark an empty slot (a token routed to fewer than k experts,
+    as with expert-choice); their weight is ignored. A NamedTuple of those three, so transformers' output recorders
+    can pick ``logits`` by position and code that unpacks or iterates a routing sees the three it always saw.
+    Two keyword-only extras ride beside them as attributes (None unless a router gives them):
+    ``shared_weights`` [T, S]: a router that weighs the block's S shared experts per token (Inkling's,
+    ``inkling-topk``) gives each token's weight of each; None: the shared experts' own weight.
+    ``state`` [T, R]: what a router that carries state (``Router.carries_state``) hands the next MoE layer's router.
+    """
+
+    shared_weights: torch.Tensor | None = None
+    state: torch.Tensor | None = None
+
+    def __new__(cls, weights, indices, logits=None, *, shared_weights=None, state=None):
+        routing = super().__new__(cls, weights, indices, logits)
+        if shared_weights is not None:
+            routing.shared_weights = shared_weights
+        if state is not None:
+            routing.state = state
+        return routing
+
+    def _replace(self, **changes) -> Routing:
+        """A copy with ``changes`` (fields or extras), the extras kept."""
+        return Routing(**{"weights": self.weights, "indices": self.indices, "logits": self.logits,
+                          "shared_weights": self.shared_weights, "state": self.state, **changes})
 
 
 def map_routing(routing: Routing, expert_map, num_merged: int) -> Routing:
