@@ -91,14 +91,15 @@ def prefill_and_loop(model, ids, new_tokens: int, calls: int) -> tuple[list, lis
     import torch
     from transformers import StaticCache
 
-    from zoo.runtime.decode import ahead_of_time_step, next_token
+    from zoo.runtime.decode import ahead_of_time_step, cache_length, next_token
 
     prompt = ids.shape[1]
-    step = ahead_of_time_step(model, 1, prompt + new_tokens)
+    length = cache_length(model, prompt + new_tokens)
+    step = ahead_of_time_step(model, 1, length)
     prefills, loops = [], []
     with torch.no_grad():
         for _ in range(calls):
-            cache = StaticCache(config=model.config, max_cache_len=prompt + new_tokens)
+            cache = StaticCache(config=model.config, max_cache_len=length)
             t = time.perf_counter()
             logits = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt), use_cache=True,
                            logits_to_keep=1).logits

@@ -203,9 +203,9 @@ def test_generate_command_prints_the_continuation_and_its_speed():
 
 def test_ahead_of_time_step_gives_eager_tokens_and_reads_the_models_own_weights(one_thread):
     """greedy's default step (AOTInductor): fp32 tokens equal eager, with the attention projections and LM head
-    quantized too; built once per model and shape; the library reads the model's tensors (no copy), so an in-place
+    quantized too; built once per model and cache bucket (another prompt and length in it reuse the step); the library reads the model's tensors (no copy), so an in-place
     change to a weight shows in its next tokens; a new model (apply) builds its own."""
-    from zoo.runtime.decode import greedy as lean
+    from zoo.runtime.decode import CACHE_BUCKET, cache_length, greedy as lean
     from zoo.runtime.decode_aot import AotStep
 
     model = zoo.apply(zoo.convert(tiny_native("mixtral")), "quantize", bits=8, targets="all")
@@ -213,14 +213,33 @@ def test_ahead_of_time_step_gives_eager_tokens_and_reads_the_models_own_weights(
     before = lean(model, IDS, 12, compile=False)
     assert torch.equal(lean(model, IDS, 12), before)
     assert model.config._attn_implementation == attention  # the step's own attention was set for the export only
-    step = AotStep.of(model, 1, IDS.shape[1] + 12)
-    lean(model, IDS, 12)
-    assert AotStep.of(model, 1, IDS.shape[1] + 12) is step  # not rebuilt
+    length = cache_length(model, IDS.shape[1] + 12)
+    assert length % CACHE_BUCKET == 0 or length == model.config.max_position_embeddings
+    step = AotStep.of(model, 1, length)
+    built = []
+    real = AotStep.__init__
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(AotStep, "__init__", lambda self, *a: built.append(a[1:]) or real(self, *a))
+        lean(model, IDS, 12)
+        shorter = lean(model, IDS[:, :3], 7)  # another prompt and length in the same bucket: the same step
+    assert not built and AotStep.of(model, 1, length) is step  # not rebuilt
+    assert torch.equal(shorter, lean(model, IDS[:, :3], 7, compile=False))
     with torch.no_grad():
         model.lm_head.weight_scale.mul_(-1)  # every logit's sign flips: other tokens
     flipped = lean(model, IDS, 12, compile=False)
     assert not torch.equal(flipped, before)
-    assert torch.equal(lean(model, IDS, 12), flipped) and AotStep.of(model, 1, IDS.shape[1] + 12) is step
+    assert torch.equal(lean(model, IDS, 12), flipped) and AotStep.of(model, 1, length) is step
+
+
+def test_cache_lengths_round_up_to_a_bucket_within_the_models_positions():
+    from types import SimpleNamespace
+
+    from zoo.runtime.decode import CACHE_BUCKET, cache_length
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4 * CACHE_BUCKET + 10))
+    assert [cache_length(model, n) for n in (1, CACHE_BUCKET, CACHE_BUCKET + 1, 4 * CACHE_BUCKET + 3)] == \
+        [CACHE_BUCKET, CACHE_BUCKET, 2 * CACHE_BUCKET, 4 * CACHE_BUCKET + 10]
+    assert cache_length(SimpleNamespace(config=SimpleNamespace()), 5) == CACHE_BUCKET  # no limit known
 
 
 def test_a_step_that_cannot_be_exported_falls_back_to_the_jit_step(monkeypatch):

@@ -65,6 +65,22 @@ def check_decode(model, input_ids, max_new_tokens) -> None:
                          "(config.max_position_embeddings)")
 
 
+# greedy's static cache (and so its compiled step) is as long as the prompt and the new tokens rounded up to a multiple
+# of this: every call whose prompt and length fall in one bucket reuses one compiled step, where an exact length
+# compiled anew for each (an AOTInductor build took 20-60 s a length on the 304M benchmark model). The longer cache
+# costs the step a masked read of the unused positions' keys and values (4 KB a position a layer there, against
+# 176 MB of weights a token).
+CACHE_BUCKET = 256
+
+
+def cache_length(model, needed: int) -> int:
+    """The static cache length for ``needed`` positions: rounded up to a multiple of ``CACHE_BUCKET``, at most the
+    model's ``max_position_embeddings`` (``check_decode`` has checked that ``needed`` fits)."""
+    bucketed = -(-needed // CACHE_BUCKET) * CACHE_BUCKET
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return max(needed, min(bucketed, limit)) if isinstance(limit, int) else bucketed
+
+
 def check_compilable(model) -> None:
     """ValueError, in one line, for a model with modules that only run eagerly (they set ``eager_only_reason``, e.g.
     ``zoo.offload``'s experts), before a compiled decode would fail inside the compiler."""
@@ -109,7 +125,8 @@ def greedy(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bo
     with ``eos_token_id`` it stops once every sequence has produced it (finished ones are padded with it, as
     ``generate`` does when no pad token is set).
 
-    The step: with ``ahead_of_time`` (inductor only), the model's one-token forward compiled ahead of time by
+    The cache is as long as the prompt and the new tokens rounded up to a multiple of ``CACHE_BUCKET`` positions, so
+    prompts and lengths within one bucket share one compiled step. The step: with ``ahead_of_time`` (inductor only), the model's one-token forward compiled ahead of time by
     AOTInductor and run as one C++ call (``zoo.runtime.decode_aot``: the same tokens, 1.05-1.2x the JIT step's speed
     measured on the 304M benchmark model and zoo-tiny-moe); where it cannot be exported, a warning and the JIT
     step: the model's own compiled call (``get_compiled_call``, the one ``generate`` compiles). After the JIT
@@ -126,9 +143,10 @@ def greedy(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bo
     if compile and kernels.load():
         read_linears_with_kernel(model)
     prompt = input_ids.shape[1]
-    aot = ahead_of_time_step(model, input_ids.shape[0], prompt + max_new_tokens) \
+    length = cache_length(model, prompt + max_new_tokens)
+    aot = ahead_of_time_step(model, input_ids.shape[0], length) \
         if compile and ahead_of_time and backend == "inductor" else None
-    cache = StaticCache(config=model.config, max_cache_len=prompt + max_new_tokens)
+    cache = StaticCache(config=model.config, max_cache_len=length)
     logits = model(input_ids=input_ids, past_key_values=cache, cache_position=torch.arange(prompt),
                    use_cache=True, logits_to_keep=1).logits
     jit = model.get_compiled_call(compile_config(backend)) if compile and aot is None else model.__call__
