@@ -221,7 +221,7 @@ def summary(results: dict, args) -> None:
     print(f"\n{n} greedy tokens after a {args.prompt}-token prompt, batch 1, {args.threads} threads; per engine "
           f"{len(next(iter(results.values())))} fresh processes x {args.calls} timed calls; median [range] ms")
     head = (f"{'engine':26} {'wall/token':>22} {'prefill':>22} {'decode/token':>22} {'loop/token':>22} "
-            f"{'generate wall/token':>22} {'tok/s':>7}")
+            f"{'generate wall/token':>22} {'tok/s':>7} {'1st call s':>10}")
     print(head + "\n" + "-" * len(head))
     per_token = {}
     for engine, runs in results.items():
@@ -231,8 +231,9 @@ def summary(results: dict, args) -> None:
         loop = [s / (n - 1) for r in runs for s in r.get("loop_s", [])]
         gen = [w / n for r in runs for w in r.get("generate_wall_s", [])]
         per_token[engine] = (statistics.median(wall), statistics.median(decode))
+        first = statistics.median(r["greedy_first_s"] for r in runs)  # load excluded; compiling included
         print(f"{engine:26} {ms(wall)} {ms(prefill)} {ms(decode)} {ms(loop) if loop else '-':>22} "
-              f"{ms(gen) if gen else '-':>22} {1 / statistics.median(wall):7.1f}")
+              f"{ms(gen) if gen else '-':>22} {1 / statistics.median(wall):7.1f} {first:10.1f}")
     print("\nzoo / llama.cpp speed (higher: the zoo faster), end to end per token (prefill in) and decode alone:")
     for zoo_row, others in PAIRS.items():
         for other in others:
