@@ -1,13 +1,14 @@
-"""The kernel's 8-bit-input option (``zoo.moe.kernels.int8_inputs(True)``: int8 weights times inputs rounded to 8
-bits, one absmax scale per input row, on int8 dot products) against the exact path, in one run:
+"""The kernel's 8-bit-input option (``zoo.moe.kernels.int8_inputs(True)``: int8 weights and int4 codes times inputs
+rounded to 8 bits, one absmax scale per input row, on int8 dot products) against the exact path, in one run:
 
 - decode speed: compiled greedy decode of the 304M benchmark model with int8 experts (and with every linear layer
-  int8), the two settings taking turns over the same compiled step;
+  int8), then the same with int4, the two settings taking turns over the same compiled step;
 - prefill speed: a 256-token prompt through the same models, beside transformers' own bf16 model (eager), taking
-  turns;
+  turns (int4: the experts on the kernel's int8 dot products, up to ``kernels.INT4_DOT_PAIRS`` pairs per expert);
 - accuracy: the held-out English split scored token by token through the compiled decode step (where the kernel
-  reads every int8 matrix) by zoo-tiny-moe with int8 experts and layers: mean negative log-likelihood and the share of
-  positions whose top-1 prediction changes; and the same split scored in windows of 256 tokens (the prefill path).
+  reads every int8 / int4 matrix) by zoo-tiny-moe with int8 (then int4) experts and layers: mean negative
+  log-likelihood and the share of positions whose top-1 prediction changes; and the same split scored in windows
+  of 256 tokens (the prefill path).
 
     python benchmarks/int8_inputs.py            # needs a processor with AVX512-VNNI and AVX512-BF16
 """
@@ -119,20 +120,25 @@ def main(argv=None):
     base = zoo.convert(mixtral_shaped(False)).eval()
     print(f"decode, 304M benchmark model, {args.new_tokens} greedy tokens, {args.threads} threads, compiled step, "
           f"{args.rounds} rounds taking turns")
-    for targets in ("experts", "all"):
-        model = zoo.apply(copy.deepcopy(base), "quantize", bits=8, **({"targets": "all"} if targets == "all" else {}))
-        r = decode_speed(model, args.rounds, args.new_tokens)
-        ratio = statistics.median(r["int8"]) / statistics.median(r["exact"])
-        print(f"  int8 {targets:8} exact inputs {' '.join(f'{v:6.1f}' for v in r['exact'])} tok/s | 8-bit inputs "
-              f"{' '.join(f'{v:6.1f}' for v in r['int8'])} tok/s | ratio of medians {ratio:.2f} | greedy tokens "
-              f"equal {r['same_tokens']}/{args.new_tokens} (random weights: near-tied logits)")
+    for bits in (8, 4):
+        for targets in ("experts", "all"):
+            model = zoo.apply(copy.deepcopy(base), "quantize", bits=bits,
+                              **({"targets": "all"} if targets == "all" else {}))
+            r = decode_speed(model, args.rounds, args.new_tokens)
+            ratio = statistics.median(r["int8"]) / statistics.median(r["exact"])
+            print(f"  int{bits} {targets:8} exact inputs {' '.join(f'{v:6.1f}' for v in r['exact'])} tok/s | 8-bit "
+                  f"inputs {' '.join(f'{v:6.1f}' for v in r['int8'])} tok/s | ratio of medians {ratio:.2f} | greedy "
+                  f"tokens equal {r['same_tokens']}/{args.new_tokens} (random weights: near-tied logits)")
+            del model
 
     native = mixtral_shaped(False).eval()
     models = {"transformers bf16 (eager)": (native, False)}
-    for targets in ("experts", "all"):
-        model = zoo.apply(copy.deepcopy(base), "quantize", bits=8, **({"targets": "all"} if targets == "all" else {}))
-        models[f"int8 {targets}, exact inputs"] = (model, False)
-        models[f"int8 {targets}, 8-bit inputs"] = (model, True)
+    for bits in (8, 4):
+        for targets in ("experts", "all"):
+            model = zoo.apply(copy.deepcopy(base), "quantize", bits=bits,
+                              **({"targets": "all"} if targets == "all" else {}))
+            models[f"int{bits} {targets}, exact inputs"] = (model, False)
+            models[f"int{bits} {targets}, 8-bit inputs"] = (model, True)
     speeds = prefill_speed(models, args.prefill, args.rounds)
     ref = statistics.median(speeds["transformers bf16 (eager)"])
     print(f"\nprefill, {args.prefill}-token prompt, one forward, {args.rounds} rounds taking turns:")
@@ -140,28 +146,30 @@ def main(argv=None):
         print(f"  {label:28} {' '.join(f'{t:7.0f}' for t in v)} tok/s | {statistics.median(v) / ref:.2f}x transformers")
     del models, native
 
-    tiny = zoo.apply(zoo.load("zoo-tiny-moe").eval(), "quantize", bits=8, targets="all")
     ids = token_stream("english", "val", zoo.load_tokenizer("zoo-tiny-moe"))[:args.tokens].long()
-    read_linears_with_kernel(tiny)
-    step = ahead_of_time_step(tiny, 1, len(ids))
-    runs = {}
-    for on in (False, True):
-        kernels.int8_inputs(on)
-        runs[on] = token_by_token(tiny, ids, step)
-    kernels.int8_inputs(False)
-    (nll0, top0), (nll1, top1) = runs[False], runs[True]
-    changed = sum(a != b for a, b in zip(top0, top1)) / len(top0)
-    print(f"\naccuracy, zoo-tiny-moe (int8 experts and layers), {len(nll0)} held-out English tokens, one a step:")
-    print(f"  mean NLL exact inputs {statistics.mean(nll0):.4f} (ppl {math.exp(statistics.mean(nll0)):.2f}) | 8-bit "
-          f"inputs {statistics.mean(nll1):.4f} (ppl {math.exp(statistics.mean(nll1)):.2f}) | top-1 changed at "
-          f"{changed:.1%} of positions")
-    nll = {}
-    for on in (False, True):
-        kernels.int8_inputs(on)
-        nll[on] = windowed_nll(tiny, ids, 256)
-    kernels.int8_inputs(False)
-    print(f"  the same tokens in windows of 256 (prefill): mean NLL exact inputs {nll[False]:.4f} | 8-bit inputs "
-          f"{nll[True]:.4f}")
+    for bits in (8, 4):
+        tiny = zoo.apply(zoo.load("zoo-tiny-moe").eval(), "quantize", bits=bits, targets="all")
+        read_linears_with_kernel(tiny)
+        step = ahead_of_time_step(tiny, 1, len(ids))
+        runs = {}
+        for on in (False, True):
+            kernels.int8_inputs(on)
+            runs[on] = token_by_token(tiny, ids, step)
+        kernels.int8_inputs(False)
+        (nll0, top0), (nll1, top1) = runs[False], runs[True]
+        changed = sum(a != b for a, b in zip(top0, top1)) / len(top0)
+        print(f"\naccuracy, zoo-tiny-moe (int{bits} experts and layers), {len(nll0)} held-out English tokens, one a "
+              f"step:")
+        print(f"  mean NLL exact inputs {statistics.mean(nll0):.4f} (ppl {math.exp(statistics.mean(nll0)):.2f}) | "
+              f"8-bit inputs {statistics.mean(nll1):.4f} (ppl {math.exp(statistics.mean(nll1)):.2f}) | top-1 changed "
+              f"at {changed:.1%} of positions")
+        nll = {}
+        for on in (False, True):
+            kernels.int8_inputs(on)
+            nll[on] = windowed_nll(tiny, ids, 256)
+        kernels.int8_inputs(False)
+        print(f"  the same tokens in windows of 256 (prefill): mean NLL exact inputs {nll[False]:.4f} | 8-bit inputs "
+              f"{nll[True]:.4f}")
 
 
 if __name__ == "__main__":

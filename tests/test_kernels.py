@@ -2,6 +2,7 @@
 form, 1 to 8 tokens, empty slots, experts of another stack, every instruction set (AVX-512 with bf16 dot
 products, AVX-512, AVX2, portable) where this processor has it, and ZOO_KERNEL_ISA forcing one; opcheck; the
 expert block it serves in compiled decode."""
+import functools
 import os
 import subprocess
 import sys
@@ -170,6 +171,114 @@ def test_int8_inputs_prefill_rounds_as_the_kernel(int8_inputs, K):
     exact = kernel_linear(x, w[0], s[0], 8, 64)
     kernels.int8_inputs(True)
     assert not torch.equal(got, exact) and float((got - exact).norm() / exact.norm()) < 0.02
+
+
+def int4_inputs_reference(x, idx, codes, sz, g, slot_of):
+    """The 8-bit-input int4 path's result from the codes [S, N, K] and (scale, zero) pairs, without dequantising:
+    per group the integer dot of the codes with the rounded inputs q and the integer sum of q, then
+    a * (s * dot + (z - 8 s) * sum) summed over groups, in float64 (a: the input row's scale)."""
+    T, k = idx.shape
+    S, N, K = codes.shape
+    xf = (x if x.dim() == 3 else x[:, None].expand(T, k, K)).float()
+    a = xf.abs().amax(-1, keepdim=True) / 127
+    # times the reciprocal, as the kernel rounds (x / a can land on the other side of a half: bf16 inputs often do)
+    q = torch.round(xf * a.reciprocal()).clamp(-127, 127).to(torch.int64).view(T, k, 1, K // g, g)
+    slot = torch.cat([slot_of, torch.tensor([-1])])[idx.clamp(max=len(slot_of))]  # empty slots: -1
+    c = codes[slot.clamp(min=0)].to(torch.int64).view(T, k, N, K // g, g)
+    dots, sums = (c * q).sum(-1).double(), q.sum(-1).double()  # exact integers [T, k, N, K/g], [T, k, 1, K/g]
+    s, z = sz[slot.clamp(min=0), ..., 0].double(), sz[slot.clamp(min=0), ..., 1].double()  # [T, k, K/g, N]
+    y = (s.transpose(-1, -2) * dots + (z - 8 * s).transpose(-1, -2) * sums).sum(-1) * a.double()
+    return torch.where(slot[..., None] >= 0, y, 0)
+
+
+@functools.lru_cache
+def int4_stack_with_codes(g):
+    """3 experts [160, 256] in torch's int4 pack (two full blocks of 64 rows and a 32-row tail): (weight, bf16
+    (scale, zero) pairs, codes)."""
+    gen = torch.Generator().manual_seed(g)
+    return tuple(map(torch.stack, zip(*(quantize_grouped(torch.randn(160, 256, generator=gen) * 0.1, g)
+                                        for _ in range(3)))))
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("T", range(1, 9))
+def test_int4_8bit_inputs_are_exact_integer_dots(int8_inputs, g, T):
+    """int4 codes times inputs rounded to 8 bits on vpdpbusd: the integer reference's result (up to the fp32 scaling
+    per group), for full blocks of 64 rows and the 32-row tail, fp32 and bf16 inputs and scales, an input per slot,
+    a stack holding some experts, 1..8 inputs on one expert; and within rounding distance of the exact path."""
+    K, k = 256, 3
+    w, sz, codes = int4_stack_with_codes(g)
+    slot_of = torch.tensor([0, 2, 1, -1])
+    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.arange(T) % 3 + 1, torch.full((T,), 4)], 1)
+    gen = torch.Generator().manual_seed(T)
+    for x in (torch.randn(T, K, generator=gen), torch.randn(T, K, generator=gen).bfloat16(),
+              torch.randn(T, k, K, generator=gen)):
+        want = int4_inputs_reference(x, idx, codes, sz, g, slot_of)
+        for scale in (sz, sz.float()):
+            got = kernels.moe_gemv(x, idx, w, scale, 4, g, slot_of)
+            tol = 1e-5 if x.dtype == torch.float32 else 1e-2  # bf16 outputs are rounded once more
+            torch.testing.assert_close(got.double(), want.to(got.dtype).double(), rtol=tol, atol=tol)
+    kernels.int8_inputs(False)
+    exact = kernels.moe_gemv(x, idx, w, sz, 4, g, slot_of)
+    kernels.int8_inputs(True)
+    assert not torch.equal(got, exact) and float((got - exact).norm() / exact.norm()) < 0.02
+
+
+@torch.no_grad()
+def test_int4_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch):
+    """With 8-bit inputs on, a prompt through int4 experts (more pairs than the few-token limit) takes the kernel up to
+    kernels.INT4_DOT_PAIRS pairs per expert: each token's output is the one it gets alone (a decode step), within
+    rounding distance of the exact path; past that limit, and with the option off, the sorted path."""
+    from zoo.moe import Routing
+    from zoo.moe.experts import SwiGLUExperts
+    from zoo.moe.quantized import QuantizedExperts
+
+    torch.manual_seed(0)
+    experts = SwiGLUExperts(4, 64, 96)
+    for p in experts.parameters():
+        p.normal_(0, 0.1)
+    experts = QuantizedExperts.from_dense(experts, 4, group_size=32)
+    T = 20  # 10 pairs per expert on average
+    x, r = torch.randn(T, 64), Routing(torch.rand(T, 2), routing(T, 2, 4, seed=5))
+    calls = kernel_calls(monkeypatch)
+    got = experts(x, r)
+    assert calls == [T, T]  # gate_up, then down
+    alone = torch.cat([experts(x[t:t + 1], Routing(r.weights[t:t + 1], r.indices[t:t + 1])) for t in range(T)])
+    torch.testing.assert_close(got, alone, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(kernels, "INT4_DOT_PAIRS", 9)
+    calls.clear()
+    past = experts(x, r)
+    kernels.int8_inputs(False)
+    exact = experts(x, r)
+    kernels.int8_inputs(True)
+    assert not calls and torch.equal(past, exact)
+    assert float((got - exact).norm() / exact.norm()) < 0.02
+
+
+def test_int4_8bit_inputs_are_off_by_default_and_ignored_without_int8_dot_products():
+    """Off unless asked for (every test that turns 8-bit inputs on turns them off again); switched on, then another
+    instruction set: int4 (as int8) gives that set's exact-input result, and asking for 8-bit inputs there is
+    refused."""
+    if os.environ.get("ZOO_KERNEL_INT8_INPUTS", "0") == "0":
+        assert kernels.int8_inputs() is False
+    if kernels.best_isa() != "avx512-bf16":
+        pytest.skip("this processor has no int8 dot products (AVX512-VNNI with AVX512-BF16)")
+    w, s = stack(4, 2, 128, 128, group_size=64)
+    x, idx = torch.randn(2, 128), routing(2, 2, 2)
+    before = kernels.isa()
+    try:
+        for other in ("avx512", "avx2", "portable"):
+            kernels.isa("avx512-bf16")
+            kernels.int8_inputs(True)
+            kernels.isa(other)
+            on = kernels.moe_gemv(x, idx, w, s, 4, 64)
+            kernels.int8_inputs(False)
+            assert torch.equal(on, kernels.moe_gemv(x, idx, w, s, 4, 64))
+            with pytest.raises(ValueError, match="need int8 dot products"):
+                kernels.int8_inputs(True)
+    finally:
+        kernels.int8_inputs(False)
+        kernels.isa(before)
 
 
 def test_int8_inputs_are_refused_without_int8_dot_products(monkeypatch):

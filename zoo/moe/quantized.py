@@ -338,10 +338,23 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
         kernels.load()  # prefill dequantises int4 with the zoo's kernel (built once per machine, then cached)
         self._build_kernel_stacks()
         stacks = self._kernel_stacks()  # few tokens (a short prompt, an eager step): the kernel reads them in place
-        if use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True):
+        if (use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True)
+                or self._prefill_on_int8_dots(hidden, routing, stacks)):
             return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self.glu,
                                         self.gate_up_proj_bias, self.down_proj_bias)
         return self._forward_sorted(hidden, routing)
+
+    def _prefill_on_int8_dots(self, hidden, routing, stacks) -> bool:
+        """Whether int4 experts' prefill runs on the kernel with 8-bit inputs (``kernels.int8_inputs(True)``, on the
+        set that has int8 dot products), rounded as in decode: up to ``kernels.INT4_DOT_PAIRS`` (token, slot) pairs
+        per selected expert on average, where it beats the dequantised dense matmuls."""
+        if not (self.widths == [4] and kernels.int8_inputs_on() and kernels.isa() == "avx512-bf16"
+                and not torch.is_grad_enabled() and hidden.device.type == "cpu"
+                and hidden.dtype in (torch.float32, torch.bfloat16)
+                and all(t.is_contiguous() for st in stacks for t in st[:4])):
+            return False
+        chosen = routing.indices[routing.indices < self.num_experts]
+        return chosen.numel() <= kernels.INT4_DOT_PAIRS * max(1, len(chosen.unique()))
 
     def _forward_in_place(self, hidden, routing):
         """The routed tokens through the zoo's kernel (``zoo::moe_gemv``, every width read in its stored form)

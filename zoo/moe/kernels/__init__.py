@@ -6,8 +6,8 @@ two cores) and cached in torch's extension folder, rebuilt only when the source 
 loads it and says whether it is there; ``ready()`` only reads that answer, so compiled code can branch on it.
 The kernels come in four instruction sets (``ISAS``), the best the processor has chosen at load; the environment
 variable ``ZOO_KERNEL_ISA`` forces one (``portable`` runs anywhere: SSE2 on x86-64, NEON on ARM64). ``int8_inputs(True)``
-(or ``ZOO_KERNEL_INT8_INPUTS=1``) multiplies int8 weights by inputs rounded to 8 bits on int8 dot products (VNNI),
-an option: faster, and less exact.
+(or ``ZOO_KERNEL_INT8_INPUTS=1``) multiplies int8 weights and int4 codes by inputs rounded to 8 bits on int8 dot
+products (VNNI), an option: faster, and less exact.
 Where the library cannot be built (no C++ compiler, or ``ZOO_KERNELS=0``), the zoo keeps torch's path and
 ``unavailable_reason()`` says why.
 """
@@ -34,6 +34,11 @@ MAX_TOKENS = 8  # a compiled step serves at most this many tokens from the kerne
 # bounds it); packed ones widen their codes per row, so past ~4 rows torch's int8/int4 matmuls win (int8 0.85-1.1x at
 # 4 rows, 0.6-0.7x at 8).
 PAIRS_PER_EXPERT = {16: 8, "packed": 4}
+# With 8-bit inputs (int8_inputs(True)) int4 experts take the kernel up to this many pairs per selected expert on
+# average, a prompt's prefill too (zoo.moe.quantized): its int8 dot products beat dequantising for a dense matmul
+# there (one [5632, 1024] expert, 2 threads: 2.6x at 16 rows, 1.4x at 128 and 256, 0.86x at 512; the 304M model's
+# prefill with int4 experts, 8 of them, top-2: 1.7x at 64 tokens, 1.5x at 256, 1.1x at 512, 0.8x at 1024)
+INT4_DOT_PAIRS = 128
 _state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load())", "off": False, "int8_inputs": False}
 
 
@@ -185,10 +190,13 @@ def isa(want: Optional[str] = None) -> str:
 
 
 def int8_inputs(on: Optional[bool] = None) -> bool:
-    """Whether int8 weights are multiplied by inputs rounded to 8 bits (one absmax scale per input row) on int8 dot
-    products: the kernel's (decode, vpdpbusd) and, for many rows (prefill), torch's int8 matrix product
-    (``torch._int_mm``) on the same rounding. ``int8_inputs(True)`` / ``(False)`` turns that on / off (on: ValueError
-    unless the kernels run the ``avx512-bf16`` set, which has them). Off by default: it changes the results
+    """Whether int8 weights and int4 codes are multiplied by inputs rounded to 8 bits (one absmax scale per input
+    row) on int8 dot products: the kernel's (decode, vpdpbusd; int4 per group: exact integer dots scaled in fp32) and,
+    for many rows of int8 (prefill), torch's int8 matrix product (``torch._int_mm``) on the same rounding. int4
+    experts' prefill takes the kernel itself up to ``INT4_DOT_PAIRS`` pairs per expert (``_int_mm`` has no
+    per-group scales: one product per group measured 3-24x slower than the dequantised dense matmul).
+    ``int8_inputs(True)`` / ``(False)`` turns that on / off (on: ValueError unless the kernels run the ``avx512-bf16``
+    set, which has them; another set switched to afterwards ignores it). Off by default: it changes the results
     (``benchmarks/int8_inputs.py`` measures by how much)."""
     if on is not None and not isinstance(on, bool):
         raise ValueError(f"int8_inputs takes True, False or None, got {on!r}")

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -67,9 +68,10 @@ struct Problem {
   Scales scales;
   int64_t N, K, g;         // output rows, inputs, group size (2/3/4 bits)
   const float* X;          // inputs [rows, K] in fp32 (2/3 bits: permuted per 32-input chunk)
-  const float* SX;         // per-group sums of the inputs [rows, K/g] (2/3/4 bits)
+  const float* SX;         // per-group sums of the inputs [rows, K/g] (2/3/4 bits; int4 with XQ: sums of q)
   const uint16_t* XB;      // the inputs in bf16 [rows, K], for bf16 dot products (null: X serves)
-  const uint8_t* XQ;       // the inputs rounded to 8 bits, stored q + 128 [rows, K], for int8 dot products (or null)
+  const uint8_t* XQ;       // the inputs rounded to 8 bits q [rows, K], for int8 dot products (or null): stored
+                           // q + 128 for int8 weights, q (as int8_t) for int4 codes (there the unsigned operand)
   const float* XQS;        // their scales [rows]: x ~ q * scale
   float* Y;                // outputs [T * k, N]
 };
@@ -81,9 +83,12 @@ struct Item {  // rows [r0, r1) of one expert for up to 8 (token, slot) pairs
 };
 
 // int4 rows past the last full block of 64: torch packs them two rows per byte (row 2j low, 2j+1 high) per k.
-// Only small layers have such a tail; plain scalar code.
+// Only small layers have such a tail; plain scalar code. X: float inputs, or 8-bit ones (int8_t: exact int32 dots
+// per group, sxs their per-group sums, and the outputs times the inputs' scales xscale)
+template <class X>
 static void int4_tail(const uint8_t* w, const Scales& sc, int64_t N, int64_t K, int64_t g, int64_t r0, int64_t r1,
-                      int np, const float* const* xs, const float* const* sxs, float* const* ys) {
+                      int np, const X* const* xs, const float* const* sxs, const float* xscale, float* const* ys) {
+  using Acc = std::conditional_t<std::is_same_v<X, float>, float, int32_t>;
   const int64_t full = N / 64 * 64, tail = N - full;
   const uint8_t* t = w + full * K / 2;
   for (int64_t r = r0; r < r1; ++r) {
@@ -91,13 +96,13 @@ static void int4_tail(const uint8_t* w, const Scales& sc, int64_t N, int64_t K, 
     for (int p = 0; p < np; ++p) {
       float total = 0;
       for (int64_t gi = 0; gi < K / g; ++gi) {
-        float acc = 0;
+        Acc acc = 0;
         for (int64_t k = gi * g; k < (gi + 1) * g; ++k)
-          acc += float((t[k * (tail / 2) + j / 2] >> (4 * (j & 1))) & 15) * xs[p][k];
+          acc += Acc((t[k * (tail / 2) + j / 2] >> (4 * (j & 1))) & 15) * xs[p][k];
         float s = sc.scale(gi, r);
-        total += s * acc + (sc.zero(gi, r) - 8 * s) * sxs[p][gi];
+        total += s * float(acc) + (sc.zero(gi, r) - 8 * s) * sxs[p][gi];
       }
-      ys[p][r] = total;
+      ys[p][r] = xscale ? total * xscale[p] : total;
     }
   }
 }
@@ -157,7 +162,8 @@ ZOO_AVX512_TYPES
 
 // AVX-512 with bf16 dot products: the same kernels, and bf16 weights times bf16 inputs on vdpbf16ps (products
 // exact in fp32, as the widening path's, summed in fp32; only the order of the sums differs); with int8 dot products
-// (vpdpbusd: every processor with AVX512-BF16 has AVX512-VNNI) for int8 weights when 8-bit inputs are asked for
+// (vpdpbusd: every processor with AVX512-BF16 has AVX512-VNNI) for int8 weights and int4 codes when 8-bit inputs
+// are asked for
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16,avx512vnni")
 namespace avx512bf16 {
@@ -217,10 +223,11 @@ int64_t moe_gemv_isa(int64_t want) {
   return g_isa;
 }
 
-// int8 weights times inputs rounded to 8 bits (one absmax scale per input row), on int8 dot products: off unless
-// asked for (it changes the results: the inputs lose precision), and only with the set that has them (3)
+// int8 weights and int4 codes times inputs rounded to 8 bits (one absmax scale per input row), on int8 dot
+// products: off unless asked for (it changes the results: the inputs lose precision), and only with the set that
+// has them (3)
 static bool g_int8_inputs = false;
-constexpr int64_t VNNI_MAX_K = 65536;  // |sum| <= K * 255 * 128 stays inside int32
+constexpr int64_t VNNI_MAX_K = 65536;  // |sum| <= K * 255 * 128 stays inside int32 (int4: a group's, K * 15 * 127)
 
 // -1: whether they are on; 0 / 1: turn them off / on (on: refused unless the set in use has int8 dot products)
 int64_t moe_gemv_int8_inputs(int64_t want) {
@@ -341,19 +348,16 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   }
   std::vector<float> permuted, sums;
   const float* Xp = f32 ? xc.data_ptr<float>() : xbuf.data();
-  // 8-bit inputs: q = round(x / s) in [-127, 127] with s = max|x| / 127 per row, stored q + 128 for vpdpbusd
-  const bool int8_dot = g_int8_inputs && g_isa == 3 && kind == Kind::int8 && K <= VNNI_MAX_K;
+  // 8-bit inputs: q = round(x / s) in [-127, 127] with s = max|x| / 127 per row, for vpdpbusd's signed operand
+  // (int4 codes are its unsigned one) or stored q + 128 as its unsigned operand (int8 weights are the signed one)
+  const bool int8_dot = g_int8_inputs && g_isa == 3 && (kind == Kind::int8 || kind == Kind::int4) && K <= VNNI_MAX_K;
+  const int offset = kind == Kind::int8 ? 128 : 0;
   std::vector<uint8_t> xq(int8_dot ? rows * K : 0);
   std::vector<float> xqs(int8_dot ? rows : 0);
-  for (int64_t r = 0; int8_dot && r < rows; ++r) {
-    const float* xr = Xp + r * K;
-    float amax = 0.f;
-    for (int64_t i = 0; i < K; ++i) amax = std::max(amax, std::fabs(xr[i]));
-    const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
-    for (int64_t i = 0; i < K; ++i)
-      xq[r * K + i] = uint8_t(int(std::nearbyint(std::min(127.f, std::max(-127.f, xr[i] * inv)))) + 128);
-    xqs[r] = s;
-  }
+#ifdef ZOO_X86
+  for (int64_t r = 0; int8_dot && r < rows; ++r)
+    xqs[r] = avx512bf16::round_to_8_bits(Xp + r * K, K, offset, xq.data() + r * K);
+#endif
   if (kind == Kind::int2 || kind == Kind::int3) {
     permuted.resize(rows * K);
     for (int64_t r = 0; r < rows; ++r) permute_for_packed(Xp + r * K, permuted.data() + r * K, K, int(bits));
@@ -362,7 +366,18 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
     const int64_t G = K / group_size;
     sums.assign(rows * G, 0.f);
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t k2 = 0; k2 < K; ++k2) sums[r * G + k2 / group_size] += Xp[r * K + k2];
+      for (int64_t gi = 0; gi < G; ++gi) {
+        const int64_t k0 = r * K + gi * group_size;
+        if (int8_dot) {  // sums of q: integers, exact in fp32 (below 2^24)
+          int32_t q = 0;
+          for (int64_t k2 = 0; k2 < group_size; ++k2) q += int8_t(xq[k0 + k2]);
+          sums[r * G + gi] = float(q);
+        } else {
+          float sum = 0.f;
+          for (int64_t k2 = 0; k2 < group_size; ++k2) sum += Xp[k0 + k2];
+          sums[r * G + gi] = sum;
+        }
+      }
   }
 
   // group the (token, slot) pairs by the stack slot they read, then cut each slot's rows into items
