@@ -36,6 +36,7 @@ OPTIONS = {
     "router:adamoe": {"routed_scale": 0.5},
     "router:uncertainty-aware": {"samples": 2, "dropout": 0.2},
     "router:zaya-mlp": {"router_hidden_size": 16},
+    "router:product-key": {"split": "tokens"},
     "compressor:channel-topk": {"budget": 0.5},
     "compressor:hc-smoe": {"num_experts": 3},
     "compressor:hodge-cover": {"num_experts": 3, "sparsity": 0.25},
@@ -102,6 +103,7 @@ SKIPPED = {
     "experts:quantized-lookup": DENSE_EXPERTS, "experts:quantized-mlp": set(),
     "experts:modality-groups": {"mistral", "qwen2_moe", "deepseek_v3", "zoo_mm"},  # group_sizes sum to 4 experts
     "router:steer": {"mistral", "qwen2_moe", "zoo_mm"},  # layer 1 is dense; zoo_mm's router is no steer base
+    "router:product-key": {"mistral", "qwen2_moe", "deepseek_v3", "zoo_mm"},  # 6 and 8 experts: no square count
     "experts:mofme": {"mistral", "gpt_oss"},  # GPT-OSS: biased, clamped experts (mofme shares a plain SwiGLU FFN)
 }
 KNOWN_BUG = {"name": "mixture-of-heads", "options": {"heads_per_token": 0.5}, "families": ["zoo_mm"]}

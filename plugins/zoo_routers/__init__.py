@@ -12,6 +12,7 @@ def register_routers(register):
     from zoo_routers.top2_capacity import Top2Capacity
     from zoo_routers.mixture_of_heads import MixtureOfHeads
     from zoo_routers.otp import OnlineTopAnyPruning
+    from zoo_routers.product_key import ProductKey
     from zoo_routers.remix import Remix
     from zoo_routers.scored_topk import ScoredTopK
     from zoo_routers.sigmoid_bias import SigmoidBias
@@ -41,3 +42,4 @@ def register_routers(register):
     register(Top1Capacity)
     register(Top2Capacity)
     register(ZayaMLP)
+    register(ProductKey)

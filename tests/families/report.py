@@ -27,6 +27,7 @@ def measure(model_type: str) -> dict:
     import zoo
     from tests.families.test_generic_families import greedy, input_ids, logits, native_model, rel
     from zoo.moe.layout import moe_layers
+    from zoo.moe.modality import ModalityMoE
 
     native = native_model(model_type)
     ids = input_ids(native)
@@ -37,12 +38,31 @@ def measure(model_type: str) -> dict:
         def run(model, ids):
             with torch.no_grad():
                 return model(input_ids=ids, decoder_input_ids=ids, use_cache=False).logits.float()
+    if getattr(native.config, "canvas_length", None):  # block diffusion (Diffusion Gemma): a given canvas, and its own
+        canvas = input_ids(native, length=native.config.canvas_length)  # generation from one seed (a random canvas)
+
+        def run(model, ids):
+            with torch.no_grad():
+                return model(input_ids=ids, decoder_input_ids=canvas).logits.float()
+
+        def greedy(model, ids):
+            torch.manual_seed(0)
+            with torch.no_grad():
+                return model.generate(input_ids=ids, max_new_tokens=8, max_denoising_steps=4).sequences
     want, tokens = run(native, ids), greedy(native, ids[:1])
     model = zoo.convert(native)
     moe = moe_layers(model)
     entry = moe[0][1].layout()
+    # decoder layers holding MoE parts (ERNIE-4.5-VL's per-modality parts are layout entries of their own, inside a
+    # ModalityMoE whose shared MLP is the layer's)
+    holders = [m for m in model.modules() if isinstance(m, ModalityMoE)]
+    if holders:
+        moe_count = f"{len(holders)}/{len(model.get_decoder().layers)}"
+        shared = entry["shared_experts"] is not None or any(h.shared_experts is not None for h in holders)
+    else:
+        moe_count, shared = f"{len(moe)}/{len(model.config.zoo_layout)}", entry["shared_experts"] is not None
     return {"auto": type(model).zoo_family.auto, "router": entry["router"], "activation": entry["experts_options"].get("activation", "silu"),
-            "moe_layers": f"{len(moe)}/{len(model.config.zoo_layout)}", "shared": entry["shared_experts"] is not None,
+            "moe_layers": moe_count, "shared": shared,
             "error": rel(run(model, ids), want), "greedy": bool(torch.equal(greedy(model, ids[:1]), tokens))}
 
 

@@ -860,7 +860,7 @@ UNBUILDABLE: dict[str, str] = {
     "vitpose_backbone": f"{_NO_CLASS}; VitPoseBackbone is only in the backbone mapping (not a language model)",
     # builds, but is not usable as a tiny MoE model
     "doge": "builds and runs, but its MoE (DogeCDMoE, product-key embedding experts down_embed/up_embed) has no "
-            "`experts` child module",
+            "`experts` child module, which this sweep looks for (it converts: tests/test_doge.py)",
     "llama4": "Llama4ForConditionalGeneration builds, but its forward fails in transformers 5.24: AttributeError: "
               "'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs' (modeling_llama4.py:1318); "
               "llama4_text covers the same MoE",

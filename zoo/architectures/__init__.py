@@ -30,6 +30,9 @@ def family_specs() -> tuple:
     from zoo.architectures.dbrx import Dbrx
     from zoo.architectures.deepseek_v3 import DeepseekV3
     from zoo.architectures.deepseek_v4 import DeepseekV4
+    from zoo.architectures.diffusion_gemma import DiffusionGemma
+    from zoo.architectures.doge import Doge
+    from zoo.architectures.ernie4_5_vl import Ernie45VL
     from zoo.architectures.families import GENERIC
     from zoo.architectures.gemma4 import Gemma4
     from zoo.architectures.generic import GenericFamily
@@ -51,8 +54,9 @@ def family_specs() -> tuple:
     specs = {"llama4_text": Llama4Text, "cohere2_moe": Cohere2Moe, "deepseek_v4": DeepseekV4,
              "gemma4_text": Gemma4, "gemma4": lambda: Gemma4("gemma4", "image-text-to-text"),
              "longcat_flash": LongcatFlash, "jetmoe": Jetmoe, "muse_spark": MuseSpark,
+             "diffusion_gemma": DiffusionGemma,
              "inkling_text": Inkling, "inkling_mm_model": lambda: Inkling("inkling_mm_model", "image-text-to-text"),
-             "zaya": Zaya}
+             "zaya": Zaya, "doge": Doge, "ernie4_5_vl_moe": Ernie45VL}
     papers = {entry.family: entry.paper for entry in GENERIC_PUBLIC}  # the papers of their public checkpoints
     generic = [specs[t]() if t in specs else GenericFamily(t, auto, paper=papers.get(t, ""))
                for t, auto in GENERIC.items() if t in CONFIG_MAPPING_NAMES]  # an older transformers may lack some

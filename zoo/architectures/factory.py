@@ -27,7 +27,7 @@ from zoo.moe.layout import (
 )
 from zoo.moe import Router, SparseMoE
 from zoo.moe import context as routing_context
-from zoo.moe.losses import family_aux_loss, native_balance_loss
+from zoo.moe.losses import family_aux_loss
 from zoo.moe.router_capture import recorded_router_logits
 from zoo.moe.init import init_zoo_module, initialize_missing_keys
 
@@ -172,6 +172,7 @@ def adopt(model, family) -> None:
     model.init_parallel_plans()
     parallel.install_language_model_plans(model, base, family)
     family.prepare(base)
+    _retie(model)
 
 
 def _init(self, config):
@@ -186,6 +187,7 @@ def _init(self, config):
     apply_attention(self, getattr(config, "zoo_attention", None))  # first: module paths may run through it
     apply_modules(self, getattr(config, "zoo_modules", None))
     _gather_class_properties(base, self)
+    _retie(self)
     self.init_weights()  # the new modules through _init_weights, as post_init did for the family's own
     routing_context.attach(self)
 
@@ -199,8 +201,18 @@ def _init_base(self, config):
     prefix = f"{self.zoo_family.base_attr}."
     apply_modules(self, {k[len(prefix):]: v for k, v in modules.items() if k.startswith(prefix)})
     _gather_class_properties(self)
+    _retie(self)
     self.init_weights()
     routing_context.attach(self)
+
+
+def _retie(model) -> None:
+    """The tie map expanded again over the zoo's modules, where the family's is patterns over layer tensors that
+    post_init expanded over its native modules (``Family.retie``)."""
+    if getattr(model.zoo_family, "retie", False):
+        for module in model.modules():
+            if hasattr(module, "get_expanded_tied_weights_keys"):
+                module.all_tied_weights_keys = module.get_expanded_tied_weights_keys(all_submodels=True)
 
 
 def _gather_class_properties(*models) -> None:
@@ -228,6 +240,7 @@ def _build_zoo_blocks(base, config) -> None:
                     module._is_hf_initialized = initialised
                 setattr(layer, attr, block)
     else:
+        family.hold_blocks(base)
         apply_layout(base, config.zoo_layout)
     family.prepare(base)
 
@@ -287,7 +300,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, cache
     aux_loss = None
     router_logits = tuple(lg for _, lg in recorded) if output_router_logits else None
     if router_logits and self.zoo_family.aux_loss:
-        aux_loss = family_aux_loss(native_balance_loss(self.zoo_family.model_class), router_logits,
+        aux_loss = family_aux_loss(self.zoo_family.balance_loss(), router_logits,
                                    [router.top_k for router, _ in recorded], attention_mask)
         if loss is not None:
             loss = loss + self.zoo_family.aux_loss_coef(self.config) * aux_loss.to(loss.device)
@@ -301,9 +314,10 @@ def _balance_forward(family) -> dict:
     loss in place of the family's (defined where layers differ in expert count, the family's own where not)."""
     from zoo.architectures.own_forward import forward_with_zoo_balance_loss
 
-    if not getattr(family, "generic", False) or native_balance_loss(family.model_class) is None:
+    loss = family.balance_loss() if getattr(family, "generic", False) else None
+    if loss is None:
         return {}
-    return {"forward": forward_with_zoo_balance_loss(family.model_class)}
+    return {"forward": forward_with_zoo_balance_loss(family.model_class, loss)}
 
 
 def _save_pretrained(self, save_directory, *args, model_card=None, **kwargs):

@@ -10,7 +10,8 @@ GENERIC: dict[str, str] = {
     # attention-free layers and convert their MoE blocks)
     **{t: "causal-lm" for t in (
         "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v32",
-        "deepseek_v4", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text",
+        "deepseek_v4", "doge", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
+        "gemma4_text",
         "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
         "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "inkling_text",
         "jamba", "jetmoe", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text", "longcat_flash",
@@ -20,7 +21,8 @@ GENERIC: dict[str, str] = {
     # vision-language models: the language model's MoE blocks convert, the vision tower stays (dots3_note's
     # vision tower has MoE blocks of its own: they stay native)
     **{t: "image-text-to-text" for t in (
-        "aria", "deepseek_ocr2", "dots3_note", "gemma4", "glm4v_moe", "glm5_next", "hy_v4_vl", "inkling2",
+        "aria", "deepseek_ocr2", "diffusion_gemma", "dots3_note", "ernie4_5_vl_moe",
+        "gemma4", "glm4v_moe", "glm5_next", "hy_v4_vl", "inkling2",
         "inkling2_loop", "inkling_mm_model", "minimax_m3_vl", "mistral4", "mistral_large4", "muse_spark",
         "qwen3_5_moe", "step3p7",
         "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp", "unlimited_ocr")},
@@ -31,23 +33,11 @@ _TEXT_PART = ("the text sub-config of a vision-language family; converted as par
 
 # Why each of these is not converted, as the generic adapter reports it on the family's tiny model.
 EXCEPTIONS: dict[str, str] = {
-    "diffusion_gemma": "a block-diffusion model: an encoder and a decoder stack of Gemma 4-style layers (router and "
-                       "experts inside each layer) denoise a canvas of tokens; the zoo's Gemma 4 spec holds one stack "
-                       "of causal layers (what it would take: the spec over both stacks' layer classes)",
-    "doge": "its experts are product-key retrieval experts (each expert one row of a down and an up embedding, chosen "
-            "by two sub-key gates of sqrt(E) rows) mixed into a dense MLP, and its routing reshapes the flat [T, 2 sqrt(E)] "
-            "logits as [2, T, sqrt(E)], mixing halves of different tokens (kept so by transformers for existing "
-            "checkpoints); the zoo has no product-key router (what it would take: one, over the zoo's ungated mlp "
-            "experts of width 1, with that split as an option)",
     "llama4": "its multimodal model holds a whole causal LM (`.language_model`) where the zoo classes expect the "
               "base model at `.model`, and its forward fails inside transformers 5.24 itself (no `image_outputs` on "
               "its output): no native logits to check a conversion against; the text model (llama4_text) converts "
               "(what it would take: a transformers whose Llama 4 multimodal forward runs, and the zoo classes finding "
               "the base model below .language_model)",
-    "ernie4_5_vl_moe": "each MoE layer holds a text and a vision expert block (each its own router and experts), "
-                       "chosen per token by its modality, around one shared MLP; the zoo block is one router over one "
-                       "expert set (what it would take: a block of per-modality SparseMoE parts that every compressor "
-                       "and router swap visits, each part its own layout entry)",
     "qwen3_omni_moe": "the omni model holds a thinker and a talker (each an MoE model of its own) and a speech "
                       "decoder, with no base model at `.model`; its thinker (qwen3_omni_moe_thinker) converts (what "
                       "it would take: layouts for two MoE models inside one, the talker's blocks beside the "

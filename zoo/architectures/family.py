@@ -30,6 +30,9 @@ class Family:
     layers_path = "layers"  # the decoder layers, below the base model
     block_attr = "mlp"  # a decoder layer's attribute holding the MoE block
     native_in_layer = False  # the native checkpoint keeps the block's tensors in the decoder layer itself (Gemma 4)
+    # the native tie map is patterns over layer tensors (Diffusion Gemma's encoder layers tied to its decoder's),
+    # which transformers expands over the native modules: expanded again once the zoo blocks are in place
+    retie = False
 
     def matches(self, model) -> bool:
         """Whether ``model`` is a native model of this family."""
@@ -58,6 +61,15 @@ class Family:
     def regroup_layer(self, layer) -> None:
         """Turn a decoder layer read natively (``native_layer_class``) into the form this family's models hold."""
 
+    def hold_blocks(self, base) -> None:
+        """Put in place, before a saved layout is applied, the modules its blocks sit in where they are not the
+        decoder layers (ERNIE-4.5-VL's per-modality parts: ``zoo.moe.modality``); nothing by default."""
+
+    def native_copies(self, prefix: str) -> list[str]:
+        """Where else than ``prefix`` a native checkpoint holds a block's tensors (tied copies: Diffusion Gemma's
+        encoder layer beside the decoder layer that holds the block)."""
+        return []
+
     # ---- structure -------------------------------------------------------------------------------
     def moe_layer_ids(self, config) -> list[int]:
         return list(range(config.num_hidden_layers))
@@ -74,6 +86,14 @@ class Family:
     def aux_loss_coef(self, config) -> float:
         """The weight of the balance loss in the training loss (the config key the family reads)."""
         return config.router_aux_loss_coef
+
+    def balance_loss(self):
+        """The family's balance loss as ``f(router_logits, num_experts, top_k, attention_mask)`` over the zoo routers'
+        [T, E] logits (see ``zoo.moe.losses.family_aux_loss``): the one its modeling module defines, None where its
+        forward computes none. A family whose own function reads other logits (Doge's [2, T, n]) gives its own."""
+        from zoo.moe.losses import native_balance_loss
+
+        return native_balance_loss(self.model_class)
 
     def block_layout(self, config) -> dict:
         """The layout entry of one native MoE layer of ``config``."""

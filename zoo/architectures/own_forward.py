@@ -17,10 +17,11 @@ from zoo.moe.losses import family_aux_loss, native_balance_loss
 from zoo.moe.router_capture import recorded_router_logits
 
 
-def forward_with_zoo_balance_loss(model_class):
+def forward_with_zoo_balance_loss(model_class, loss_function=None):
     """The forward of ``model_class`` (the family's own, which calls its balance loss) with the zoo's balance loss
-    in its place; same signature, so generation and training read the family's arguments off it."""
-    native, loss_function = model_class.forward, native_balance_loss(model_class)
+    in its place (``loss_function``: the family's, see ``Family.balance_loss``; None: its modeling module's); same
+    signature, so generation and training read the family's arguments off it."""
+    native, loss_function = model_class.forward, loss_function or native_balance_loss(model_class)
     signature = inspect.signature(native)
     renamed = "cache" in signature.parameters and "past_key_values" not in signature.parameters
 

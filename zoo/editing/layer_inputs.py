@@ -97,6 +97,8 @@ class LayerInputs:
             more = None
             try:
                 call_model(model, batch)
+                # the last layer never ran: layers inside layers (ERNIE-4.5-VL's per-modality parts)
+                more = TypeError("the model's forward does not call every listed layer in turn")
             except _Stop:
                 pass
             except (ValueError, TypeError) as exc:  # the layers take, or hand on, more than the engine carries

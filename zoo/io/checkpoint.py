@@ -339,6 +339,8 @@ class Checkpoint:
             model = auto.from_config(self.config)
         model.eval()
         self.family = family_of(model)  # unsupported families are refused here
+        if getattr(self.family, "stream_refused", None):
+            raise CheckpointError(f"{self.path}: {self.family.stream_refused}: work on it in memory (--no-stream)")
         self.family.discover(getattr(model, self.family.base_attr))
         if self.family.layers_path.rsplit(".", 1)[-1] not in LAYER_LISTS:
             raise CheckpointError(f"{self.path}: streaming works on decoders whose layers are a list (layers, "

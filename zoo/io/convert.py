@@ -89,7 +89,8 @@ def export(model, path, format: str = "native") -> str:
             del state[key]
         native_prefix = native_block_prefix(model, i)  # Gemma 4 keeps them in the decoder layer itself
         for key, value in native_block_state(fam, moe.unmapped(), count).items():
-            state[native_prefix + key] = value
+            for prefix in (native_prefix, *fam.native_copies(native_prefix)):  # tied copies too (Diffusion Gemma)
+                state[prefix + key] = value
     import torch
 
     with torch.device("meta"):

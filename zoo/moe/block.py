@@ -192,6 +192,8 @@ class SparseMoE(nn.Module):
         read such facts from the routing context instead, so they are ignored."""
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
+        if not x.shape[0] and not (self.carries_router_state or self.returns_router_scores):
+            return torch.zeros_like(hidden)  # no tokens (a modality part, zoo.moe.modality): nothing to route
         routing = self.route(x, router_state if self.carries_router_state else None)
         xe = self.expert_inputs(x)
         computing = self.computing_routing(routing)

@@ -342,7 +342,9 @@ class MLPExperts(Experts):
 
     def forward(self, hidden: torch.Tensor, routing) -> torch.Tensor:
         tokens, k = routing.indices.shape
-        if torch.compiler.is_compiling() and tokens * k <= self.num_experts:
+        # experts one neuron wide (product-key memories: Doge, PEER): gathering each pair's two rows reads no more
+        # than the pairs need, where the sorted path would loop over thousands of experts
+        if (torch.compiler.is_compiling() and tokens * k <= self.num_experts) or self.intermediate_size == 1:
             idx, valid = gather_rows(routing.indices, self.num_experts)
             x = hidden.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
             h = torch.bmm(self.up_proj[idx], x).squeeze(-1)

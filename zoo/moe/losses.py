@@ -83,6 +83,14 @@ def family_aux_loss(native, router_logits, top_ks, attention_mask=None) -> torch
     return torch.stack([loss.to(losses[0].device) for loss in losses]).mean()
 
 
+def slot_balance_loss(logits, num_experts, top_k, attention_mask=None) -> torch.Tensor:
+    """All layers pooled with ``f_e`` the share of (token, slot) pairs choosing e, as Doge defines it (its own function
+    reads the [2, T, n] sub-key logits; on the experts' summed scores it is this): uniform routing gives 1."""
+    pooled = torch.cat([lg.to(logits[0].device) for lg in logits])
+    mask = None if attention_mask is None else attention_mask.reshape(-1).repeat(len(logits))
+    return load_balancing_loss(pooled, top_k, mask)
+
+
 def _pooled_balance_loss(logits, num_experts, top_k, attention_mask=None) -> torch.Tensor:
     """All layers pooled as transformers' families pool them: ``k * load_balancing_loss`` of the stacked tokens."""
     pooled = torch.cat([lg.to(logits[0].device) for lg in logits])

@@ -120,6 +120,10 @@ class Router(nn.Module, DemoControls):
     # handed on ([T, R] or None) and gives its own as ``Routing.state`` (Zaya's ``zaya-mlp``); the block passes it
     # from layer to layer where the family's decoder layers do (``SparseMoE(carries_router_state=True)``).
     carries_state: bool = False
+    # ``keep_rows(rows) -> Router``, for a router whose gate has no row per expert (``product-key``: each sub-key
+    # serves many experts): this router for only its experts ``rows``, which pruning and expert-map merging call
+    # (``zoo.moe.surgery``); such a router cannot be cut to one row per group. None: the gate's rows are the experts'.
+    keep_rows = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -3,7 +3,8 @@
 Pruning keeps one router row per remaining expert, so routing among the survivors is unchanged. Merging either
 keeps every router row and serves each original expert by its group's merged expert (an expert map, HC-SMoE's
 code), or cuts the router to one row per group (``router_rows``). A router's rows that score shared experts
-(``Router.shared_rows``: Inkling's) are no experts: every edit keeps them, after the experts' rows.
+(``Router.shared_rows``: Inkling's) are no experts: every edit keeps them, after the experts' rows. A router whose
+gate has no row per expert (``product-key``) keeps experts by its own ``keep_rows(rows)``, and cannot be cut.
 """
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def _slice_experts(experts, rows: torch.Tensor, weights: torch.Tensor | None = N
 
 def _router_rows(old, rows: torch.Tensor):
     """A router like ``old`` with only its rows ``rows`` (all of them: a copy); rows scoring shared experts stay."""
+    if getattr(old, "keep_rows", None) is not None:  # a gate with no row per expert (product-key): its own way
+        return place_like(old.keep_rows(rows), old)
     router = router_like(old, len(rows))
     routed, shared = _split_shared_rows(old)
     state = {k: (v.index_select(0, rows.to(v.device)) if v.dim() and v.shape[0] == old.num_experts else v)
@@ -123,6 +126,9 @@ def merge_experts(moe: SparseMoE, groups: list[list[int]], weights: list[list[fl
     if router_rows is None:
         return moe.with_parts(_router_rows(moe.router, torch.arange(moe.router.num_experts)), merged,
                               expert_map=None if expert_map == list(range(moe.router.num_experts)) else expert_map)
+    if getattr(moe.router, "keep_rows", None) is not None:
+        raise ValueError(f"router {moe.router.name!r} has no row per expert to cut into one per group; merge behind "
+                         "an expert map instead (router_rows=None)")
     if moe.expert_map is not None:
         raise ValueError("a cut router needs one router row per expert, but this block already serves its router's "
                          f"{moe.router.num_experts} rows with {moe.num_experts} merged experts (an expert map)")

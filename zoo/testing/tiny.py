@@ -82,6 +82,8 @@ def sample_inputs(model, seed: int = 0) -> dict:
         inputs["audio_features"] = torch.randn(2, config.audio_frames, config.num_mel_bins, generator=g)
     if getattr(config, "is_encoder_decoder", False):  # a seq2seq model (Switch Transformers) decodes a prefix too
         inputs["decoder_input_ids"] = inputs["input_ids"][:, :6]
+    if getattr(config, "canvas_length", None):  # a block-diffusion model (Diffusion Gemma): its canvas, else random
+        inputs["decoder_input_ids"] = allowed[torch.randint(len(allowed), (2, config.canvas_length), generator=g)]
     return inputs
 
 
