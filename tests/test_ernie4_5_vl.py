@@ -173,3 +173,30 @@ def test_parts_may_differ_in_expert_count(tmp_path, one_thread):
     with pytest.raises(NotExportable, match=r"layout entry 3: experts_options is"):
         zoo.export(back, tmp_path / "native")
     assert not (tmp_path / "native").exists()
+
+
+def test_balance_loss_is_the_natives_with_vision_tokens_and_padding():
+    """The router logits a balance loss reads are the layer's, one row per token in token order (each from its
+    modality's router), as the native block reports them: the same aux loss with a padding mask; after a prune that
+    leaves the parts different expert counts it is still defined (the narrower part's columns padded, never picked)."""
+    mask = torch.ones_like(IDS)
+    mask[0, :3] = 0  # left padding in the first row
+    model = native()
+    model.config.text_config.router_aux_loss_coef = 0.01
+    zoo_model = zoo.convert(native())
+    for types in (None, TYPES):
+        with torch.no_grad():
+            want = model(input_ids=IDS, attention_mask=mask, moe_mm_token_type_ids=types, labels=IDS,
+                         output_router_logits=True, use_cache=False)
+            got = zoo_model(input_ids=IDS, attention_mask=mask, moe_mm_token_type_ids=types, labels=IDS,
+                            output_router_logits=True, use_cache=False)
+        assert want.aux_loss is not None and torch.allclose(got.aux_loss, want.aux_loss, rtol=1e-5), types
+        assert torch.allclose(got.loss, want.loss, rtol=1e-5)
+    for i, moe in moe_layers(zoo_model):
+        if moe.num_experts == E and i % 3 == 2:  # one of the two parts of each sparse layer: 4 -> 2 experts
+            replace_blocks(zoo_model, {i: keep_experts(moe, torch.tensor([0, 2]))})
+    assert len({moe.num_experts for _, moe in moe_layers(zoo_model)}) == 2
+    with torch.no_grad():
+        out = zoo_model(input_ids=IDS, attention_mask=mask, moe_mm_token_type_ids=TYPES, labels=IDS,
+                        output_router_logits=True, use_cache=False)
+    assert torch.isfinite(out.aux_loss) and torch.isfinite(out.loss)

@@ -11,13 +11,15 @@ its own; parts may differ in expert count, k, router or experts kind after that.
 
 Every part is called on every forward, on no rows where its modality is absent (the native block skips it there:
 the same output; a SparseMoE given no rows returns none without routing), so the layer-at-a-time engine finds each
-part called once per batch.
+part called once per batch. The router logits a balance loss reads are the layer's, one row per token in token order
+(each row from its modality's router), as the native block reports them.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from zoo.moe import router_capture
 from zoo.moe.block import SparseMoE, unwrapped
 
 
@@ -68,9 +70,14 @@ class ModalityMoE(nn.Module):
         else:
             part_of = token_types.reshape(-1).long().clamp(0, len(holders) - 1)
             out = x.new_zeros(x.shape)
+            seen = router_capture.recording()
+            start, part_rows = (len(seen) if seen is not None else 0), []
             for p, holder in enumerate(holders):
                 rows = (part_of == p).nonzero().squeeze(1)
                 out = out.index_copy(0, rows, holder(x.index_select(0, rows)).to(out.dtype))
+                part_rows.append(rows)
+            if seen is not None and len(seen) - start == len(holders):  # the balance loss reads the layer's logits
+                router_capture.merge_part_records(seen, start, part_rows, x.shape[0])  # in token order, as native
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(hidden.shape)

@@ -10,6 +10,8 @@ import contextlib
 import functools
 from contextvars import ContextVar
 
+import torch
+
 _active: ContextVar[list | None] = ContextVar("zoo_router_logits", default=None)
 
 
@@ -39,6 +41,29 @@ def recorded_router_logits(model):
         yield seen
     finally:
         _active.reset(token)
+
+
+def recording() -> list | None:
+    """The list ``recorded_router_logits`` is filling in this context, or None outside one."""
+    return _active.get()
+
+
+def merge_part_records(seen: list, start: int, part_rows: list, tokens: int) -> None:
+    """Replace the records parts of one layer made since ``start`` (one per part, each over its own rows
+    ``part_rows[p]`` of the layer's ``tokens``) by one ``[tokens, E]`` matrix, rows in token order, as a family
+    whose layer routes tokens by modality reports its logits (ERNIE-4.5-VL); paired with the first part's router.
+    Parts of different expert counts (a non-uniform prune) are padded to the widest with the dtype's lowest value:
+    probability 0 and never picked, so the padded columns add no load."""
+    entries = seen[start:]
+    width = max(lg.shape[-1] for _, lg in entries)
+    first = entries[0][1]
+    merged = first.new_zeros(tokens, width)
+    for (_, lg), rows in zip(entries, part_rows):
+        if lg.shape[-1] < width:
+            lg = torch.nn.functional.pad(lg, (0, width - lg.shape[-1]), value=torch.finfo(lg.dtype).min)
+        merged = merged.index_copy(0, rows.to(merged.device), lg.to(merged.dtype))
+    del seen[start:]
+    seen.append((entries[0][0], merged))
 
 
 def _hook_extra_routers(model) -> None:
