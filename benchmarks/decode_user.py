@@ -36,10 +36,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ZOO_ROWS = (("zoo bf16", 16), ("zoo int8 all", 8), ("zoo int4 all", 4))
+# (label, bits, 8-bit inputs): the last two rows add ``zoo.moe.kernels.int8_inputs(True)``, the kernel's option of
+# multiplying int8 weights / int4 codes by inputs rounded to 8 bits (llama.cpp's q8_0/Q4_0 do the same), where the
+# processor has int8 dot products
+ZOO_ROWS = (("zoo bf16", 16, False), ("zoo int8 all", 8, False), ("zoo int4 all", 4, False),
+            ("zoo int8 all, x int8", 8, True), ("zoo int4 all, x int8", 4, True))
 # zoo row -> the llama.cpp rows it is compared with
 PAIRS = {"zoo bf16": ("llama.cpp bf16",), "zoo int8 all": ("llama.cpp q8_0", "llama.cpp zoo codes Q8_0"),
-         "zoo int4 all": ("llama.cpp Q4_0", "llama.cpp zoo codes Q4_1")}
+         "zoo int4 all": ("llama.cpp Q4_0", "llama.cpp zoo codes Q4_1"),
+         "zoo int8 all, x int8": ("llama.cpp q8_0", "llama.cpp zoo codes Q8_0"),
+         "zoo int4 all, x int8": ("llama.cpp Q4_0", "llama.cpp zoo codes Q4_1")}
 
 
 def prompt_ids(vocab: int, tokens: int) -> list[int]:
@@ -60,6 +66,11 @@ def zoo_worker(args) -> dict:
     model = zoo.load(args.folder).eval()
     if args.bits < 16:
         model = zoo.apply(model, "quantize", bits=args.bits, targets="all")
+    if args.int8_inputs:
+        from zoo.moe import kernels
+
+        kernels.load()
+        kernels.int8_inputs(True)
     setup = time.perf_counter() - t
     ids = torch.tensor([prompt_ids(model.config.vocab_size, args.prompt)])
     out = {"setup_s": setup}
@@ -144,10 +155,19 @@ def llama_worker(args) -> dict:
             "tokens": tokens}
 
 
+def dot_products() -> bool:
+    """Whether the zoo's kernel loads here with the instruction set that has int8 dot products."""
+    from zoo.moe import kernels
+
+    return kernels.load() and kernels.best_isa() == "avx512-bf16"
+
+
 def run_worker(kind: str, env: dict, args, **extra) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--threads", str(args.threads), "--prompt", str(args.prompt),
            "--new-tokens", str(args.new_tokens), "--calls", str(args.calls)]
     for key, value in extra.items():
+        if value is False:
+            continue
         cmd += [f"--{key.replace('_', '-')}", str(value)] if value is not True else [f"--{key.replace('_', '-')}"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -239,7 +259,7 @@ def summary(results: dict, args) -> None:
         for other in others:
             if zoo_row in per_token and other in per_token:
                 (zw, zd), (lw, ld) = per_token[zoo_row], per_token[other]
-                print(f"  {zoo_row:14} vs {other:26} {lw / zw:5.2f}x end to end   {ld / zd:5.2f}x decode")
+                print(f"  {zoo_row:20} vs {other:26} {lw / zw:5.2f}x end to end   {ld / zd:5.2f}x decode")
 
 
 def main(argv=None):
@@ -256,6 +276,7 @@ def main(argv=None):
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--bits", type=int, default=16, help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
+    ap.add_argument("--int8-inputs", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps((zoo_worker if args.worker == "zoo" else llama_worker)(args)))
@@ -268,8 +289,11 @@ def main(argv=None):
         files, skipped = make_files(Path(tmp), args.smoke, args.llama_cpp_source, llama)
         for reason in skipped:
             print(reason)
-        engines = [(label, "zoo", {"folder": files["native"], "bits": bits})
-                   for label, bits in (ZOO_ROWS[:1] if args.smoke else ZOO_ROWS)]
+        dots = dot_products()
+        if not dots:
+            print("the 8-bit-input rows are left out: the kernel has no int8 dot products on this processor")
+        engines = [(label, "zoo", {"folder": files["native"], "bits": bits, "int8_inputs": inputs8})
+                   for label, bits, inputs8 in (ZOO_ROWS[:1] if args.smoke else ZOO_ROWS) if dots or not inputs8]
         engines += [(label, "llama", {"gguf": path}) for label, path in files.items() if label.startswith("llama")]
         results = {label: [] for label, _, _ in engines}
         for r in range(args.rounds):
