@@ -225,10 +225,12 @@ def test_int4_8bit_inputs_are_exact_integer_dots(int8_inputs, g, T):
 
 
 @torch.no_grad()
-def test_int4_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch):
-    """With 8-bit inputs on, a prompt through int4 experts (more pairs than the few-token limit) takes the kernel up to
-    kernels.INT4_DOT_PAIRS pairs per expert: each token's output is the one it gets alone (a decode step), within
-    rounding distance of the exact path; past that limit, and with the option off, the sorted path."""
+@pytest.mark.parametrize("bits,limit", [(4, "INT4_DOT_PAIRS"), (8, "INT8_DOT_PAIRS")])
+def test_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch, bits, limit):
+    """With 8-bit inputs on, a prompt through int4 or int8 experts (more pairs than the few-token limit) takes the
+    kernel up to kernels.INT4_DOT_PAIRS / INT8_DOT_PAIRS pairs per expert: each token's output is the one it gets alone
+    (a decode step), within rounding distance of the exact path; past that limit, and with the option off, the sorted
+    path."""
     from zoo.moe import Routing
     from zoo.moe.experts import SwiGLUExperts
     from zoo.moe.quantized import QuantizedExperts
@@ -237,7 +239,7 @@ def test_int4_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch):
     experts = SwiGLUExperts(4, 64, 96)
     for p in experts.parameters():
         p.normal_(0, 0.1)
-    experts = QuantizedExperts.from_dense(experts, 4, group_size=32)
+    experts = QuantizedExperts.from_dense(experts, bits, group_size=32)
     T = 20  # 10 pairs per expert on average
     x, r = torch.randn(T, 64), Routing(torch.rand(T, 2), routing(T, 2, 4, seed=5))
     calls = kernel_calls(monkeypatch)
@@ -245,7 +247,7 @@ def test_int4_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch):
     assert calls == [T, T]  # gate_up, then down
     alone = torch.cat([experts(x[t:t + 1], Routing(r.weights[t:t + 1], r.indices[t:t + 1])) for t in range(T)])
     torch.testing.assert_close(got, alone, rtol=1e-6, atol=1e-6)
-    monkeypatch.setattr(kernels, "INT4_DOT_PAIRS", 9)
+    monkeypatch.setattr(kernels, limit, 9)
     calls.clear()
     past = experts(x, r)
     kernels.int8_inputs(False)
@@ -253,6 +255,37 @@ def test_int4_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch):
     kernels.int8_inputs(True)
     assert not calls and torch.equal(past, exact)
     assert float((got - exact).norm() / exact.norm()) < 0.02
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_prefill_on_8bit_inputs_uses_the_kernel(int8_inputs, monkeypatch, bits, dtype):
+    """With 8-bit inputs on, an eager QuantizedLinear call on up to kernels.INT8_DOT_ROWS rows (a prompt) takes the
+    kernel: each row's output is the one it gets alone (the one-row kernel path), within rounding distance of the
+    exact path; one row more takes torch's path (lowbit_linear) as before, as does every call with the option off."""
+    from zoo.moe.quantized import lowbit_linear
+    from zoo.moe.quantized_linear import QuantizedLinear
+
+    torch.manual_seed(0)
+    q = QuantizedLinear.from_linear(torch.nn.Linear(128, 160, bias=True), bits, 64).to(dtype)
+    limit = kernels.INT8_DOT_ROWS[bits]
+    x = torch.randn(limit + 1, 128, dtype=dtype)
+
+    def torch_path(rows):
+        return lowbit_linear(x[:rows], *q.packed, bits, 64, (160, 128)) + q.bias.to(dtype)
+
+    calls = kernel_calls(monkeypatch)
+    got = q(x[:limit].view(2, limit // 2, 128)).view(limit, 160)  # leading dimensions are rows
+    assert calls == [limit]
+    assert torch.equal(got, torch.cat([q(x[t:t + 1]) for t in range(limit)]))
+    calls.clear()
+    assert torch.equal(q(x), torch_path(limit + 1)) and not calls
+    kernels.int8_inputs(False)
+    exact = q(x[:limit])
+    assert torch.equal(exact, torch_path(limit)) and torch.equal(q(x[:2]), torch_path(2)) and not calls
+    kernels.int8_inputs(True)
+    assert not torch.equal(got, exact) and float((got - exact).norm() / exact.norm()) < 0.02
 
 
 def test_int4_8bit_inputs_are_off_by_default_and_ignored_without_int8_dot_products():

@@ -39,7 +39,7 @@ def pmq(significance: np.ndarray, err: np.ndarray, sizes: np.ndarray, widths, av
 def esd_alpha(w: torch.Tensor, min_tail: int = 8) -> float:
     """Power-law exponent of the eigenvalue spectrum of W W^T (heavy-tailed self-regularisation): the MLE
     (Hill) fit over the tail lambda >= xmin, with xmin chosen by the smallest Kolmogorov-Smirnov distance."""
-    ev = torch.linalg.svdvals(w.double()).pow(2).sort().values.numpy()
+    ev = torch.linalg.svdvals(w.double()).pow(2).sort().values.cpu().numpy()
     ev = ev[ev > ev.max() * 1e-12]
     best = (np.inf, 2.0)
     for i in range(max(1, len(ev) - min_tail)):

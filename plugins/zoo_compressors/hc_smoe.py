@@ -30,7 +30,7 @@ def cluster_experts(features: torch.Tensor, n_clusters: int, method: str = "aver
 
     if n_clusters >= len(features):
         return [[i] for i in range(len(features))]
-    tree = linkage(features.double().numpy(), method=method, metric="euclidean")
+    tree = linkage(features.double().cpu().numpy(), method=method, metric="euclidean")
     labels = cut_tree(tree, n_clusters=n_clusters).reshape(-1)
     return [np.flatnonzero(labels == c).tolist() for c in range(n_clusters)]
 

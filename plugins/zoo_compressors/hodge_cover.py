@@ -55,7 +55,7 @@ class MergeBarriers:
         routing = moe.route(x)
         xf = moe.expert_inputs(x).float()
         self.tokens, self.inputs, self.gates, self.outputs = [], [], [], []
-        routed = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+        routed = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
         for e in range(moe.num_experts):
             tok, slot = (routing.indices == e).nonzero(as_tuple=True)
             g = routing.weights[tok, slot].float()
@@ -68,7 +68,7 @@ class MergeBarriers:
             routed.index_add_(0, tok, self._weighted(out, g))
         self.num_tokens = x.shape[0]
         self.norm = float((routed ** 2).sum()) or 1.0
-        self.counts = torch.tensor([len(t) for t in self.tokens], dtype=torch.float64)
+        self.counts = torch.tensor([len(t) for t in self.tokens], dtype=torch.float64, device=x.device)
         self.frequency = self.counts + 1e-9  # an expert never routed to still counts a little
 
     def _expert(self, params: dict, rows: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ class MergeBarriers:
         merged = {k: torch.einsum("e,e...->...", w, v[members]) for k, v in self.params.items()}
         joined = self._expert(merged, torch.cat([self.inputs[e] for e in members]))
         # a token routed to two members changes in both slots: sum its changes before squaring
-        change = torch.zeros(self.num_tokens, joined.shape[-1], dtype=torch.float64)
+        change = torch.zeros(self.num_tokens, joined.shape[-1], dtype=torch.float64, device=joined.device)
         start = 0
         for e in members:
             stop = start + len(self.inputs[e])

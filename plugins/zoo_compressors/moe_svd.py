@@ -16,6 +16,7 @@ activations routed to it (entries above ``OUTLIER`` times the token's mean magni
 ``sensitivity="energy"`` is the zoo's own score: the frequency-weighted share of scaled spectral energy lost
 at the rank the layer would get.
 """
+import functools
 import math
 
 import torch
@@ -35,7 +36,7 @@ def cholesky_scale(gram: torch.Tensor) -> torch.Tensor:
     """Lower-triangular S with S S^T = Gram (damped so an unused direction stays invertible)."""
     d = gram.shape[0]
     damp = 1e-4 * (gram.diagonal().mean() if gram.diagonal().mean() > 0 else 1.0)
-    return torch.linalg.cholesky(gram + damp * torch.eye(d, dtype=gram.dtype))
+    return torch.linalg.cholesky(gram + damp * torch.eye(d, dtype=gram.dtype, device=gram.device))
 
 
 @torch.no_grad()
@@ -43,10 +44,10 @@ def layer_grams(moe, x: torch.Tensor, chunk: int = 4096) -> dict:
     """One MoE layer on its input tokens ``x [T, H]``: input Gram [H, H], per-expert intermediate Grams
     [E, I, I] over the tokens routed to each expert, routed counts [E]."""
     ex = moe.experts
-    st = {"input": torch.zeros(ex.hidden_size, ex.hidden_size, dtype=torch.float64),  # the experts' input width
-          "inter": torch.zeros(moe.num_experts, ex.intermediate_size, ex.intermediate_size, dtype=torch.float64),
-          "counts": torch.zeros(moe.num_experts, dtype=torch.float64),
-          "outliers": torch.zeros(moe.num_experts, dtype=torch.float64)}
+    zeros = functools.partial(torch.zeros, dtype=torch.float64, device=x.device)  # sums where the tokens are
+    st = {"input": zeros(ex.hidden_size, ex.hidden_size),  # the experts' input width
+          "inter": zeros(moe.num_experts, ex.intermediate_size, ex.intermediate_size),
+          "counts": zeros(moe.num_experts), "outliers": zeros(moe.num_experts)}
     for part, ctx in row_parts(x, chunk):  # each chunk routed in the context of its own rows
         with routing_context(ctx):
             routing = moe.route(part)
@@ -214,7 +215,7 @@ class MoeSvd(Compressor):
         new.gate_up_v.copy_(v_gu.to(dtype))
         new.down_u.copy_(u_dn[kept].to(dtype))
         new.down_v.copy_(v_dn.to(dtype))
-        new.u_index.copy_(torch.tensor([slot[u] for u in u_index]))
+        new.u_index.copy_(torch.tensor([slot[u] for u in u_index], device=new.u_index.device))
         for name in ("gate_up_proj_bias", "down_proj_bias"):
             if getattr(ex, name) is not None:
                 getattr(new, name).copy_(getattr(ex, name))

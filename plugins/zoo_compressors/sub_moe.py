@@ -112,7 +112,7 @@ class SubMoe(ExpertCountCompressor):
 
         if count >= len(features):
             return [[i] for i in range(len(features))]
-        labels = KMeans(n_clusters=count, n_init=10, random_state=self.seed).fit(features.float().numpy()).labels_
+        labels = KMeans(n_clusters=count, n_init=10, random_state=self.seed).fit(features.float().cpu().numpy()).labels_
         return [sorted(int(i) for i in (labels == c).nonzero()[0]) for c in range(count)]
 
     @torch.no_grad()

@@ -49,6 +49,13 @@ def measure(model_type: str) -> dict:
             torch.manual_seed(0)
             with torch.no_grad():
                 return model.generate(input_ids=ids, max_new_tokens=8, max_denoising_steps=4).sequences
+    if hasattr(native, "thinker"):  # Qwen3-Omni: no forward of its own; its thinker's text (tests/test_qwen3_omni.py
+        def run(model, ids):  # checks the talker too)
+            return logits(model.thinker, ids)
+
+        def greedy(model, ids):
+            with torch.no_grad():
+                return model.thinker.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     want, tokens = run(native, ids), greedy(native, ids[:1])
     model = zoo.convert(native)
     moe = moe_layers(model)

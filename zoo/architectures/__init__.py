@@ -40,11 +40,13 @@ def family_specs() -> tuple:
     from zoo.architectures.inkling import Inkling
     from zoo.architectures.jetmoe import Jetmoe
     from zoo.architectures.llama4 import Llama4Text
+    from zoo.architectures.llama4_vl import Llama4VL
     from zoo.architectures.longcat_flash import LongcatFlash
     from zoo.architectures.mixtral import Mixtral
     from zoo.architectures.muse_spark import MuseSpark
     from zoo.architectures.olmoe import Olmoe
     from zoo.architectures.qwen2_moe import Qwen2Moe
+    from zoo.architectures.qwen3_omni import Qwen3Omni
     from zoo.architectures.qwen3_moe import Qwen3Moe
     from zoo.architectures.switch_transformers import SwitchTransformers
     from zoo.architectures.zaya import Zaya
@@ -56,7 +58,8 @@ def family_specs() -> tuple:
              "longcat_flash": LongcatFlash, "jetmoe": Jetmoe, "muse_spark": MuseSpark,
              "diffusion_gemma": DiffusionGemma,
              "inkling_text": Inkling, "inkling_mm_model": lambda: Inkling("inkling_mm_model", "image-text-to-text"),
-             "zaya": Zaya, "doge": Doge, "ernie4_5_vl_moe": Ernie45VL}
+             "zaya": Zaya, "doge": Doge, "ernie4_5_vl_moe": Ernie45VL, "qwen3_omni_moe": Qwen3Omni,
+             "llama4": Llama4VL}
     papers = {entry.family: entry.paper for entry in GENERIC_PUBLIC}  # the papers of their public checkpoints
     generic = [specs[t]() if t in specs else GenericFamily(t, auto, paper=papers.get(t, ""))
                for t, auto in GENERIC.items() if t in CONFIG_MAPPING_NAMES]  # an older transformers may lack some

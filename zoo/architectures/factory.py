@@ -5,7 +5,7 @@ import sys
 from types import SimpleNamespace
 
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText,
-                          AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
+                          AutoModelForMultimodalLM, AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
                           AutoModelForSequenceClassification, AutoModelForTokenClassification)
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
@@ -77,7 +77,7 @@ def zoo_config_class(family):
 
 
 AUTO_CLASSES = {"causal-lm": AutoModelForCausalLM, "image-text-to-text": AutoModelForImageTextToText,
-                "seq2seq-lm": AutoModelForSeq2SeqLM}
+                "seq2seq-lm": AutoModelForSeq2SeqLM, "multimodal-lm": AutoModelForMultimodalLM}
 
 
 def zoo_classes(family):
@@ -86,27 +86,29 @@ def zoo_classes(family):
         return _CLASSES[family.name]
     module = sys.modules[__name__]
     cfg_cls, lm = zoo_config_class(family), family.model_class
-    inner_native = _inner_class(lm)
-    recorders = {**(inner_native._can_record_outputs or {}), "router_logits": OutputRecorder(Router, index=2)}
+    inner_native = _inner_class(lm) if family.has_base_model_class else None
+    recorders = {**((inner_native or lm)._can_record_outputs or {}), "router_logits": OutputRecorder(Router, index=2)}
     common = {
         "__module__": __name__, "config_class": cfg_cls, "_can_record_outputs": recorders, "zoo_family": family,
         "_init_weights": _init_weights, "_initialize_missing_keys": _initialize_missing_keys,
         "_check_and_adjust_experts_implementation": _experts_implementation,
         **({"_keep_in_fp32_modules_strict": family.keep_in_fp32} if family.keep_in_fp32 is not None else {}),
     }
-    inner_cls = type(f"Zoo{inner_native.__name__}", (inner_native,), {
+    inner_cls = None if inner_native is None else type(f"Zoo{inner_native.__name__}", (inner_native,), {
         **common, "__init__": _init_base, "_zoo_native_init": inner_native.__init__,
     })
     lm_cls = type(f"Zoo{lm.__name__}", (lm,), {
         **common, "_zoo_inner_class": inner_cls, "__init__": _init, "save_pretrained": _save_pretrained,
-        **({"forward": _forward} if family.zoo_forward else _balance_forward(family)),
+        **({"forward": _forward} if family.zoo_forward else _balance_forward(family)), **family.model_attributes(),
     })
     heads = [type(f"Zoo{native.__name__}", (native,),
                   {**common, "__init__": _init_head, "_zoo_native_init": native.__init__})
              for native in _native_heads(lm)]
     for cls in (inner_cls, lm_cls, *heads):
-        setattr(module, cls.__name__, cls)
-    AutoModel.register(cfg_cls, inner_cls, exist_ok=True)
+        if cls is not None:
+            setattr(module, cls.__name__, cls)
+    if inner_cls is not None:
+        AutoModel.register(cfg_cls, inner_cls, exist_ok=True)
     AUTO_CLASSES[family.auto].register(cfg_cls, lm_cls, exist_ok=True)
     for head in heads:
         HEAD_AUTO_CLASSES[head.__name__.rsplit("For", 1)[1]].register(cfg_cls, head, exist_ok=True)

@@ -23,9 +23,11 @@ GENERIC: dict[str, str] = {
     **{t: "image-text-to-text" for t in (
         "aria", "deepseek_ocr2", "diffusion_gemma", "dots3_note", "ernie4_5_vl_moe",
         "gemma4", "glm4v_moe", "glm5_next", "hy_v4_vl", "inkling2",
-        "inkling2_loop", "inkling_mm_model", "minimax_m3_vl", "mistral4", "mistral_large4", "muse_spark",
+        "inkling2_loop", "inkling_mm_model", "llama4", "minimax_m3_vl", "mistral4", "mistral_large4", "muse_spark",
         "qwen3_5_moe", "step3p7",
         "qwen3_omni_moe_thinker", "qwen3_vl_moe", "qwen4_exp", "unlimited_ocr")},
+    # a model holding two MoE decoders (Qwen3-Omni's thinker and talker): AutoModelForMultimodalLM
+    "qwen3_omni_moe": "multimodal-lm",
 }
 
 _TEXT_PART = ("the text sub-config of a vision-language family; converted as part of that family (no model class of "
@@ -33,15 +35,6 @@ _TEXT_PART = ("the text sub-config of a vision-language family; converted as par
 
 # Why each of these is not converted, as the generic adapter reports it on the family's tiny model.
 EXCEPTIONS: dict[str, str] = {
-    "llama4": "its multimodal model holds a whole causal LM (`.language_model`) where the zoo classes expect the "
-              "base model at `.model`, and its forward fails inside transformers 5.24 itself (no `image_outputs` on "
-              "its output): no native logits to check a conversion against; the text model (llama4_text) converts "
-              "(what it would take: a transformers whose Llama 4 multimodal forward runs, and the zoo classes finding "
-              "the base model below .language_model)",
-    "qwen3_omni_moe": "the omni model holds a thinker and a talker (each an MoE model of its own) and a speech "
-                      "decoder, with no base model at `.model`; its thinker (qwen3_omni_moe_thinker) converts (what "
-                      "it would take: layouts for two MoE models inside one, the talker's blocks beside the "
-                      "thinker's)",
     "nllb-moe": "transformers 5.24's NllbMoeExperts one-hot encodes the router's 0/1 first-choice mask as expert ids, "
                 "so only experts 0 and 1 ever run: a lossless conversion would copy that defect (its router is the "
                 "zoo's top2-capacity, exact in eval; the family converts once transformers runs the experts the "

@@ -27,6 +27,7 @@ class Family:
     auto = "causal-lm"  # the Auto class users load the family with ("causal-lm", "image-text-to-text", "seq2seq-lm")
     zoo_forward = True  # the zoo's causal-LM forward (balance loss over layers that may differ) replaces the family's
     base_attr = "model"  # the causal LM's attribute holding the base model (DBRX: "transformer")
+    has_base_model_class = True  # False: no base-model class beside the top one (Qwen3-Omni: it holds two models)
     layers_path = "layers"  # the decoder layers, below the base model
     block_attr = "mlp"  # a decoder layer's attribute holding the MoE block
     native_in_layer = False  # the native checkpoint keeps the block's tensors in the decoder layer itself (Gemma 4)
@@ -52,6 +53,10 @@ class Family:
 
     def prepare(self, base) -> None:
         """Make the family's own modules ready for zoo blocks, once per model, as it becomes a zoo model."""
+
+    def model_attributes(self) -> dict:
+        """Attributes of the zoo model class beside the factory's (a forward of the family's own: Qwen3-Omni's)."""
+        return {}
 
     def native_layer_class(self, layer_class: type) -> type:
         """The class a decoder layer of ``layer_class`` has in a native checkpoint, for reading its tensors by their

@@ -29,7 +29,8 @@ ACT_KEYS = ("hidden_act", "moe_hidden_act", "hidden_activation")
 PROBE_TOKENS = 64
 ROLE_KEYS = {"weight": "router.weight", "logit": "router.bias", "selection": "router.e_score_correction_bias"}
 AUTO_NAMES = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-              "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"}
+              "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+              "multimodal-lm": "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES"}
 
 
 class _Captured(Exception):

@@ -1,6 +1,8 @@
 """Llama 4 (text): what the generic adapter cannot read off the block. Its experts are not transformers' fused
 experts class (every expert runs on every token, inputs pre-scaled), and the routing weight scales each
 expert's *input*: ``shared(x) + sum_k expert_k(sigmoid(logit_k) * x)`` over the top-k logits."""
+import json
+
 from zoo.architectures.generic import GenericFamily, activation_name
 
 
@@ -35,4 +37,6 @@ class Llama4Text(GenericFamily):
                    "router.weight": "router.weight",
                    **{f"shared_expert.{p}.weight": f"shared_experts.{p}.weight"
                       for p in ("gate_proj", "up_proj", "down_proj")}}
-        return self._specs.setdefault("llama4", {"entry": entry, "renames": renames, "shapes": {}, "transposed": True})
+        # one spec per block shape: export reads the native config's blocks, whose shape a prune may have changed
+        key = json.dumps(entry, sort_keys=True)
+        return self._specs.setdefault(key, {"entry": entry, "renames": renames, "shapes": {}, "transposed": True})

@@ -44,6 +44,8 @@ def export_padding(model) -> dict | None:
     "bytes": bytes of the experts added}`` (each added expert costs what one of its layer's experts costs)."""
     from zoo.architectures.lookup import NotExportable
 
+    if family_of(model).padding_bias_key is None:  # such a family's native config holds no padded layer
+        return None
     try:
         native_config(model, expand_maps=True)
     except (NotExportable, TypeError, ValueError):

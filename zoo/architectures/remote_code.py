@@ -49,12 +49,13 @@ def classes_of(model_type: str) -> dict[str, type]:
 
 
 def _auto_classes() -> dict:
-    from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText,
+    from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForMultimodalLM,
                               AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
                               AutoModelForSequenceClassification, AutoModelForTokenClassification)
 
     return {"AutoModel": AutoModel, "AutoModelForCausalLM": AutoModelForCausalLM,
             "AutoModelForImageTextToText": AutoModelForImageTextToText,
+            "AutoModelForMultimodalLM": AutoModelForMultimodalLM,
             "AutoModelForSeq2SeqLM": AutoModelForSeq2SeqLM,
             "AutoModelForSequenceClassification": AutoModelForSequenceClassification,
             "AutoModelForTokenClassification": AutoModelForTokenClassification,

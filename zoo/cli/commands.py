@@ -135,6 +135,23 @@ def stream_options(command):
                         help="Force layer-at-a-time work from the checkpoint's shards (or in memory).")(command)
 
 
+def _device(ctx, param, value):
+    """--device: checked (a device this process has) before any work; the CPU is the engine's default path."""
+    from zoo.editing.device import resolve
+
+    try:
+        device = resolve(value)
+    except ValueError as exc:
+        raise click.ClickException(f"--device: {exc}") from None
+    return None if device is None or device.type == "cpu" else device
+
+
+def device_option(command):
+    return click.option("--device", default="cpu", show_default=True, callback=_device, is_eager=True,
+                        help="Where layers are computed (cuda, cuda:1, mps): each decoder layer is moved there, "
+                             "worked on, and moved back to the CPU to be written.")(command)
+
+
 def _streams(src, stream, max_memory) -> bool:
     from zoo.editing.stream import should_stream
     from zoo.io.memory import memory_budget
@@ -160,8 +177,10 @@ def _either(src, stream, max_memory, streamed, in_memory):
 @click.argument("src")
 @click.argument("out", callback=save_folder)
 @stream_options
-def convert(src, out, stream, max_memory):
-    """Load SRC (folder, registry name or hub id), convert it to zoo blocks and save to OUT."""
+@device_option
+def convert(src, out, stream, max_memory, device):
+    """Load SRC (folder, registry name or hub id), convert it to zoo blocks and save to OUT (converting computes
+    nothing: --device is only checked)."""
     import zoo
     from zoo.editing import stream as streaming
 
@@ -276,7 +295,8 @@ def _tasks(ctx, param, value):
               help="Also measure perplexity with keys and values at this precision: each window fed 32 tokens at a "
                    "time through the cache, beside the same loop at full precision (results under \"kv_cache\").")
 @stream_options
-def eval_command(model, as_json, plot, windows, no_speed, tasks, limit, kv_cache, stream, max_memory):
+@device_option
+def eval_command(model, as_json, plot, windows, no_speed, tasks, limit, kv_cache, stream, max_memory, device):
     """Evaluate MODEL (folder or registry name): perplexity per domain, expert usage, speed, size, and with --tasks
     the zoo's lm-evaluation-harness tasks (results under "tasks")."""
     import zoo
@@ -285,6 +305,7 @@ def eval_command(model, as_json, plot, windows, no_speed, tasks, limit, kv_cache
 
     def in_memory():
         loaded = zoo.load(model).eval()
+        loaded = loaded if device is None else loaded.to(device)
         result = evaluate(loaded, max_windows=windows, measure_speed=not no_speed)
         if kv_cache:
             from zoo.runtime.kv_cache import kv_cache_table
@@ -296,10 +317,12 @@ def eval_command(model, as_json, plot, windows, no_speed, tasks, limit, kv_cache
         if kv_cache:
             raise ValueError(f"--kv-cache measures the model in memory, and {model} is streamed (larger than the "
                              "memory budget; see --max-memory)")
-        result = streaming.evaluate(model, max_windows=windows)
+        result = streaming.evaluate(model, max_windows=windows, device=device)
         # too large to hold: lm-eval runs on the model with its experts read from the checkpoint on demand
         return {**result, "tasks": _run_tasks(zoo.offload(model), tasks, limit)} if tasks else result
 
+    if device is not None and (tasks or kv_cache):
+        raise click.BadParameter("--tasks and --kv-cache run on the CPU; leave --device out", param_hint="--device")
     if limit is not None and not tasks:
         raise click.BadParameter("--limit goes with --tasks", param_hint="--limit")
     if kv_cache and stream:
@@ -354,7 +377,8 @@ def _apart(src, out) -> None:
               help="Calibration data for the steps that use it: DOMAIN[:TOKENS] of the shipped "
                    "corpus (english, code, mixed; default mixed:8192).")
 @stream_options
-def apply(src, steps, out, calibration, stream, max_memory):
+@device_option
+def apply(src, steps, out, calibration, stream, max_memory, device):
     """Apply STEPS (``name:k=v,...``) to SRC in order and save to --out."""
     import zoo
     from zoo.editing import stream as streaming
@@ -367,13 +391,15 @@ def apply(src, steps, out, calibration, stream, max_memory):
     _apart(src, out)
 
     def streamed():
-        streaming.apply(src, parsed, out, calibration=calibration)
+        streaming.apply(src, parsed, out, calibration=calibration, device=device)
         return f"applied {', '.join(name for name, _ in parsed)} layer by layer; saved to {out}"
 
     def in_memory():
+        from zoo.editing.device import using
+
         model = zoo.load(src)
         for name, options in parsed:
-            with one_line(f"step {name}: "):
+            with one_line(f"step {name}: "), using(device):  # each layer calibrated and compressed on --device
                 model = zoo.apply(model, name, calibration=calibration, **options)
             click.echo(f"applied {name} {options}")
         streaming.save(model, out, src)  # with the source's tokenizer, as the streamed path

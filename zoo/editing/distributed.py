@@ -75,6 +75,8 @@ def gather_tokens(x: torch.Tensor) -> torch.Tensor:
     rank, size = world()
     if size == 1:
         return x
+    if x.device.type != "cpu":  # gloo gathers CPU tensors: an accelerator's rows go through the host
+        return gather_tokens(x.cpu()).to(x.device)
     counts = [torch.zeros(1, dtype=torch.long) for _ in range(size)]
     dist.all_gather(counts, torch.tensor([x.shape[0]]))
     most = int(max(c.item() for c in counts))
@@ -105,7 +107,10 @@ def all_reduce_sum(*tensors) -> None:
         return
     for t in tensors:
         if t is not None:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            host = t if t.device.type == "cpu" else t.cpu()  # gloo reduces CPU tensors
+            dist.all_reduce(host, op=dist.ReduceOp.SUM)
+            if host is not t:
+                t.copy_(host)
 
 
 def barrier() -> None:

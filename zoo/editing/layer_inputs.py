@@ -135,6 +135,14 @@ class LayerInputs:
             handle.remove()
         return self.gathered(seen, states)  # every rank's share, in the one-process order
 
+    def to(self, device) -> LayerInputs:
+        """These inputs with every tensor (hidden states, the keyword inputs, the contexts) on ``device``."""
+        from zoo.editing.device import to
+
+        out = LayerInputs(to(self.hidden, device), to(self.kwargs, device), to(self.contexts, device))
+        out.batches = self.batches  # token ids stay where the tokenizer put them (only counted and recorded)
+        return out
+
     def advance(self, i: int, layer, block=None) -> LayerInputs:
         """The inputs of layer i + 1: these run through layer i (with ``block`` as its MLP, if given)."""
         old = get_block(layer)

@@ -24,6 +24,7 @@ The per-layer contract (a ``Compressor`` implements it; see docs/plugins/compres
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -95,35 +96,47 @@ def compress_linears(steps, root, linears, prefix: str = "") -> dict:
 
 
 class InMemory:
-    """The layers of a model in memory; new blocks are swapped in only when every layer has succeeded."""
+    """The layers of a model in memory; new blocks are swapped in only when every layer has succeeded. With a
+    ``device``, each layer is moved there while it is worked on and back to the CPU after (its parameters keep
+    their identity and values: a failure leaves the model as it was)."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, device=None):
+        self.model, self.device = model, device
         self.layers = decoder_layers(model)
         self.new: dict[int, SparseMoE] = {}
         self.new_linears: list[tuple[nn.Module, str, nn.Module]] = []  # (owner, path, new module)
 
     def keep_linears(self, i, layer, modules: dict):
-        self.new_linears += [(layer, path, m) for path, m in modules.items()]
+        self.new_linears += [(layer, path, to_host(m, self.device)) for path, m in modules.items()]
 
     def load_layer(self, i):
-        return self.layers[i]
+        return to_device(self.layers[i], self.device)
 
     def replaced(self, i, layer, block):
         pass  # the old block stays in place until commit()
 
     def keep(self, i, layer, block):
         if block is not get_block(layer):
-            self.new[i] = block
+            self.new[i] = to_host(block, self.device)
 
     def release(self, i):
-        pass
+        to_host(self.layers[i], self.device)
 
     def commit(self):
         for i, block in self.new.items():
             put_block(self.layers[i], block)
         for owner, path, module in self.new_linears:
             set_module(owner, path, module)
+
+
+def to_device(module, device):
+    """``module`` moved (in place) to the engine's device; as it is without one."""
+    return module if device is None else module.to(device)
+
+
+def to_host(module, device):
+    """``module`` moved (in place) back to the CPU, where layers are written and kept, if the engine moved it."""
+    return module if device is None else module.to("cpu")
 
 
 class PlannedExperts:
@@ -175,18 +188,23 @@ def check(model, steps) -> None:
 
 def run(source, steps, inputs: LayerInputs | None, keep=None, desc: str = "layers") -> None:
     """All passes of ``steps`` over ``source``: one statistics pass per step that needs a plan, then the pass
-    that changes the layers; ``keep(i, layer, block)`` receives each layer's final block."""
+    that changes the layers; ``keep(i, layer, block)`` receives each layer's final block. The hidden states are
+    carried on ``source.device`` (if it names one)."""
+    device = getattr(source, "device", None)
+    carried = inputs if inputs is None or device is None else inputs.to(device)
     for s, step in enumerate(steps):
         if getattr(step, "needs_plan", False):
-            one_pass(source, steps[:s], inputs, observer=step, desc=f"{desc}: {step.name} statistics")
-            # a step that scores its plan on the whole model (in memory only: streaming refuses it up front)
+            one_pass(source, steps[:s], carried, observer=step, desc=f"{desc}: {step.name} statistics")
+            # a step that scores its plan on the whole model (in memory only: streaming refuses it up front), where
+            # the model is: on its own device, with the inputs as captured
             step.plan(source.model, inputs) if getattr(step, "plan_needs_model", False) else step.plan()
-    one_pass(source, steps, inputs, keep=keep or source.keep, desc=f"{desc}: {', '.join(s.name for s in steps)}")
+    one_pass(source, steps, carried, keep=keep or source.keep, desc=f"{desc}: {', '.join(s.name for s in steps)}")
 
 
 def one_pass(source, steps, inputs, observer=None, keep=None, desc="layers") -> None:
     uses = [inputs if "compress" in getattr(s, "inputs_for", ()) else None for s in steps]
     watch = inputs if observer is not None and "observe" in getattr(observer, "inputs_for", ()) else None
+    device = getattr(source, "device", None)
     for i in tqdm(range(len(source.layers)), desc=desc, leave=False):
         with phase("read"):
             layer = source.load_layer(i)
@@ -197,7 +215,8 @@ def one_pass(source, steps, inputs, observer=None, keep=None, desc="layers") -> 
                     with phase("calibrate"):
                         x = None if uses[s] is None else uses[s].block_inputs(i, layer)
                     with phase("compress"), routing_context(None if uses[s] is None else uses[s].joined_context()):
-                        block = step.compress_layer(i, block, x)
+                        # a new block built on the CPU joins the layer's device (the next step and the carry run there)
+                        block = to_device(step.compress_layer(i, block, x), device)
                     del x
                     source.replaced(i, layer, block)  # streaming: the old block is freed here
                     if uses[s] is not None and i + 1 < len(source.layers):
@@ -250,13 +269,23 @@ def calibration_inputs(model, steps, calibration) -> LayerInputs | None:
     return inputs
 
 
-def compress_in_memory(model, steps, calibration=None):
-    """Run layer-wise ``steps`` on a model in memory; the model changes only if every layer succeeds."""
+def compress_in_memory(model, steps, calibration=None, device=None):
+    """Run layer-wise ``steps`` on a model in memory; the model changes only if every layer succeeds. ``device``
+    (default: ``zoo.editing.device.using``'s, else none): each layer is calibrated and compressed there, one at a
+    time, and moved back to the CPU; the model must then be on the CPU."""
+    from zoo.editing import device as devices
+
+    dev = devices.resolve(device) if device is not None else devices.current()
+    if dev is not None:
+        where = {p.device for p in model.parameters() if not p.is_meta}
+        if where - {torch.device("cpu")}:
+            raise ValueError(f"device={str(dev)!r} moves each layer from the CPU and back, but this model is on "
+                             f"{', '.join(sorted(map(str, where)))}: leave device out to work where the model is")
     check(model, steps)
     was_training = model.training
     model.eval()
     try:
-        source = InMemory(model)
+        source = InMemory(model, dev)
         run(source, steps, calibration_inputs(model, steps, calibration), desc="compressing")
         source.keep_linears(None, model, compress_linears(steps, model, outer_linears(model)))
         source.commit()

@@ -1,6 +1,7 @@
 """Per-expert statistics gathered on calibration data (what pruning and merging methods decide from)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +23,12 @@ class ExpertStats:
     tokens: int = 0
 
     @classmethod
-    def empty(cls, layer: int, moe, all_outputs: bool = False) -> ExpertStats:
+    def empty(cls, layer: int, moe, all_outputs: bool = False, device=None) -> ExpertStats:
+        """Zero sums on ``device`` (that of the tokens they will count; default the CPU)."""
         n, h = moe.num_experts, moe.router.hidden_size
-        return cls(layer, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.float64),
-                   torch.zeros(n, dtype=torch.float64), torch.zeros(n, h, dtype=torch.float64) if all_outputs else None)
+        zeros = functools.partial(torch.zeros, dtype=torch.float64, device=device)
+        return cls(layer, torch.zeros(n, dtype=torch.long, device=device), zeros(n), zeros(n),
+                   zeros(n, h) if all_outputs else None)
 
     @property
     def frequency(self) -> torch.Tensor:
@@ -95,7 +98,7 @@ def layer_stats(layer: int, moe, x: torch.Tensor, all_outputs: bool = False, chu
     from zoo.editing import distributed
     from zoo.moe.context import routing_context, row_parts
 
-    st = ExpertStats.empty(layer, moe, all_outputs)
+    st = ExpertStats.empty(layer, moe, all_outputs, device=x.device)
     for part, ctx in row_parts(distributed.my_rows(x), chunk, distributed.my_rows_start(x.shape[0])):
         with routing_context(ctx):
             st.add(moe, part)
@@ -109,7 +112,7 @@ def collect(model, batches, all_outputs: bool = False, desc: str = "calibrating"
     """Run ``batches`` through the whole ``model`` and record, per MoE layer, how each expert is used (all layers
     see the original model's hidden states; compressors use the layer-at-a-time ``zoo.editing.layerwise`` instead)."""
     layers = moe_layers(model)
-    stats = [ExpertStats.empty(i, m, all_outputs) for i, m in layers]
+    stats = [ExpertStats.empty(i, m, all_outputs, device=next(m.parameters()).device) for i, m in layers]
     def recorder(st, moe):
         def record(router, args, routing):  # returns None: the router's output goes on unchanged
             st.add(moe, args[0], routing)

@@ -18,7 +18,9 @@ from zoo.editing import distributed
 from zoo.architectures import remote_code
 from zoo.io.atomic import atomic_directory
 from zoo.io.checkpoint import Checkpoint, checkpoint_bytes
-from zoo.editing.layerwise import calibration_inputs, capture_inputs, check, compress_linears, outer_linears, run, set_module
+from zoo.editing import device as devices
+from zoo.editing.layerwise import calibration_inputs, capture_inputs, check, compress_linears, outer_linears, run, \
+    set_module, to_device, to_host
 from zoo.moe.layout import get_block, layer_block_attr, layer_prefix, put_block
 from zoo.moe import SparseMoE
 from zoo.io.memory import memory_budget
@@ -59,13 +61,15 @@ def open_checkpoint(src) -> Checkpoint:
 
 
 class Streamed:
-    """Layers read from a checkpoint; each finished layer goes to ``write(i, layer)`` and back to meta."""
+    """Layers read from a checkpoint; each finished layer goes to ``write(i, layer)`` and back to meta. With a
+    ``device``, a layer is moved there once read and back to the CPU before it is written."""
 
-    def __init__(self, ckpt: Checkpoint, write=None):
+    def __init__(self, ckpt: Checkpoint, write=None, device=None):
         self.ckpt, self.model, self.layers, self.write = ckpt, ckpt.model, ckpt.layers, write
+        self.device = device
 
     def load_layer(self, i):
-        return self.ckpt.load_layer(i)
+        return to_device(self.ckpt.load_layer(i), self.device)
 
     def replaced(self, i, layer, block):
         put_block(layer, block)  # the old block is not needed again: free it before the next step runs
@@ -76,6 +80,7 @@ class Streamed:
 
     def keep(self, i, layer, block):
         put_block(layer, block)
+        to_host(layer, self.device)
         if self.write is not None:
             self.write(i, layer)
 
@@ -145,11 +150,13 @@ def bind_steps(steps) -> list:
     return bound
 
 
-def apply(src, steps, out, calibration=None) -> str:
+def apply(src, steps, out, calibration=None, device=None) -> str:
     """``zoo.apply`` of each step in order, layer by layer from ``src``'s shards, written to ``out``.
 
     ``steps``: ``[(name, options), ...]``. Every option and every layer's precondition is checked before
-    anything is computed; ``out`` is written atomically (nothing of it exists until it is complete)."""
+    anything is computed; ``out`` is written atomically (nothing of it exists until it is complete). ``device``
+    (e.g. ``"cuda"``): each layer is calibrated and compressed there (``zoo.editing.device``); None: on the CPU."""
+    device = devices.resolve(device)
     outputs.check_output_apart(out, src, what="out")
     ckpt = open_checkpoint(src)
     model = ckpt.model
@@ -159,20 +166,22 @@ def apply(src, steps, out, calibration=None) -> str:
     for component in components:
         component.check_layers(moe)
     inputs = calibration_inputs(model, components, calibration)
-    _write(ckpt, out, components, inputs, desc="apply",
+    _write(ckpt, out, components, inputs, desc="apply", device=device,
            record=[(name, c.kind, opts, calibration if c.inputs_for else None, c)  # None: the default, if it calibrates
                    for (name, opts), c in zip(steps, components)])
     return os.fspath(out)
 
 
-def convert(src, out) -> str:
-    """``zoo.convert`` + ``save_pretrained``, layer by layer: a native checkpoint becomes ``zoo_<family>``."""
+def convert(src, out, device=None) -> str:
+    """``zoo.convert`` + ``save_pretrained``, layer by layer: a native checkpoint becomes ``zoo_<family>``.
+    ``device`` is checked like ``apply``'s; converting computes nothing, so the layers stay on the CPU."""
+    devices.resolve(device)
     outputs.check_output_apart(out, src, what="out")
     _write(open_checkpoint(src), out, [], None, desc="convert")
     return os.fspath(out)
 
 
-def _write(ckpt, out, components, inputs, desc, record=()):
+def _write(ckpt, out, components, inputs, desc, record=(), device=None):
     from zoo.editing.apply import record_step
     from zoo.publishing.cards import card
     from zoo.moe.layout import sync_layout
@@ -180,7 +189,7 @@ def _write(ckpt, out, components, inputs, desc, record=()):
     model = ckpt.model
     if not distributed.is_writer():  # another rank of a process group: calibrate its share, write nothing
         ckpt.release_outer()
-        run(Streamed(ckpt, lambda i, layer: None), components, inputs, desc=desc)
+        run(Streamed(ckpt, lambda i, layer: None, device), components, inputs, desc=desc)
         distributed.barrier()  # return once rank 0's folder is complete
         return
     with atomic_directory(out) as tmp:
@@ -189,8 +198,8 @@ def _write(ckpt, out, components, inputs, desc, record=()):
             set_module(model, path, module)  # the LM head, for a step that targets linears
         writer.write(outer_tensors(ckpt))  # embeddings and LM head in a shard of their own
         ckpt.release_outer()  # the calibration inputs are captured: nothing runs them again
-        run(Streamed(ckpt, lambda i, layer: writer.write(layer_tensors(layer_prefix(model, i), layer))), components,
-            inputs, desc=desc)
+        run(Streamed(ckpt, lambda i, layer: writer.write(layer_tensors(layer_prefix(model, i), layer)), device),
+            components, inputs, desc=desc)
         writer.close()
         for step in record:
             record_step(model, *step)
@@ -240,10 +249,10 @@ def export(src, out) -> str:
 
 
 @torch.no_grad()
-def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8, ood: bool = True) -> dict:
+def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8, ood: bool = True, device=None) -> dict:
     """Perplexity per domain (held-out and, with ``ood``, out-of-domain) and expert usage (``zoo.evaluation.eval.evaluate``'s
     numbers, without speed), every window carried through each layer together so each layer's weights are read
-    once."""
+    once. ``device``: the layers run there, one at a time, with the windows' hidden states (the head on the CPU)."""
     from zoo.data.corpus import DOMAINS
     from zoo.data.tokens import eval_windows
     from zoo.evaluation.eval import entropy_bits, sizes
@@ -252,6 +261,7 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8, ood
 
     from zoo.editing.head import check_head, final_norm, head_logits
 
+    device = devices.resolve(device)
     ckpt = open_checkpoint(src)
     model = ckpt.model
     check_head(model)  # before any work: the family's forward must end in a final norm and the LM head
@@ -264,10 +274,11 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8, ood
                 batches.append(windows[i:i + batch])
                 domains.append((d, split))
     inputs = capture_inputs(model, batches)
+    inputs = inputs if device is None else inputs.to(device)
     ckpt.release_outer(keep=(model.lm_head, final_norm(model)))  # the input embeddings have done their part
     usage = {d: [] for d in DOMAINS}
     for i in tqdm(range(len(ckpt.layers)), desc="eval: layers", leave=False):
-        layer = ckpt.load_layer(i)
+        layer = to_device(ckpt.load_layer(i), device)
         calls = []
         handle = None
         block = get_block(layer)
@@ -276,7 +287,7 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8, ood
 
             def count(router, args, routing, n=n):
                 idx = routing.indices.reshape(-1)
-                calls.append(torch.bincount(idx[idx < n], minlength=n))
+                calls.append(torch.bincount(idx[idx < n], minlength=n).cpu())
             handle = block.router.register_forward_hook(count)
         try:
             inputs = inputs.advance(i, layer)
@@ -289,6 +300,7 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8, ood
                 c = sum(c for c, dom in zip(calls, domains) if dom == (d, "val"))
                 usage[d].append({"layer": i, "counts": c.tolist(), "entropy_bits": round(entropy_bits(c), 4),
                                  "max_entropy_bits": round(math.log2(len(c)), 4)})
+    inputs = inputs if device is None else inputs.to("cpu")  # the head stayed on the CPU
     totals = {d: [0.0, 0.0] for d in set(domains)}
     for h, ids, d in zip(inputs.hidden, batches, domains):
         logits = head_logits(model, h)

@@ -86,7 +86,7 @@ def perplexity_and_usage(model, tokenizer, seq_len=256, max_windows=24, batch=8,
         total = count = 0.0
         with UsageRecorder(model) as rec:
             for i in range(0, len(windows), batch):
-                ids = windows[i:i + batch]
+                ids = windows[i:i + batch].to(model.device)  # (the model may sit on an accelerator)
                 loss = model(input_ids=ids, labels=ids).loss.float().item()
                 n = ids.numel() - ids.shape[0]
                 total, count = total + loss * n, count + n
@@ -100,7 +100,7 @@ def perplexity_and_usage(model, tokenizer, seq_len=256, max_windows=24, batch=8,
 @torch.no_grad()
 def speed(model, tokenizer, prompt_tokens=256, new_tokens=32, repeats=3) -> dict:
     """Prefill tok/s (one forward over ``prompt_tokens``) and greedy decode tok/s (after a 16-token prompt)."""
-    ids = token_stream("english", "val", tokenizer)[:prompt_tokens].long()[None]
+    ids = token_stream("english", "val", tokenizer)[:prompt_tokens].long()[None].to(model.device)
     pre = []
     for _ in range(repeats):
         t = time.perf_counter()

@@ -64,7 +64,7 @@ def run_each(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
             continue
         rows = [p // k for p in slots[e]]
         y = expert(e, hidden[rows])
-        out.index_add_(0, torch.tensor(rows), y * w[slots[e]][:, None].to(y.dtype))
+        out.index_add_(0, torch.tensor(rows, device=out.device), y * w[slots[e]][:, None].to(y.dtype))
     return out
 
 

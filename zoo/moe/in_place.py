@@ -26,6 +26,11 @@ def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:
     """x [n, K] @ W.T on torch's kernel for an int8 or int4-packed W (no autograd). Many rows of int8 (prefill):
     the weight converted to x's dtype and torch's dense matmul, which is compute-efficient where the int8 kernel
     is not (256-token prefill on the 304M benchmark model: 347 -> 1016 tok/s; bf16 1350)."""
+    if x.device.type != "cpu":  # these packed kernels are CPU ones: elsewhere, the dequantized weight's matmul
+        from zoo.moe.packing import dequantize
+
+        w = dequantize(bits, q, scale, (q.shape[0], x.shape[-1]), group_size)
+        return torch.nn.functional.linear(x, w.to(x.dtype))
     if bits == 8 and x.shape[0] >= PREFILL_ROWS and kernels.int8_inputs_on():
         # the inputs rounded to 8 bits as the decode kernel rounds them, on torch's int8 matrix product (VNNI):
         # 1.8-2.3x a bf16 matmul of the same shape, measured on the 304M model's experts

@@ -230,17 +230,19 @@ FIELDS = {"router": str, "experts": str, "num_experts": int, "num_experts_per_to
           "router_options": dict, "experts_options": dict}
 
 
-def check_layout(layout, num_layers: int, hidden_size: int, provided_by: dict | None = None) -> None:
+def check_layout(layout, num_layers: int, hidden_size: int | list[int], provided_by: dict | None = None) -> None:
     """Every problem of a layout at once, before any module is built (each entry is built on the meta
-    device, so a component's own checks run too)."""
+    device, so a component's own checks run too). ``hidden_size``: the model's width, or each layer's (a model
+    whose decoders differ in width: ``Family.layer_widths``)."""
     if layout is None:
         return
     if not isinstance(layout, list):
         raise LayoutError(f"zoo_layout must be a list (one entry per decoder layer), got {type(layout).__name__}")
     if len(layout) != num_layers:
         raise LayoutError(f"zoo_layout has {len(layout)} entries for {num_layers} decoder layers")
-    problems = [f"zoo_layout[{i}]{p}" for i, entry in enumerate(layout)
-                for p in _entry_problems(entry, hidden_size, provided_by)]
+    widths = hidden_size if isinstance(hidden_size, list) else [hidden_size] * num_layers
+    problems = [f"zoo_layout[{i}]{p}" for i, (entry, width) in enumerate(zip(layout, widths))
+                for p in _entry_problems(entry, width, provided_by)]
     if problems:
         raise LayoutError("invalid zoo_layout: " + "; ".join(problems))
 
@@ -327,7 +329,9 @@ def _failing_part(entry) -> str:
 def apply_layout(model, layout) -> None:
     layers, attr = decoder_layers(model), block_attr(model)
     provided_by = getattr(model.config, "zoo_components", None)
-    check_layout(layout, len(layers), model.config.get_text_config().hidden_size, provided_by)
+    fam, _ = family_and_base(model)
+    widths = getattr(fam, "layer_widths", lambda config: None)(model.config)
+    check_layout(layout, len(layers), widths or model.config.get_text_config().hidden_size, provided_by)
     for i, entry in enumerate(layout or []):
         if entry:
             setattr(layers[i], attr, build_block(entry, provided_by))

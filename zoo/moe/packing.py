@@ -16,7 +16,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if k % per_word:
         raise ValueError(f"{bits}-bit packing needs K divisible by {per_word}, got {k}")
     c = codes.to(torch.int32).view(n, k // per_word, per_word)
-    shifts = torch.arange(per_word, dtype=torch.int32) * bits
+    shifts = torch.arange(per_word, dtype=torch.int32, device=codes.device) * bits
     word = (c << shifts).sum(-1)  # [N, K/per_word], fits in 24 bits
     nbytes = per_word * bits // 8
     out = torch.stack([(word >> (8 * i)) & 0xFF for i in range(nbytes)], -1)
@@ -29,9 +29,16 @@ def unpack(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     per_word = {2: 4, 3: 8}[bits]
     nbytes = per_word * bits // 8
     b = packed.to(torch.int32).view(n, k // per_word, nbytes)
-    word = (b << (8 * torch.arange(nbytes, dtype=torch.int32))).sum(-1)
-    shifts = torch.arange(per_word, dtype=torch.int32) * bits
+    word = (b << (8 * torch.arange(nbytes, dtype=torch.int32, device=packed.device))).sum(-1)
+    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * bits
     return ((word[..., None] >> shifts) & ((1 << bits) - 1)).view(n, k).to(torch.int32)
+
+
+def int4pack(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] int32 in [0, 16) -> torch's CPU int4 pack (uint8 [N, K/2]), the stored 4-bit form; codes on
+    another device are packed on the host (the op is CPU-only) and the pack returned to their device."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.cpu(), 1)
+    return packed.to(codes.device)
 
 
 def dequantize(bits: int, q: torch.Tensor, scale: torch.Tensor, shape, group_size: int, codes=None):
@@ -43,8 +50,9 @@ def dequantize(bits: int, q: torch.Tensor, scale: torch.Tensor, shape, group_siz
         codes = unpack(q, bits, k)
     if codes is None:  # unpack by multiplying the identity: exact, and needs no knowledge of the pack layout
         eye = torch.eye(k, dtype=torch.float32)
-        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, q, group_size, scale.float())
-        return w_t.t().contiguous()
+        # torch's int4 pack is a CPU layout with a CPU kernel: another device's copy is unpacked on the host
+        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, q.cpu(), group_size, scale.float().cpu())
+        return w_t.t().contiguous().to(q.device)
     sz = scale.float()
     s, z = sz[..., 0].t(), sz[..., 1].t()  # [N, K/g]
     return ((codes.view(n, k // group_size, group_size).float() - 8) * s[..., None] + z[..., None]).view(n, k)

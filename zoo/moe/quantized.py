@@ -24,7 +24,7 @@ from zoo.moe.dispatch import gather_rows, run_sorted
 from zoo.moe.experts import MLPExperts, SwiGLUExperts, use_kernel
 from zoo.moe.init import refuse_missing
 from zoo.moe.in_place import PREFILL_ROWS, kernel_linear, lowbit_experts
-from zoo.moe.packing import dequantize, pack, unpack  # dequantize: the reference, named here too
+from zoo.moe.packing import dequantize, int4pack, pack, unpack  # dequantize: the reference, named here too
 
 BITS = (2, 3, 4, 8)
 
@@ -49,7 +49,7 @@ def quantize_grouped(w: torch.Tensor, group_size: int, bits: int = 4, symmetric:
     # in place on the fp32 copy: one temporary the size of W instead of four (the same arithmetic, in order)
     q = g.sub_(lo[..., None]).div_(scale[..., None]).round_().clamp_(0, top).to(torch.int32).view(n, k)
     del g
-    stored = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1) if bits == 4 else pack(q, bits)
+    stored = int4pack(q) if bits == 4 else pack(q, bits)
     # the int4 kernel computes (q - 8) * scale + zero, so zero = lo + 8 * scale (for every width)
     scale_zero = torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous()
     return stored, scale_zero, q
@@ -74,14 +74,14 @@ def quantize_symmetric(w: torch.Tensor, group_size: int, bits: int = 4):
     scale = scale.to(torch.bfloat16).float()  # the codes are those of the scale as stored
     q = g.div_(scale[..., None]).round_().clamp_(-half, half - 1).add_(half).to(torch.int32).view(n, k)
     del g
-    stored = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1) if bits == 4 else pack(q, bits)
+    stored = int4pack(q) if bits == 4 else pack(q, bits)
     scale_zero = torch.stack([scale.t(), ((8 - half) * scale).t()], -1).to(torch.bfloat16).contiguous()
     return stored, scale_zero, q
 
 
 def int4_pack(bits: int, q: torch.Tensor, k: int) -> torch.Tensor:
     """The int4-kernel form of a stored 2/3/4-bit weight."""
-    return q if bits == 4 else torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack(q, bits, k), 1)
+    return q if bits == 4 else int4pack(unpack(q, bits, k))
 
 
 @torch.library.custom_op("zoo::int8_weight_mm", mutates_args=())
@@ -345,16 +345,18 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
         return self._forward_sorted(hidden, routing)
 
     def _prefill_on_int8_dots(self, hidden, routing, stacks) -> bool:
-        """Whether int4 experts' prefill runs on the kernel with 8-bit inputs (``kernels.int8_inputs(True)``, on the
-        set that has int8 dot products), rounded as in decode: up to ``kernels.INT4_DOT_PAIRS`` (token, slot) pairs
-        per selected expert on average, where it beats the dequantised dense matmuls."""
-        if not (self.widths == [4] and kernels.int8_inputs_on() and kernels.isa() == "avx512-bf16"
+        """Whether int4 or int8 experts' prefill runs on the kernel with 8-bit inputs (``kernels.int8_inputs(True)``,
+        on the set that has int8 dot products), rounded as in decode: up to ``kernels.INT4_DOT_PAIRS`` /
+        ``INT8_DOT_PAIRS`` (token, slot) pairs per selected expert on average, where it beats the dequantised dense
+        matmuls (int4) or torch's int8 ones (int8). One width only: mixed widths were not measured."""
+        limit = {(4,): kernels.INT4_DOT_PAIRS, (8,): kernels.INT8_DOT_PAIRS}.get(tuple(self.widths))
+        if not (limit and kernels.int8_inputs_on() and kernels.isa() == "avx512-bf16"
                 and not torch.is_grad_enabled() and hidden.device.type == "cpu"
                 and hidden.dtype in (torch.float32, torch.bfloat16)
                 and all(t.is_contiguous() for st in stacks for t in st[:4])):
             return False
         chosen = routing.indices[routing.indices < self.num_experts]
-        return chosen.numel() <= kernels.INT4_DOT_PAIRS * max(1, len(chosen.unique()))
+        return chosen.numel() <= limit * max(1, len(chosen.unique()))
 
     def _forward_in_place(self, hidden, routing):
         """The routed tokens through the zoo's kernel (``zoo::moe_gemv``, every width read in its stored form)

@@ -44,9 +44,10 @@ def _slice_experts(experts, rows: torch.Tensor, weights: torch.Tensor | None = N
     with torch.no_grad():
         for name, param in experts.named_parameters():
             if weights is None:
-                state[name] = param.index_select(0, rows)
+                state[name] = param.index_select(0, rows.to(param.device))
             else:
-                state[name] = torch.einsum("ne,e...->n...", weights.to(torch.float32), param.float()).to(param.dtype)
+                mix = weights.to(param.device, torch.float32)
+                state[name] = torch.einsum("ne,e...->n...", mix, param.float()).to(param.dtype)
     new.load_state_dict(state, assign=True)
     return new
 

@@ -22,7 +22,7 @@ def _layout_summary(layout) -> str:
 
 # the Auto class a family's checkpoints load with (``Family.auto``), as the card's snippet names it
 AUTO_CLASS_NAMES = {"causal-lm": "AutoModelForCausalLM", "image-text-to-text": "AutoModelForImageTextToText",
-                    "seq2seq-lm": "AutoModelForSeq2SeqLM"}
+                    "seq2seq-lm": "AutoModelForSeq2SeqLM", "multimodal-lm": "AutoModelForMultimodalLM"}
 ARXIV = re.compile(r"arxiv(?:\.org/(?:abs|pdf)/|:)\s*(\d{4}\.\d{4,5})", re.IGNORECASE)
 
 

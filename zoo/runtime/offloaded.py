@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import threading
 from collections import Counter, OrderedDict
 
 import torch
@@ -34,90 +35,185 @@ class NotOffloadable(CheckpointError):
 
 class ExpertCache:
     """Least-recently-used experts of every layer within ``max_experts`` entries and/or ``max_bytes`` bytes
-    (None: no limit of that kind). ``get(key, load)`` counts a hit or a miss; ``load() -> (module, nbytes)``."""
+    (None: no limit of that kind). ``get(key, load)`` counts a hit or a miss; ``load() -> (module, nbytes)``.
+
+    Shared with at most one reader thread (``zoo.runtime.prefetch``, ``zoo.offload(..., prefetch=True)``): every
+    change is made under ``lock``, reads outside it. A key being read is in ``_loading`` until its read ends: a
+    ``get`` of it waits for that read rather than reading it again. ``pinned`` keys (the current layer's routed
+    experts not yet run) are never evicted; the thread's reads (``read_ahead``) also keep what it read for the
+    coming layer (``_ahead``). A read in flight is memory beyond the budget (one expert per reading thread), as a
+    read that cannot be kept always was."""
 
     def __init__(self, max_experts: int | None = None, max_bytes: int | None = None):
         self.max_experts, self.max_bytes = max_experts, max_bytes
         self.entries: OrderedDict = OrderedDict()  # (layer, expert) -> (module, nbytes), oldest first
         self.resident = self.peak_resident = 0
-        self.hits, self.misses, self.evictions, self.bytes_read = 0, 0, 0, 0
-        self.missed: Counter = Counter()  # (layer, expert) -> reads
-        self.reads_into_evicted = 0  # reads into a buffer taken from an evicted expert
-        self._spare: dict[int, list[torch.Tensor]] = {}  # bytes -> evicted experts' buffers, until the next load
+        self.missed: Counter = Counter()  # (layer, expert) -> reads on the decode path
+        self.reset_counts()
+        self.lock = threading.Lock()
+        self.pinned: set = set()
+        self.prefetcher = None  # zoo.runtime.prefetch.Prefetcher: the reader thread, when there is one
+        self._loading: dict = {}  # key -> Event set when its read ends (kept or not)
+        self._ahead: set = set()  # read ahead for the coming layer: the thread's later reads do not evict them
+        self._unused: set = set()  # read ahead and not asked for yet
+        self._local = threading.local()  # .spare: bytes -> evicted experts' buffers, for this thread's one load
 
     def get(self, key, load, nbytes: int | None = None):
         """The cached module of ``key``, or ``load()``'s. ``nbytes``: the bytes a load will read, when known: room is
         made first, and the evicted experts' memory is what the load reads into (``take``)."""
-        entry = self.entries.get(key)
-        if entry is not None:
-            self.entries.move_to_end(key)
-            self.hits += 1
-            return entry[0]
-        if nbytes is not None:
-            self._evict_for(nbytes)
+        while True:
+            with self.lock:
+                self.pinned.discard(key)  # asked for: the caller holds it while it runs
+                entry = self.entries.get(key)
+                if entry is not None:
+                    self.entries.move_to_end(key)
+                    self.hits += 1
+                    if key in self._unused:
+                        self._unused.discard(key)
+                        self.prefetch_used += 1
+                    return entry[0]
+                done = self._loading.get(key)
+                if done is None:
+                    spare = {}
+                    if nbytes is not None:
+                        self._evict_for(nbytes, self.pinned, spare)
+                    done = self._loading[key] = threading.Event()
+                    break
+                self.waits += 1
+            done.wait()  # the reader thread is reading it: kept, it is a hit on the next look
+        return self._read(key, load, spare, done, ahead=False)
+
+    def read_ahead(self, key, load, nbytes: int | None = None) -> bool:
+        """Read ``key`` into the cache before it is asked for (the reader thread). Nothing when it is cached or being
+        read; skipped (counted) when it cannot fit without evicting a pinned expert or one read for the coming
+        layer. True when it was read."""
+        with self.lock:
+            if key in self.entries or key in self._loading:
+                return False
+            spare = {}
+            if nbytes is not None and not self._evict_for(nbytes, self.pinned | self._ahead, spare):
+                self.prefetch_skipped += 1
+                return False
+            done = self._loading[key] = threading.Event()
+        self._read(key, load, spare, done, ahead=True)
+        return True
+
+    def _read(self, key, load, spare: dict, done, ahead: bool):
+        self._local.spare = spare
         try:
             module, nbytes = load()
+        except BaseException:
+            with self.lock:
+                del self._loading[key]
+                done.set()
+            raise
         finally:
-            self._spare.clear()  # what the load did not take is freed: spare memory lives for one load only
-        self.misses += 1
-        self.missed[key] += 1
-        self.bytes_read += nbytes
-        self._evict_for(nbytes)
-        if self._fits(len(self.entries) + 1, self.resident + nbytes):
-            self.entries[key] = (module, nbytes)
-            self.resident += nbytes
-            self.peak_resident = max(self.peak_resident, self.resident)
-        return module  # too large to keep (or a cache of 0 experts): used once, then freed
+            self._local.spare = {}  # what the load did not take is freed: spare memory lives for one load only
+            spare.clear()
+        with self.lock:
+            self.bytes_read += nbytes
+            if ahead:
+                self.prefetched += 1
+            else:
+                self.misses += 1
+                self.missed[key] += 1
+            if self._evict_for(nbytes, self.pinned | self._ahead if ahead else self.pinned, None):
+                self.entries[key] = (module, nbytes)
+                self.resident += nbytes
+                self.peak_resident = max(self.peak_resident, self.resident)
+                if ahead:
+                    self._ahead.add(key)
+                    self._unused.add(key)
+            elif ahead:
+                self.prefetch_skipped += 1
+            del self._loading[key]
+            done.set()
+        return module  # not kept (too large, a cache of 0 experts, or no room beside pinned ones): used once, freed
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        """A uint8 buffer of ``nbytes`` from an expert just evicted, or None. Reading into memory already mapped
-        is ~8x faster than into fresh memory, whose pages the kernel must first fault in and zero (11.5 MB: 0.8
-        against 6.5 ms, measured)."""
-        free = self._spare.get(nbytes)
+        """A uint8 buffer of ``nbytes`` from an expert just evicted for this thread's load, or None. Reading into
+        memory already mapped is ~8x faster than into fresh memory, whose pages the kernel must first fault in and
+        zero (11.5 MB: 0.8 against 6.5 ms, measured)."""
+        free = getattr(self._local, "spare", {}).get(nbytes)
         if not free:
             return None
-        self.reads_into_evicted += 1
+        with self.lock:
+            self.reads_into_evicted += 1
         return free.pop()
 
     def _fits(self, count: int, nbytes: int) -> bool:
         return ((self.max_experts is None or count <= self.max_experts)
                 and (self.max_bytes is None or nbytes <= self.max_bytes))
 
-    def _evict_for(self, nbytes: int) -> None:
-        while self.entries and not self._fits(len(self.entries) + 1, self.resident + nbytes):
-            _, (module, freed) = self.entries.popitem(last=False)
-            self.resident -= freed
-            self.evictions += 1
-            held = module.state_dict().values() if isinstance(module, torch.nn.Module) else []
-            storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in held}.values())
-            del held
-            del module  # the cache's reference: its memory is free to read into unless something else holds it
-            self._keep_spare(storages)
+    def _evict_for(self, nbytes: int, protect: set, spare: dict | None) -> bool:
+        """Evicts the least recently used experts not in ``protect`` until one more of ``nbytes`` fits; False, and
+        nothing evicted, when it cannot fit even so. Evicted memory nothing else holds goes to ``spare`` (None: freed)."""
+        held = [k for k in protect if k in self.entries]
+        if not self._fits(len(held) + 1, sum(self.entries[k][1] for k in held) + nbytes):
+            return False
+        while not self._fits(len(self.entries) + 1, self.resident + nbytes):
+            self._evict(next(k for k in self.entries if k not in protect), spare)
+        return True
 
-    def _keep_spare(self, storages: list) -> None:
+    def _evict(self, key, spare: dict | None) -> None:
+        module, freed = self.entries.pop(key)
+        self.resident -= freed
+        self.evictions += 1
+        self._ahead.discard(key)
+        if key in self._unused:
+            self._unused.discard(key)
+            self.prefetch_wasted += 1
+        held = module.state_dict().values() if isinstance(module, torch.nn.Module) else []
+        storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in held}.values())
+        del held
+        del module  # the cache's reference: its memory is free to read into unless something else holds it
+        if spare is not None:
+            self._keep_spare(storages, spare)
+
+    @staticmethod
+    def _keep_spare(storages: list, spare: dict) -> None:
         """An evicted module's storages, kept for the next load to read into: only those nothing else holds (a
         tensor of the module kept by a caller stays untouched). ``storages`` is emptied."""
         while storages:
             storage = storages.pop()
             if _only_held_here(storage):
                 buf = torch.empty(0, dtype=torch.uint8).set_(storage)
-                self._spare.setdefault(buf.numel(), []).append(buf)
+                spare.setdefault(buf.numel(), []).append(buf)
 
     def clear(self) -> None:
-        self.entries.clear()
-        self.resident = 0
+        with self.lock:
+            self.entries.clear()
+            self._ahead.clear()
+            self._unused.clear()
+            self.resident = 0
+
+    def close(self) -> None:
+        """Stops the reader thread, if any (and waits for it): later reads happen on the decode path."""
+        prefetcher, self.prefetcher = self.prefetcher, None
+        if prefetcher is not None:
+            prefetcher.close()
 
     def reset_counts(self) -> None:
         self.hits = self.misses = self.evictions = self.bytes_read = self.reads_into_evicted = 0
+        # the reader thread's: reads, those later asked for, those evicted unused, those skipped for lack of room,
+        # lookups that waited for its read; the predictor's: next-layer chosen experts it named, of all chosen
+        self.prefetched = self.prefetch_used = self.prefetch_wasted = self.prefetch_skipped = self.waits = 0
+        self.predicted_right = self.predicted_of = self.prefetch_errors = 0
         self.missed.clear()
 
     def stats(self) -> dict:
         looked = self.hits + self.misses
-        return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hits / looked if looked else None,
-                "evictions": self.evictions, "bytes_read": self.bytes_read,
-                "reads_into_evicted": self.reads_into_evicted, "cached_experts": len(self.entries),
-                "resident_bytes": self.resident, "peak_resident_bytes": self.peak_resident,
-                "max_experts": self.max_experts, "max_bytes": self.max_bytes}
+        out = {"hits": self.hits, "misses": self.misses, "hit_rate": self.hits / looked if looked else None,
+               "evictions": self.evictions, "bytes_read": self.bytes_read,
+               "reads_into_evicted": self.reads_into_evicted, "cached_experts": len(self.entries),
+               "resident_bytes": self.resident, "peak_resident_bytes": self.peak_resident,
+               "max_experts": self.max_experts, "max_bytes": self.max_bytes, "prefetch": self.prefetcher is not None}
+        if self.prefetched or self.prefetcher is not None:
+            out.update(prefetched=self.prefetched, prefetch_used=self.prefetch_used,
+                       prefetch_wasted=self.prefetch_wasted, prefetch_skipped=self.prefetch_skipped, waits=self.waits,
+                       prefetch_errors=self.prefetch_errors,
+                       predictor_hit_rate=self.predicted_right / self.predicted_of if self.predicted_of else None)
+        return out
 
 
 HELD_BY_CALLER = 3  # sys.getrefcount of a storage held by one local name: the name, the parameter, the argument
@@ -206,15 +302,17 @@ class ShardReader:
         from safetensors import safe_open
 
         if file not in self._handles:
-            self._handles[file] = safe_open(file, "pt")
+            self._handles.setdefault(file, safe_open(file, "pt"))
         return self._handles[file]
 
     def _pread(self, key: str, offset: int, size: int, take=None) -> torch.Tensor:
         buf = take(size) if take is not None else None
         buf = torch.empty(size, dtype=torch.uint8) if buf is None else buf
         file = self.files[key]
-        if file not in self._fds:
-            self._fds[file] = os.open(file, os.O_RDONLY)
+        if file not in self._fds:  # (a reader thread may open it at the same time: one descriptor is kept)
+            fd = os.open(file, os.O_RDONLY)
+            if self._fds.setdefault(file, fd) != fd:
+                os.close(fd)
         if os.preadv(self._fds[file], [buf.numpy()], offset) != size:
             raise NotOffloadable(f"{file}: tensor {key} is cut short (the file is truncated)")
         return buf
@@ -294,17 +392,24 @@ class OffloadedExperts(Experts):
     def nbytes(self) -> int:
         return self.stored.nbytes()  # what the checkpoint holds; ``cache.resident`` is what memory holds
 
-    def load(self, e: int):
-        """Expert e as a one-expert module of the stored kind, and the bytes read (``cache.get``'s loader)."""
+    def empty(self, e: int) -> Experts:
+        """The one-expert module of expert e's options, on meta (built once per options). The reader thread only
+        copies these: ``zoo.runtime.prefetch`` builds them all first, on the calling thread, since
+        ``no_init_weights`` patches torch's init functions for the whole process while it builds one."""
         from transformers.initialization import no_init_weights
 
-        opts, rows = one_expert_plan(self.stored, e)
+        opts, _ = one_expert_plan(self.stored, e)
         key = repr(sorted(opts.items()))
         if key not in self._empty:
             with no_init_weights(), torch.device("meta"):
                 self._empty[key] = type(self.stored)(**opts)
+        return self._empty[key]
+
+    def load(self, e: int):
+        """Expert e as a one-expert module of the stored kind, and the bytes read (``cache.get``'s loader)."""
+        _, rows = one_expert_plan(self.stored, e)
         # a copy of the empty module: building one checks its options (~1 ms, most of a small expert's miss)
-        module = copy.deepcopy(self._empty[key])
+        module = copy.deepcopy(self.empty(e))
         tensors = {name: self.reader.row(self.keys[name], row, self.cache.take) if isinstance(self.keys[name], str)
                    else torch.cat([self.reader.whole(k.format(e=row)) for k in self.keys[name]])[None]
                    for name, row in rows.items()}
@@ -334,6 +439,10 @@ class OffloadedExperts(Experts):
     def fetch(self, e: int):
         return self.cache.get((self.layer, e), lambda: self.load(e), self.read_bytes(e))
 
+    def read_ahead(self, e: int) -> bool:
+        """Expert e read into the cache before it is asked for (the prefetch thread's call)."""
+        return self.cache.read_ahead((self.layer, e), lambda: self.load(e), self.read_bytes(e))
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self.fetch(e).expert(0, x)
 
@@ -342,4 +451,7 @@ class OffloadedExperts(Experts):
         # the in-memory kinds' eager path (the sorted dispatch), each routed expert fetched once per call
         if self._quantized:
             kernels.load()  # as QuantizedExperts.forward: prefill dequantises int4 with the zoo's kernel
+        prefetcher = self.cache.prefetcher
+        if prefetcher is not None:  # the same dispatch, with reads ahead on the reader thread
+            return prefetcher.run(self, hidden, routing)
         return run_sorted(hidden, routing.indices, routing.weights, self.num_experts, self.expert)

@@ -26,9 +26,17 @@ from zoo.components.options import suggest
 from zoo.moe.layout import layer_prefix
 
 
-def _check_options(cache_experts, cache_bytes, reader):
+def _check_options(cache_experts, cache_bytes, reader, prefetch=False):
     from zoo.io.memory import parse_bytes
 
+    if not isinstance(prefetch, bool):
+        raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+    if prefetch and reader == "in-place":
+        raise ValueError("prefetch=True reads experts ahead into the cache, and reader='in-place' keeps none (the "
+                         "operating system reads the mapped file): leave out prefetch or use reader='pread'")
+    if prefetch and cache_experts == 0:
+        raise ValueError("prefetch=True reads experts ahead into the cache, and cache_experts=0 keeps none: give the "
+                         "cache room (cache_experts >= 1) or leave out prefetch")
     if cache_experts is not None and (isinstance(cache_experts, bool) or not isinstance(cache_experts, numbers.Integral)
                                       or cache_experts < 0):
         raise ValueError(f"cache_experts must be a whole number >= 0 or None, got {cache_experts!r}")
@@ -46,7 +54,7 @@ def _check_options(cache_experts, cache_bytes, reader):
     return cache_experts, size
 
 
-def offload(path, cache_experts: int | None = None, cache_bytes=None, reader: str = "pread"):
+def offload(path, cache_experts: int | None = None, cache_bytes=None, reader: str = "pread", prefetch: bool = False):
     """The checkpoint at ``path`` (a folder or a shipped model's name: a zoo checkpoint, or a native one of a family
     whose conversion only renames keys) with its experts offloaded, its MoE blocks converted as ``zoo.load`` does.
 
@@ -58,13 +66,16 @@ def offload(path, cache_experts: int | None = None, cache_bytes=None, reader: st
     (so the compiled decode step and the zoo's kernel run on them); the page cache holds what was touched and the
     operating system drops it under memory pressure. It needs each layer's experts stored as fused tensors in the
     model's dtype (a zoo checkpoint). The cache is
-    ``zoo.runtime.offloading.cache_of(model)``: hits, misses, bytes read. Options are checked and every expert tensor of
-    the checkpoint is looked up before anything is loaded: a missing one fails with its name."""
+    ``zoo.runtime.offloading.cache_of(model)``: hits, misses, bytes read. ``prefetch=True`` (the cache modes): one
+    background thread reads, while a layer computes, its routed experts the cache lacks and those the next layer's
+    router picks for this layer's input (``zoo.runtime.prefetch``; same tokens; ``cache_of(model).close()`` stops it,
+    as collecting the model does). Options are checked and every expert tensor of the checkpoint is looked up
+    before anything is loaded: a missing one fails with its name."""
     from zoo.editing.stream import resolve
 
     import zoo
 
-    cache_experts, cache_bytes = _check_options(cache_experts, cache_bytes, reader)
+    cache_experts, cache_bytes = _check_options(cache_experts, cache_bytes, reader, prefetch)
     ckpt = Checkpoint(resolve(path))
     if ckpt.native:
         fam = type(ckpt.family)
@@ -94,7 +105,22 @@ def offload(path, cache_experts: int | None = None, cache_bytes=None, reader: st
             ckpt.load_layer(i)
     model = ckpt.model
     model.config.name_or_path = ckpt.path  # its tokenizer, for zoo.io.loading.tokenizer_for
+    if prefetch:
+        _start_prefetch(cache, _moe_blocks(ckpt))
     return model
+
+
+def _start_prefetch(cache: ExpertCache, blocks: dict) -> None:
+    """The cache's reader thread, each MoE layer linked to the next one's router where its experts' input is the
+    block's input (``zoo.runtime.prefetch``); a router that reads the previous layer's router state is not run
+    ahead (the state is not there yet)."""
+    from zoo.moe.block import unwrapped
+    from zoo.runtime.prefetch import Prefetcher, predicts
+
+    layers = sorted(blocks)
+    links = {i: (blocks[j].experts, blocks[j]) for i, j in zip(layers, layers[1:])
+             if predicts(blocks[i]) and not unwrapped(blocks[j].router).carries_state}
+    cache.prefetcher = Prefetcher(cache, links, [blocks[i].experts for i in layers])
 
 
 def cache_of(model) -> ExpertCache:

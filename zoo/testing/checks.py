@@ -20,7 +20,7 @@ from zoo.testing.tiny import TINY, calibration_for, sample_inputs, tiny_model
 # Conversion (native -> zoo) computes the same function with other kernels (fused experts, another summation order).
 CONVERT_TOLERANCE = 1e-5
 AUTO = {"causal-lm": "AutoModelForCausalLM", "image-text-to-text": "AutoModelForImageTextToText",
-        "seq2seq-lm": "AutoModelForSeq2SeqLM"}
+        "seq2seq-lm": "AutoModelForSeq2SeqLM", "multimodal-lm": "AutoModelForMultimodalLM"}
 FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "mistral", "zoo_mm")  # what a component is checked on
 
 

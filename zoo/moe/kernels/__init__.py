@@ -39,6 +39,15 @@ PAIRS_PER_EXPERT = {16: 8, "packed": 4}
 # there (one [5632, 1024] expert, 2 threads: 2.6x at 16 rows, 1.4x at 128 and 256, 0.86x at 512; the 304M model's
 # prefill with int4 experts, 8 of them, top-2: 1.7x at 64 tokens, 1.5x at 256, 1.1x at 512, 0.8x at 1024)
 INT4_DOT_PAIRS = 128
+# With 8-bit inputs, int8 experts' prefill takes the kernel too, up to this many pairs per selected expert on average
+# (the 304M model's 8 int8 experts [5632 | 1024], top-2, bf16, 2 threads, against torch's int8 matmuls: 2.2x at 12
+# pairs, 1.5x at 16, 1.0x at 20, 0.95x at 24 and 32)
+INT8_DOT_PAIRS = 16
+# With 8-bit inputs, an eager ``QuantizedLinear`` call (a prompt's prefill) takes the kernel up to this many rows, per
+# width. Measured on the 304M model's [1024 | 256 | 8192, 1024] matrices (bf16, 2 threads), kernel against the eager
+# path: int4 (dequantised dense matmul) 3.8-4.8x at 16 rows, 1.2-1.4x at 256, 1.0-1.2x at 512; int8 (torch's int8
+# matmuls) 1.3-4.6x at 16 rows, 0.9-2.9x at 32 (the [8192, 1024] LM head about even), 0.8-1.6x at 64
+INT8_DOT_ROWS = {4: 256, 8: 32}
 _state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load())", "off": False, "int8_inputs": False}
 
 
@@ -194,7 +203,8 @@ def int8_inputs(on: Optional[bool] = None) -> bool:
     row) on int8 dot products: the kernel's (decode, vpdpbusd; int4 per group: exact integer dots scaled in fp32) and,
     for many rows of int8 (prefill), torch's int8 matrix product (``torch._int_mm``) on the same rounding. int4
     experts' prefill takes the kernel itself up to ``INT4_DOT_PAIRS`` pairs per expert (``_int_mm`` has no
-    per-group scales: one product per group measured 3-24x slower than the dequantised dense matmul).
+    per-group scales: one product per group measured 3-24x slower than the dequantised dense matmul), int8 experts'
+    up to ``INT8_DOT_PAIRS``, and quantized linear layers' up to ``INT8_DOT_ROWS`` rows.
     ``int8_inputs(True)`` / ``(False)`` turns that on / off (on: ValueError unless the kernels run the ``avx512-bf16``
     set, which has them; another set switched to afterwards ignores it). Off by default: it changes the results
     (``benchmarks/int8_inputs.py`` measures by how much)."""
