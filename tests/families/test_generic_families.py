@@ -43,7 +43,8 @@ def input_ids(model, rows=2, length=10):
 def logits(model, ids):
     with torch.no_grad():
         if type(model).__name__ in BROKEN_FORWARD:
-            return inspect.unwrap(type(model).forward)(model, input_ids=ids, use_cache=False, return_dict=False)[0].float()
+            forward = inspect.unwrap(type(model).forward)
+            return forward(model, input_ids=ids, use_cache=False, return_dict=False)[0].float()
         return model(input_ids=ids, use_cache=False).logits.float()
 
 

@@ -862,8 +862,9 @@ UNBUILDABLE: dict[str, str] = {
     "doge": "builds and runs, but its MoE (DogeCDMoE, product-key embedding experts down_embed/up_embed) has no "
             "`experts` child module, which this sweep looks for (it converts: tests/test_doge.py)",
     "llama4": "Llama4ForConditionalGeneration builds, but its forward fails in transformers 5.24: AttributeError: "
-              "'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs' (modeling_llama4.py:1318); "
-              "llama4_text covers the same MoE",
+              "'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs' (modeling_llama4.py:1318); the "
+              "families test reads its forward's code below the decorators, and the zoo model has a forward of its "
+              "own (tests/test_llama4_vl.py)",
 }
 
 _MAPPINGS = (

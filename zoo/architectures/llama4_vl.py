@@ -43,10 +43,6 @@ class Llama4VL(Llama4Text):
 
         self.layers_path, self.block_attr, self.block_class = LAYERS, "feed_forward", Llama4TextMoe
 
-    def layer_paths(self, base) -> list[str]:
-        """The decoder layers by full path: the top model is the base model, so their state keys carry no prefix."""
-        return [f"{LAYERS}.{i}" for i in range(len(base.get_submodule(LAYERS)))]
-
     def _meta_blocks(self, config) -> tuple[list[int], list]:
         with torch.device("meta"):
             model = self.model_class(config)

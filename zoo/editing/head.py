@@ -42,6 +42,12 @@ def final_norm(model) -> torch.nn.Module:
     raise NoHead(f"{type(model).__name__}: no final norm ({', '.join(NORMS)}) on {type(text).__name__}")
 
 
+def output_head(model) -> torch.nn.Module:
+    """The LM head: ``lm_head``, or where the model holds it below itself (Llama 4 multimodal's language model's)."""
+    head = getattr(model, "lm_head", None)
+    return head if head is not None else model.get_output_embeddings()
+
+
 def check_head(model) -> None:
     """NoHead where ``head_logits`` cannot give this model's logits."""
     text = _text_model(model)
@@ -60,7 +66,7 @@ def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     inkling = hasattr(config, "logits_mup_width_multiplier")  # Inkling (v1)'s alone
     if inkling:  # muP's width multiplier divides what the head reads
         normed = normed / config.logits_mup_width_multiplier
-    logits = model.lm_head(normed)
+    logits = output_head(model)(normed)
     if inkling and config.unpadded_vocab_size is not None:  # the head's rows past the checkpoint's vocabulary
         logits = logits[..., :config.unpadded_vocab_size]
     scaling = getattr(config, "logits_scaling", None)  # Granite: divided

@@ -259,7 +259,7 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8, ood
     from zoo.data.tokens import token_stream
     from zoo.io.loading import tokenizer_for
 
-    from zoo.editing.head import check_head, final_norm, head_logits
+    from zoo.editing.head import check_head, final_norm, head_logits, output_head
 
     device = devices.resolve(device)
     ckpt = open_checkpoint(src)
@@ -275,7 +275,7 @@ def evaluate(src, seq_len: int = 256, max_windows: int = 24, batch: int = 8, ood
                 domains.append((d, split))
     inputs = capture_inputs(model, batches)
     inputs = inputs if device is None else inputs.to(device)
-    ckpt.release_outer(keep=(model.lm_head, final_norm(model)))  # the input embeddings have done their part
+    ckpt.release_outer(keep=(output_head(model), final_norm(model)))  # the input embeddings have done their part
     usage = {d: [] for d in DOMAINS}
     for i in tqdm(range(len(ckpt.layers)), desc="eval: layers", leave=False):
         layer = to_device(ckpt.load_layer(i), device)

@@ -97,7 +97,10 @@ def auto_class(target: str, kwargs: dict):
         except (OSError, ValueError):  # unreadable here: the model's own load reports it
             return AutoModelForCausalLM
     causal, vision = AutoModelForCausalLM._model_mapping, AutoModelForImageTextToText._model_mapping
-    if type(config) not in causal and type(config) in vision:
+    # a vision-language config whose causal-LM class is its text model's (Llama 4: Llama4ForCausalLM reads the text
+    # config): that class would drop the vision tower
+    text_part = type(config) in causal and getattr(causal[type(config)], "config_class", None) is not type(config)
+    if (type(config) not in causal or text_part) and type(config) in vision:
         return AutoModelForImageTextToText
     if type(config) not in causal and type(config) in AutoModelForSeq2SeqLM._model_mapping:
         return AutoModelForSeq2SeqLM

@@ -71,10 +71,12 @@ def layer_prefix(model, i: int, family=None) -> str:
     """State-dict prefix of decoder layer i in the causal-LM (or conditional-generation) model."""
     fam, base = family_and_base(model, family)
     paths = _layer_paths(fam, base)
-    if paths is not None:  # below the base model (an encoder-decoder's is the top model itself: no prefix)
-        top = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
-        return f"{paths[i]}." if base is top else f"{getattr(fam, 'base_attr', None) or 'model'}.{paths[i]}."
-    return f"{getattr(fam, 'base_attr', None) or 'model'}.{getattr(fam, 'layers_path', None) or 'layers'}.{i}."
+    # below the base model; where that is the top model itself (an encoder-decoder, Llama 4 multimodal): no prefix
+    top = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    head = "" if base is top else f"{getattr(fam, 'base_attr', None) or 'model'}."
+    if paths is not None:
+        return f"{head}{paths[i]}."
+    return f"{head}{getattr(fam, 'layers_path', None) or 'layers'}.{i}."
 
 
 BLOCK_ATTRS = ("mlp", "feed_forward", "block_sparse_moe", "mixer", "moe", "ffn")
