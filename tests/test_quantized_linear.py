@@ -160,3 +160,24 @@ def test_a_load_missing_packed_codes_is_refused(tmp_path):
     save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(MissingWeightsError, match="weight_int8"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_bf16_quantized_model_reloads_bit_for_bit_also_under_device_maps(tmp_path, bits):
+    """int8 row scales are made in fp32 and stay fp32 when the bf16 checkpoint loads (in bf16 a reloaded int8 model
+    computed other logits); the same under accelerate's device maps, one layer offloaded to disk included."""
+    model = zoo.apply(zoo.load("zoo-tiny-moe").eval(), "quantize", bits=bits, targets="all")
+    assert model.dtype == torch.bfloat16
+    with torch.no_grad():
+        want = model(input_ids=IDS).logits
+    model.save_pretrained(tmp_path / "q")
+    last = len(model.model.layers) - 1
+    disk = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
+            **{f"model.layers.{i}": "disk" if i == last else "cpu" for i in range(last + 1)}}
+    for device_map in (None, "auto", disk):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q", device_map=device_map,
+                                                      offload_folder=tmp_path / "offload").eval()
+        scales = {n: t.dtype for n, t in loaded.state_dict().items() if "scale" in n}
+        assert scales and all(d == (torch.float32 if bits == 8 else torch.bfloat16) for d in scales.values())
+        with torch.no_grad():
+            assert torch.equal(loaded(input_ids=IDS).logits, want), device_map

@@ -76,6 +76,12 @@ def zoo_config_class(family):
     return cfg_cls
 
 
+# int8 row scales (quantized linears', int8 experts') are made in fp32 and stay fp32 when a bf16/fp16 checkpoint loads:
+# in the model's dtype a reloaded model would compute other logits than the one saved (patterns are regexes searched
+# in each tensor name; the int4 pack's ``weight_scale_zero`` is bf16 by torch's kernel's contract and not matched)
+FP32_SCALES = [r"\.weight_scale$", r"_int8_scale$"]
+
+
 AUTO_CLASSES = {"causal-lm": AutoModelForCausalLM, "image-text-to-text": AutoModelForImageTextToText,
                 "seq2seq-lm": AutoModelForSeq2SeqLM, "multimodal-lm": AutoModelForMultimodalLM}
 
@@ -92,7 +98,8 @@ def zoo_classes(family):
         "__module__": __name__, "config_class": cfg_cls, "_can_record_outputs": recorders, "zoo_family": family,
         "_init_weights": _init_weights, "_initialize_missing_keys": _initialize_missing_keys,
         "_check_and_adjust_experts_implementation": _experts_implementation,
-        **({"_keep_in_fp32_modules_strict": family.keep_in_fp32} if family.keep_in_fp32 is not None else {}),
+        "_keep_in_fp32_modules_strict": [*(family.keep_in_fp32 if family.keep_in_fp32 is not None
+                                           else lm._keep_in_fp32_modules_strict or []), *FP32_SCALES],
     }
     inner_cls = None if inner_native is None else type(f"Zoo{inner_native.__name__}", (inner_native,), {
         **common, "__init__": _init_base, "_zoo_native_init": inner_native.__init__,
