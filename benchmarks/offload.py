@@ -6,20 +6,22 @@ weights. One table, one run.
     python benchmarks/offload.py --smoke          # tiny shapes, seconds
     python benchmarks/offload.py --llama-cpp-path /tmp/llamacpp4   # where llama_cpp is importable from
     python benchmarks/offload.py --repeats 3      # each zoo row in 3 fresh processes (the noise the verdict uses)
+    python benchmarks/offload.py --eager-only --storage bf16   # the eager rows only (prefetch on/off), a few minutes
 
 The run records its verdict in docs/claims/offload.json (``--no-record``: print only; a ``--smoke`` run never
 records) under the claims' one rule (``zoo.evaluation.claims.judge``): the memory part compares the offloaded model with a 25%
 cache against the same checkpoint in memory (peak RSS above the imports, lower is better), the compression part
 int4 experts against bf16 experts, both offloaded with a 25% cache (decode tok/s, higher is better); each row's
-repeats in fresh processes give the noise. FloE's other parts (activation sparsity, its channel predictors,
-prefetching) are not built, so they are not claimed.
+repeats in fresh processes give the noise. FloE's other parts (activation sparsity, its channel predictors) are
+not built, so they are not claimed; its prefetch (``prefetch=True``) is shown beside the cache rows, not judged.
 
 The checkpoint is written twice: bf16 experts, and the zoo's packed int4 experts (``quantize``, bits=4: FloE's
 premise, experts stored compressed so that a miss reads fewer bytes). Every row runs in a fresh child process, so
 its peak RSS (VmHWM) is its own; "start" is the child's RSS after its imports, before the model. Rows:
 the checkpoint in memory (``zoo.load``), offloaded with a cache of 50% and 25% of the experts (all layers
-together), and llama.cpp with mmap (its default) on the GGUF of the same weights (bf16; the zoo's int4 codes as
-Q4_1). The zoo rows decode eagerly (``zoo.runtime.decode.greedy(..., compile=False)``: the offloaded experts cannot run
+together), each also with the reader thread on (``prefetch=True``: it reads the routed experts the cache lacks and
+those the next layer's router picks for this layer's input while the layer computes), and llama.cpp with mmap (its
+default) on the GGUF of the same weights (bf16; the zoo's int4 codes as Q4_1). The zoo rows decode eagerly (``zoo.runtime.decode.greedy(..., compile=False)``: the offloaded experts cannot run
 inside a compiled step); llama.cpp runs its own C++ loop.
 
 Decode tok/s = (new tokens - 1) / (time of a full run - time of a 1-token run), after one warm-up run, median of
@@ -73,7 +75,7 @@ def worker(spec: dict) -> dict:
     elif spec["engine"] == "in-place":
         model = zoo.offload(spec["folder"], reader="in-place")
     else:
-        model = zoo.offload(spec["folder"], cache_experts=spec["cache_experts"])
+        model = zoo.offload(spec["folder"], cache_experts=spec["cache_experts"], prefetch=spec.get("prefetch", False))
     load_s = time.perf_counter() - t
     ids = torch.tensor([spec["prompt"]])
     n, compiled = spec["new_tokens"], spec.get("compiled", False)
@@ -104,9 +106,13 @@ def counted(cache, run) -> dict:
     if cache is None:
         run()
         return {}
+    if cache.prefetcher is not None:
+        cache.prefetcher.drain()  # the previous run's reads ahead are not this one's
     cache.reset_counts()
     run()
-    return {"hits": cache.hits, "misses": cache.misses, "bytes_read": cache.bytes_read}
+    return {"hits": cache.hits, "misses": cache.misses, "bytes_read": cache.bytes_read, "prefetched": cache.prefetched,
+            "prefetch_used": cache.prefetch_used, "predicted_right": cache.predicted_right,
+            "predicted_of": cache.predicted_of}
 
 
 def llama_worker(spec: dict) -> dict:
@@ -185,6 +191,9 @@ def main(argv=None):
     ap.add_argument("--llama-cpp-path", default="/tmp/llamacpp4", help="a folder to import llama_cpp from ('' none)")
     ap.add_argument("--repeats", type=int, default=2, help="fresh processes per zoo row (at least 2: the noise)")
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--eager-only", action="store_true", help="only the eager rows (in memory, offloaded with and "
+                    "without prefetch); never records")
+    ap.add_argument("--storage", choices=("bf16", "int4", "both"), default="both", help="which experts' rows to run")
     args = ap.parse_args(argv)
     if args.repeats < 2:
         ap.error("--repeats must be at least 2: one run has no noise to judge a verdict against")
@@ -204,17 +213,22 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="zoo-offload-") as tmp:
         stores = write_checkpoints(Path(tmp), args.smoke, gguf=why_not is None)
         for storage, (folder, gguf) in stores.items():
+            if args.storage not in ("both", storage):
+                continue
             cfg = json.loads((folder / "config.json").read_text())
             total = sum(entry["num_experts"] for entry in cfg["zoo_layout"] if entry)
             size = checkpoint_bytes(folder) / 1e6
             common = {"folder": str(folder), "threads": args.threads, "prompt": prompt, "new_tokens": args.new_tokens}
             specs = [{"label": "in memory", "engine": "memory", **common}]
             for share in (0.5, 0.25):
-                specs.append({"label": f"offload, cache {share:.0%} ({round(total * share)}/{total})",
-                              "engine": "offload", "cache_experts": round(total * share), **common})
-            specs += [{"label": "in memory, compiled", "engine": "memory", "compiled": True, **common},
-                      {"label": "in place (mapped), compiled", "engine": "in-place", "compiled": True, **common}]
-            if gguf is not None:
+                for prefetch in (False, True):  # side by side: the same cache without and with the reader thread
+                    specs.append({"label": f"offload{'+prefetch' if prefetch else ''}, cache {share:.0%} "
+                                           f"({round(total * share)}/{total})", "engine": "offload",
+                                  "cache_experts": round(total * share), "prefetch": prefetch, **common})
+            if not args.eager_only:
+                specs += [{"label": "in memory, compiled", "engine": "memory", "compiled": True, **common},
+                          {"label": "in place (mapped), compiled", "engine": "in-place", "compiled": True, **common}]
+            if gguf is not None and not args.eager_only:
                 specs.append({"label": "llama.cpp mmap" + (" (Q4_1)" if storage == "int4" else ""),
                               "engine": "llama.cpp", "gguf": str(gguf), **common})
             reference = {}  # eager and compiled steps each against their own in-memory tokens
@@ -223,7 +237,7 @@ def main(argv=None):
                     r = run_child(spec, args.llama_cpp_path)
                     compiled = spec.get("compiled", False)
                     reference.setdefault(compiled, r["tokens"])
-                    r.update(storage=storage, label=spec["label"], size_mb=size, repeat=repeat,
+                    r.update(storage=storage, label=spec["label"], size_mb=size, repeat=repeat, compiled=compiled,
                              engine=spec["engine"], cache=r.get("cache"),
                              same=None if spec["engine"] == "llama.cpp" else r["tokens"] == reference[compiled])
                     rows.append(r)
@@ -231,29 +245,40 @@ def main(argv=None):
     print(f"\n{args.new_tokens} greedy tokens after a {args.prompt}-token prompt, batch 1, {args.threads} threads; "
           f"{'mixtral-smoke' if args.smoke else 'Mixtral-shaped 304M (4 layers x 8 experts, top-2)'}; "
           "each row a fresh process")
-    head = (f"{'experts':8} {'ckpt MB':>7} {'engine':30} {'decode tok/s':>12} {'peak RSS MB':>11} "
-            f"{'start MB':>8} {'peak-start':>10} {'anon MB':>7} {'cache MB':>8} {'load s':>6} {'hits/tok':>8} {'misses/tok':>10} "
-            f"{'MB read/tok':>11} {'same tokens':>11}")
+    head = (f"{'experts':8} {'ckpt MB':>7} {'engine':38} {'decode tok/s':>12} {'vs mem':>6} {'peak RSS MB':>11} "
+            f"{'start MB':>8} {'peak-start':>10} {'anon MB':>7} {'cache MB':>8} {'load s':>6} {'hits/tok':>8} "
+            f"{'misses/tok':>10} {'MB read/tok':>11} {'hit rate':>8} {'predictor':>9} {'same tokens':>11}")
     print(head + "\n" + "-" * len(head))
+    eager = {st: statistics.median(r["decode"] for r in rows if r["storage"] == st and r["label"] == "in memory")
+             for st in {r["storage"] for r in rows}}
     for r in rows:
         c = r.get("cache")
+        ratio = "-" if r.get("compiled") or r["engine"] == "llama.cpp" else f"{r['decode'] / eager[r['storage']]:.2f}"
+        looked = c and c["hits"] + c["misses"]
+        rate = f"{c['hits'] / looked:.0%}" if looked else "-"
+        guess = f"{c['predicted_right'] / c['predicted_of']:.0%}" if c and c.get("predicted_of") else "-"
         hit, miss, read, held = (("-",) * 4 if not c else (f"{c['hits']:.2f}", f"{c['misses']:.2f}",
                                  f"{c['bytes_read'] / 1e6:.1f}", f"{c['resident_mb']:.0f}"))
         same = "-" if r["same"] is None else "yes" if r["same"] else "no"
-        print(f"{r['storage']:8} {r['size_mb']:7.0f} {r['label']:30} {r['decode']:12.1f} {r['peak_mb']:11.0f} "
-              f"{r['start_mb']:8.0f} {r['peak_mb'] - r['start_mb']:10.0f} {r.get('anon_mb', float('nan')):7.0f} {held:>8} {r['load_s']:6.1f} {hit:>8} "
-              f"{miss:>10} {read:>11} {same:>11}")
+        print(f"{r['storage']:8} {r['size_mb']:7.0f} {r['label']:38} {r['decode']:12.1f} {ratio:>6} "
+              f"{r['peak_mb']:11.0f} {r['start_mb']:8.0f} {r['peak_mb'] - r['start_mb']:10.0f} {r.get('anon_mb', float('nan')):7.0f} "
+              f"{held:>8} {r['load_s']:6.1f} {hit:>8} {miss:>10} {read:>11} {rate:>8} {guess:>9} {same:>11}")
     print("(start: the process's RSS after its imports; anon MB: its anonymous memory at the end (RSS less the pages\n"
           " of memory-mapped files, which the kernel can drop and read again); cache MB: the most the expert cache held; hits, misses and MB\n"
           " read per decode token: a full run's counts minus its 1-token run's (the prefill), over the new tokens;\n"
+          " vs mem: decode tok/s over the median of the in-memory eager rows of the same storage; hit rate: the\n"
+          " cache's hits over lookups in decode (a read ahead the decode later asks for is a hit); predictor: of the\n"
+          " experts each layer's router chose in decode, the share the previous layer's prediction named (prefetch);\n"
           " same tokens: equal to the in-memory row's greedy tokens of the same storage and step (eager or compiled); llama.cpp's peak RSS counts\n"
           " the pages of its memory-mapped file that it touched)")
     if why_not is not None:
         print(f"llama.cpp: not measured ({why_not})")
+    if args.storage != "both":
+        return  # the claim's speed part compares int4 with bf16 experts: no verdict without both
     verdict = judged(rows)
     print(f"\nverdict: {verdict['verdict']}; " + "; ".join(f"{k}: {j['verdict']} ({j['reason']})"
                                                          for k, j in verdict["judgements"].items()))
-    if not args.smoke and not args.no_record:
+    if not args.smoke and not args.no_record and not args.eager_only:
         from zoo.evaluation.claims import record
 
         command = "python benchmarks/offload.py" + (f" --repeats {args.repeats}" if args.repeats != 2 else "")
@@ -291,7 +316,8 @@ def judged(rows: list[dict]) -> dict:
                f"fresh processes each): {memory['verdict']}; int4 experts decode at {speed['mechanism']:.1f} tok/s "
                f"against {speed['control']:.1f} for bf16 experts, both offloaded (noise {speed['noise']:.1f}): "
                f"{speed['verdict']}; greedy tokens {'identical to' if same else 'DIFFERENT from'} the in-memory "
-               "model's. FloE's activation sparsity, channel predictors and prefetching are not built here.")
+               "model's. FloE's activation sparsity and channel predictors are not built here; its prefetch "
+               "(prefetch=True) is shown, not judged.")
     return {"verdict": verdict, "summary": summary, "numbers": numbers, "judgements": judgements}
 
 

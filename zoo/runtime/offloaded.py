@@ -57,6 +57,7 @@ class ExpertCache:
         self._ahead: set = set()  # read ahead for the coming layer: the thread's later reads do not evict them
         self._unused: set = set()  # read ahead and not asked for yet
         self._local = threading.local()  # .spare: bytes -> evicted experts' buffers, for this thread's one load
+        self.cycle: dict = {}  # layer -> its place in the forward's order (set with a reader thread), see read_ahead
 
     def get(self, key, load, nbytes: int | None = None):
         """The cached module of ``key``, or ``load()``'s. ``nbytes``: the bytes a load will read, when known: room is
@@ -91,12 +92,22 @@ class ExpertCache:
             if key in self.entries or key in self._loading:
                 return False
             spare = {}
-            if nbytes is not None and not self._evict_for(nbytes, self.pinned | self._ahead, spare):
+            room = nbytes is None or self._evict_for(nbytes, self.pinned | self._ahead, spare, self._soonest(key))
+            if not room:
                 self.prefetch_skipped += 1
                 return False
             done = self._loading[key] = threading.Event()
         self._read(key, load, spare, done, ahead=True)
         return True
+
+    def _soonest(self, key) -> list | None:
+        """The cached keys in the order a read ahead for ``key`` evicts them: the layers the forward reaches last
+        after ``key``'s layer first (the layer just run, then the one before...), least recently used first within
+        a layer. Decode visits the layers in a cycle, where plain LRU would evict the very layer read for next."""
+        if not self.cycle or not isinstance(key, tuple) or key[0] not in self.cycle:
+            return None
+        n, at = len(self.cycle), self.cycle[key[0]]
+        return sorted(self.entries, key=lambda k: -((self.cycle.get(k[0], at) - at) % n))
 
     def _read(self, key, load, spare: dict, done, ahead: bool):
         self._local.spare = spare
@@ -117,7 +128,8 @@ class ExpertCache:
             else:
                 self.misses += 1
                 self.missed[key] += 1
-            if self._evict_for(nbytes, self.pinned | self._ahead if ahead else self.pinned, None):
+            protect = self.pinned | self._ahead if ahead else self.pinned
+            if self._evict_for(nbytes, protect, None, self._soonest(key) if ahead else None):
                 self.entries[key] = (module, nbytes)
                 self.resident += nbytes
                 self.peak_resident = max(self.peak_resident, self.resident)
@@ -145,14 +157,16 @@ class ExpertCache:
         return ((self.max_experts is None or count <= self.max_experts)
                 and (self.max_bytes is None or nbytes <= self.max_bytes))
 
-    def _evict_for(self, nbytes: int, protect: set, spare: dict | None) -> bool:
-        """Evicts the least recently used experts not in ``protect`` until one more of ``nbytes`` fits; False, and
-        nothing evicted, when it cannot fit even so. Evicted memory nothing else holds goes to ``spare`` (None: freed)."""
+    def _evict_for(self, nbytes: int, protect: set, spare: dict | None, order: list | None = None) -> bool:
+        """Evicts experts not in ``protect``, least recently used first (or in ``order``), until one more of
+        ``nbytes`` fits; False, and nothing evicted, when it cannot fit even so. Evicted memory nothing else holds
+        goes to ``spare`` (None: freed)."""
         held = [k for k in protect if k in self.entries]
         if not self._fits(len(held) + 1, sum(self.entries[k][1] for k in held) + nbytes):
             return False
+        victims = None if order is None else iter(order)  # (a list: the evictions leave it as it is)
         while not self._fits(len(self.entries) + 1, self.resident + nbytes):
-            self._evict(next(k for k in self.entries if k not in protect), spare)
+            self._evict(next(k for k in (self.entries if victims is None else victims) if k not in protect), spare)
         return True
 
     def _evict(self, key, spare: dict | None) -> None:

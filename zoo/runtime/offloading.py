@@ -120,6 +120,7 @@ def _start_prefetch(cache: ExpertCache, blocks: dict) -> None:
     layers = sorted(blocks)
     links = {i: (blocks[j].experts, blocks[j]) for i, j in zip(layers, layers[1:])
              if predicts(blocks[i]) and not unwrapped(blocks[j].router).carries_state}
+    cache.cycle = {layer: place for place, layer in enumerate(layers)}
     cache.prefetcher = Prefetcher(cache, links, [blocks[i].experts for i in layers])
 
 

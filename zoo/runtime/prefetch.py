@@ -8,8 +8,13 @@ thread reads itself at once, so the others' reads overlap its compute; then (b) 
 chooses for layer i's input (the usual next-layer predictor: the residual stream changes little between layers).
 The cache (``ExpertCache``) keeps all consistent under its lock: a lookup of an expert the thread is reading waits
 for that read, the current layer's routed experts are pinned (nothing evicts them before they run), and the
-thread's reads for layer i+1 never evict each other. What is computed is unchanged: the same bytes in the same
-one-expert modules, run by the same sorted dispatch.
+thread's reads for layer i+1 never evict each other; a read ahead evicts first the layers the forward reaches last
+(plain LRU would evict layer i+1's own experts of the previous token). What is computed is unchanged: the same
+bytes in the same one-expert modules, run by the same sorted dispatch.
+
+Measured (docs/offload.md): on a 2-core machine whose page cache holds the checkpoint, a read is a memory copy that
+competes with the matmuls for the same cores and memory bandwidth, and the predictor (~55% right on the random
+304M model) adds reads: decode is slower with the thread than without, hence ``prefetch=False`` by default.
 
 The thread holds the cache only through weak references: it stops when the cache is garbage collected, or at
 ``cache.close()`` (which also waits for it).
@@ -38,6 +43,8 @@ class Prefetcher:
     """The reader thread of one ``ExpertCache``. ``links``: MoE layer -> (the next MoE layer's
     ``OffloadedExperts``, its block), for the layers whose experts' input predicts the next layer's choice."""
 
+    routed, predicted = True, True  # which reads it makes ahead: (a) and (b) of the module docstring (measuring)
+
     def __init__(self, cache, links: dict, experts: list):
         for module in experts:  # built here: the thread only copies them (see OffloadedExperts.empty)
             for e in range(module.num_experts):
@@ -45,12 +52,12 @@ class Prefetcher:
         self.cache, self.links = cache, dict(links)
         self._guess: dict[int, set] = {}  # next layer -> the experts the predictor named for it
         self._jobs: deque = deque()
-        self._wake = threading.Condition()
-        self._stop = [False]
-        self.thread = threading.Thread(target=_serve, args=(self._jobs, self._wake, self._stop), daemon=True,
+        self._wake = threading.Condition()  # guards the jobs and the state; notified at each change
+        self._state = _State()
+        self.thread = threading.Thread(target=_serve, args=(self._jobs, self._wake, self._state), daemon=True,
                                        name="zoo-expert-prefetch")
         self.thread.start()
-        self._finalizer = weakref.finalize(self, _signal, self._jobs, self._wake, self._stop)
+        self._finalizer = weakref.finalize(self, _signal, self._jobs, self._wake, self._state)
 
     def close(self) -> None:
         """Stops the thread (a read in progress ends first) and waits for it."""
@@ -58,13 +65,18 @@ class Prefetcher:
         if threading.current_thread() is not self.thread:
             self.thread.join()
 
+    def drain(self) -> None:
+        """Waits until the thread has done every job queued so far (tests; a benchmark's clean cut)."""
+        with self._wake:
+            self._wake.wait_for(lambda: self._state.stop or not (self._jobs or self._state.busy))
+
     def run(self, experts, hidden: torch.Tensor, routing) -> torch.Tensor:
         """``run_sorted`` over ``experts`` (an ``OffloadedExperts``), with the reads described in the module
         docstring queued first."""
         layer, count, cache = experts.layer, experts.num_experts, self.cache
         chosen = sorted({e for e in routing.indices.reshape(-1).tolist() if 0 <= e < count})
         self._score(layer, chosen)
-        guess = self._predict(layer, hidden)
+        guess = self._predict(layer, hidden) if self.predicted else None
         with cache.lock:
             cache.pinned = {(layer, e) for e in chosen}
             cache._ahead.clear()
@@ -72,7 +84,7 @@ class Prefetcher:
             # the first expert is read on the decode thread at once when it is missing; the rest by the reader
             # thread meanwhile (whichever thread reaches an expert first reads it, the other waits for that read)
             ahead = missing[1:] if missing and missing[0] == chosen[0] else missing
-            jobs = [(weakref.ref(experts), e) for e in ahead]
+            jobs = [(weakref.ref(experts), e) for e in ahead] if self.routed else []
             if guess is not None:
                 upcoming, named = guess
                 for e in named:
@@ -85,7 +97,7 @@ class Prefetcher:
         with self._wake:
             self._jobs.clear()
             self._jobs.extend(jobs)
-            self._wake.notify()
+            self._wake.notify_all()
         try:
             return run_sorted(hidden, routing.indices, routing.weights, count, experts.expert)
         finally:
@@ -115,16 +127,23 @@ class Prefetcher:
                 self.cache.predicted_of += len(chosen)
 
 
-def _serve(jobs: deque, wake: threading.Condition, stop: list) -> None:
+class _State:
+    stop = False  # asked to end
+    busy = False  # a job is running
+
+
+def _serve(jobs: deque, wake: threading.Condition, state: _State) -> None:
     """The reader thread: (experts weak reference, expert) jobs, until stopped. It holds nothing of the model
     between jobs, so the model can be collected while it waits."""
     while True:
         with wake:
-            while not jobs and not stop[0]:
-                wake.wait()
-            if stop[0]:
+            state.busy = False
+            wake.notify_all()
+            wake.wait_for(lambda: jobs or state.stop)
+            if state.stop:
                 return
             ref, e = jobs.popleft()
+            state.busy = True
         experts = ref()
         if experts is not None:
             try:
@@ -135,8 +154,8 @@ def _serve(jobs: deque, wake: threading.Condition, stop: list) -> None:
         del experts, ref
 
 
-def _signal(jobs: deque, wake: threading.Condition, stop: list) -> None:
+def _signal(jobs: deque, wake: threading.Condition, state: _State) -> None:
     with wake:
-        stop[0] = True
+        state.stop = True
         jobs.clear()
         wake.notify_all()
