@@ -104,20 +104,30 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=512, help="held-out tokens scored")
     ap.add_argument("--prefill", type=int, default=256)
+    ap.add_argument("--parts", default="decode,prefill,accuracy", help="which of decode, prefill, accuracy to run")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
     torch.set_num_threads(args.threads)
 
     import zoo
     from decode import mixtral_shaped
-    from zoo.data.tokens import token_stream
     from zoo.moe import kernels
-    from zoo.moe.kernels.linear import read_linears_with_kernel
-    from zoo.runtime.decode import ahead_of_time_step
 
     if not kernels.load() or kernels.best_isa() != "avx512-bf16":
         print(f"8-bit inputs need AVX512-VNNI and AVX512-BF16 (kernel: {kernels.unavailable_reason() or kernels.isa()})")
         return
     base = zoo.convert(mixtral_shaped(False)).eval()
+    if "decode" in parts:
+        decode_rows(base, args)
+    if "prefill" in parts:
+        prefill_rows(base, args)
+    if "accuracy" in parts:
+        accuracy_rows(args)
+
+
+def decode_rows(base, args):
+    import zoo
+
     print(f"decode, 304M benchmark model, {args.new_tokens} greedy tokens, {args.threads} threads, compiled step, "
           f"{args.rounds} rounds taking turns")
     for bits in (8, 4):
@@ -131,8 +141,13 @@ def main(argv=None):
                   f"tokens equal {r['same_tokens']}/{args.new_tokens} (random weights: near-tied logits)")
             del model
 
+
+def prefill_rows(base, args):
+    import zoo
+    from decode import mixtral_shaped
+
     native = mixtral_shaped(False).eval()
-    models = {"transformers bf16 (eager)": (native, False)}
+    models = {"transformers bf16 (eager)": (native, False), "zoo bf16": (base, False)}
     for bits in (8, 4):
         for targets in ("experts", "all"):
             model = zoo.apply(copy.deepcopy(base), "quantize", bits=bits,
@@ -144,7 +159,14 @@ def main(argv=None):
     print(f"\nprefill, {args.prefill}-token prompt, one forward, {args.rounds} rounds taking turns:")
     for label, v in speeds.items():
         print(f"  {label:28} {' '.join(f'{t:7.0f}' for t in v)} tok/s | {statistics.median(v) / ref:.2f}x transformers")
-    del models, native
+
+
+def accuracy_rows(args):
+    import zoo
+    from zoo.data.tokens import token_stream
+    from zoo.moe import kernels
+    from zoo.moe.kernels.linear import read_linears_with_kernel
+    from zoo.runtime.decode import ahead_of_time_step
 
     ids = token_stream("english", "val", zoo.load_tokenizer("zoo-tiny-moe"))[:args.tokens].long()
     for bits in (8, 4):
