@@ -1,6 +1,7 @@
 """One factory makes the zoo config/model classes of every family from the family's own classes."""
 import contextlib
 import os
+import re
 import sys
 from types import SimpleNamespace
 
@@ -77,8 +78,9 @@ def zoo_config_class(family):
 
 
 # int8 row scales (quantized linears', int8 experts') are made in fp32 and stay fp32 when a bf16/fp16 checkpoint loads:
-# in the model's dtype a reloaded model would compute other logits than the one saved (patterns are regexes searched
-# in each tensor name; the int4 pack's ``weight_scale_zero`` is bf16 by torch's kernel's contract and not matched)
+# in the model's dtype a reloaded model would compute other logits than the one saved. Regexes searched in each tensor
+# name (the int4 pack's ``weight_scale_zero`` is bf16 by torch's kernel's contract and not matched), added to a model
+# that holds such tensors (transformers checks that every name kept in fp32 exists in the model)
 FP32_SCALES = [r"\.weight_scale$", r"_int8_scale$"]
 
 
@@ -98,8 +100,7 @@ def zoo_classes(family):
         "__module__": __name__, "config_class": cfg_cls, "_can_record_outputs": recorders, "zoo_family": family,
         "_init_weights": _init_weights, "_initialize_missing_keys": _initialize_missing_keys,
         "_check_and_adjust_experts_implementation": _experts_implementation,
-        "_keep_in_fp32_modules_strict": [*(family.keep_in_fp32 if family.keep_in_fp32 is not None
-                                           else lm._keep_in_fp32_modules_strict or []), *FP32_SCALES],
+        **({"_keep_in_fp32_modules_strict": family.keep_in_fp32} if family.keep_in_fp32 is not None else {}),
     }
     inner_cls = None if inner_native is None else type(f"Zoo{inner_native.__name__}", (inner_native,), {
         **common, "__init__": _init_base, "_zoo_native_init": inner_native.__init__,
@@ -229,7 +230,9 @@ def _gather_class_properties(*models) -> None:
     its children's; it ran while the modules were the family's own, so read them again off the zoo classes."""
     gathered: set[str] = set()
     for model in models:  # innermost first
-        model._keep_in_fp32_modules_strict = set(type(model)._keep_in_fp32_modules_strict or []) | gathered
+        names = [n for n, _ in model.named_buffers()] + [n for n, _ in model.named_parameters()]
+        scales = {p for p in FP32_SCALES if any(re.search(p, n) for n in names)}
+        model._keep_in_fp32_modules_strict = set(type(model)._keep_in_fp32_modules_strict or []) | gathered | scales
         gathered = model._keep_in_fp32_modules_strict
 
 

@@ -58,6 +58,12 @@ class Family:
         """Attributes of the zoo model class beside the factory's (a forward of the family's own: Qwen3-Omni's)."""
         return {}
 
+    def native_logits(self, model, inputs: dict):
+        """The logits a native model of the family computes on ``inputs`` (the reference a conversion is checked
+        against), or None where its own forward gives them (a family whose native forward does not run gives them
+        another way: Llama 4 multimodal, Qwen3-Omni)."""
+        return None
+
     def native_layer_class(self, layer_class: type) -> type:
         """The class a decoder layer of ``layer_class`` has in a native checkpoint, for reading its tensors by their
         native names (a family that regroups its layers, Gemma 4: the layer before ``regroup_layer``)."""

@@ -51,6 +51,13 @@ class Llama4VL(Llama4Text):
                  if isinstance(layer.feed_forward, self.block_class)]
         return [i for i, _ in found], [b for _, b in found]
 
+    def native_logits(self, model, inputs: dict):
+        """transformers 5.24's forward fails on every call (see above): its own code, the decorators unwrapped."""
+        import inspect
+
+        with torch.no_grad():
+            return inspect.unwrap(type(model).forward)(model, **inputs, use_cache=False, return_dict=False)[0]
+
     def model_attributes(self) -> dict:
         return {"forward": forward}
 

@@ -61,6 +61,11 @@ class Qwen3Omni(GenericFamily):
     def text_config(self, config):
         return config.thinker_config.text_config
 
+    def native_logits(self, model, inputs: dict):
+        """The native omni model has no forward: its thinker's logits, as the zoo model's forward gives them."""
+        with torch.no_grad():
+            return model.thinker(**inputs, use_cache=False).logits
+
     def model_attributes(self) -> dict:
         return {"forward": forward, "get_input_embeddings": lambda self: self.thinker.get_input_embeddings()}
 
