@@ -4,6 +4,7 @@ import lzma
 import shutil
 
 import pytest
+import torch
 
 from zoo.data.corpus import (CORPUS_DIR, DOMAINS, SEPARATOR, SPLITS, CorpusChecksumError, load_manifest,
                              load_split, load_text, split_documents, strip_gutenberg)
@@ -136,3 +137,44 @@ def test_the_out_of_domain_splits_are_text_of_other_origins():
     for package in ("pluggy", "click"):
         assert package in MANIFEST["sources"]["ood"]["code"]
         assert f"### {package}:" in (CORPUS_DIR / "ATTRIBUTION.md").read_text()  # its licence notice travels
+
+
+def test_token_streams_are_cached_on_disk_checked_and_never_written_through_a_link(tmp_path, monkeypatch):
+    """A stream tokenized once is read back from the disk cache (the same ids, no tokenizing); a cached file that is
+    not a stream (ids outside the vocabulary, truncated) is tokenized again and replaced; a link at its name is
+    neither read nor written through; MOE_ZOO_CACHE=off writes nothing."""
+    import zoo.data.tokens as tokens
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv("MOE_ZOO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokens, "_CACHE", {})
+    tok = tokens.load_tokenizer()
+    want = tokens.token_stream("code", "val", tok)
+    [path] = (tmp_path / "cache" / "tokens").iterdir()
+    assert path.name.startswith("code-val-")
+
+    calls = []
+    real = tokens._tokenize
+    monkeypatch.setattr(tokens, "_tokenize", lambda *a: calls.append(a) or real(*a))
+
+    def fresh():
+        tokens._CACHE.clear()
+        return tokens.token_stream("code", "val", tok)
+
+    assert torch.equal(fresh(), want) and not calls  # read back, not tokenized
+    save_file({"ids": torch.full((5,), len(tok), dtype=torch.int32)}, path)  # an id outside the vocabulary
+    assert torch.equal(fresh(), want) and len(calls) == 1
+    assert torch.equal(fresh(), want) and len(calls) == 1  # replaced by the good stream
+    path.write_bytes(path.read_bytes()[:100])  # truncated
+    assert torch.equal(fresh(), want) and len(calls) == 2
+
+    victim = tmp_path / "victim.safetensors"
+    victim.write_bytes(b"not yours")
+    path.unlink()
+    path.symlink_to(victim)
+    assert torch.equal(fresh(), want) and len(calls) == 3
+    assert victim.read_bytes() == b"not yours" and path.is_symlink()
+
+    monkeypatch.setenv("MOE_ZOO_CACHE", "off")
+    assert torch.equal(fresh(), want) and len(calls) == 4
+    assert [p.name for p in (tmp_path / "cache" / "tokens").iterdir()] == [path.name]
