@@ -143,7 +143,7 @@ class GenericFamily(Family):
         text = self.text_config(config)
         key = json.dumps([text.to_dict(), _clamp_limits(block)], sort_keys=True, default=str)
         if key not in self._specs:
-            self._specs[key] = _block_spec(block, text)
+            self._specs[key] = block_spec(block, text)
         return self._specs[key]
 
     def block_layout(self, config) -> dict:
@@ -177,13 +177,13 @@ class GenericFamily(Family):
 
     def block_state(self, sd: dict, spec: dict) -> dict:
         """A native block's tensors under the zoo block's names (the spec read off that block)."""
-        return _to_zoo(sd, spec)
+        return block_to_zoo(sd, spec)
 
     def to_zoo_state(self, sd: dict) -> dict:
-        return _to_zoo(sd, self._last_spec())
+        return block_to_zoo(sd, self._last_spec())
 
     def to_native_state(self, sd: dict) -> dict:
-        return _to_native(sd, self._last_spec())
+        return block_to_native(sd, self._last_spec())
 
     def _last_spec(self) -> dict:
         """The spec read last (export reads the native config's first): key names are the family's structure."""
@@ -343,7 +343,9 @@ def _verify(native, moe) -> None:
 
 
 # ---- reading a native block --------------------------------------------------------------------------------------
-def _block_spec(block, config) -> dict:
+def block_spec(block, config) -> dict:
+    """How a native MoE block maps onto the zoo's: router rule and options, experts' layout, the renames, splits and
+    shapes that ``block_to_zoo`` / ``block_to_native`` apply (raises NotConvertible where it has no zoo form)."""
     children = dict(block.named_children())
     experts = children.get("experts")
     experts_kind, entry_experts, expert_keys, transposed = _experts_spec(experts, config)
@@ -796,7 +798,8 @@ def _simplest(options: dict):
 
 
 # ---- weights ---------------------------------------------------------------------------------------------------
-def _to_zoo(sd: dict, spec: dict) -> dict:
+def block_to_zoo(sd: dict, spec: dict) -> dict:
+    """One native block's state dict in the zoo block's names and layouts (``spec`` from ``block_spec``)."""
     out = {}
     for key, value in sd.items():
         if key in spec.get("splits", {}):  # one native tensor, two zoo ones (a fused gate/up projection)
@@ -812,7 +815,8 @@ def _to_zoo(sd: dict, spec: dict) -> dict:
     return out
 
 
-def _to_native(sd: dict, spec: dict) -> dict:
+def block_to_native(sd: dict, spec: dict) -> dict:
+    """The inverse of ``block_to_zoo``: a zoo block's state dict in the native block's names and layouts."""
     back = {v: k for k, v in spec["renames"].items()}
     out = {}
     for native, (first, second) in spec.get("splits", {}).items():

@@ -33,7 +33,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from zoo.architectures.family import Family, NotExportable
-from zoo.architectures.generic import GenericFamily, _block_spec, _to_native, _to_zoo, first_difference
+from zoo.architectures.generic import GenericFamily, block_spec, block_to_native, block_to_zoo, first_difference
 
 STACKS = {"thinker": "thinker.model.language_model.layers", "talker": "talker.model.layers"}
 
@@ -104,14 +104,14 @@ class Qwen3Omni(GenericFamily):
         text = self.stack_config(block, config)
         key = json.dumps([type(block).__name__, text.to_dict()], sort_keys=True, default=str)
         if key not in self._specs:
-            self._specs[key] = _block_spec(block, text)
+            self._specs[key] = block_spec(block, text)
         return self._specs[key]
 
     def to_zoo_state(self, sd: dict) -> dict:
-        return _to_zoo(sd, self._spec_of(sd, native=True))
+        return block_to_zoo(sd, self._spec_of(sd, native=True))
 
     def to_native_state(self, sd: dict) -> dict:
-        return _to_native(sd, self._spec_of(sd, native=False))
+        return block_to_native(sd, self._spec_of(sd, native=False))
 
     def _spec_of(self, sd: dict, native: bool) -> dict:
         """The spec read last whose tensor names are ``sd``'s (a thinker block's and a talker block's differ: the
