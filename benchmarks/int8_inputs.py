@@ -4,7 +4,9 @@ rounded to 8 bits, one absmax scale per input row, on int8 dot products) against
 - decode speed: compiled greedy decode of the 304M benchmark model with int8 experts (and with every linear layer
   int8), then the same with int4, the two settings taking turns over the same compiled step;
 - prefill speed: a 256-token prompt through the same models, beside transformers' own bf16 model (eager), taking
-  turns (int4: the experts on the kernel's int8 dot products, up to ``kernels.INT4_DOT_PAIRS`` pairs per expert);
+  turns: exact inputs (each int8 / int4 matrix widened tile by tile in the cache, ``kernels.lowbit_gemm``), the
+  same widened whole before a bf16 matmul (the path before the tiles), and 8-bit inputs (int4: the experts on the
+  kernel's int8 dot products, up to ``kernels.INT4_DOT_PAIRS`` pairs per expert);
 - accuracy: the held-out English split scored token by token through the compiled decode step (where the kernel
   reads every int8 / int4 matrix) by zoo-tiny-moe with int8 (then int4) experts and layers: mean negative
   log-likelihood and the share of positions whose top-1 prediction changes; and the same split scored in windows
@@ -67,21 +69,27 @@ def token_by_token(model, ids: torch.Tensor, step) -> tuple[list[float], list[in
 
 
 def prefill_speed(models: dict, tokens: int, rounds: int) -> dict:
-    """tok/s of one forward over a ``tokens``-long prompt for each (label: (model, int8 inputs)), taking turns."""
+    """tok/s of one forward over a ``tokens``-long prompt for each (label: (model, mode)), taking turns. mode:
+    "exact" (bf16 inputs; int8/int4 matrices through ``kernels.lowbit_gemm``'s tiles widened in the cache), "8-bit"
+    (``int8_inputs(True)``) or "widened" (exact, without the tiles: each matrix widened whole to bf16, then torch's
+    bf16 matmul, the path before them)."""
     from zoo.moe import kernels
 
     ids = torch.randint(3, 8192, (1, tokens), generator=torch.Generator().manual_seed(1))
     speeds = {label: [] for label in models}
+    fits = kernels.lowbit_gemm_fits
     with torch.no_grad():
         for model, _ in models.values():
             model(input_ids=ids)
         for _ in range(rounds):
-            for label, (model, on) in models.items():
-                kernels.int8_inputs(on)
+            for label, (model, mode) in models.items():
+                kernels.int8_inputs(mode == "8-bit")
+                kernels.lowbit_gemm_fits = fits if mode != "widened" else (lambda *a: False)
                 t = time.perf_counter()
                 model(input_ids=ids)
                 speeds[label].append(tokens / (time.perf_counter() - t))
     kernels.int8_inputs(False)
+    kernels.lowbit_gemm_fits = fits
     return speeds
 
 
@@ -147,13 +155,14 @@ def prefill_rows(base, args):
     from decode import mixtral_shaped
 
     native = mixtral_shaped(False).eval()
-    models = {"transformers bf16 (eager)": (native, False), "zoo bf16": (base, False)}
+    models = {"transformers bf16 (eager)": (native, "exact"), "zoo bf16": (base, "exact")}
     for bits in (8, 4):
         for targets in ("experts", "all"):
             model = zoo.apply(copy.deepcopy(base), "quantize", bits=bits,
                               **({"targets": "all"} if targets == "all" else {}))
-            models[f"int{bits} {targets}, exact inputs"] = (model, False)
-            models[f"int{bits} {targets}, 8-bit inputs"] = (model, True)
+            models[f"int{bits} {targets}, exact inputs"] = (model, "exact")
+            models[f"int{bits} {targets}, exact, widened"] = (model, "widened")
+            models[f"int{bits} {targets}, 8-bit inputs"] = (model, "8-bit")
     speeds = prefill_speed(models, args.prefill, args.rounds)
     ref = statistics.median(speeds["transformers bf16 (eager)"])
     print(f"\nprefill, {args.prefill}-token prompt, one forward, {args.rounds} rounds taking turns:")

@@ -85,7 +85,7 @@ def torch_row(label, w, s, group_size):
 
 
 def with_int8_inputs(fn):
-    """fn run with int8 weights / int4 codes times 8-bit inputs (int8 dot products)."""
+    """fn run with int8 weights / 2/3/4-bit codes times 8-bit inputs (int8 dot products)."""
     def run(i):
         kernels.int8_inputs(True)
         try:
@@ -96,8 +96,8 @@ def with_int8_inputs(fn):
 
 
 def int8_dot_row(label, bits, group_size, x, picks, w, s, calls, per_expert, k, sum_gbs, columns):
-    """The int8 or int4 row again with the inputs rounded to 8 bits (the kernel's option), interleaved with the plain
-    path, and the error that rounding adds: ||y8 - y|| / ||y|| over the calls' outputs."""
+    """The int8 or int2/3/4 row again with the inputs rounded to 8 bits (the kernel's option), interleaved with the
+    plain path, and the error that rounding adds: ||y8 - y|| / ||y|| over the calls' outputs."""
     plain = with_isa("avx512-bf16", lambda i: kernels.moe_gemv(x, picks[i], w, s, bits, group_size))
     dot = with_isa("avx512-bf16", with_int8_inputs(lambda i: kernels.moe_gemv(x, picks[i], w, s, bits, group_size)))
     t_dot, t_plain = clock([dot, plain], calls)
@@ -145,13 +145,13 @@ def main(argv=None):
         cells = " ".join(f"{g:16.1f} {g / sum_gbs:6.2f}" for g in gbs[:len(isas)])
         torch_gbs = f"{gbs[-1]:10.1f} {times[-1] / times[0]:10.2f}" if row is not None else f"{'-':>10} {'-':>10}"
         print(f"{label:12} {k * per_expert / 1e6:9.1f} {cells} {torch_gbs}")
-        if label in ("int8", "int4") and isas[0] == "avx512-bf16":
+        if label != "bf16" and isas[0] == "avx512-bf16":
             int8_dot_row(label, bits, group_size, x, picks, w, s, calls, per_expert, k, sum_gbs, len(isas))
     print("\n(GB/s: bytes of the selected experts' stored weights and scales / time per call, bf16 inputs; 'of sum': "
           "the share of the compiled sum's bandwidth; torch: F.linear / _weight_int8pack_mm / "
           "_weight_int4pack_mm_for_cpu on each selected expert's view; 2/3 bits have no torch kernel; best/torch: "
-          "the first instruction set's speed over torch's; 'int8, x int8' / 'int4, x int8': int8 weights / int4 codes "
-          "times inputs rounded to 8 bits on int8 dot products, zoo.moe.kernels.int8_inputs(True))")
+          "the first instruction set's speed over torch's; 'int8, x int8' / 'int4, x int8' ...: int8 weights / "
+          "2/3/4-bit codes times inputs rounded to 8 bits on int8 dot products, zoo.moe.kernels.int8_inputs(True))")
 
 
 if __name__ == "__main__":

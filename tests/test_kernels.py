@@ -174,9 +174,9 @@ def test_int8_inputs_prefill_rounds_as_the_kernel(int8_inputs, K):
 
 
 def int4_inputs_reference(x, idx, codes, sz, g, slot_of):
-    """The 8-bit-input int4 path's result from the codes [S, N, K] and (scale, zero) pairs, without dequantising:
-    per group the integer dot of the codes with the rounded inputs q and the integer sum of q, then
-    a * (s * dot + (z - 8 s) * sum) summed over groups, in float64 (a: the input row's scale)."""
+    """The 8-bit-input path's result for int4 (or 2/3-bit) codes from the codes [S, N, K] and (scale, zero) pairs,
+    without dequantising: per group the integer dot of the codes with the rounded inputs q and the integer sum of
+    q, then a * (s * dot + (z - 8 s) * sum) summed over groups, in float64 (a: the input row's scale)."""
     T, k = idx.shape
     S, N, K = codes.shape
     xf = (x if x.dim() == 3 else x[:, None].expand(T, k, K)).float()
@@ -224,6 +224,57 @@ def test_int4_8bit_inputs_are_exact_integer_dots(int8_inputs, g, T):
     assert not torch.equal(got, exact) and float((got - exact).norm() / exact.norm()) < 0.02
 
 
+
+@functools.lru_cache
+def packed_stack_with_codes(bits, g, N=48, K=192):
+    """3 experts [N, K] in the dense 2/3-bit pack: (weight, bf16 (scale, zero) pairs, codes)."""
+    gen = torch.Generator().manual_seed(10 * bits + g)
+    return tuple(map(torch.stack, zip(*(quantize_grouped(torch.randn(N, K, generator=gen) * 0.1, g, bits)
+                                        for _ in range(3)))))
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("g", [32, 64, 96, 192])
+@pytest.mark.parametrize("T", [1, 2, 5, 8])
+def test_packed_rows_every_group_layout(isa, bits, g, T):
+    """2/3-bit rows on float inputs, against the dequantised reference within fp32 rounding: groups of whole chunk
+    pairs (the 16-lane path's steps), groups ending in an odd chunk (96), single-chunk groups (32); 1..8 inputs on
+    one expert (the kernel's accumulator layouts differ by count), an input per slot, fp32 and bf16 scales."""
+    w, sz, _ = packed_stack_with_codes(bits, g)
+    slot_of = torch.tensor([0, 2, 1, -1])
+    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.arange(T) % 3 + 1, torch.full((T,), 4)], 1)
+    gen = torch.Generator().manual_seed(T)
+    for x in (torch.randn(T, 192, generator=gen), torch.randn(T, 3, 192, generator=gen)):
+        want = kernels.moe_gemv_reference(x, idx, w, sz, bits, g, slot_of)
+        for scale in (sz, sz.float()):
+            got = kernels.moe_gemv(x, idx, w, scale, bits, g, slot_of)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("g", [32, 64, 96, 192])
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_packed_8bit_inputs_are_exact_integer_dots(int8_inputs, bits, g, T):
+    """2/3-bit codes times inputs rounded to 8 bits on vpdpbusd: the integer reference's result (up to the fp32
+    scaling per group), for groups of chunk pairs and groups ending in an odd chunk, fp32 and bf16 inputs and
+    scales, an input per slot, 1..8 inputs on one expert; and within rounding distance of the exact path."""
+    w, sz, codes = packed_stack_with_codes(bits, g)
+    K, k = 192, 3
+    slot_of = torch.tensor([0, 2, 1, -1])
+    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.arange(T) % 3 + 1, torch.full((T,), 4)], 1)
+    gen = torch.Generator().manual_seed(T)
+    for x in (torch.randn(T, K, generator=gen), torch.randn(T, K, generator=gen).bfloat16(),
+              torch.randn(T, k, K, generator=gen)):
+        want = int4_inputs_reference(x, idx, codes, sz, g, slot_of)
+        for scale in (sz, sz.float()):
+            got = kernels.moe_gemv(x, idx, w, scale, bits, g, slot_of)
+            tol = 1e-5 if x.dtype == torch.float32 else 1e-2  # bf16 outputs are rounded once more
+            torch.testing.assert_close(got.double(), want.to(got.dtype).double(), rtol=tol, atol=tol)
+    kernels.int8_inputs(False)
+    exact = kernels.moe_gemv(x, idx, w, sz, bits, g, slot_of)
+    kernels.int8_inputs(True)
+    assert not torch.equal(got, exact) and float((got - exact).norm() / exact.norm()) < 0.02
+
 @torch.no_grad()
 @pytest.mark.parametrize("bits,limit", [(4, "INT4_DOT_PAIRS"), (8, "INT8_DOT_PAIRS")])
 def test_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch, bits, limit):
@@ -261,7 +312,7 @@ def test_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch, bits, lim
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_prefill_on_8bit_inputs_uses_the_kernel(int8_inputs, monkeypatch, bits, dtype):
-    """With 8-bit inputs on, an eager QuantizedLinear call on up to kernels.INT8_DOT_ROWS rows (a prompt) takes the
+    """With 8-bit inputs on, an eager QuantizedLinear call on up to kernels.int8_dot_limit rows (a prompt) takes the
     kernel: each row's output is the one it gets alone (the one-row kernel path), within rounding distance of the
     exact path; one row more takes torch's path (lowbit_linear) as before, as does every call with the option off."""
     from zoo.moe.quantized import lowbit_linear
@@ -269,7 +320,7 @@ def test_quantized_linear_prefill_on_8bit_inputs_uses_the_kernel(int8_inputs, mo
 
     torch.manual_seed(0)
     q = QuantizedLinear.from_linear(torch.nn.Linear(128, 160, bias=True), bits, 64).to(dtype)
-    limit = kernels.INT8_DOT_ROWS[bits]
+    limit = kernels.int8_dot_limit("linear", bits, dtype)
     x = torch.randn(limit + 1, 128, dtype=dtype)
 
     def torch_path(rows):

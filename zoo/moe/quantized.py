@@ -23,7 +23,7 @@ from zoo.moe import kernels
 from zoo.moe.dispatch import gather_rows, run_sorted
 from zoo.moe.experts import MLPExperts, SwiGLUExperts, use_kernel
 from zoo.moe.init import refuse_missing
-from zoo.moe.in_place import PREFILL_ROWS, kernel_linear, lowbit_experts
+from zoo.moe.in_place import PREFILL_ROWS, TILE_ROWS, kernel_linear, lowbit_experts
 from zoo.moe.packing import dequantize, int4pack, pack, unpack  # dequantize: the reference, named here too
 
 BITS = (2, 3, 4, 8)
@@ -103,7 +103,9 @@ class _LowBitLinear(torch.autograd.Function):
     def forward(ctx, x, q, scale, bits, group_size, shape):
         ctx.save_for_backward(q, scale)
         ctx.meta = (bits, group_size, shape)
-        if bits == 8 and x.shape[0] < PREFILL_ROWS:  # the opaque op, which inductor calls as it is (int8_weight_mm)
+        rows = x.shape[0]
+        tiles = rows >= TILE_ROWS[8] and kernels.lowbit_gemm_fits(x, q, bits, group_size)  # (never when compiling)
+        if bits == 8 and rows < PREFILL_ROWS and not tiles:  # the opaque op, which inductor calls as it is
             return int8_weight_mm(x, q, scale)
         return kernel_linear(x, q, scale, bits, group_size)
 
@@ -349,7 +351,7 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
         on the set that has int8 dot products), rounded as in decode: up to ``kernels.INT4_DOT_PAIRS`` /
         ``INT8_DOT_PAIRS`` (token, slot) pairs per selected expert on average, where it beats the dequantised dense
         matmuls (int4) or torch's int8 ones (int8). One width only: mixed widths were not measured."""
-        limit = {(4,): kernels.INT4_DOT_PAIRS, (8,): kernels.INT8_DOT_PAIRS}.get(tuple(self.widths))
+        limit = kernels.int8_dot_limit("experts", self.widths[0], hidden.dtype) if self.widths in ([4], [8]) else None
         if not (limit and kernels.int8_inputs_on() and kernels.isa() == "avx512-bf16"
                 and not torch.is_grad_enabled() and hidden.device.type == "cpu"
                 and hidden.dtype in (torch.float32, torch.bfloat16)

@@ -78,7 +78,8 @@ class QuantizedLinear(nn.Module):
         rows = x.numel() // x.shape[-1]
         # eager: one row (torch's int8/int4 matmuls win from a few rows on: [1024 | 8192, 1024] weights, 2 threads,
         # the kernel 1.3-2.1x their speed at one row, 0.85-1.2x at four), or a prompt's rows on int8 dot products
-        few = rows <= kernels.MAX_TOKENS if torch.compiler.is_compiling() else rows == 1 or self._on_int8_dots(rows)
+        few = (rows <= kernels.MAX_TOKENS if torch.compiler.is_compiling()
+               else rows == 1 or self._on_int8_dots(rows, x.dtype))
         if (few and kernels.ready() and not torch.is_grad_enabled() and x.device.type == "cpu"
                 and x.dtype in (torch.float32, torch.bfloat16)):
             one = torch.zeros(rows, 1, dtype=torch.long, device=x.device)  # every row reads "expert" 0
@@ -88,11 +89,13 @@ class QuantizedLinear(nn.Module):
             y = lowbit_linear(x, q, s, self.bits, self.group_size, (self.out_features, self.in_features))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def _on_int8_dots(self, rows: int) -> bool:
+    def _on_int8_dots(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether an eager call on ``rows`` rows (prefill) takes the kernel with 8-bit inputs
-        (``kernels.int8_inputs(True)``, on the set that has int8 dot products): up to ``kernels.INT8_DOT_ROWS`` for
-        this width, where its integer dots beat dequantising (int4) or torch's int8 matmuls (int8)."""
-        return (kernels.int8_inputs_on() and rows <= kernels.INT8_DOT_ROWS[self.bits] and kernels.isa() == "avx512-bf16"
+        (``kernels.int8_inputs(True)``, on the set that has int8 dot products): up to ``kernels.int8_dot_limit`` rows
+        for this width and dtype, where its integer dots beat the exact path (bf16 int4: lowbit_gemm's tiles; fp32:
+        dequantising) or torch's int8 matmuls (int8)."""
+        return (kernels.int8_inputs_on() and rows <= kernels.int8_dot_limit("linear", self.bits, dtype)
+                and kernels.isa() == "avx512-bf16"
                 and all(t.is_contiguous() for t in self.packed))
 
     def extra_repr(self) -> str:

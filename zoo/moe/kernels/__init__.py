@@ -6,8 +6,8 @@ two cores) and cached in torch's extension folder, rebuilt only when the source 
 loads it and says whether it is there; ``ready()`` only reads that answer, so compiled code can branch on it.
 The kernels come in four instruction sets (``ISAS``), the best the processor has chosen at load; the environment
 variable ``ZOO_KERNEL_ISA`` forces one (``portable`` runs anywhere: SSE2 on x86-64, NEON on ARM64). ``int8_inputs(True)``
-(or ``ZOO_KERNEL_INT8_INPUTS=1``) multiplies int8 weights and int4 codes by inputs rounded to 8 bits on int8 dot
-products (VNNI), an option: faster, and less exact.
+(or ``ZOO_KERNEL_INT8_INPUTS=1``) multiplies int8 weights and 2/3/4-bit codes by inputs rounded to 8 bits on int8
+dot products (VNNI), an option: faster, and less exact.
 Where the library cannot be built (no C++ compiler, or ``ZOO_KERNELS=0``), the zoo keeps torch's path and
 ``unavailable_reason()`` says why.
 """
@@ -26,6 +26,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("moe_gemv.cpp")
 HEADER = Path(__file__).with_name("moe_gemv_body.h")
+GEMM_HEADER = Path(__file__).with_name("lowbit_gemm.h")  # zoo::lowbit_gemm (prefill), included by SOURCE
 MAX_TOKENS = 8  # a compiled step serves at most this many tokens from the kernel (decode)
 # Outside a compiled step the kernel serves a call when its (token, slot) pairs average at most this many per expert:
 # each work item reads a block of an expert's rows once for up to 8 pairs, so each selected expert is read about once
@@ -48,6 +49,20 @@ INT8_DOT_PAIRS = 16
 # path: int4 (dequantised dense matmul) 3.8-4.8x at 16 rows, 1.2-1.4x at 256, 1.0-1.2x at 512; int8 (torch's int8
 # matmuls) 1.3-4.6x at 16 rows, 0.9-2.9x at 32 (the [8192, 1024] LM head about even), 0.8-1.6x at 64
 INT8_DOT_ROWS = {4: 256, 8: 32}
+# bf16 inputs: exact int8 / int4 prefill runs on lowbit_gemm's tiles, which beat the int4 dot products from fewer rows
+# (304M model's prefill, int4 experts, 8-bit against exact inputs: 1.41 / 1.23x transformers at 16 pairs per expert,
+# 1.12 / 1.18 at 32, 0.89 / 1.14 at 64; int4 everywhere at 256 tokens 0.81 / 1.19), so these limits replace
+# INT4_DOT_PAIRS and INT8_DOT_ROWS[4] there (int8_dot_limit)
+INT4_DOT_PAIRS_BF16 = 24
+INT4_DOT_ROWS_BF16 = 32
+
+
+def int8_dot_limit(kind: str, bits: int, dtype: torch.dtype) -> int:
+    """How many (token, slot) pairs per expert (kind "experts") or rows (kind "linear") a prefill call on 8-bit inputs
+    may have and still take the kernel's int8 dot products, for this width and input dtype."""
+    if kind == "experts":
+        return INT8_DOT_PAIRS if bits == 8 else INT4_DOT_PAIRS_BF16 if dtype == torch.bfloat16 else INT4_DOT_PAIRS
+    return INT4_DOT_ROWS_BF16 if bits == 4 and dtype == torch.bfloat16 else INT8_DOT_ROWS[bits]
 _state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load())", "off": False, "int8_inputs": False}
 
 
@@ -101,7 +116,7 @@ def _build() -> Optional[str]:
     try:
         # the name carries a hash of the source and its header: torch's cache rebuilds on a change to the
         # listed source only, and the header holds the kernels
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in (SOURCE, HEADER))).hexdigest()[:12]
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in (SOURCE, HEADER, GEMM_HEADER))).hexdigest()[:12]
         name = f"zoo_moe_gemv_{digest}"
         build = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
         build.mkdir(parents=True, exist_ok=True)
@@ -123,6 +138,7 @@ def _build() -> Optional[str]:
         _state["int8_inputs"] = True
     torch.library.register_fake("zoo::moe_gemv")(_fake_moe_gemv)
     torch.library.register_fake("zoo::dequantize_int4")(_fake_dequantize_int4)
+    torch.library.register_fake("zoo::lowbit_gemm")(_fake_lowbit_gemm)
     return None
 
 
@@ -151,6 +167,30 @@ def _fake_moe_gemv(x, indices, weight, scale, bits, group_size, slot_of):
 
 def _fake_dequantize_int4(weight, scale, group_size, dtype):
     return weight.new_empty(weight.shape[1] * 2, weight.shape[0], dtype=dtype).t()
+
+
+def _fake_lowbit_gemm(x, weight, scale, bits, group_size):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def lowbit_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int = 64
+                ) -> torch.Tensor:
+    """``x @ W.T`` for bf16 inputs ``x [M, K]`` (many rows: prefill) and ``W [N, K]`` stored as int8 rows with
+    scales ``[N]`` (``bits=8``) or in torch's CPU int4 pack with ``(scale, zero)`` pairs ``[K/g, N, 2]`` (4): each
+    64-row block turned into bf16 in a tile that stays in the cache and multiplied there on bf16 dot products. The
+    sums a bf16 matmul on the dequantised weight makes, without that weight's bf16 copy in memory (int8's scales
+    multiply the fp32 sums: rounded once). Needs the ``avx512-bf16`` set and N divisible by 64
+    (``lowbit_gemm_fits``)."""
+    return torch.ops.zoo.lowbit_gemm.default(x, weight, scale, bits, group_size)
+
+
+def lowbit_gemm_fits(x: torch.Tensor, weight: torch.Tensor, bits: int, group_size: int) -> bool:
+    """Whether ``lowbit_gemm`` serves this call: the kernels loaded on the set with bf16 dot products, bf16 inputs on
+    the CPU, no autograd, whole 64-row blocks, inputs a multiple of 32 (int4: groups of a multiple of 32)."""
+    K = x.shape[-1]
+    return (bits in (8, 4) and ready() and not torch.compiler.is_compiling() and x.dtype == torch.bfloat16
+            and x.device.type == "cpu" and not torch.is_grad_enabled() and weight.shape[0] % 64 == 0 and K % 32 == 0
+            and (bits == 8 or (group_size % 32 == 0 and K % group_size == 0)) and isa() == "avx512-bf16")
 
 
 def dequantize_int4(weight: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -199,10 +239,11 @@ def isa(want: Optional[str] = None) -> str:
 
 
 def int8_inputs(on: Optional[bool] = None) -> bool:
-    """Whether int8 weights and int4 codes are multiplied by inputs rounded to 8 bits (one absmax scale per input
-    row) on int8 dot products: the kernel's (decode, vpdpbusd; int4 per group: exact integer dots scaled in fp32) and,
-    for many rows of int8 (prefill), torch's int8 matrix product (``torch._int_mm``) on the same rounding. int4
-    experts' prefill takes the kernel itself up to ``INT4_DOT_PAIRS`` pairs per expert (``_int_mm`` has no
+    """Whether int8 weights and 2/3/4-bit codes are multiplied by inputs rounded to 8 bits (one absmax scale per
+    input row) on int8 dot products: the kernel's (decode, vpdpbusd; codes per group: exact integer dots scaled in
+    fp32; 2/3-bit experts wherever the kernel serves them: few tokens, not a long prompt's prefill) and, for many
+    rows of int8 (prefill), torch's int8 matrix product (``torch._int_mm``) on the same rounding. int4 experts'
+    prefill takes the kernel itself up to ``INT4_DOT_PAIRS`` pairs per expert (``_int_mm`` has no
     per-group scales: one product per group measured 3-24x slower than the dequantised dense matmul), int8 experts'
     up to ``INT8_DOT_PAIRS``, and quantized linear layers' up to ``INT8_DOT_ROWS`` rows.
     ``int8_inputs(True)`` / ``(False)`` turns that on / off (on: ValueError unless the kernels run the ``avx512-bf16``

@@ -68,10 +68,11 @@ struct Problem {
   Scales scales;
   int64_t N, K, g;         // output rows, inputs, group size (2/3/4 bits)
   const float* X;          // inputs [rows, K] in fp32 (2/3 bits: permuted per 32-input chunk)
-  const float* SX;         // per-group sums of the inputs [rows, K/g] (2/3/4 bits; int4 with XQ: sums of q)
+  const float* SX;         // per-group sums of the inputs [rows, K/g] (2/3/4 bits; with XQ: sums of q)
   const uint16_t* XB;      // the inputs in bf16 [rows, K], for bf16 dot products (null: X serves)
   const uint8_t* XQ;       // the inputs rounded to 8 bits q [rows, K], for int8 dot products (or null): stored
-                           // q + 128 for int8 weights, q (as int8_t) for int4 codes (there the unsigned operand)
+                           // q + 128 for int8 weights, q (as int8_t) for 2/3/4-bit codes (the unsigned operand there);
+                           // 2/3 bits: permuted as those kernels read them
   const float* XQS;        // their scales [rows]: x ~ q * scale
   float* Y;                // outputs [T * k, N]
 };
@@ -162,7 +163,7 @@ ZOO_AVX512_TYPES
 
 // AVX-512 with bf16 dot products: the same kernels, and bf16 weights times bf16 inputs on vdpbf16ps (products
 // exact in fp32, as the widening path's, summed in fp32; only the order of the sums differs); with int8 dot products
-// (vpdpbusd: every processor with AVX512-BF16 has AVX512-VNNI) for int8 weights and int4 codes when 8-bit inputs
+// (vpdpbusd: every processor with AVX512-BF16 has AVX512-VNNI) for int8 weights and 2/3/4-bit codes when 8-bit inputs
 // are asked for
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16,avx512vnni")
@@ -223,11 +224,11 @@ int64_t moe_gemv_isa(int64_t want) {
   return g_isa;
 }
 
-// int8 weights and int4 codes times inputs rounded to 8 bits (one absmax scale per input row), on int8 dot
+// int8 weights and 2/3/4-bit codes times inputs rounded to 8 bits (one absmax scale per input row), on int8 dot
 // products: off unless asked for (it changes the results: the inputs lose precision), and only with the set that
 // has them (3)
 static bool g_int8_inputs = false;
-constexpr int64_t VNNI_MAX_K = 65536;  // |sum| <= K * 255 * 128 stays inside int32 (int4: a group's, K * 15 * 127)
+constexpr int64_t VNNI_MAX_K = 65536;  // |sum| <= K * 255 * 128 stays inside int32 (codes: a group's, K * 15 * 127)
 
 // -1: whether they are on; 0 / 1: turn them off / on (on: refused unless the set in use has int8 dot products)
 int64_t moe_gemv_int8_inputs(int64_t want) {
@@ -268,14 +269,30 @@ static void dequant_int4_any(const uint8_t* w, const Scales& sc, int64_t N, int6
   }
 }
 
-// the input order rows_packed reads: chunk c, shift s, lane j <- input 32c + (k of lane j at shift s)
-static void permute_for_packed(const float* x, float* out, int64_t K, int bits) {
-  for (int64_t c = 0; c < K / 32; ++c)
-    for (int s = 0; s < 4; ++s)
-      for (int j = 0; j < 8; ++j) {
-        int k = bits == 2 ? 4 * j + s : 8 * (j % 4) + 4 * (j / 4) + s;
-        out[c * 32 + s * 8 + j] = x[c * 32 + k];
-      }
+// The input order the 2/3-bit kernels read, per group: its 32-input chunks in pairs, and its odd last chunk (g / 32
+// odd) alone. layout 0 (rows_packed, 8 float lanes): chunk c, shift s, lane j <- input 32 c + k8(j, s);
+// 1 (rows_packed16, 16 lanes): a pair's shift s, lane j <- lane j % 8 of chunk j / 8; an odd chunk as layout 0;
+// 2 (rows_packed_dot, bytes for vpdpbusd): the order of codes_as_bytes' bytes (2 bits: an odd chunk as layout 0).
+static int packed_source(int bits, int layout, bool pair, int i) {
+  auto k8 = [bits](int j, int s) { return bits == 2 ? 4 * j + s : 8 * (j % 4) + 4 * (j / 4) + s; };
+  if (layout == 2 && bits == 3) return i / 16 * 16 + i % 2 * 8 + i % 16 / 2;  // byte 16 l + 2 m + h
+  if (!pair) return k8(i % 8, i / 8);
+  if (layout == 2) return 4 * (i % 16) + i / 16;  // 2 bits: byte 16 s + j
+  return i % 16 / 8 * 32 + k8(i % 8, i / 16);
+}
+
+template <class T>
+static void permute_for_packed(const T* x, T* out, int64_t K, int64_t g, int bits, int layout) {
+  int pair_src[64], odd_src[32];
+  for (int i = 0; i < 64; ++i) pair_src[i] = packed_source(bits, layout, true, i);
+  for (int i = 0; i < 32; ++i) odd_src[i] = packed_source(bits, layout, false, i);
+  for (int64_t g0 = 0; g0 < K; g0 += g) {
+    int64_t k = g0;
+    for (; layout > 0 && k + 64 <= g0 + g; k += 64)
+      for (int i = 0; i < 64; ++i) out[k + i] = x[k + pair_src[i]];
+    for (; k < g0 + g; k += 32)
+      for (int i = 0; i < 32; ++i) out[k + i] = x[k + odd_src[i]];
+  }
 }
 
 at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
@@ -338,10 +355,11 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   const int64_t rows = x.numel() / K;
   const bool f32 = x.scalar_type() == at::kFloat;
   at::Tensor xc = x.contiguous();
-  // bf16 weights times bf16 inputs on bf16 dot products: the inputs are read as they are, never widened
-  const bool bf16_dot = g_isa == 3 && kind == Kind::bf16 && !f32;
+  // bf16 weights (and int4 codes) times bf16 inputs on bf16 dot products: the inputs are read as they are (int4
+  // also needs them in fp32, for the per-group sums and the tail rows)
+  const bool bf16_dot = g_isa == 3 && (kind == Kind::bf16 || kind == Kind::int4) && !f32;
   std::vector<float> xbuf;
-  if (!f32 && !bf16_dot) {
+  if (!f32 && !(bf16_dot && kind == Kind::bf16)) {
     xbuf.resize(rows * K);
     const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
     for (int64_t i = 0; i < rows * K; ++i) xbuf[i] = float(xb[i]);
@@ -349,8 +367,8 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   std::vector<float> permuted, sums;
   const float* Xp = f32 ? xc.data_ptr<float>() : xbuf.data();
   // 8-bit inputs: q = round(x / s) in [-127, 127] with s = max|x| / 127 per row, for vpdpbusd's signed operand
-  // (int4 codes are its unsigned one) or stored q + 128 as its unsigned operand (int8 weights are the signed one)
-  const bool int8_dot = g_int8_inputs && g_isa == 3 && (kind == Kind::int8 || kind == Kind::int4) && K <= VNNI_MAX_K;
+  // (2/3/4-bit codes are its unsigned one) or stored q + 128 as its unsigned operand (int8 weights are the signed one)
+  const bool int8_dot = g_int8_inputs && g_isa == 3 && kind != Kind::f32 && kind != Kind::bf16 && K <= VNNI_MAX_K;
   const int offset = kind == Kind::int8 ? 128 : 0;
   std::vector<uint8_t> xq(int8_dot ? rows * K : 0);
   std::vector<float> xqs(int8_dot ? rows : 0);
@@ -358,9 +376,16 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   for (int64_t r = 0; int8_dot && r < rows; ++r)
     xqs[r] = avx512bf16::round_to_8_bits(Xp + r * K, K, offset, xq.data() + r * K);
 #endif
-  if (kind == Kind::int2 || kind == Kind::int3) {
+  std::vector<uint8_t> xq_permuted;
+  if ((kind == Kind::int2 || kind == Kind::int3) && int8_dot) {
+    xq_permuted.resize(rows * K);
+    for (int64_t r = 0; r < rows; ++r)
+      permute_for_packed(xq.data() + r * K, xq_permuted.data() + r * K, K, group_size, int(bits), 2);
+  } else if (kind == Kind::int2 || kind == Kind::int3) {
     permuted.resize(rows * K);
-    for (int64_t r = 0; r < rows; ++r) permute_for_packed(Xp + r * K, permuted.data() + r * K, K, int(bits));
+    const int layout = g_isa >= 2 ? 1 : 0;  // the AVX-512 sets read 16 lanes
+    for (int64_t r = 0; r < rows; ++r)
+      permute_for_packed(Xp + r * K, permuted.data() + r * K, K, group_size, int(bits), layout);
   }
   if (bits <= 4) {
     const int64_t G = K / group_size;
@@ -413,7 +438,8 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   Problem pb{kind, weight.data_ptr(), weight.stride(0) * weight.element_size(), sc, N, K, group_size,
              permuted.empty() ? Xp : permuted.data(), sums.empty() ? nullptr : sums.data(),
              bf16_dot ? reinterpret_cast<const uint16_t*>(xc.data_ptr()) : nullptr,
-             int8_dot ? xq.data() : nullptr, int8_dot ? xqs.data() : nullptr, Yp};
+             int8_dot ? (xq_permuted.empty() ? xq.data() : xq_permuted.data()) : nullptr,
+             int8_dot ? xqs.data() : nullptr, Yp};
   run_all(pb, items);
   if (!f32) {  // round to nearest even, NaN kept (as .to() does), in a loop the compiler vectorises
     uint16_t* yb = reinterpret_cast<uint16_t*>(Y.data_ptr());
@@ -454,6 +480,8 @@ at::Tensor dequantize_int4(const at::Tensor& weight, const at::Tensor& scale, in
   return wt.t();
 }
 
+#include "lowbit_gemm.h"
+
 }  // namespace zoo_kernels
 
 TORCH_LIBRARY_FRAGMENT(zoo, m) {
@@ -462,11 +490,13 @@ TORCH_LIBRARY_FRAGMENT(zoo, m) {
   m.def("moe_gemv_isa(int want) -> int");
   m.def("moe_gemv_int8_inputs(int want) -> int");
   m.def("dequantize_int4(Tensor weight, Tensor scale, int group_size, ScalarType dtype) -> Tensor");
+  m.def("lowbit_gemm(Tensor x, Tensor weight, Tensor scale, int bits, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(zoo, CPU, m) {
   m.impl("moe_gemv", &zoo_kernels::moe_gemv);
   m.impl("dequantize_int4", &zoo_kernels::dequantize_int4);
+  m.impl("lowbit_gemm", &zoo_kernels::lowbit_gemm);
 }
 
 TORCH_LIBRARY_IMPL(zoo, CompositeExplicitAutograd, m) {

@@ -198,6 +198,68 @@ static void block_int4(const uint8_t* blk, const Scales& sc, int64_t K, int64_t 
     for (int c = 0; c < 2 * C; ++c) std::memcpy(ys[p] + n0 + c * L, &acc[p][c], sizeof(vf));
 }
 
+#ifdef ZOO_BF16_DOT
+// int4 codes times bf16 inputs on vdpbf16ps, one block of 64 rows as block_int4 reads it: codes 0..15 and bf16
+// inputs are exact in bf16 and their products exact in fp32, so this sums what block_int4 sums (in another order)
+// with half the multiply-adds and no widening to fp32. Per pair (k, k + 1) the 64 rows' codes become bf16 words by a
+// lookup (vpermw reads an index's low 5 bits, so the table repeats 0..15 and a low nibble needs no mask), then
+// 16-bit unpacks pair each row's two codes in one 32-bit lane; the unpacks work within 128-bit lanes, so the
+// accumulators hold rows in the order 8L + j (j < 4: lo unpack; 4 + j: hi) and are put back in order per group.
+template <int NP>
+static void block_int4_bf16(const uint8_t* blk, const Scales& sc, int64_t K, int64_t g, int64_t n0,
+                            const uint16_t* const* xb, const float* const* sxs, float* const* ys) {
+  alignas(64) uint16_t codes[32];
+  for (int i = 0; i < 32; ++i) {  // small integers: their bf16 is the top half of their fp32
+    const float f = float(i & 15);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    codes[i] = uint16_t(u >> 16);
+  }
+  const __m512i table = _mm512_load_si512(codes);
+  // rows 16 h .. 16 h + 15 in order from the (lo, hi) unpack pair of that half: lanes 4L..4L+3 of each in turn
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512 acc[NP][4];
+  for (int p = 0; p < NP; ++p)
+    for (int c = 0; c < 4; ++c) acc[p][c] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < K / g; ++gi) {
+    __m512 ga[NP][4];  // [0, 1]: rows 0..31 (low nibbles) as unpacked lo, hi; [2, 3]: rows 32..63
+    for (int p = 0; p < NP; ++p)
+      for (int c = 0; c < 4; ++c) ga[p][c] = _mm512_setzero_ps();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 2) {
+      const __m512i a = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + k * 32)));
+      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + (k + 1) * 32)));
+      const __m512i la = _mm512_permutexvar_epi16(a, table), lb = _mm512_permutexvar_epi16(b, table);
+      const __m512i ha = _mm512_permutexvar_epi16(_mm512_srli_epi16(a, 4), table);
+      const __m512i hb = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+      const __m512bh w[4] = {(__m512bh)_mm512_unpacklo_epi16(la, lb), (__m512bh)_mm512_unpackhi_epi16(la, lb),
+                             (__m512bh)_mm512_unpacklo_epi16(ha, hb), (__m512bh)_mm512_unpackhi_epi16(ha, hb)};
+      for (int p = 0; p < NP; ++p) {
+        int32_t pair;
+        std::memcpy(&pair, xb[p] + k, 4);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+        for (int c = 0; c < 4; ++c) ga[p][c] = _mm512_dpbf16_ps(ga[p][c], w[c], x);
+      }
+    }
+    for (int c = 0; c < 4; ++c) {  // rows 16 c .. 16 c + 15, in order
+      alignas(64) float sv[16], zv[16];
+      for (int i = 0; i < 16; ++i) {
+        sv[i] = sc.scale(gi, n0 + 16 * c + i);
+        zv[i] = sc.zero(gi, n0 + 16 * c + i) - 8 * sv[i];
+      }
+      const __m512 s = _mm512_load_ps(sv), zm = _mm512_load_ps(zv);
+      const int h = c / 2 * 2;  // the unpack pair holding these rows
+      for (int p = 0; p < NP; ++p) {
+        const __m512 rows = _mm512_permutex2var_ps(ga[p][h], c % 2 ? second : first, ga[p][h + 1]);
+        acc[p][c] = _mm512_fmadd_ps(rows, s, _mm512_fmadd_ps(zm, _mm512_set1_ps(sxs[p][gi]), acc[p][c]));
+      }
+    }
+  }
+  for (int p = 0; p < NP; ++p)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(ys[p] + n0 + 16 * c, acc[p][c]);
+}
+#endif
+
 #ifdef ZOO_VNNI
 // int4 codes times 8-bit inputs (q signed, x ~ q * input scale) on vpdpbusd, one block of 64 rows as block_int4
 // reads it. vpdpbusd sums the products of four adjacent bytes into a 32-bit lane, so each byte's codes for four
@@ -325,19 +387,69 @@ static inline vf8 codes_to_float(vw8 words, vw8 shift) {
 }
 #endif
 
+// The scales of an item's rows [r0, r1) (at most 64), read once per item along the rows, as floats
+// [K/g][r1 - r0] (s[gi * R + i] for row r0 + i): the stored [K/g, N, 2] layout puts a row's groups 4 N or 8 N
+// bytes apart, and with N a multiple of 512 or 1024 all of them fall in one L1 set (8 ways), so a row-by-row read
+// missed L1 on every group past the eighth. The zero terms, sum over groups of (z - 8 s) * (sum of the group's
+// inputs), go here too, for all rows at once: zt[p * R + i] (vectorised over the rows; the groups in order).
+struct RowScales {
+  const float* s;
+  float zt[8 * 64];
+};
+template <int NP>
+static void row_scales(const Scales& sc, int64_t G, int64_t r0, int64_t r1, const float* const* sxs, RowScales& out) {
+  const int64_t R = r1 - r0;
+  thread_local std::vector<float> buf;
+  buf.resize(2 * G * R + 16);
+  float *s = buf.data(), *zm = s + G * R + 16;  // (+16: not 4 KiB apart, which stalled its loads on the stores)
+  for (int64_t gi = 0; gi < G; ++gi) {
+    float *sg = s + gi * R, *zg = zm + gi * R;
+    if (sc.bf16) {  // (scale, zero) pairs of bf16 as 32-bit words: scale in the low half, zero in the high
+      const uint16_t* pr = static_cast<const uint16_t*>(sc.ptr) + (gi * sc.N + r0) * 2;
+      for (int64_t i = 0; i < R; ++i) {
+        uint32_t u, lo, hi;
+        std::memcpy(&u, pr + 2 * i, 4);
+        lo = u << 16, hi = u & 0xffff0000u;
+        float sv, zv;
+        std::memcpy(&sv, &lo, 4);
+        std::memcpy(&zv, &hi, 4);
+        sg[i] = sv, zg[i] = zv - 8 * sv;
+      }
+    } else {
+      const float* pr = static_cast<const float*>(sc.ptr) + (gi * sc.N + r0) * 2;
+      for (int64_t i = 0; i < R; ++i) sg[i] = pr[2 * i], zg[i] = pr[2 * i + 1] - 8 * pr[2 * i];
+    }
+  }
+  // the next item's scales (the rows after these, most often this thread's next item), asked for now, to come from
+  // memory while this item runs: each group's are a run of their own, K/g short runs at a time that the hardware
+  // prefetchers did not follow (this function was a quarter of the 2-bit kernel's time, waiting on them)
+  const int64_t pair_bytes = sc.bf16 ? 4 : 8;
+  for (int64_t gi = 0; r1 + R <= sc.N && gi < G; ++gi)
+    for (int64_t b = 0; b < R * pair_bytes; b += 64)
+      __builtin_prefetch(static_cast<const char*>(sc.ptr) + (gi * sc.N + r1) * pair_bytes + b);
+  for (int p = 0; p < NP; ++p) {
+    float* zt = out.zt + p * R;
+    for (int64_t i = 0; i < R; ++i) zt[i] = 0;
+    for (int64_t gi = 0; gi < G; ++gi)
+      for (int64_t i = 0; i < R; ++i) zt[i] += zm[gi * R + i] * sxs[p][gi];
+  }
+  out.s = s;
+}
+
 // 2- or 3-bit codes packed densely along each row (zoo.moe.packing). 32 codes (4 * BITS bytes) at a time as
-// eight lanes x four shifts; the inputs come permuted to match (permute_for_packed), so each shift's lanes
+// eight lanes x four shifts; the inputs come permuted to match (permute_for_packed, layout 0), so each shift's lanes
 // multiply contiguous inputs. Groups are multiples of 32, so a 32-code chunk never straddles two.
 template <int NP, int BITS>
 static void rows_packed(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
                         const float* const* xs, const float* const* sxs, float* const* ys) {
   const int64_t row_bytes = K * BITS / 8;
   const vw8 base = BITS == 2 ? vw8{0, 0, 0, 0, 0, 0, 0, 0} : vw8{0, 0, 0, 0, 12, 12, 12, 12};
+  RowScales rs;
+  row_scales<NP>(sc, K / g, r0, r1, sxs, rs);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* wr = w + r * row_bytes;
     vf8 acc[NP];
-    float zterm[NP];
-    for (int p = 0; p < NP; ++p) acc[p] = vf8{}, zterm[p] = 0;
+    for (int p = 0; p < NP; ++p) acc[p] = vf8{};
     for (int64_t gi = 0; gi < K / g; ++gi) {
       vf8 ga[NP];
       for (int p = 0; p < NP; ++p) ga[p] = vf8{};
@@ -348,15 +460,176 @@ static void rows_packed(const uint8_t* w, const Scales& sc, int64_t K, int64_t g
           for (int p = 0; p < NP; ++p) ga[p] += q * load<vf8>(xs[p] + c * 32 + s * 8);
         }
       }
-      float s = sc.scale(gi, r), zm = sc.zero(gi, r) - 8 * s;
-      for (int p = 0; p < NP; ++p) {
-        acc[p] += ga[p] * s;
-        zterm[p] += zm * sxs[p][gi];
-      }
+      const float s = rs.s[gi * (r1 - r0) + r - r0];
+      for (int p = 0; p < NP; ++p) acc[p] += ga[p] * s;
     }
-    for (int p = 0; p < NP; ++p) ys[p][r] = hsum(acc[p]) + zterm[p];
+    for (int p = 0; p < NP; ++p) ys[p][r] = hsum(acc[p]) + rs.zt[p * (r1 - r0) + r - r0];
   }
 }
+
+#if ZOO_LANES == 16
+// The 16-lane form of rows_packed (AVX-512): two 32-code chunks of one group (8 * BITS bytes) a step, as 16 lanes x
+// four shifts, the inputs permuted per chunk pair to match (permute_for_packed, layout 1: lane j of shift s takes
+// the input that lane j % 8 of chunk j / 8 takes in the 8-lane layout); a group's odd last chunk (g / 32 odd) goes
+// the 8-lane way. 2 bits: lane j holds byte j; 3 bits: lanes 0..3 the first chunk's four 24-bit words, 4..7 the
+// same read from bit 12, 8..15 the second chunk's likewise.
+template <int BITS>
+static inline __m512i packed_words16(const uint8_t* b) {
+  if (BITS == 2) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)b));
+  // 24 bytes (a masked load: never past the pair), dwords 0..3 to 128-bit lanes 0 and 1, dwords 3..6 to 2 and 3,
+  // then each lane's 12 bytes of four words to four 32-bit lanes
+  const __m512i v = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(0xffffff, b));
+  const __m512i spread = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 3, 4, 5, 6, 3, 4, 5, 6), v);
+  return _mm512_shuffle_epi8(spread, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9,
+                                                                          10, 11, -1)));
+}
+
+// shift s's 16 codes times the group's scale, by a lookup in a table of 16 floats (vpermps reads an index's low 4
+// bits) holding the codes times the scale: no conversion, and no per-group sum to scale.
+// 2 bits: the low 4 bits hold two codes, so tables i & 3 and i >> 2 read shifts 0 and 1 without a shift (w4: the
+// words shifted by 4, for shifts 2 and 3)
+struct ScaledTables {
+  __m512 t0, t1;
+  ScaledTables(int bits, float s) {
+    const __m512 vs = _mm512_set1_ps(s);
+    t0 = bits == 2 ? _mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3), vs)
+                   : _mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7), vs);
+    t1 = _mm512_mul_ps(_mm512_setr_ps(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), vs);
+  }
+};
+template <int BITS>
+static inline __m512 codes16(__m512i w, __m512i w4, int s, const ScaledTables& t) {
+  if (BITS == 2) return _mm512_permutexvar_ps(s < 2 ? w : w4, s % 2 ? t.t1 : t.t0);
+  const __m512i shift = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 12, 12, 12, 12, 0, 0, 0, 0, 12, 12, 12, 12),
+                                         _mm512_set1_epi32(3 * s));
+  return _mm512_permutexvar_ps(_mm512_srlv_epi32(w, shift), t.t0);
+}
+
+template <int NP, int BITS>
+static void rows_packed16(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                          const float* const* xs, const float* const* sxs, float* const* ys) {
+  // A independent chains per input (FMA latency: one input alone would wait on one chain)
+  constexpr int A = NP == 1 ? 4 : NP == 2 ? 2 : 1;
+  const int64_t R = r1 - r0, G = K / g, pairs = g / 64;
+  const bool odd = g % 64 != 0;
+  const vw8 base8 = BITS == 2 ? vw8{0, 0, 0, 0, 0, 0, 0, 0} : vw8{0, 0, 0, 0, 12, 12, 12, 12};
+  RowScales rs;
+  row_scales<NP>(sc, G, r0, r1, sxs, rs);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wp = w + r * (K * BITS / 8);
+    __m512 acc[A][NP];
+    vf8 acc8[NP];
+    for (int p = 0; p < NP; ++p) {
+      for (int a = 0; a < A; ++a) acc[a][p] = _mm512_setzero_ps();
+      acc8[p] = vf8{};
+    }
+    int64_t k = 0;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const float s = rs.s[gi * R + r - r0];
+      const ScaledTables t(BITS, s);
+      for (int64_t i = 0; i < pairs; ++i, wp += 8 * BITS, k += 64) {
+        const __m512i words = packed_words16<BITS>(wp);
+        const __m512i w4 = BITS == 2 ? _mm512_srli_epi32(words, 4) : words;
+        for (int j = 0; j < 4; ++j) {
+          const __m512 q = codes16<BITS>(words, w4, j, t);
+          for (int p = 0; p < NP; ++p)
+            acc[j % A][p] = _mm512_fmadd_ps(q, _mm512_loadu_ps(xs[p] + k + j * 16), acc[j % A][p]);
+        }
+      }
+      if (odd) {  // the group's last chunk, alone, in the 8-lane layout
+        const vw8 words = packed_words<BITS>(wp);
+        vf8 ga8[NP];
+        for (int p = 0; p < NP; ++p) ga8[p] = vf8{};
+        for (int j = 0; j < 4; ++j) {
+          const vf8 q = codes_to_float<BITS>(words, base8 + BITS * j);
+          for (int p = 0; p < NP; ++p) ga8[p] += q * load<vf8>(xs[p] + k + j * 8);
+        }
+        for (int p = 0; p < NP; ++p) acc8[p] += ga8[p] * s;
+        wp += 4 * BITS, k += 32;
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      __m512 t = acc[0][p];
+      for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, acc[a][p]);
+      ys[p][r] = _mm512_reduce_add_ps(t) + (odd ? hsum(acc8[p]) : 0.f) + rs.zt[p * R + r - r0];
+    }
+  }
+}
+#endif
+
+#ifdef ZOO_VNNI
+// 2- or 3-bit codes times 8-bit inputs q (signed; x ~ q * input scale) on vpdpbusd, the codes (0..7) the unsigned
+// operand: a chunk pair's 64 codes expanded to 64 bytes in registers, one vpdpbusd per input, exact int32 dots per
+// group, then as block_int4_dot: s * dot + (z - 8 s) * sum(q) per group in fp32 (sxs: the sums of q), times the
+// input's scale at the end. The inputs come permuted to the bytes' order (permute_for_packed, layout 2). A
+// group's odd last chunk takes the same code with the second chunk's bytes read as zeros (zero codes add nothing).
+// 2 bits: the 16 bytes broadcast to the four 128-bit lanes, lane s shifted by 2 s: byte 16 s + j = code 4 j + s.
+// 3 bits: 128-bit lane l takes codes 16 l..16 l+15 (bytes 6 l..6 l+5): each 16-bit lane gathers the two bytes
+// around one code (a byte shuffle) and shifts it down (vpsrlvw); byte 2 i of lane l = code 16 l + i, byte 2 i + 1
+// = code 16 l + 8 + i.
+template <int BITS>
+static inline __m512i codes_as_bytes(const uint8_t* b, bool pair) {
+  if (BITS == 2) {
+    const __m128i v = pair ? _mm_loadu_si128((const __m128i*)b) : _mm_loadl_epi64((const __m128i*)b);
+    const __m512i shifts = _mm512_setr_epi64(0, 0, 0x0002000200020002, 0x0002000200020002, 0x0004000400040004,
+                                             0x0004000400040004, 0x0006000600060006, 0x0006000600060006);
+    return _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i32x4(v), shifts), _mm512_set1_epi8(3));
+  }
+  alignas(64) static const int8_t lo[64] = {0, 1, 0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3,
+                                            2, 3, 2, 3, 2, 3, 3, 4, 3, 4, 3, 4, 4, 5, 4, 5,
+                                            0, 1, 0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3,
+                                            2, 3, 2, 3, 2, 3, 3, 4, 3, 4, 3, 4, 4, 5, 4, 5};
+  const __m512i mlo = _mm512_load_si512(lo), mhi = _mm512_add_epi8(mlo, _mm512_set1_epi8(3));
+  // bit 3 m of a lane's 16-bit window m (m = 0..7), from byte 3 m / 8, at 3 m % 8; codes 8..15 three bytes on
+  const __m512i shifts = _mm512_broadcast_i32x4(_mm_setr_epi16(0, 3, 6, 1, 4, 7, 2, 5));
+  // lanes from bytes 0, 6, 12, 18: dwords 0, 1, 3, 4 (byte offsets 0, 4, 12, 16), the rest of the way in `lo`
+  const __m512i v = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(pair ? 0xffffff : 0xfff, b));
+  const __m512i spread = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 1, 2, 3, 1, 2, 3, 4, 3, 4, 5, 6, 4, 5, 6, 7), v);
+  const __m512i a = _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_epi8(spread, mlo), shifts),
+                                     _mm512_set1_epi16(7));
+  const __m512i h = _mm512_slli_epi16(_mm512_srlv_epi16(_mm512_shuffle_epi8(spread, mhi), shifts), 8);
+  return _mm512_ternarylogic_epi32(a, h, _mm512_set1_epi16(0x0700), 0xf8);  // a | (h & 0x0700)
+}
+
+template <int NP, int BITS>
+static void rows_packed_dot(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                            const int8_t* const* xs, const float* const* sxs, const float* xscale, float* const* ys) {
+  const int64_t R = r1 - r0, G = K / g, pairs = g / 64;
+  const bool odd = g % 64 != 0;
+  RowScales rs;
+  row_scales<NP>(sc, G, r0, r1, sxs, rs);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wp = w + r * (K * BITS / 8);
+    __m512 acc0[NP], acc1[NP];  // two chains, alternating groups (a group of 64 is one vpdpbusd: the FMA would wait)
+    for (int p = 0; p < NP; ++p) acc0[p] = acc1[p] = _mm512_setzero_ps();
+    int64_t k = 0;
+    auto group = [&](int64_t gi, __m512 (&acc)[NP]) {
+      __m512i d[NP];
+      for (int p = 0; p < NP; ++p) d[p] = _mm512_setzero_si512();
+      for (int64_t i = 0; i < pairs; ++i, wp += 8 * BITS, k += 64) {
+        const __m512i codes = codes_as_bytes<BITS>(wp, true);
+        for (int p = 0; p < NP; ++p) d[p] = _mm512_dpbusd_epi32(d[p], codes, _mm512_loadu_si512(xs[p] + k));
+      }
+      if (odd) {  // 32 inputs: 2 bits, four 8-byte runs (one per shift) to the low halves of the 128-bit lanes
+        const __m512i codes = codes_as_bytes<BITS>(wp, false);
+        for (int p = 0; p < NP; ++p) {
+          const __m512i x32 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(xs[p] + k)));
+          const __m512i xq = BITS == 2 ? _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3), x32) : x32;
+          d[p] = _mm512_dpbusd_epi32(d[p], codes, xq);
+        }
+        wp += 4 * BITS, k += 32;
+      }
+      const __m512 vs = _mm512_set1_ps(rs.s[gi * R + r - r0]);
+      for (int p = 0; p < NP; ++p) acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[p]), vs, acc[p]);
+    };
+    int64_t gi = 0;
+    for (; gi + 2 <= G; gi += 2) group(gi, acc0), group(gi + 1, acc1);
+    if (gi < G) group(gi, acc0);
+    for (int p = 0; p < NP; ++p)
+      ys[p][r] = (_mm512_reduce_add_ps(_mm512_add_ps(acc0[p], acc1[p])) + rs.zt[p * R + r - r0]) * xscale[p];
+  }
+}
+#endif
 
 // Dequantise one int4 block of 64 rows into the transposed weight wt [K, N] (float or bf16, rounded to nearest
 // even): the pack is k-major, so each k's 64 values are contiguous in wt too.
@@ -487,6 +760,14 @@ static void run_item(const Problem& pb, const Item& it) {
         break;
       }
 #endif
+#ifdef ZOO_BF16_DOT
+      if (pb.XB && it.r1 - it.r0 == 64 && it.r0 + 64 <= pb.N / 64 * 64) {
+        const uint16_t* xbs[8];
+        for (int p = 0; p < it.np; ++p) xbs[p] = pb.XB + it.in_row[p] * pb.K;
+        ZOO_NP((block_int4_bf16<NP>(w + it.r0 * pb.K / 2, sc, pb.K, pb.g, it.r0, xbs, sxs, ys)));
+        break;
+      }
+#endif
       if (it.r1 - it.r0 == 64 && it.r0 + 64 <= pb.N / 64 * 64) {
         ZOO_NP((block_int4<NP>(w + it.r0 * pb.K / 2, sc, pb.K, pb.g, it.r0, xs, sxs, ys)));
       } else {
@@ -494,11 +775,36 @@ static void run_item(const Problem& pb, const Item& it) {
       }
       break;
     case Kind::int2:
-      ZOO_NP((rows_packed<NP, 2>(w, sc, pb.K, pb.g, it.r0, it.r1, xs, sxs, ys)));
+    case Kind::int3: {
+#ifdef ZOO_VNNI
+      if (pb.XQ) {
+        const int8_t* xqs[8];
+        float scales[8];
+        for (int p = 0; p < it.np; ++p) {
+          xqs[p] = reinterpret_cast<const int8_t*>(pb.XQ) + it.in_row[p] * pb.K;
+          scales[p] = pb.XQS[it.in_row[p]];
+        }
+        if (pb.kind == Kind::int2) {
+          ZOO_NP((rows_packed_dot<NP, 2>(w, sc, pb.K, pb.g, it.r0, it.r1, xqs, sxs, scales, ys)));
+        } else {
+          ZOO_NP((rows_packed_dot<NP, 3>(w, sc, pb.K, pb.g, it.r0, it.r1, xqs, sxs, scales, ys)));
+        }
+        break;
+      }
+#endif
+#if ZOO_LANES == 16
+#define ZOO_ROWS_PACKED rows_packed16
+#else
+#define ZOO_ROWS_PACKED rows_packed
+#endif
+      if (pb.kind == Kind::int2) {
+        ZOO_NP((ZOO_ROWS_PACKED<NP, 2>(w, sc, pb.K, pb.g, it.r0, it.r1, xs, sxs, ys)));
+      } else {
+        ZOO_NP((ZOO_ROWS_PACKED<NP, 3>(w, sc, pb.K, pb.g, it.r0, it.r1, xs, sxs, ys)));
+      }
+#undef ZOO_ROWS_PACKED
       break;
-    case Kind::int3:
-      ZOO_NP((rows_packed<NP, 3>(w, sc, pb.K, pb.g, it.r0, it.r1, xs, sxs, ys)));
-      break;
+    }
   }
 #undef ZOO_NP
 }
