@@ -242,10 +242,22 @@ int64_t moe_gemv_int8_inputs(int64_t want) {
 
 static void run_all(const Problem& pb, const std::vector<Item>& items) {
 #ifdef ZOO_X86
-  // int8 weights times float inputs: the 256-bit code, on AVX-512 processors too. Widening 16 int8 lanes to a
-  // 512-bit float vector costs more than two 8-lane widenings on the processors measured (AMD EPYC, Zen 4: 17.3
-  // against 27.6 GB/s on the 304M model's experts, the latter 1.15x a compiled sum's bandwidth)
-  if (pb.kind == Kind::int8 && !pb.XQ && g_isa >= 2) return avx2::run_items(pb, items);
+  // int8 weights times fp32 inputs (bf16 ones take bf16 dot products): the 256-bit code, on AVX-512 processors
+  // too. Widening 16 int8 lanes to a 512-bit float vector costs more than two 8-lane widenings on the processors
+  // measured (AMD EPYC, Zen 4: 17.3 against 27.6 GB/s on the 304M model's experts, 1.15x a compiled sum's bandwidth)
+  if (pb.kind == Kind::int8 && !pb.XQ && g_isa >= 2) {
+    // with bf16 inputs, items of several inputs take bf16 dot products (measured 1.5-1.7x the 256-bit code at 4-8
+    // inputs); one input stays on the 256-bit code, which reads at the machine's bandwidth already
+    std::vector<Item> several;
+    for (const Item& it : items)
+      if (pb.XB && it.np > 1) several.push_back(it);
+    if (several.empty()) return avx2::run_items(pb, items);
+    std::vector<Item> one;
+    for (const Item& it : items)
+      if (it.np == 1) one.push_back(it);
+    avx512bf16::run_items(pb, several);
+    return avx2::run_items(pb, one);
+  }
 #endif
   switch (g_isa) {
 #ifdef ZOO_X86
@@ -355,9 +367,12 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   const int64_t rows = x.numel() / K;
   const bool f32 = x.scalar_type() == at::kFloat;
   at::Tensor xc = x.contiguous();
-  // bf16 weights (and int4 codes) times bf16 inputs on bf16 dot products: the inputs are read as they are (int4
-  // also needs them in fp32, for the per-group sums and the tail rows)
-  const bool bf16_dot = g_isa == 3 && (kind == Kind::bf16 || kind == Kind::int4) && !f32;
+  // bf16 weights, int8 weights and int4 codes times bf16 inputs on bf16 dot products: the inputs are read as they
+  // are (int4 also needs them in fp32, for the per-group sums and the tail rows; int8 for one-input items)
+  const bool bf16_dot = g_isa == 3 && (kind == Kind::bf16 || kind == Kind::int4 || kind == Kind::int8) && !f32;
+  // 8-bit inputs: q = round(x / s) in [-127, 127] with s = max|x| / 127 per row, for vpdpbusd's signed operand
+  // (2/3/4-bit codes are its unsigned one) or stored q + 128 as its unsigned operand (int8 weights are the signed one)
+  const bool int8_dot = g_int8_inputs && g_isa == 3 && kind != Kind::f32 && kind != Kind::bf16 && K <= VNNI_MAX_K;
   std::vector<float> xbuf;
   if (!f32 && !(bf16_dot && kind == Kind::bf16)) {
     xbuf.resize(rows * K);
@@ -366,9 +381,6 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   }
   std::vector<float> permuted, sums;
   const float* Xp = f32 ? xc.data_ptr<float>() : xbuf.data();
-  // 8-bit inputs: q = round(x / s) in [-127, 127] with s = max|x| / 127 per row, for vpdpbusd's signed operand
-  // (2/3/4-bit codes are its unsigned one) or stored q + 128 as its unsigned operand (int8 weights are the signed one)
-  const bool int8_dot = g_int8_inputs && g_isa == 3 && kind != Kind::f32 && kind != Kind::bf16 && K <= VNNI_MAX_K;
   const int offset = kind == Kind::int8 ? 128 : 0;
   std::vector<uint8_t> xq(int8_dot ? rows * K : 0);
   std::vector<float> xqs(int8_dot ? rows : 0);
