@@ -20,7 +20,7 @@ run: $(VENV)/.installed
 # One pytest worker per core (pytest-xdist), a test file per worker at a time (module fixtures run once).
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed system-deps
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # System packages some tests need: Debian's chromium and its driver (the browser test), espeak-ng (the spoken
 # digits of the multimodal data). Installed when missing and apt-get can (as root); otherwise a one-line hint.

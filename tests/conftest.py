@@ -32,14 +32,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-# pytest-xdist hands whole files to its workers in collection order: the files that take a minute or more go
-# first, so the two workers end together instead of one finishing a long file alone.
-SLOW_FILES_FIRST = ("test_check_component.py", "test_benchmark_smoke.py", "test_scaffold.py", "test_plugins.py",
+# pytest-xdist hands whole files to its workers in collection order (with --no-loadscope-reorder, which the
+# Makefile passes: by default it orders files by their number of tests, which put the two-minute claim scripts'
+# file of ~20 tests last, run alone by one worker while the other idled): the files that take a minute or more go
+# first, so the two workers end together.
+SLOW_FILES_FIRST = ("test_claim_scripts_quick.py", "test_check_component.py", "test_benchmark_smoke.py",
+                    "test_scaffold.py", "test_plugins.py",
                     "test_install_cli.py", "test_space_components.py", "test_channel_topk.py", "test_meta.py",
                     "test_browser.py", "test_startup.py", "test_readme.py", "test_readme_path.py", "test_gguf.py",
                     "test_lm_eval.py", "test_remote_code.py", "test_compressed_tensors.py", "test_gguf_families.py",
                     "test_quantize_claims_quick.py", "test_peft_names.py", "test_decode.py", "test_parallel.py",
-                    "test_kernels.py", "test_hub.py", "test_multimodal_claim_quick.py")
+                    "test_kernels.py", "test_hub.py", "test_multimodal_claim_quick.py",
+                    "test_quantize_mlp_experts.py", "test_distributed_calibration.py", "test_adapters_structure.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -206,8 +206,13 @@ def test_int4_8bit_inputs_are_exact_integer_dots(int8_inputs, g, T):
     """int4 codes times inputs rounded to 8 bits on vpdpbusd: the integer reference's result (up to the fp32 scaling
     per group), for full blocks of 64 rows and the 32-row tail, fp32 and bf16 inputs and scales, an input per slot,
     a stack holding some experts, 1..8 inputs on one expert; and within rounding distance of the exact path."""
-    K, k = 256, 3
-    w, sz, codes = int4_stack_with_codes(g)
+    assert_8bit_inputs_exact(*int4_stack_with_codes(g), 4, g, T)
+
+
+def assert_8bit_inputs_exact(w, sz, codes, bits, g, T, k=3):
+    """Codes times 8-bit inputs against the integer reference (fp32 / bf16 inputs, an input per slot, both scale
+    dtypes; slots on experts 0, 1..3 in turn, and an empty one), and within rounding distance of the exact path."""
+    K = codes.shape[-1]
     slot_of = torch.tensor([0, 2, 1, -1])
     idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.arange(T) % 3 + 1, torch.full((T,), 4)], 1)
     gen = torch.Generator().manual_seed(T)
@@ -215,11 +220,11 @@ def test_int4_8bit_inputs_are_exact_integer_dots(int8_inputs, g, T):
               torch.randn(T, k, K, generator=gen)):
         want = int4_inputs_reference(x, idx, codes, sz, g, slot_of)
         for scale in (sz, sz.float()):
-            got = kernels.moe_gemv(x, idx, w, scale, 4, g, slot_of)
+            got = kernels.moe_gemv(x, idx, w, scale, bits, g, slot_of)
             tol = 1e-5 if x.dtype == torch.float32 else 1e-2  # bf16 outputs are rounded once more
             torch.testing.assert_close(got.double(), want.to(got.dtype).double(), rtol=tol, atol=tol)
     kernels.int8_inputs(False)
-    exact = kernels.moe_gemv(x, idx, w, sz, 4, g, slot_of)
+    exact = kernels.moe_gemv(x, idx, w, sz, bits, g, slot_of)
     kernels.int8_inputs(True)
     assert not torch.equal(got, exact) and float((got - exact).norm() / exact.norm()) < 0.02
 
@@ -258,22 +263,7 @@ def test_packed_8bit_inputs_are_exact_integer_dots(int8_inputs, bits, g, T):
     """2/3-bit codes times inputs rounded to 8 bits on vpdpbusd: the integer reference's result (up to the fp32
     scaling per group), for groups of chunk pairs and groups ending in an odd chunk, fp32 and bf16 inputs and
     scales, an input per slot, 1..8 inputs on one expert; and within rounding distance of the exact path."""
-    w, sz, codes = packed_stack_with_codes(bits, g)
-    K, k = 192, 3
-    slot_of = torch.tensor([0, 2, 1, -1])
-    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.arange(T) % 3 + 1, torch.full((T,), 4)], 1)
-    gen = torch.Generator().manual_seed(T)
-    for x in (torch.randn(T, K, generator=gen), torch.randn(T, K, generator=gen).bfloat16(),
-              torch.randn(T, k, K, generator=gen)):
-        want = int4_inputs_reference(x, idx, codes, sz, g, slot_of)
-        for scale in (sz, sz.float()):
-            got = kernels.moe_gemv(x, idx, w, scale, bits, g, slot_of)
-            tol = 1e-5 if x.dtype == torch.float32 else 1e-2  # bf16 outputs are rounded once more
-            torch.testing.assert_close(got.double(), want.to(got.dtype).double(), rtol=tol, atol=tol)
-    kernels.int8_inputs(False)
-    exact = kernels.moe_gemv(x, idx, w, sz, bits, g, slot_of)
-    kernels.int8_inputs(True)
-    assert not torch.equal(got, exact) and float((got - exact).norm() / exact.norm()) < 0.02
+    assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g), bits, g, T)
 
 @torch.no_grad()
 @pytest.mark.parametrize("bits,limit", [(4, "INT4_DOT_PAIRS"), (8, "INT8_DOT_PAIRS")])

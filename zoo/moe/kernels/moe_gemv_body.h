@@ -716,6 +716,16 @@ static void dequant_int4(const uint8_t* w, const Scales& sc, int64_t N, int64_t 
   });
 }
 
+#ifdef ZOO_VNNI
+// An item's 8-bit inputs as vpdpbusd's signed operand (rows of q, for codes) and their scales
+static inline void signed_8bit_inputs(const Problem& pb, const Item& it, const int8_t** xqs, float* scales) {
+  for (int p = 0; p < it.np; ++p) {
+    xqs[p] = reinterpret_cast<const int8_t*>(pb.XQ) + it.in_row[p] * pb.K;
+    scales[p] = pb.XQS[it.in_row[p]];
+  }
+}
+#endif
+
 // One work item: rows [r0, r1) of one expert, for np inputs (1..8).
 static void run_item(const Problem& pb, const Item& it) {
   const float* xs[8];
@@ -782,10 +792,7 @@ static void run_item(const Problem& pb, const Item& it) {
       if (pb.XQ) {
         const int8_t* xqs[8];
         float scales[8];
-        for (int p = 0; p < it.np; ++p) {
-          xqs[p] = reinterpret_cast<const int8_t*>(pb.XQ) + it.in_row[p] * pb.K;
-          scales[p] = pb.XQS[it.in_row[p]];
-        }
+        signed_8bit_inputs(pb, it, xqs, scales);
         if (it.r1 - it.r0 == 64 && it.r0 + 64 <= pb.N / 64 * 64) {
           ZOO_NP((block_int4_dot<NP>(w + it.r0 * pb.K / 2, sc, pb.K, pb.g, it.r0, xqs, sxs, scales, ys)));
         } else {
@@ -814,10 +821,7 @@ static void run_item(const Problem& pb, const Item& it) {
       if (pb.XQ) {
         const int8_t* xqs[8];
         float scales[8];
-        for (int p = 0; p < it.np; ++p) {
-          xqs[p] = reinterpret_cast<const int8_t*>(pb.XQ) + it.in_row[p] * pb.K;
-          scales[p] = pb.XQS[it.in_row[p]];
-        }
+        signed_8bit_inputs(pb, it, xqs, scales);
         if (pb.kind == Kind::int2) {
           ZOO_NP((rows_packed_dot<NP, 2>(w, sc, pb.K, pb.g, it.r0, it.r1, xqs, sxs, scales, ys)));
         } else {
