@@ -104,8 +104,9 @@ class _LowBitLinear(torch.autograd.Function):
         ctx.save_for_backward(q, scale)
         ctx.meta = (bits, group_size, shape)
         rows = x.shape[0]
-        tiles = rows >= TILE_ROWS[8] and kernels.lowbit_gemm_fits(x, q, bits, group_size)  # (never when compiling)
-        if bits == 8 and rows < PREFILL_ROWS and not tiles:  # the opaque op, which inductor calls as it is
+        # int8 on few rows: the opaque op, which inductor calls as it is, unless the tiles serve (never when compiling)
+        if bits == 8 and rows < PREFILL_ROWS and not (rows >= TILE_ROWS[8]
+                                                      and kernels.lowbit_gemm_fits(x, q, bits, group_size)):
             return int8_weight_mm(x, q, scale)
         return kernel_linear(x, q, scale, bits, group_size)
 

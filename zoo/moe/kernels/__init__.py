@@ -63,6 +63,8 @@ def int8_dot_limit(kind: str, bits: int, dtype: torch.dtype) -> int:
     if kind == "experts":
         return INT8_DOT_PAIRS if bits == 8 else INT4_DOT_PAIRS_BF16 if dtype == torch.bfloat16 else INT4_DOT_PAIRS
     return INT4_DOT_ROWS_BF16 if bits == 4 and dtype == torch.bfloat16 else INT8_DOT_ROWS[bits]
+
+
 _state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load())", "off": False, "int8_inputs": False}
 
 

@@ -169,10 +169,7 @@ at::Tensor lowbit_gemm(const at::Tensor& x, const at::Tensor& weight, const at::
   TORCH_CHECK(scale.is_contiguous() && scale.numel() == (bits == 8 ? N : K / group_size * N * 2) &&
                   (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16),
               "scales must be contiguous float32/bfloat16: [N] (8 bits), [K/g, N, 2] (4 bits)");
-  Scales sc;
-  sc.ptr = scale.data_ptr();
-  sc.bf16 = scale.scalar_type() == at::kBFloat16;
-  sc.N = N;
+  const Scales sc = Scales::of(scale, N);
   at::Tensor y = at::empty({M, N}, x.options());
 #ifdef ZOO_X86
   gemm_bf16::lowbit_gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, weight.data_ptr(), int(bits), sc, N, K,

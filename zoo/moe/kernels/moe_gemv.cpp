@@ -54,6 +54,14 @@ struct Scales {
   float at(int64_t r) const { return get(r); }
   float scale(int64_t gi, int64_t n) const { return get((gi * N + n) * 2); }
   float zero(int64_t gi, int64_t n) const { return get((gi * N + n) * 2 + 1); }
+  // one matrix's scales (checked by the caller: contiguous float32 or bfloat16), N output rows
+  static Scales of(const at::Tensor& scale, int64_t N) {
+    Scales r;
+    r.ptr = scale.data_ptr();
+    r.bf16 = scale.scalar_type() == at::kBFloat16;
+    r.N = N;
+    return r;
+  }
   Scales of_slot(int64_t s) const {
     Scales r = *this;
     if (ptr) r.ptr = static_cast<const char*>(ptr) + s * per_slot * (bf16 ? 2 : 4);
@@ -479,10 +487,7 @@ at::Tensor dequantize_int4(const at::Tensor& weight, const at::Tensor& scale, in
   TORCH_CHECK(scale.is_contiguous() && scale.numel() == K / group_size * N * 2 &&
                   (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16),
               "scales must be contiguous float32/bfloat16 [K/g, N, 2]");
-  Scales sc;
-  sc.ptr = scale.data_ptr();
-  sc.bf16 = scale.scalar_type() == at::kBFloat16;
-  sc.N = N;
+  const Scales sc = Scales::of(scale, N);
   at::Tensor wt = at::empty({K, N}, weight.options().dtype(dtype));
   const uint8_t* w = weight.data_ptr<uint8_t>();
   if (dtype == at::kFloat)
