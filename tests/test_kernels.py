@@ -91,6 +91,22 @@ def test_many_pairs_for_one_expert(isa):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("K", [64, 100, 2048])
+def test_many_pairs_through_tiles(isa, bits, K):
+    """Blocks of rows that many pairs read (on avx512-bf16, bf16 and int8 rows times bf16 inputs go through a tile of
+    bf16 pairs from 16 pairs, or from 8 whose inputs pass 32 KB; widths that are not a multiple of 32, the rows past
+    the last full block of 64, and the fewer pairs stay on the rows kernels): the reference's result, for inputs
+    shared by the slots and per slot."""
+    S, N, T, k = 3, 160, 20, 2
+    w, s = stack(bits, S, N, K)
+    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.where(torch.arange(T) < 9, 1, 2)], 1)  # 20 / 9 / 11 pairs
+    for x in (torch.randn(T, K).bfloat16(), torch.randn(T, k, K).bfloat16()):
+        got = kernels.moe_gemv(x, idx, w, s, bits)
+        torch.testing.assert_close(got.float(), kernels.moe_gemv_reference(x, idx, w, s, bits).float(),
+                                   rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize("K", [32, 64, 77, 130])
 @pytest.mark.parametrize("T", [1, 3])
 def test_bf16_inputs_every_width(isa, K, T):
@@ -455,7 +471,8 @@ def kernel_calls(monkeypatch) -> list:
 @pytest.mark.parametrize("kind", ["bf16", "fp32", "int8", "int4"])
 def test_eager_inference_on_few_tokens_uses_the_kernel(kind, monkeypatch):
     """Eager inference (a short prompt's prefill, an eager decode step) reads the experts with zoo::moe_gemv up to
-    kernels.PAIRS_PER_EXPERT pairs per expert on average (8 for dense weights, 4 for packed), the sorted dispatch
+    kernels.PAIRS_PER_EXPERT pairs per expert on average (8 for dense weights, 32 for bf16 ones on bf16 dot products,
+    4 for packed), the sorted dispatch
     past it, with gradients, or with the kernel off; the kernel's output is the sorted dispatch's."""
     from zoo.moe import Routing
     from zoo.moe.experts import SwiGLUExperts
@@ -469,7 +486,10 @@ def test_eager_inference_on_few_tokens_uses_the_kernel(kind, monkeypatch):
             p.normal_(0, 0.1)
     if kind.startswith("int"):
         experts = QuantizedExperts.from_dense(experts, int(kind[3:]), group_size=32)
-    limit = kernels.PAIRS_PER_EXPERT["packed" if kind.startswith("int") else 16] * 4 // 2  # tokens at k=2, E=4
+    # bf16 experts on bf16 dot products take the kernel further (the "bf16" limit)
+    key = "packed" if kind.startswith("int") else "bf16" if kernels.bf16_dot_products(
+        torch.zeros(1, dtype=dtype), experts.gate_up_proj) else 16
+    limit = kernels.PAIRS_PER_EXPERT[key] * 4 // 2  # tokens at k=2, E=4
     calls = kernel_calls(monkeypatch)
     for T, uses in ((1, True), (limit, True), (limit + 1, False)):
         x = torch.randn(T, 64).to(dtype)

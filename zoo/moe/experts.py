@@ -138,7 +138,8 @@ def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.T
     """Whether an inference call on few tokens can run on ``zoo::moe_gemv`` (loaded by ``zoo.runtime.decode``'s
     compile config, or by the quantized experts' first call): no gradients, few tokens (a compiled step: at most
     ``kernels.MAX_TOKENS``; an eager call, a short prompt's prefill or an eager decode step: at most
-    ``kernels.PAIRS_PER_EXPERT`` (token, slot) pairs per selected expert on average, fewer for ``packed`` weights),
+    ``kernels.PAIRS_PER_EXPERT`` (token, slot) pairs per selected expert on average: fewer for ``packed`` weights,
+    more for bf16 ones on bf16 inputs where the processor has bf16 dot products),
     CPU tensors of float32/bfloat16 activations and contiguous stored weights. (Per selected expert, so that the
     same routing takes the same path whichever stack holds the experts: a consolidated model's pool, its own.)"""
     if not (kernels.ready() and not torch.is_grad_enabled() and hidden.device.type == "cpu"):
@@ -147,7 +148,8 @@ def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.T
         few = routing.indices.shape[0] <= kernels.MAX_TOKENS
     else:
         chosen = routing.indices[routing.indices < num_experts]
-        few = chosen.numel() <= kernels.PAIRS_PER_EXPERT["packed" if packed else 16] * max(1, len(chosen.unique()))
+        kind = "packed" if packed else "bf16" if kernels.bf16_dot_products(hidden, *stored) else 16
+        few = chosen.numel() <= kernels.PAIRS_PER_EXPERT[kind] * max(1, len(chosen.unique()))
     return few and hidden.dtype in (torch.float32, torch.bfloat16) and all(
         t.device.type == "cpu" and t.is_contiguous() for t in stored)
 

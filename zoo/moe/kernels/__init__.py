@@ -26,15 +26,18 @@ import torch
 
 SOURCE = Path(__file__).with_name("moe_gemv.cpp")
 HEADER = Path(__file__).with_name("moe_gemv_body.h")
+TILES_HEADER = Path(__file__).with_name("tiles.h")  # tiles of bf16 pairs (gemm_bf16), included by SOURCE
 GEMM_HEADER = Path(__file__).with_name("lowbit_gemm.h")  # zoo::lowbit_gemm (prefill), included by SOURCE
 MAX_TOKENS = 8  # a compiled step serves at most this many tokens from the kernel (decode)
 # Outside a compiled step the kernel serves a call when its (token, slot) pairs average at most this many per expert:
 # each work item reads a block of an expert's rows once for up to 8 pairs, so each selected expert is read about once
 # where a library matmul on a few rows reads at a fraction of the bandwidth. Measured on the 304M benchmark model's
-# shapes (2 threads): bf16 experts 3.2x a library matmul at 4 rows, 1.4x at 8, 0.6x at 16 (the widening to fp32 then
+# shapes (2 threads): fp32 experts 3.2x a library matmul at 4 rows, 1.4x at 8, 0.6x at 16 (the widening to fp32 then
 # bounds it); packed ones widen their codes per row, so past ~4 rows torch's int8/int4 matmuls win (int8 0.85-1.1x at
-# 4 rows, 0.6-0.7x at 8).
-PAIRS_PER_EXPERT = {16: 8, "packed": 4}
+# 4 rows, 0.6-0.7x at 8). bf16 experts on bf16 inputs ("bf16": bf16 dot products, and from 8-16 pairs a tile per
+# block of rows): the gate_up projections [8 x 5632, 1024] 1.8x torch's matmuls at 4 pairs per expert, 1.3x at 16,
+# 1.04-1.13x at 24-48 (one run; the down projections' tiles 1.5-1.9x the rows kernel's from 8 pairs on)
+PAIRS_PER_EXPERT = {16: 8, "bf16": 24, "packed": 4}
 # With 8-bit inputs (int8_inputs(True)) int4 experts take the kernel up to this many pairs per selected expert on
 # average, a prompt's prefill too (zoo.moe.quantized): its int8 dot products beat dequantising for a dense matmul
 # there (one [5632, 1024] expert, 2 threads: 2.6x at 16 rows, 1.4x at 128 and 256, 0.86x at 512; the 304M model's
@@ -118,7 +121,8 @@ def _build() -> Optional[str]:
     try:
         # the name carries a hash of the source and its header: torch's cache rebuilds on a change to the
         # listed source only, and the header holds the kernels
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in (SOURCE, HEADER, GEMM_HEADER))).hexdigest()[:12]
+        sources = (SOURCE, HEADER, TILES_HEADER, GEMM_HEADER)
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
         name = f"zoo_moe_gemv_{digest}"
         build = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
         build.mkdir(parents=True, exist_ok=True)
@@ -210,6 +214,12 @@ def load() -> bool:
             warnings.warn(f"zoo's CPU expert kernel is not available ({_state['reason']}); decode uses torch's "
                           "kernels", stacklevel=2)
     return _state["reason"] is None
+
+
+def bf16_dot_products(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether the kernel multiplies these bf16 inputs and weights on bf16 dot products (the avx512-bf16 set)."""
+    return (ready() and x.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for w in weights)
+            and isa() == "avx512-bf16")
 
 
 def ready() -> bool:

@@ -3,117 +3,12 @@
 // path (the weight converted to bf16, then a bf16 matmul) writes the whole bf16 weight to memory and reads it back,
 // 2x (int8) or 4x (int4) the stored bytes twice; here each block of 64 output rows is turned into a tile that stays
 // in the cache (K/2 x 64 pairs of bf16: 128 KB at K = 1024) and every input row is multiplied by it there, with
-// vdpbf16ps (the products of bf16 pairs summed in fp32, as a bf16 matmul sums them). Included by moe_gemv.cpp inside
-// namespace zoo_kernels; the set with AVX512-BF16 only (the op refuses other sets).
+// vdpbf16ps (the products of bf16 pairs summed in fp32, as a bf16 matmul sums them). The tiles: tiles.h. Included by
+// moe_gemv.cpp inside namespace zoo_kernels; the set with AVX512-BF16 only (the op refuses other sets).
 #ifdef ZOO_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")
 namespace gemm_bf16 {
-
-constexpr int TOKENS = 6;  // input rows per step: 4 x 6 accumulators + 4 weight vectors + 1 input fit 32 registers
-
-// One 64-row block of the pack (for each k, 32 bytes: byte i holds row i in its low nibble, row 32 + i in its high
-// one) dequantised, w = (q - 8) s + z rounded to bf16 as dequantize_int4 rounds it, into tile[kp * 64 + n]: row n's
-// weights at k = 2 kp (low half) and 2 kp + 1 (high half), the pair vdpbf16ps multiplies with a broadcast input pair.
-static void dequant_tile(const uint8_t* blk, const Scales& sc, int64_t K, int64_t g, int64_t n0, uint32_t* tile) {
-  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  // cvtne2ps_pbh puts its second operand's 16 values first: this index interleaves them with the first's
-  alignas(64) int16_t order[32];
-  for (int i = 0; i < 16; ++i) order[2 * i] = int16_t(i), order[2 * i + 1] = int16_t(16 + i);
-  const __m512i interleave = _mm512_load_si512(order);
-  for (int64_t gi = 0; gi < K / g; ++gi) {
-    __m512 s[4], zm[4];  // rows n0 + 16 c + i: c = 0, 1 the low nibbles of bytes 0..15, 16..31; c = 2, 3 the high
-    for (int c = 0; c < 4; ++c) {
-      alignas(64) float sv[16], zv[16];
-      for (int i = 0; i < 16; ++i) {
-        sv[i] = sc.scale(gi, n0 + 16 * c + i);
-        zv[i] = sc.zero(gi, n0 + 16 * c + i) - 8 * sv[i];
-      }
-      s[c] = _mm512_load_ps(sv);
-      zm[c] = _mm512_load_ps(zv);
-    }
-    for (int64_t k = gi * g; k < (gi + 1) * g; k += 2) {
-      __m512 w[2][4];  // [k, k + 1][c]
-      for (int j = 0; j < 2; ++j) {
-        const uint8_t* p = blk + (k + j) * 32;
-        const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16)));
-        const __m512i codes[4] = {a, b, _mm512_srli_epi32(a, 4), _mm512_srli_epi32(b, 4)};
-        for (int c = 0; c < 4; ++c) w[j][c] = _mm512_fmadd_ps(_mm512_permutexvar_ps(codes[c], table), s[c], zm[c]);
-      }
-      for (int c = 0; c < 4; ++c) {
-        const __m512i pairs = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w[1][c], w[0][c]));
-        _mm512_storeu_si512(tile + (k / 2) * 64 + 16 * c, pairs);
-      }
-    }
-  }
-}
-
-// 16 vectors of 16 32-bit words transposed: r[i][j] -> r[j][i]
-static inline void transpose16(__m512i r[16]) {
-  __m512i a[16], b[16];
-  for (int i = 0; i < 8; ++i) {  // a[2i] lane L: columns 4L, 4L+1 of rows 2i, 2i+1; a[2i+1]: columns 4L+2, 4L+3
-    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // b[4i + j] lane L: column 4L + j of rows 4i..4i+3
-    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {  // column 4L + j: lane L of b[j], b[4 + j], b[8 + j], b[12 + j]
-    const __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44), c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
-    const __m512i c2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
-    const __m512i c3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
-    r[j] = _mm512_shuffle_i32x4(c0, c2, 0x88);
-    r[4 + j] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
-    r[8 + j] = _mm512_shuffle_i32x4(c1, c3, 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
-  }
-}
-
-// One 64-row block of int8 rows [64, K] as the same tile of bf16 pairs (the codes, exact in bf16; the row scales
-// are applied to the sums): 32 inputs of 16 rows at a time, widened, then transposed so that each row's pair of
-// inputs becomes one lane
-static void int8_tile(const int8_t* blk, int64_t K, uint32_t* tile) {
-  for (int c = 0; c < 4; ++c)
-    for (int64_t k = 0; k < K; k += 32) {
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i) {
-        const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(blk + (16 * c + i) * K + k)));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q, 1)));
-        r[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // 16 words: inputs (k + 2j, k + 2j + 1) of row 16c + i
-      }
-      transpose16(r);  // r[j]: the pair j of rows 16c..16c+15
-      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(tile + (k / 2 + j) * 64 + 16 * c, r[j]);
-    }
-}
-
-// NT input rows times the tile: y[t, n0 + n] for n < 64, accumulated over all K in fp32, stored rounded to bf16
-template <int NT>
-static void tile_times_rows(const uint32_t* tile, int64_t K, const uint16_t* x, int64_t N, const float* rs,
-                            uint16_t* y) {
-  __m512 acc[4][NT];
-  for (int c = 0; c < 4; ++c)
-    for (int t = 0; t < NT; ++t) acc[c][t] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < K / 2; ++kp) {
-    __m512bh w[4];
-    for (int c = 0; c < 4; ++c) w[c] = (__m512bh)_mm512_loadu_si512(tile + kp * 64 + 16 * c);
-    for (int t = 0; t < NT; ++t) {
-      int32_t pair;
-      std::memcpy(&pair, x + t * K + 2 * kp, 4);
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-      for (int c = 0; c < 4; ++c) acc[c][t] = _mm512_dpbf16_ps(acc[c][t], w[c], xb);
-    }
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512 scale = rs ? _mm512_loadu_ps(rs + 16 * c) : _mm512_set1_ps(1.f);  // int8: the rows' scales
-    for (int t = 0; t < NT; ++t)
-      _mm256_storeu_si256((__m256i*)(y + t * N + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[c][t] * scale));
-  }
-}
 
 // bits 8: w int8 [N, K], sc one scale per row; 4: torch's int4 pack, sc (scale, zero) per group
 static void lowbit_gemm(const uint16_t* x, int64_t M, const void* w, int bits, const Scales& sc, int64_t N, int64_t K,
@@ -128,18 +23,12 @@ static void lowbit_gemm(const uint16_t* x, int64_t M, const void* w, int bits, c
       } else {
         dequant_tile(static_cast<const uint8_t*>(w) + b * 64 * K / 2, sc, K, g, b * 64, tile.data());
       }
-      const float* scales = bits == 8 ? rs : nullptr;
+      const uint16_t* xs[TOKENS];
+      uint16_t* ys[TOKENS];
       for (int64_t m = 0; m < M; m += TOKENS) {
-        const uint16_t* xm = x + m * K;
-        uint16_t* ym = y + m * N + b * 64;
-        switch (std::min<int64_t>(TOKENS, M - m)) {
-          case 1: tile_times_rows<1>(tile.data(), K, xm, N, scales, ym); break;
-          case 2: tile_times_rows<2>(tile.data(), K, xm, N, scales, ym); break;
-          case 3: tile_times_rows<3>(tile.data(), K, xm, N, scales, ym); break;
-          case 4: tile_times_rows<4>(tile.data(), K, xm, N, scales, ym); break;
-          case 5: tile_times_rows<5>(tile.data(), K, xm, N, scales, ym); break;
-          default: tile_times_rows<6>(tile.data(), K, xm, N, scales, ym); break;
-        }
+        const int64_t n = std::min<int64_t>(TOKENS, M - m);
+        for (int64_t t = 0; t < n; ++t) xs[t] = x + (m + t) * K, ys[t] = y + (m + t) * N + b * 64;
+        tile_times_inputs(tile.data(), K, n, xs, bits == 8 ? rs : nullptr, ys);
       }
     }
   });

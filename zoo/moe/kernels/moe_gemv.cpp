@@ -83,12 +83,14 @@ struct Problem {
                            // 2/3 bits: permuted as those kernels read them
   const float* XQS;        // their scales [rows]: x ~ q * scale
   float* Y;                // outputs [T * k, N]
+  const int64_t* in_rows;  // per (token, slot) pair, grouped by the stack slot it reads: its input row of X
+  const int64_t* out_rows; // and its output row of Y
 };
 
-struct Item {  // rows [r0, r1) of one expert for up to 8 (token, slot) pairs
+struct Item {  // rows [r0, r1) of one expert for its np (token, slot) pairs, in_rows / out_rows [first, first + np)
   int64_t slot, r0, r1;
   int np;
-  int64_t in_row[8], out_row[8];
+  int64_t first;
 };
 
 // int4 rows past the last full block of 64: torch packs them two rows per byte (row 2j low, 2j+1 high) per k.
@@ -168,6 +170,8 @@ ZOO_AVX512_TYPES
 #undef ZOO_LANES
 }  // namespace avx512
 #pragma GCC pop_options
+
+#include "tiles.h"
 
 // AVX-512 with bf16 dot products: the same kernels, and bf16 weights times bf16 inputs on vdpbf16ps (products
 // exact in fp32, as the widening path's, summed in fp32; only the order of the sums differs); with int8 dot products
@@ -425,7 +429,9 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
       }
   }
 
-  // group the (token, slot) pairs by the stack slot they read, then cut each slot's rows into items
+  // group the (token, slot) pairs by the stack slot they read, then cut each slot's rows into blocks: an item is one
+  // block of rows for all the pairs that read it (the kernels take them 8 at a time, the block's later reads from
+  // the cache, so each selected expert comes from memory once however many pairs chose it)
   std::map<int64_t, std::vector<int64_t>> pairs_of;
   std::vector<int64_t> unread;  // pairs whose outputs are zeros: empty slots, experts stored elsewhere
   at::Tensor ic = indices.contiguous();
@@ -439,16 +445,13 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   }
   const int64_t block = 64;
   std::vector<Item> items;
-  for (auto& [slot, pairs] : pairs_of)
-    for (size_t first = 0; first < pairs.size(); first += 8)
-      for (int64_t r0 = 0; r0 < N; r0 += block) {
-        Item it{slot, r0, std::min(N, r0 + block), int(std::min<size_t>(8, pairs.size() - first)), {}, {}};
-        for (int p = 0; p < it.np; ++p) {
-          it.out_row[p] = pairs[first + p];
-          it.in_row[p] = per_slot ? pairs[first + p] : pairs[first + p] / k;
-        }
-        items.push_back(it);
-      }
+  std::vector<int64_t> in_rows, out_rows;
+  for (auto& [slot, pairs] : pairs_of) {
+    const int64_t first = int64_t(out_rows.size());
+    for (int64_t p : pairs) out_rows.push_back(p), in_rows.push_back(per_slot ? p : p / k);
+    for (int64_t r0 = 0; r0 < N; r0 += block)
+      items.push_back(Item{slot, r0, std::min(N, r0 + block), int(pairs.size()), first});
+  }
 
   // every row of a read pair is written by exactly one item; the others are zeroed here
   at::Tensor Y = at::empty({T, k, N}, x.options());
@@ -459,7 +462,7 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
              permuted.empty() ? Xp : permuted.data(), sums.empty() ? nullptr : sums.data(),
              bf16_dot ? reinterpret_cast<const uint16_t*>(xc.data_ptr()) : nullptr,
              int8_dot ? (xq_permuted.empty() ? xq.data() : xq_permuted.data()) : nullptr,
-             int8_dot ? xqs.data() : nullptr, Yp};
+             int8_dot ? xqs.data() : nullptr, Yp, in_rows.data(), out_rows.data()};
   run_all(pb, items);
   if (!f32) {  // round to nearest even, NaN kept (as .to() does), in a loop the compiler vectorises
     uint16_t* yb = reinterpret_cast<uint16_t*>(Y.data_ptr());
