@@ -139,7 +139,7 @@ def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.T
     compile config, or by the quantized experts' first call): no gradients, few tokens (a compiled step: at most
     ``kernels.MAX_TOKENS``; an eager call, a short prompt's prefill or an eager decode step: at most
     ``kernels.PAIRS_PER_EXPERT`` (token, slot) pairs per selected expert on average: fewer for ``packed`` weights,
-    more for bf16 ones on bf16 inputs where the processor has bf16 dot products),
+    more for bf16 and int8 ones on bf16 inputs where the processor has bf16 dot products),
     CPU tensors of float32/bfloat16 activations and contiguous stored weights. (Per selected expert, so that the
     same routing takes the same path whichever stack holds the experts: a consolidated model's pool, its own.)"""
     if not (kernels.ready() and not torch.is_grad_enabled() and hidden.device.type == "cpu"):
@@ -148,10 +148,19 @@ def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.T
         few = routing.indices.shape[0] <= kernels.MAX_TOKENS
     else:
         chosen = routing.indices[routing.indices < num_experts]
-        kind = "packed" if packed else "bf16" if kernels.bf16_dot_products(hidden, *stored) else 16
-        few = chosen.numel() <= kernels.PAIRS_PER_EXPERT[kind] * max(1, len(chosen.unique()))
+        few = chosen.numel() <= kernels.PAIRS_PER_EXPERT[_pairs_limit(hidden, stored, packed)] * max(
+            1, len(chosen.unique()))
     return few and hidden.dtype in (torch.float32, torch.bfloat16) and all(
         t.device.type == "cpu" and t.is_contiguous() for t in stored)
+
+
+def _pairs_limit(hidden: torch.Tensor, stored, packed: bool):
+    """The key of ``kernels.PAIRS_PER_EXPERT`` that bounds an eager call: bf16 weights, or int8 ones (every width),
+    on bf16 inputs with bf16 dot products go further (the kernel's tiles)."""
+    if not packed:
+        return "bf16" if kernels.bf16_dot_products(hidden, *stored) else 16
+    int8 = any(t.dtype == torch.int8 for t in stored) and not any(t.dtype == torch.uint8 for t in stored)
+    return "int8" if int8 and kernels.bf16_dot_products(hidden) else "packed"
 
 
 def naive_experts(module, hidden: torch.Tensor, routing) -> torch.Tensor:

@@ -36,8 +36,10 @@ MAX_TOKENS = 8  # a compiled step serves at most this many tokens from the kerne
 # bounds it); packed ones widen their codes per row, so past ~4 rows torch's int8/int4 matmuls win (int8 0.85-1.1x at
 # 4 rows, 0.6-0.7x at 8). bf16 experts on bf16 inputs ("bf16": bf16 dot products, and from 8-16 pairs a tile per
 # block of rows): the gate_up projections [8 x 5632, 1024] 1.8x torch's matmuls at 4 pairs per expert, 1.3x at 16,
-# 1.04-1.13x at 24-48 (one run; the down projections' tiles 1.5-1.9x the rows kernel's from 8 pairs on)
-PAIRS_PER_EXPERT = {16: 8, "bf16": 24, "packed": 4}
+# 1.04-1.13x at 24-48 (one run; the down projections' tiles 1.5-1.9x the rows kernel's from 8 pairs on). int8 experts
+# on bf16 inputs ("int8", the same tiles): the 304M model's prefill with int8 experts, limit 16 against 4, 1.29 /
+# 1.03x transformers bf16 at 32 tokens, 1.12 / 1.05x at 64 (int4 experts: no gain past 4, lowbit_gemm serves them)
+PAIRS_PER_EXPERT = {16: 8, "bf16": 24, "int8": 16, "packed": 4}
 # With 8-bit inputs (int8_inputs(True)) int4 experts take the kernel up to this many pairs per selected expert on
 # average, a prompt's prefill too (zoo.moe.quantized): its int8 dot products beat dequantising for a dense matmul
 # there (one [5632, 1024] expert, 2 threads: 2.6x at 16 rows, 1.4x at 128 and 256, 0.86x at 512; the 304M model's
