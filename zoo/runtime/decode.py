@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numbers
 import statistics
+from contextlib import nullcontext
 import time
 import warnings
 
@@ -22,6 +23,8 @@ from transformers import CompileConfig, StaticCache
 
 from zoo.moe import kernels
 from zoo.moe.kernels.linear import read_linears_with_kernel
+from zoo.runtime.attention import attention
+from zoo.runtime.attention import register as register_decode_attention
 
 
 def compile_config(backend: str = "inductor", fullgraph: bool = True, cpp_wrapper: bool = True) -> CompileConfig:
@@ -101,9 +104,11 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: 
     kwargs.setdefault("do_sample", False)
     if compile and kernels.load():
         read_linears_with_kernel(model)
-    if compile:
-        kwargs.update(cache_implementation="static", compile_config=compile_config(backend))
-    return model.generate(input_ids, max_new_tokens=max_new_tokens, **kwargs)
+    if not compile:
+        return model.generate(input_ids, max_new_tokens=max_new_tokens, **kwargs)
+    kwargs.update(cache_implementation="static", compile_config=compile_config(backend))
+    with attention(model, register_decode_attention()):  # the steps' one query on eager attention, not SDPA
+        return model.generate(input_ids, max_new_tokens=max_new_tokens, **kwargs)
 
 
 def next_token(logits: torch.Tensor) -> torch.Tensor:
@@ -150,22 +155,25 @@ def greedy(model, input_ids: torch.Tensor, max_new_tokens: int = 64, compile: bo
     logits = model(input_ids=input_ids, past_key_values=cache, cache_position=torch.arange(prompt),
                    use_cache=True, logits_to_keep=1).logits
     jit = model.get_compiled_call(compile_config(backend)) if compile and aot is None else model.__call__
+    # the JIT step's one query on the family's eager attention, which inductor fuses (zoo.runtime.attention)
+    step_attention = attention(model, register_decode_attention()) if compile and aot is None else nullcontext()
     tokens = [next_token(logits)]
     done = None if eos_token_id is None else tokens[0] == eos_token_id
-    for i in range(max_new_tokens - 1):
-        if done is not None and bool(done.all()):
-            break
-        if aot is not None:
-            logits = aot(tokens[-1], prompt + i, cache)
-        else:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=compile and i > 0):
-                logits = jit(input_ids=tokens[-1], past_key_values=cache, cache_position=torch.tensor([prompt + i]),
-                             use_cache=True, logits_to_keep=1).logits
-        token = next_token(logits)
-        if done is not None:
-            token = token.masked_fill(done, eos_token_id)
-            done = done | (token == eos_token_id)
-        tokens.append(token)
+    with step_attention:
+        for i in range(max_new_tokens - 1):
+            if done is not None and bool(done.all()):
+                break
+            if aot is not None:
+                logits = aot(tokens[-1], prompt + i, cache)
+            else:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=compile and i > 0):
+                    logits = jit(input_ids=tokens[-1], past_key_values=cache,
+                                 cache_position=torch.tensor([prompt + i]), use_cache=True, logits_to_keep=1).logits
+            token = next_token(logits)
+            if done is not None:
+                token = token.masked_fill(done, eos_token_id)
+                done = done | (token == eos_token_id)
+            tokens.append(token)
     return torch.cat([input_ids, *tokens], dim=1)
 
 

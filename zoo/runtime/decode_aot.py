@@ -12,7 +12,6 @@ model and shape, keyed on the parameters' storage: swapped or converted weights 
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 import weakref
@@ -20,6 +19,8 @@ import weakref
 import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
+
+from zoo.runtime.attention import attention
 
 
 class NotExportable(RuntimeError):
@@ -38,21 +39,6 @@ class _Step(torch.nn.Module):
             layer.keys, layer.values, layer.cumulative_length = state[3 * i: 3 * i + 3]
         return self.model(input_ids=input_ids, past_key_values=self.cache, cache_position=cache_position,
                           use_cache=True, logits_to_keep=1).logits
-
-
-@contextlib.contextmanager
-def attention(model, implementation: str):
-    """The model's attention implementation set to ``implementation`` for a while, where the model had SDPA
-    (flash, flex or a family's own stay as they are)."""
-    before = model.config._attn_implementation
-    switch = before == "sdpa"
-    if switch:
-        model.set_attn_implementation(implementation)
-    try:
-        yield
-    finally:
-        if switch:
-            model.set_attn_implementation(before)
 
 
 def cache_state(cache: StaticCache) -> list[torch.Tensor]:
