@@ -853,7 +853,8 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
 // Whether a block of bf16 or int8 rows goes through a tile for np pairs (run_on_tile): from 8 pairs whose bf16 inputs
 // pass L1's 32 KB (the rows kernels then read them from L2 for every weight vector), else from 16. Measured on the
 // 304M model's experts (8, 2 threads), tile against rows: [5632, 1024] bf16 0.77x at 8 pairs, 1.06x at 16, 1.16x at
-// 48 (int8 0.74 / 1.11 / 1.59x); [1024, 2816] bf16 1.01x at 4, 1.45x at 8, 1.95x at 48 (int8 0.97 / 1.28 / 1.89x)
+// 48 (int8 0.74 / 1.11 / 1.59x); [1024, 2816] bf16 1.01x at 4, 1.45x at 8, 1.95x at 48 (int8 0.97 / 1.28 / 1.89x);
+// tiles past L2 too, bf16 [512, 14336] / [1024, 8192] / [2048, 4096]: 1.15-1.24x at 8 pairs, 1.71-1.80x at 16
 static inline bool tile_serves(int np, int64_t K) { return np >= 16 || (np >= 8 && np * K >= 16384); }
 
 // An item of several pairs on a full block of bf16 or int8 rows with bf16 inputs: the block as a tile of bf16 pairs
