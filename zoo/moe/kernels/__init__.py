@@ -30,13 +30,14 @@ TILES_HEADER = Path(__file__).with_name("tiles.h")  # tiles of bf16 pairs (gemm_
 GEMM_HEADER = Path(__file__).with_name("lowbit_gemm.h")  # zoo::lowbit_gemm (prefill), included by SOURCE
 MAX_TOKENS = 8  # a compiled step serves at most this many tokens from the kernel (decode)
 # Outside a compiled step the kernel serves a call when its (token, slot) pairs average at most this many per expert:
-# each work item reads a block of an expert's rows once for up to 8 pairs, so each selected expert is read about once
+# each work item is a block of an expert's rows for all the pairs that chose it, so each selected expert is read once
 # where a library matmul on a few rows reads at a fraction of the bandwidth. Measured on the 304M benchmark model's
 # shapes (2 threads): fp32 experts 3.2x a library matmul at 4 rows, 1.4x at 8, 0.6x at 16 (the widening to fp32 then
 # bounds it); packed ones widen their codes per row, so past ~4 rows torch's int8/int4 matmuls win (int8 0.85-1.1x at
 # 4 rows, 0.6-0.7x at 8). bf16 experts on bf16 inputs ("bf16": bf16 dot products, and from 8-16 pairs a tile per
 # block of rows): the gate_up projections [8 x 5632, 1024] 1.8x torch's matmuls at 4 pairs per expert, 1.3x at 16,
-# 1.04-1.13x at 24-48 (one run; the down projections' tiles 1.5-1.9x the rows kernel's from 8 pairs on). int8 experts
+# 1.04-1.13x at 24-48 (one run; the down projections' tiles 1.5-1.9x the rows kernel's from 8 pairs on); the 304M
+# model's bf16 prefill at 128 tokens (32 pairs per expert) 0.98x transformers on the kernel, so 24. int8 experts
 # on bf16 inputs ("int8", the same tiles): the 304M model's prefill with int8 experts, limit 16 against 4, 1.29 /
 # 1.03x transformers bf16 at 32 tokens, 1.12 / 1.05x at 64 (int4 experts: no gain past 4, lowbit_gemm serves them)
 PAIRS_PER_EXPERT = {16: 8, "bf16": 24, "int8": 16, "packed": 4}
