@@ -100,7 +100,8 @@ def test_many_pairs_through_tiles(isa, bits, K):
     shared by the slots and per slot."""
     S, N, T, k = 3, 160, 20, 2
     w, s = stack(bits, S, N, K)
-    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.where(torch.arange(T) < 9, 1, 2)], 1)  # 20 / 9 / 11 pairs
+    # experts 0 / 1 / 2: 20 / 9 / 11 pairs
+    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.where(torch.arange(T) < 9, 1, 2)], 1)
     for x in (torch.randn(T, K).bfloat16(), torch.randn(T, k, K).bfloat16()):
         got = kernels.moe_gemv(x, idx, w, s, bits)
         torch.testing.assert_close(got.float(), kernels.moe_gemv_reference(x, idx, w, s, bits).float(),
