@@ -70,8 +70,11 @@ def test_compiled_steps_use_it_and_the_models_setting_comes_back(decode, monkeyp
         return greedy(model, ids, 6, compile=True, backend="eager", ahead_of_time=False)
 
     queries = []
-    spy = lambda module, query, *a, **k: queries.append(query.shape[2]) or attention.decode_attention(  # noqa: E731
-        module, query, *a, **k)
+
+    def spy(module, query, *args, **kwargs):
+        queries.append(query.shape[2])
+        return attention.decode_attention(module, query, *args, **kwargs)
+
     monkeypatch.setitem(attention.ALL_ATTENTION_FUNCTIONS, attention.register(), spy)
     assert torch.equal(run(), want) and 1 in queries
     assert model.config._attn_implementation == "sdpa"
