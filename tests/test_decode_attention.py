@@ -58,7 +58,7 @@ def test_a_family_without_its_own_eager_attention_keeps_sdpa(monkeypatch):
 @pytest.mark.parametrize("decode", ["generate", "jit greedy"])
 def test_compiled_steps_use_it_and_the_models_setting_comes_back(decode, monkeypatch):
     """The compiled step's one query goes through decode_attention (seen while dynamo traces it), the tokens are the
-    eager model's, and the model is on SDPA again afterwards, also after a call that failed inside."""
+    eager model's, and the model is on SDPA again afterwards, also after a call that failed inside (generate)."""
     model = zoo.convert(tiny_native("mixtral"))
     ids = torch.tensor([[1, 17, 33, 5]])
     assert model.config._attn_implementation == "sdpa"
@@ -78,6 +78,9 @@ def test_compiled_steps_use_it_and_the_models_setting_comes_back(decode, monkeyp
     monkeypatch.setitem(attention.ALL_ATTENTION_FUNCTIONS, attention.register(), spy)
     assert torch.equal(run(), want) and 1 in queries
     assert model.config._attn_implementation == "sdpa"
+
+    if decode != "generate":  # (one failing call is enough: both go through the same context)
+        return
 
     def broken(module, query, *a, **k):
         raise RuntimeError("attention failed")
