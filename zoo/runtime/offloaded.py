@@ -230,13 +230,24 @@ class ExpertCache:
         return out
 
 
-HELD_BY_CALLER = 3  # sys.getrefcount of a storage held by one local name: the name, the parameter, the argument
-
-
 def _only_held_here(storage) -> bool:
     """True when nothing but the caller's one reference holds this storage (no tensor, no other Python name)."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: without it, nothing is reused
-    return use_count is not None and use_count(storage._cdata) == 1 and sys.getrefcount(storage) <= HELD_BY_CALLER
+    return (use_count is not None and use_count(storage._cdata) == 1
+            and sys.getrefcount(storage) <= _refs_when_held_once())
+
+
+def _refs_when_held_once() -> int:
+    """``sys.getrefcount`` of an object one local name holds, passed on as ``_only_held_here``'s caller passes its
+    storage: measured, not assumed. It is 3 on CPython's usual call path (the name, the parameter, the argument), and
+    one more once a frame-evaluation hook is installed, as torch 2.13's compiler leaves it after a ``fullgraph``
+    compile that failed: calls then hold each argument once more, and a fixed 3 judged every storage held."""
+    held = object()
+    return _refcount_in_callee(held)
+
+
+def _refcount_in_callee(obj) -> int:
+    return sys.getrefcount(obj)
 
 
 class ShardReader:
