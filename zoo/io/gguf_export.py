@@ -64,7 +64,6 @@ What maps where (the family -> llama.cpp's architecture, and what that architect
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field

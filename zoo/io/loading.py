@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 
 from zoo.components.registry import get_model, is_model_name, registry
 

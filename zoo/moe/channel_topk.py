@@ -277,7 +277,7 @@ class ChannelTopKExperts(SwiGLUExperts):
         """The selector's scores for expert e's tokens ``x [n, H]``, float32, keyed by the matrix whose input
         they select (``gate``/``up``: hidden channels; ``down``: intermediate channels). For wina, ``down``
         scores follow from the gate and up inputs the rule keeps."""
-        s, I = self.sketch(), self.intermediate_size
+        s = self.sketch()
         x = x.detach()
         if self.selector == "sketch":
             return {"down": self._estimate(e, x).abs().float() * s.down_norms[e].float()}

@@ -409,7 +409,7 @@ class OffloadedExperts(Experts):
 
     def options(self) -> dict:
         raise NotOffloadable("an offloaded model cannot be saved or re-laid out: its experts live in the checkpoint "
-                             f"it was opened from; load that with zoo.load to work on it in memory")
+                             "it was opened from; load that with zoo.load to work on it in memory")
 
     def num_parameters(self) -> int:
         return self.stored.num_parameters()
