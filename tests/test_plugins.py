@@ -74,13 +74,32 @@ print("OK", tuple(out.logits.shape))
     assert "OK (2, 8, 128)" in res.stdout
 
 
-def test_env_var_selects_plugins(site):
-    assert "example" not in plugins_json(site, {"MOE_ZOO_LOAD_PLUGINS": ""})
-    assert "example" in plugins_json(site, {"MOE_ZOO_LOAD_PLUGINS": "moe-zoo-example-plugin"})
-    assert "example" in plugins_json(site, {"MOE_ZOO_LOAD_PLUGINS": "other, example"})
-    assert "example" not in plugins_json(site, {"MOE_ZOO_LOAD_PLUGINS": "other"})
+@pytest.mark.parametrize("wanted,selected,warned", [
+    ("", [], False), ("moe-zoo-example-plugin", ["example"], False), ("moe_zoo.Example_Plugin", ["example"], False),
+    ("example", ["example"], False), ("other, example", ["example"], True), ("other", [], True)])
+def test_env_var_selects_plugins(site, monkeypatch, wanted, selected, warned):
+    """The selection on the installed example's real entry point (by entry-point or distribution name, in any
+    spelling pip accepts; unknown names warned about), in this process; one fresh process below runs it whole."""
+    import importlib.metadata as md
+    import warnings
+
+    from zoo.components import plugins
+
+    found = [ep for dist in md.distributions(path=[str(site)]) for ep in dist.entry_points if ep.group == "moe_zoo"]
+    monkeypatch.setattr(plugins.md, "entry_points", lambda group: [ep for ep in found if ep.group == group])
+    monkeypatch.setenv("MOE_ZOO_LOAD_PLUGINS", wanted)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [ep.name for ep in plugins._selected_entry_points()] == selected
+    assert any("no installed plugin is named 'other'" in str(w.message) for w in caught) == warned
+
+
+def test_env_var_selects_plugins_in_a_fresh_process(site):
     res = run(["plugins"], site, {"MOE_ZOO_LOAD_PLUGINS": "other, example"})
+    assert res.returncode == 0, res.stderr
+    assert "example" in {p["name"] for p in json.loads(res.stdout)}
     assert "no installed plugin is named 'other'" in res.stderr and "example" in res.stderr.split("entry points:")[1]
+    assert "example" not in plugins_json(site, {"MOE_ZOO_LOAD_PLUGINS": ""})
 
 
 def test_broken_plugins_are_reported_and_the_rest_load(site, tmp_path):
