@@ -4,7 +4,6 @@ token reads are at most the budget of the expert's weights plus the selector's s
 threshold baseline keeps the budget on its calibration tokens; save and reload through AutoModel."""
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import zoo
