@@ -109,6 +109,40 @@ def test_storages_judged_free_also_after_a_failed_fullgraph_compile():
 
 
 @torch.no_grad()
+def test_a_deep_copy_reads_on_its_own(saved, tmp_path):
+    """copy.deepcopy of an offloaded model (with a reader thread): the same logits, a cache of its own with the same
+    budget (empty, no thread), file descriptors of its own (the original closed and gone, the copy still reads),
+    and a shard changed since the original was opened refused by the copy too."""
+    import copy
+    import gc
+    import os
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved["packed"], folder)
+    ids, mask = padded_batch()
+    off = zoo.offload(folder, cache_experts=3, prefetch=True)
+    want = off(input_ids=ids, attention_mask=mask).logits
+    twin = copy.deepcopy(off)
+    mine, theirs = cache_of(twin), cache_of(off)
+    assert mine is not theirs and (mine.max_experts, mine.max_bytes) == (theirs.max_experts, theirs.max_bytes)
+    assert not mine.entries and mine.prefetcher is None and theirs.prefetcher is not None
+    assert all(layer.mlp.experts.cache is mine for layer in twin.model.layers)  # one cache for all the copy's layers
+    theirs.close()
+    del off, theirs
+    gc.collect()
+    assert torch.equal(twin(input_ids=ids, attention_mask=mask).logits, want)
+    assert mine.misses > 0 and mine.entries
+    mine.clear()
+    shard = next(folder.glob("*.safetensors"))
+    stat = shard.stat()
+    shard.write_bytes(shard.read_bytes())  # rewritten in place: the same bytes, a later modification time
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10 ** 9))
+    with pytest.raises(NotOffloadable, match="changed since the model was opened"):
+        twin(input_ids=ids, attention_mask=mask)
+
+
+@torch.no_grad()
 def test_native_checkpoint_with_experts_stored_apart(tmp_path):
     """A native Mixtral checkpoint as transformers writes it (each expert's w1/w2/w3 apart): each expert's gate and
     up matrices read and concatenated as transformers' conversion does, the rest converted as zoo.load converts it."""

@@ -59,6 +59,13 @@ class ExpertCache:
         self._local = threading.local()  # .spare: bytes -> evicted experts' buffers, for this thread's one load
         self.cycle: dict = {}  # layer -> its place in the forward's order (set with a reader thread), see read_ahead
 
+    def __deepcopy__(self, memo):
+        """A copy of the model (``copy.deepcopy``) gets a cache of its own with the same budget, empty, and no reader
+        thread (``zoo.offload(..., prefetch=True)`` starts one for the model it opens): its experts are read again
+        as they are routed. Nothing here can be copied as it is (a lock, events, thread-local buffers)."""
+        new = memo[id(self)] = type(self)(self.max_experts, self.max_bytes)
+        return new
+
     def get(self, key, load, nbytes: int | None = None):
         """The cached module of ``key``, or ``load()``'s. ``nbytes``: the bytes a load will read, when known: room is
         made first, and the evicted experts' memory is what the load reads into (``take``)."""
@@ -261,6 +268,14 @@ class ShardReader:
         self._handles: dict = {}
         self._info: dict[str, tuple] = {}
         self._opened: dict[str, tuple] = {}  # shard file -> its file_key when first read
+
+    def __deepcopy__(self, memo):
+        """A reader of the same shards for a copy of the model, with file descriptors and maps of its own (shared
+        ones would be closed under it when the original goes), that refuses the same changed files: the shards
+        must still be what they were when the original model was opened."""
+        new = memo[id(self)] = type(self)(dict(self.files), self.reader)
+        new._opened = dict(self._opened)
+        return new
 
     def _unchanged(self, file: str) -> None:
         """The shard must be the file it was when the model was opened: a rewrite, truncation or replacement since
