@@ -219,6 +219,9 @@ def test_bad_options_and_saving(saved, tmp_path):
     off = zoo.offload(saved["dense"], cache_experts=2)
     with pytest.raises(NotOffloadable, match="cannot be saved"):
         off.save_pretrained(tmp_path / "again")
+    with pytest.raises(NotOffloadable, match="cannot be pickled"):  # (was a TypeError about a lock)
+        torch.save(off, tmp_path / "model.pt")
+    assert not (tmp_path / "again").exists()
 
 
 def test_compiled_decode_is_refused_in_one_line(saved):

@@ -66,6 +66,10 @@ class ExpertCache:
         new = memo[id(self)] = type(self)(self.max_experts, self.max_bytes)
         return new
 
+    def __reduce__(self):
+        raise NotOffloadable("an offloaded model cannot be pickled (torch.save of the model object): its experts live "
+                             "in the checkpoint it was opened from; save the path and open it again with zoo.offload")
+
     def get(self, key, load, nbytes: int | None = None):
         """The cached module of ``key``, or ``load()``'s. ``nbytes``: the bytes a load will read, when known: room is
         made first, and the evicted experts' memory is what the load reads into (``take``)."""
