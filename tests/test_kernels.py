@@ -282,6 +282,14 @@ def test_packed_8bit_inputs_are_exact_integer_dots(int8_inputs, bits, g, T):
     scales, an input per slot, 1..8 inputs on one expert; and within rounding distance of the exact path."""
     assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g), bits, g, T)
 
+@pytest.mark.parametrize("bits,g,K", [(2, 64, 576), (3, 64, 1024), (3, 128, 512), (2, 192, 768), (2, 32, 320)])
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_packed_8bit_inputs_over_many_groups(int8_inputs, bits, g, K, T):
+    """Rows of many groups of whole chunk pairs (taken two groups a step, an odd count leaving one), one and three
+    pairs per group, and single-chunk groups: the integer reference's result."""
+    assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g, 64, K), bits, g, T)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("bits,limit", [(4, "INT4_DOT_PAIRS"), (8, "INT8_DOT_PAIRS")])
 def test_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch, bits, limit):

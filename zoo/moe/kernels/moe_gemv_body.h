@@ -649,6 +649,28 @@ static void rows_packed_dot(const uint8_t* w, const Scales& sc, int64_t K, int64
       for (int p = 0; p < NP; ++p) acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[p]), vs, acc[p]);
     };
     int64_t gi = 0;
+    // groups of whole chunk pairs: two groups a step, written out (1.09-1.34x the two lambda calls a step below on
+    // 2/3-bit [5632, 1024] / [1024, 2816] / [4096, 8192] experts, the same outputs: interleaved, 2 threads)
+    if (!odd) {
+      const int64_t gb = pairs * 8 * BITS;  // a group's bytes
+      for (; gi + 2 <= G; gi += 2, wp += 2 * gb, k += 2 * g) {
+        __m512i d0[NP], d1[NP];
+        for (int p = 0; p < NP; ++p) d0[p] = d1[p] = _mm512_setzero_si512();
+        for (int64_t i = 0; i < pairs; ++i) {
+          const __m512i a = codes_as_bytes<BITS>(wp + i * 8 * BITS, true);
+          const __m512i b = codes_as_bytes<BITS>(wp + gb + i * 8 * BITS, true);
+          for (int p = 0; p < NP; ++p) {
+            d0[p] = _mm512_dpbusd_epi32(d0[p], a, _mm512_loadu_si512(xs[p] + k + 64 * i));
+            d1[p] = _mm512_dpbusd_epi32(d1[p], b, _mm512_loadu_si512(xs[p] + k + g + 64 * i));
+          }
+        }
+        const __m512 s0 = _mm512_set1_ps(rs.s[gi * R + r - r0]), s1 = _mm512_set1_ps(rs.s[(gi + 1) * R + r - r0]);
+        for (int p = 0; p < NP; ++p) {
+          acc0[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0[p]), s0, acc0[p]);
+          acc1[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1[p]), s1, acc1[p]);
+        }
+      }
+    }
     for (; gi + 2 <= G; gi += 2) group(gi, acc0), group(gi + 1, acc1);
     if (gi < G) group(gi, acc0);
     for (int p = 0; p < NP; ++p)
