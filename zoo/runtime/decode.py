@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import numbers
 import statistics
-from contextlib import nullcontext
 import time
 import warnings
+from contextlib import nullcontext
 
 import torch
 from transformers import CompileConfig, StaticCache
 
 from zoo.moe import kernels
 from zoo.moe.kernels.linear import read_linears_with_kernel
-from zoo.runtime.attention import attention
-from zoo.runtime.attention import register as register_decode_attention
+from zoo.runtime.attention import attention, register as register_decode_attention
 
 
 def compile_config(backend: str = "inductor", fullgraph: bool = True, cpp_wrapper: bool = True) -> CompileConfig:

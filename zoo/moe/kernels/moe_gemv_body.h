@@ -671,6 +671,7 @@ static void rows_packed_dot(const uint8_t* w, const Scales& sc, int64_t K, int64
         }
       }
     }
+    // groups ending in an odd chunk, and a last group left over, go through `group`
     for (; gi + 2 <= G; gi += 2) group(gi, acc0), group(gi + 1, acc1);
     if (gi < G) group(gi, acc0);
     for (int p = 0; p < NP; ++p)
