@@ -24,6 +24,7 @@ from transformers import CompileConfig, StaticCache
 from zoo.moe import kernels
 from zoo.moe.kernels.linear import read_linears_with_kernel
 from zoo.runtime.attention import attention, register as register_decode_attention
+from zoo.runtime.realize_query import RealizeOneRowBmmInputs
 
 
 def compile_config(backend: str = "inductor", fullgraph: bool = True, cpp_wrapper: bool = True) -> CompileConfig:
@@ -32,9 +33,11 @@ def compile_config(backend: str = "inductor", fullgraph: bool = True, cpp_wrappe
     (``decompose_mm_pass``), which read the weights faster than the library matmul for one row. With
     ``cpp_wrapper`` inductor drives the step's kernels from generated C++ instead of generated Python (304M
     benchmark model, 2 threads, one run: decode 56.7 -> 57.7 tok/s in bf16, 107.7 -> 118.5 with int4 experts,
-    the same tokens; compiling takes up to twice as long)."""
+    the same tokens; compiling takes up to twice as long). The one query's row is computed once before its
+    attention scores (``zoo.runtime.realize_query``)."""
     kernels.load()  # the zoo's expert kernel (built on first use), which the compiled step then calls
-    options = {"post_grad_fusion_options": {"decompose_mm_pass": {}}} if backend == "inductor" else None
+    options = {"post_grad_fusion_options": {"decompose_mm_pass": {}},
+               "post_grad_custom_post_pass": RealizeOneRowBmmInputs()} if backend == "inductor" else None
     if backend == "inductor" and cpp_wrapper:
         options["cpp_wrapper"] = True
     # mode=None: torch.compile takes a mode or options, not both ("default" is what no mode means)

@@ -21,6 +21,7 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from zoo.runtime.attention import attention
+from zoo.runtime.realize_query import RealizeOneRowBmmInputs
 
 
 class NotExportable(RuntimeError):
@@ -78,7 +79,8 @@ class AotStep:
             except Exception as exc:  # what export cannot trace: the JIT step (which may break the graph) serves
                 raise NotExportable(f"torch.export: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}")
         options = {"aot_inductor.package_constants_in_so": False,
-                   "post_grad_fusion_options": {"decompose_mm_pass": {}}}
+                   "post_grad_fusion_options": {"decompose_mm_pass": {}},
+                   "post_grad_custom_post_pass": RealizeOneRowBmmInputs()}
         with tempfile.TemporaryDirectory(prefix="zoo-aot-") as folder:  # the library is loaded, then not needed
             path = torch._inductor.aoti_compile_and_package(program, package_path=os.path.join(folder, "step.pt2"),
                                                             inductor_configs=options)
