@@ -282,11 +282,14 @@ def test_packed_8bit_inputs_are_exact_integer_dots(int8_inputs, bits, g, T):
     scales, an input per slot, 1..8 inputs on one expert; and within rounding distance of the exact path."""
     assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g), bits, g, T)
 
-@pytest.mark.parametrize("bits,g,K", [(2, 64, 576), (3, 64, 1024), (3, 128, 512), (2, 192, 768), (2, 32, 320)])
+@pytest.mark.parametrize("bits,g,K", [(2, 64, 576), (3, 64, 1024), (3, 128, 512), (2, 192, 768), (2, 32, 320),
+                                      (2, 32, 256), (2, 64, 512), (2, 128, 1024), (2, 256, 768), (2, 512, 1024)])
 @pytest.mark.parametrize("T", [1, 3, 8])
 def test_packed_8bit_inputs_over_many_groups(int8_inputs, bits, g, K, T):
     """Rows of many groups of whole chunk pairs (taken two groups a step, an odd count leaving one), one and three
-    pairs per group, and single-chunk groups: the integer reference's result."""
+    pairs per group, and single-chunk groups: the integer reference's result. 2 bits with K a multiple of 256 and g
+    dividing 256 or a multiple of it go 256 codes a step (rows_int2_dot256: 8, 4, 2, 1 groups a step, and groups of
+    several steps); the others (576, 192 of 768, 320) the per-group way."""
     assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g, 64, K), bits, g, T)
 
 

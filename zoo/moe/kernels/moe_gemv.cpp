@@ -87,6 +87,10 @@ struct Problem {
   const int64_t* out_rows; // and its output row of Y
 };
 
+// Whether 2-bit rows of K inputs in groups of g take 8-bit inputs 256 at a time (rows_int2_dot256: each 16 inputs of a
+// step in one group)
+static inline bool int2_steps_of_256(int64_t K, int64_t g) { return K % 256 == 0 && (256 % g == 0 || g % 256 == 0); }
+
 struct Item {  // rows [r0, r1) of one expert for its np (token, slot) pairs, in_rows / out_rows [first, first + np)
   int64_t slot, r0, r1;
   int np;
@@ -403,8 +407,16 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   std::vector<uint8_t> xq_permuted;
   if ((kind == Kind::int2 || kind == Kind::int3) && int8_dot) {
     xq_permuted.resize(rows * K);
-    for (int64_t r = 0; r < rows; ++r)
-      permute_for_packed(xq.data() + r * K, xq_permuted.data() + r * K, K, group_size, int(bits), 2);
+    if (kind == Kind::int2 && int2_steps_of_256(K, group_size)) {
+      // layout 3 (rows_int2_dot256): per 256 inputs, pass j's 64 bytes, byte i <- input 4 i + j
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k0 = 0; k0 < K; k0 += 256)
+          for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < 64; ++i) xq_permuted[r * K + k0 + 64 * j + i] = xq[r * K + k0 + 4 * i + j];
+    } else {
+      for (int64_t r = 0; r < rows; ++r)
+        permute_for_packed(xq.data() + r * K, xq_permuted.data() + r * K, K, group_size, int(bits), 2);
+    }
   } else if (kind == Kind::int2 || kind == Kind::int3) {
     permuted.resize(rows * K);
     const int layout = g_isa >= 2 ? 1 : 0;  // the AVX-512 sets read 16 lanes

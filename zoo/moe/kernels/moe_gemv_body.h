@@ -680,6 +680,55 @@ static void rows_packed_dot(const uint8_t* w, const Scales& sc, int64_t K, int64
 }
 #endif
 
+#ifdef ZOO_VNNI
+// 2-bit codes times 8-bit inputs, 256 codes (64 bytes, one load) a step: byte i holds codes 4 i + j at bits 2 j, so
+// pass j takes (bytes >> 2 j) & 3 against the inputs q[4 i + j] (layout 3), four vpdpbusd into one int32 vector whose
+// lane l sums codes 16 l..16 l + 15 of the step, all of one group (g divides 256 or 256 divides g); the step's sums
+// are scaled per lane (each lane its group's scale) into the fp32 accumulator. Against rows_packed_dot: one unpack
+// load per 256 codes instead of four broadcasts, and one scaling per 256 codes instead of one per group of 64.
+template <int NP>
+static void rows_int2_dot256(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                             const int8_t* const* xs, const float* const* sxs, const float* xscale,
+                             float* const* ys) {
+  const int64_t R = r1 - r0, G = K / g;
+  RowScales rs;
+  row_scales<NP>(sc, G, r0, r1, sxs, rs);
+  thread_local std::vector<float> own;  // each row's group scales together (row_scales keeps them per group)
+  own.resize(R * G + 16);
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t gi = 0; gi < G; ++gi) own[i * G + gi] = rs.s[gi * R + i];
+  thread_local std::vector<int32_t> first;  // each step's first group
+  first.resize(K / 256);
+  for (int64_t k = 0; k < K; k += 256) first[k / 256] = int32_t(k / g);
+  alignas(64) int32_t lane_group[16];  // lane l's group, counted from the step's first
+  for (int l = 0; l < 16; ++l) lane_group[l] = int32_t(g <= 256 ? 16 * l / g : 0);
+  const __m512i groups = _mm512_load_si512(lane_group);
+  const __m512i three = _mm512_set1_epi8(3);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wp = w + r * (K / 4);
+    const float* srow = own.data() + (r - r0) * G;
+    __m512 acc[NP];
+    for (int p = 0; p < NP; ++p) acc[p] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 256, wp += 64) {
+      const __m512i v = _mm512_loadu_si512(wp);
+      const __m512i c0 = _mm512_and_si512(v, three), c1 = _mm512_and_si512(_mm512_srli_epi16(v, 2), three);
+      const __m512i c2 = _mm512_and_si512(_mm512_srli_epi16(v, 4), three), c3 = _mm512_srli_epi16(
+          _mm512_andnot_si512(_mm512_set1_epi8(0x3f), v), 6);  // the top two bits of each byte
+      const __m512 vs = _mm512_permutexvar_ps(groups, _mm512_loadu_ps(srow + first[k >> 8]));
+      for (int p = 0; p < NP; ++p) {
+        const int8_t* x = xs[p] + k;
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, _mm512_loadu_si512(x));
+        d = _mm512_dpbusd_epi32(d, c1, _mm512_loadu_si512(x + 64));
+        d = _mm512_dpbusd_epi32(d, c2, _mm512_loadu_si512(x + 128));
+        d = _mm512_dpbusd_epi32(d, c3, _mm512_loadu_si512(x + 192));
+        acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), vs, acc[p]);
+      }
+    }
+    for (int p = 0; p < NP; ++p) ys[p][r] = (_mm512_reduce_add_ps(acc[p]) + rs.zt[p * R + r - r0]) * xscale[p];
+  }
+}
+#endif
+
 // Dequantise one int4 block of 64 rows into the transposed weight wt [K, N] (float or bf16, rounded to nearest
 // even): the pack is k-major, so each k's 64 values are contiguous in wt too.
 static inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
@@ -847,7 +896,9 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
         const int8_t* xqs[8];
         float scales[8];
         signed_8bit_inputs(pb, np, in_row, xqs, scales);
-        if (pb.kind == Kind::int2) {
+        if (pb.kind == Kind::int2 && int2_steps_of_256(pb.K, pb.g)) {
+          ZOO_NP((rows_int2_dot256<NP>(w, sc, pb.K, pb.g, it.r0, it.r1, xqs, sxs, scales, ys)));
+        } else if (pb.kind == Kind::int2) {
           ZOO_NP((rows_packed_dot<NP, 2>(w, sc, pb.K, pb.g, it.r0, it.r1, xqs, sxs, scales, ys)));
         } else {
           ZOO_NP((rows_packed_dot<NP, 3>(w, sc, pb.K, pb.g, it.r0, it.r1, xqs, sxs, scales, ys)));
