@@ -38,6 +38,17 @@ def test_the_uuid_is_stable_and_names_this_pass():
     assert isinstance(RealizeOneRowBmmInputs().uuid(), bytes)
 
 
+def test_compile_configs_carrying_it_are_equal_so_transformers_keeps_its_compiled_call():
+    """transformers compiles the model's call anew when the config differs from the last one (a dataclass: its
+    options dict compared by value), so two instances of the pass must be equal."""
+    from zoo.runtime.decode import compile_config
+
+    assert RealizeOneRowBmmInputs() == RealizeOneRowBmmInputs() and RealizeOneRowBmmInputs() != object()
+    assert len({RealizeOneRowBmmInputs(), RealizeOneRowBmmInputs()}) == 1
+    assert compile_config() == compile_config()
+    assert compile_config() != compile_config(cpp_wrapper=False)
+
+
 def compiled(with_pass: bool):
     options = {"post_grad_custom_post_pass": RealizeOneRowBmmInputs()} if with_pass else {}
     torch._dynamo.reset()

@@ -32,3 +32,10 @@ class RealizeOneRowBmmInputs(CustomGraphPass):
 
     def uuid(self) -> bytes:  # inductor's cache key: this file's contents
         return get_hash_for_files((__file__,))
+
+    # every instance is the same pass: equal compile configs (transformers compiles anew when its config changes)
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
