@@ -520,30 +520,56 @@ def test_eager_inference_on_few_tokens_uses_the_kernel(kind, monkeypatch):
     assert not calls and x.grad is not None
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("bits,dtype", [(16, torch.bfloat16), (16, torch.float32), (8, torch.bfloat16),
+                                        (4, torch.bfloat16)])
 @torch.no_grad()
-def test_eager_linear_layers_on_few_rows_use_the_kernel(bits, monkeypatch):
+def test_eager_linear_layers_on_few_rows_use_the_kernel(bits, dtype, monkeypatch):
     """A kernel-read plain linear layer takes zoo::moe_gemv eagerly up to PAIRS_PER_EXPERT[16] rows (the LM head on a
-    prompt's last position, an eager decode step), a quantized one at one row (torch's int8/int4 matmuls win from a
-    few rows on); both give the library path's output."""
+    prompt's last position, an eager decode step), bf16 on bf16 dot products up to PAIRS_PER_EXPERT["bf16"] (a short
+    prompt's prefill), a quantized one at one row (torch's int8/int4 matmuls win from a few rows on); all give the
+    library path's output."""
     from zoo.moe.kernels import linear
     from zoo.moe.quantized_linear import QuantizedLinear
 
     monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "EAGER_MIN_WEIGHTS", 0)
     torch.manual_seed(0)
-    dense = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    dense = torch.nn.Linear(64, 96).to(dtype)
     if bits == 16:
-        layer, limit = dense, kernels.PAIRS_PER_EXPERT[16]
+        bf16_dots = kernels.bf16_dot_products(torch.zeros(1, dtype=dtype), dense.weight)
+        layer, limit = dense, kernels.PAIRS_PER_EXPERT["bf16" if bf16_dots else 16]
         linear.read_linears_with_kernel(layer)
         assert isinstance(layer, linear.KernelLinear)
     else:
         layer, limit = QuantizedLinear.from_linear(dense, bits, group_size=32), 1
     calls = kernel_calls(monkeypatch)
     for rows, uses in ((1, True), (limit, True), (limit + 1, False)):
-        x = torch.randn(1, rows, 64).to(torch.bfloat16)
+        x = torch.randn(1, rows, 64).to(dtype)
         calls.clear()
         got = layer(x)
         assert bool(calls) == uses, (rows, calls)
+        with kernels.turned_off():
+            torch.testing.assert_close(got, layer(x), rtol=3e-2, atol=3e-2)
+
+
+@torch.no_grad()
+def test_eager_linear_layers_below_the_weight_thresholds_keep_the_library_matmul(monkeypatch):
+    """Eagerly, bf16 weights of at least EAGER_MIN_WEIGHTS elements take the kernel (a prefill's key/value projections)
+    and smaller ones (routers) the library's matmul; fp32 ones need MIN_WEIGHTS, as compiled steps do."""
+    from zoo.moe.kernels import linear
+
+    calls = kernel_calls(monkeypatch)
+    for dtype, out_features, uses in ((torch.bfloat16, linear.EAGER_MIN_WEIGHTS // 64, True),
+                                      (torch.bfloat16, linear.EAGER_MIN_WEIGHTS // 64 - 1, False),
+                                      (torch.float32, linear.EAGER_MIN_WEIGHTS // 64, False),
+                                      (torch.float32, linear.MIN_WEIGHTS // 64, True)):
+        layer = torch.nn.Linear(64, out_features, bias=False).to(dtype)
+        linear.read_linears_with_kernel(layer)
+        x = torch.randn(1, 4, 64).to(dtype)
+        calls.clear()
+        got = layer(x)
+        bf16_dots = kernels.bf16_dot_products(x, layer.weight)
+        assert bool(calls) == (uses and (bf16_dots or dtype == torch.float32)), (dtype, out_features, calls)
         with kernels.turned_off():
             torch.testing.assert_close(got, layer(x), rtol=3e-2, atol=3e-2)
 
