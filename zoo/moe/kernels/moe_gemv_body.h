@@ -693,10 +693,20 @@ static void rows_int2_dot256(const uint8_t* w, const Scales& sc, int64_t K, int6
   const int64_t R = r1 - r0, G = K / g;
   RowScales rs;
   row_scales<NP>(sc, G, r0, r1, sxs, rs);
-  thread_local std::vector<float> own;  // each row's group scales together (row_scales keeps them per group)
+  // each row's group scales together (row_scales keeps them per group): 16 x 16 blocks transposed in registers,
+  // the rest one by one
+  thread_local std::vector<float> own;
   own.resize(R * G + 16);
+  const int64_t R16 = R / 16 * 16, G16 = G / 16 * 16;
+  for (int64_t i0 = 0; i0 < R16; i0 += 16)
+    for (int64_t g0 = 0; g0 < G16; g0 += 16) {
+      __m512i b[16];
+      for (int j = 0; j < 16; ++j) b[j] = _mm512_loadu_si512(rs.s + (g0 + j) * R + i0);
+      gemm_bf16::transpose16(b);  // b[i]: row i0 + i's scales of groups g0..g0 + 15
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(own.data() + (i0 + i) * G + g0, b[i]);
+    }
   for (int64_t i = 0; i < R; ++i)
-    for (int64_t gi = 0; gi < G; ++gi) own[i * G + gi] = rs.s[gi * R + i];
+    for (int64_t gi = i < R16 ? G16 : 0; gi < G; ++gi) own[i * G + gi] = rs.s[gi * R + i];
   thread_local std::vector<int32_t> first;  // each step's first group
   first.resize(K / 256);
   for (int64_t k = 0; k < K; k += 256) first[k / 256] = int32_t(k / g);
