@@ -294,11 +294,11 @@ def test_packed_8bit_inputs_over_many_groups(int8_inputs, bits, g, K, T):
 
 
 @pytest.mark.parametrize("g,K", [(32, 1024), (64, 1280), (64, 512)])
-@pytest.mark.parametrize("N", [64, 80, 72])
+@pytest.mark.parametrize("N", [64, 80, 72, 70])
 def test_2bit_8bit_inputs_256_a_step_every_block_of_scales(int8_inputs, g, K, N):
     """2 bits, 256 codes a step: each row's group scales gathered by 16 x 16 blocks where the item has 16 rows and 16
-    groups to spare, one by one for the rest (32 and 20 groups: whole and partial blocks of groups; items of 64, 16
-    and 8 rows): the integer reference's result."""
+    groups to spare, one by one for the rest (32 and 20 groups: whole and partial blocks of groups; items of 64, 16,
+    8 and 6 rows): the integer reference's result."""
     assert_8bit_inputs_exact(*packed_stack_with_codes(2, g, N, K), 2, g, 3)
 
 
