@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 _aten = torch.ops.aten
 
@@ -27,7 +28,7 @@ class RealizeOneRowBmmInputs(CustomGraphPass):
             if node.op == "call_function" and node.target is _aten.bmm.default:
                 row = node.args[0]
                 value = row.meta.get("val") if isinstance(row, torch.fx.Node) else None
-                if value is not None and value.dim() == 3 and value.shape[1] == 1:
+                if value is not None and value.dim() == 3 and statically_known_true(value.shape[1] == 1):
                     row.meta["inductor_realize_to_strides"] = True
 
     def uuid(self) -> bytes:  # inductor's cache key: this file's contents

@@ -17,9 +17,10 @@ MIN_WEIGHTS = 1 << 20  # smaller weights (routers, small key/value projections) 
 
 
 # Eagerly (a short prompt's prefill), bf16 weights on bf16 inputs with bf16 dot products take the kernel for as many
-# rows as bf16 experts do, and smaller weights too: the library matmul of 16 rows took 312 us ([1024, 1024]) and 95 us ([256, 1024]) in
-# the 304M model's prefill. Its bf16 prefill against the former rule (8 rows, weights from 2^20), interleaved in one
-# process, 20 rounds: 8 tokens 1.06x, 16 tokens 1.05x, 24 tokens 1.03x (an earlier run: 1.06x / 1.01x at 16 / 24).
+# rows as bf16 experts do, and smaller weights too: the library matmul of 16 rows took 312 us ([1024, 1024]) and
+# 95 us ([256, 1024]) in the 304M model's prefill. Its bf16 prefill against the former rule (8 rows, weights from
+# 2^20), interleaved in one process, 20 rounds: 8 / 16 / 24 tokens 1.06 / 1.05 / 1.03x (an earlier run: 1.06 / 1.01x
+# at 16 / 24).
 EAGER_MIN_WEIGHTS = 1 << 16
 
 
