@@ -2,7 +2,8 @@
 
 Each row is a fresh process doing what a user does. The zoo: ``zoo.load(folder)``, ``zoo.apply(model, "quantize",
 bits=..., targets="all")`` for the quantized rows, then ``zoo.runtime.decode.greedy(model, ids, max_new_tokens=65)``
-on a 16-token prompt: two warm-up calls (the first compiles), then three timed calls; the same for
+on a 16-token prompt (the "huge pages" row calls ``zoo.runtime.huge_pages.collapse_to_huge_pages(model)`` after
+loading): two warm-up calls (the first compiles), then three timed calls; the same for
 ``zoo.runtime.decode.generate`` (transformers' ``model.generate`` with the zoo's compile config) with ``--generate``.
 llama.cpp through llama-cpp-python: ``Llama(file)``, then per call ``eval(prompt)`` and 64 x (greedy ``sample``,
 ``eval([token])``), the same 65 tokens. Wall time per generated token counts the whole call, prefill included;
@@ -41,8 +42,11 @@ HERE = Path(__file__).resolve().parent
 # processor has int8 dot products
 ZOO_ROWS = (("zoo bf16", 16, False), ("zoo int8 all", 8, False), ("zoo int4 all", 4, False),
             ("zoo int8 all, x int8", 8, True), ("zoo int4 all, x int8", 4, True))
+# rows whose process also calls ``zoo.runtime.huge_pages.collapse_to_huge_pages(model)`` after loading
+HUGE_PAGE_ROWS = (("zoo bf16, huge pages", 16, False),)
 # zoo row -> the llama.cpp rows it is compared with
-PAIRS = {"zoo bf16": ("llama.cpp bf16",), "zoo int8 all": ("llama.cpp q8_0", "llama.cpp zoo codes Q8_0"),
+PAIRS = {"zoo bf16": ("llama.cpp bf16",), "zoo bf16, huge pages": ("llama.cpp bf16",),
+         "zoo int8 all": ("llama.cpp q8_0", "llama.cpp zoo codes Q8_0"),
          "zoo int4 all": ("llama.cpp Q4_0", "llama.cpp zoo codes Q4_1"),
          "zoo int8 all, x int8": ("llama.cpp q8_0", "llama.cpp zoo codes Q8_0"),
          "zoo int4 all, x int8": ("llama.cpp Q4_0", "llama.cpp zoo codes Q4_1")}
@@ -71,6 +75,10 @@ def zoo_worker(args) -> dict:
 
         kernels.load()
         kernels.int8_inputs(True)
+    if args.huge_pages:
+        from zoo.runtime.huge_pages import collapse_to_huge_pages
+
+        collapse_to_huge_pages(model)
     setup = time.perf_counter() - t
     ids = torch.tensor([prompt_ids(model.config.vocab_size, args.prompt)])
     out = {"setup_s": setup}
@@ -277,6 +285,7 @@ def main(argv=None):
     ap.add_argument("--bits", type=int, default=16, help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
     ap.add_argument("--int8-inputs", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--huge-pages", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps((zoo_worker if args.worker == "zoo" else llama_worker)(args)))
@@ -292,8 +301,9 @@ def main(argv=None):
         dots = dot_products()
         if not dots:
             print("the 8-bit-input rows are left out: the kernel has no int8 dot products on this processor")
-        engines = [(label, "zoo", {"folder": files["native"], "bits": bits, "int8_inputs": inputs8})
-                   for label, bits, inputs8 in (ZOO_ROWS[:1] if args.smoke else ZOO_ROWS) if dots or not inputs8]
+        rows = [(row, False) for row in ZOO_ROWS] + [(row, True) for row in HUGE_PAGE_ROWS]
+        engines = [(label, "zoo", {"folder": files["native"], "bits": bits, "int8_inputs": inputs8, "huge_pages": huge})
+                   for (label, bits, inputs8), huge in (rows[:1] if args.smoke else rows) if dots or not inputs8]
         engines += [(label, "llama", {"gguf": path}) for label, path in files.items() if label.startswith("llama")]
         results = {label: [] for label, _, _ in engines}
         for r in range(args.rounds):
