@@ -199,6 +199,10 @@ def test_generate_command_prints_the_continuation_and_its_speed():
     assert "tok/s" in res.stderr
     bad = CliRunner().invoke(cli, ["generate", "zoo-tiny-mo", prompt])
     assert bad.exit_code != 0 and "zoo-tiny-moe" in bad.output  # a close match is suggested
+    huge = CliRunner().invoke(cli, ["generate", "zoo-tiny-moe", prompt, "--max-new-tokens", "8", "--no-compile",
+                                    "--threads", "1", "--huge-pages"])
+    assert huge.exit_code == 0, huge.output
+    assert huge.stdout == res.stdout and "weights on huge pages:" in huge.stderr  # the same text
 
 
 def test_ahead_of_time_step_gives_eager_tokens_and_reads_the_models_own_weights(one_thread):

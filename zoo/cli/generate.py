@@ -23,7 +23,9 @@ def _prompt(ctx, param, value):
 @click.option("--threads", type=click.IntRange(1, os.cpu_count()), help="torch threads (default: torch's choice).")
 @click.option("--kv-cache", type=click.Choice(["fp8", "int8", "int4"]),
               help="Keep keys and values at this precision (a growing cache: the steps run eagerly).")
-def generate(model, prompt, max_new_tokens, steps, use_compile, threads, kv_cache):
+@click.option("--huge-pages", is_flag=True,
+              help="Move the weights onto 2 MB pages first (Linux; a few percent faster decode, ~2.5 s a GB once).")
+def generate(model, prompt, max_new_tokens, steps, use_compile, threads, kv_cache, huge_pages):
     """Continue PROMPT with MODEL (a registry name or folder); prints the text and the decode speed."""
     import torch
 
@@ -45,6 +47,10 @@ def generate(model, prompt, max_new_tokens, steps, use_compile, threads, kv_cach
         for name, options in parsed:
             with one_line(f"--step {name}: "):
                 lm = zoo.apply(lm, name, **options)
+        if huge_pages:
+            from zoo.runtime.huge_pages import collapse_to_huge_pages
+
+            click.echo(f"weights on huge pages: {collapse_to_huge_pages(lm) / 2**20:.0f} MiB", err=True)
         use_compile = use_compile and kv_cache is None
         if use_compile:  # the first call compiles: say so, or the wait looks like a hang
             click.echo("compiling the decode step (first call, ~30-60 s)...", err=True)
