@@ -18,6 +18,7 @@ import time
 import torch
 
 from zoo.moe import kernels
+from zoo.moe.packing import int4unpack, torch_packs_int4_alike
 from zoo.moe.quantized import quantize_grouped, quantize_int8
 
 
@@ -79,8 +80,11 @@ def torch_row(label, w, s, group_size):
         return lambda x, e: torch.nn.functional.linear(x, w[e])
     if label == "int8":
         return lambda x, e: torch.ops.aten._weight_int8pack_mm(x, w[e], s[e])
-    if label == "int4":
-        return lambda x, e: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[e], group_size, s[e])
+    if label == "int4":  # torch's own layout of the pack on this processor (the stored one where they agree)
+        k = w.shape[2] * 2
+        native = w if torch_packs_int4_alike() else torch.stack(
+            [torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4unpack(p, k), 1) for p in w])
+        return lambda x, e: torch.ops.aten._weight_int4pack_mm_for_cpu(x, native[e], group_size, s[e])
     return None
 
 

@@ -87,6 +87,46 @@ def test_dense_packing_roundtrips(bits):
     assert torch.equal(unpack(packed, bits, 64), codes.int())
 
 
+@pytest.mark.parametrize("n,k", [(64, 64), (160, 256), (16, 2), (48, 10), (128, 32)])
+def test_int4_pack_is_one_layout_on_every_processor(n, k):
+    """The stored int4 form is torch's AVX-512 layout whatever processor packs it (torch's own op packs blocks of
+    32 rows on AVX2-only ones, which would then misread a model packed elsewhere): blocks of 64 rows, per k byte j
+    = row j | row j + 32 << 4; rows past the last block two to a byte (2j | 2j + 1 << 4). int4unpack inverts it;
+    torch's op agrees exactly where torch_packs_int4_alike says so, and kernel_linear's torch fallback then reads
+    the stored pack right on this processor either way."""
+    from zoo.moe import kernels
+    from zoo.moe.in_place import kernel_linear
+    from zoo.moe.packing import dequantize, int4pack, int4unpack, torch_packs_int4_alike
+
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(n + k))
+    packed = int4pack(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (n, k // 2)
+    assert torch.equal(int4unpack(packed, k), codes)
+    flat, full = packed.view(-1), n // 64 * 64
+    spots = [(0, 0), (31, k - 1), (32, 1), (63, k // 2), (full, 0), (n - 1, k - 1)]
+    for r, kk in [(r, kk) for r, kk in spots if r < n]:
+        if r < full:  # block r // 64, row r % 64 -> byte (r % 32) of k's 32, nibble r % 64 // 32
+            byte = flat[(r // 64 * k + kk) * 32 + r % 32]
+            assert int(byte >> 4 * (r % 64 // 32) & 15) == int(codes[r, kk])
+        else:
+            byte = flat[full * k // 2 + kk * ((n - full) // 2) + (r - full) // 2]
+            assert int(byte >> 4 * ((r - full) % 2) & 15) == int(codes[r, kk])
+    by_torch = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(by_torch, packed) or not torch_packs_int4_alike()
+    if k % 32 == 0:
+        g = 32
+        scale = torch.stack([torch.rand(k // g, n) * 0.1 + 0.01, torch.randn(k // g, n) * 0.1], -1).to(torch.bfloat16)
+        x = torch.randn(3, k)
+        want = x @ dequantize(4, packed, scale, (n, k), g).t()
+        for ready in (True, False):  # with the zoo's kernel, and with torch's only
+            real = kernels.ready
+            kernels.ready = lambda: ready  # noqa: E731
+            try:
+                torch.testing.assert_close(kernel_linear(x, packed, scale, 4, g), want, rtol=1e-4, atol=1e-4)
+            finally:
+                kernels.ready = real
+
+
 def test_esd_alpha_recovers_a_power_law_and_alphaq_prefers_heavy_tails():
     rng = np.random.default_rng(0)
     def with_spectrum(alpha, n=128):

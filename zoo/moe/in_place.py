@@ -30,9 +30,9 @@ def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:
     """x [n, K] @ W.T on torch's kernel for an int8 or int4-packed W (no autograd). Many rows of int8 (prefill):
     the weight converted to x's dtype and torch's dense matmul, which is compute-efficient where the int8 kernel
     is not (256-token prefill on the 304M benchmark model: 347 -> 1016 tok/s; bf16 1350)."""
-    if x.device.type != "cpu":  # these packed kernels are CPU ones: elsewhere, the dequantized weight's matmul
-        from zoo.moe.packing import dequantize
+    from zoo.moe.packing import dequantize, torch_packs_int4_alike
 
+    if x.device.type != "cpu":  # these packed kernels are CPU ones: elsewhere, the dequantized weight's matmul
         w = dequantize(bits, q, scale, (q.shape[0], x.shape[-1]), group_size)
         return torch.nn.functional.linear(x, w.to(x.dtype))
     if bits == 8 and x.shape[0] >= PREFILL_ROWS and kernels.int8_inputs_on():
@@ -48,9 +48,14 @@ def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:
         return torch.nn.functional.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
     if bits == 8:
         return torch.ops.aten._weight_int8pack_mm(x, q, scale.to(x.dtype))
-    if x.shape[0] >= PREFILL_ROWS and kernels.ready() and x.dtype in (torch.float32, torch.bfloat16):
+    dense_ok = kernels.ready() and x.dtype in (torch.float32, torch.bfloat16)
+    if x.shape[0] >= PREFILL_ROWS and dense_ok:
         # int4 too: dequantised by the zoo's kernel straight into the layout the dense matmul reads best
         return torch.nn.functional.linear(x, kernels.dequantize_int4(q, scale, group_size, x.dtype))
+    if not torch_packs_int4_alike():  # torch's int4 kernel would misread the stored pack on this processor
+        w = (kernels.dequantize_int4(q, scale, group_size, x.dtype) if dense_ok
+             else dequantize(4, q, scale, (q.shape[0], x.shape[-1]), group_size).to(x.dtype))
+        return torch.nn.functional.linear(x, w)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, group_size, scale.to(x.dtype))
 
 
