@@ -139,16 +139,29 @@ def int8_inputs_reference(x, idx, w, s, slot_of=None):
     return y
 
 
-@pytest.fixture
-def int8_inputs():
-    if kernels.best_isa() != "avx512-bf16":
-        pytest.skip("this processor has no int8 dot products (AVX512-VNNI with AVX512-BF16)")
+def on_8bit_dot_set(name):
+    """8-bit inputs on, on instruction set ``name`` (a test skips where the processor lacks it); off afterwards."""
+    if kernels.ISAS.index(kernels.best_isa()) < kernels.ISAS.index(name):
+        pytest.skip(f"this processor lacks the {name} set")
     before = kernels.isa()
-    kernels.isa("avx512-bf16")
+    kernels.isa(name)
     kernels.int8_inputs(True)
     yield
     kernels.int8_inputs(False)
     kernels.isa(before)
+
+
+@pytest.fixture(params=kernels.INT8_DOT_ISAS)
+def int8_inputs(request):
+    """Each set with 8-bit dot products: avx512-bf16 (vpdpbusd) and avx2 (vpmaddubsw; 3-bit rows and 2-bit rows
+    outside steps of 256 take the float kernel on the rounded inputs there)."""
+    yield from on_8bit_dot_set(request.param)
+
+
+@pytest.fixture
+def int8_inputs_vnni():
+    """The avx512-bf16 set's 8-bit inputs: prefill takes the kernel only there (its limits were measured there)."""
+    yield from on_8bit_dot_set("avx512-bf16")
 
 
 @pytest.mark.parametrize("K", [64, 100, 192])
@@ -304,7 +317,7 @@ def test_2bit_8bit_inputs_256_a_step_every_block_of_scales(int8_inputs, g, K, N)
 
 @torch.no_grad()
 @pytest.mark.parametrize("bits,limit", [(4, "INT4_DOT_PAIRS"), (8, "INT8_DOT_PAIRS")])
-def test_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch, bits, limit):
+def test_8bit_inputs_prefill_uses_the_kernel(int8_inputs_vnni, monkeypatch, bits, limit):
     """With 8-bit inputs on, a prompt through int4 or int8 experts (more pairs than the few-token limit) takes the
     kernel up to kernels.INT4_DOT_PAIRS / INT8_DOT_PAIRS pairs per expert: each token's output is the one it gets alone
     (a decode step), within rounding distance of the exact path; past that limit, and with the option off, the sorted
@@ -338,7 +351,7 @@ def test_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch, bits, lim
 @torch.no_grad()
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_linear_prefill_on_8bit_inputs_uses_the_kernel(int8_inputs, monkeypatch, bits, dtype):
+def test_quantized_linear_prefill_on_8bit_inputs_uses_the_kernel(int8_inputs_vnni, monkeypatch, bits, dtype):
     """With 8-bit inputs on, an eager QuantizedLinear call on up to kernels.int8_dot_limit rows (a prompt) takes the
     kernel: each row's output is the one it gets alone (the one-row kernel path), within rounding distance of the
     exact path; one row more takes torch's path (lowbit_linear) as before, as does every call with the option off."""
@@ -372,14 +385,15 @@ def test_int4_8bit_inputs_are_off_by_default_and_ignored_without_int8_dot_produc
     refused."""
     if os.environ.get("ZOO_KERNEL_INT8_INPUTS", "0") == "0":
         assert kernels.int8_inputs() is False
-    if kernels.best_isa() != "avx512-bf16":
-        pytest.skip("this processor has no int8 dot products (AVX512-VNNI with AVX512-BF16)")
     w, s = stack(4, 2, 128, 128, group_size=64)
     x, idx = torch.randn(2, 128), routing(2, 2, 2)
     before = kernels.isa()
+    best = kernels.ISAS.index(kernels.best_isa())
+    if best < kernels.ISAS.index("avx2"):
+        pytest.skip("this processor has no int8 dot products (the avx2 or avx512-bf16 set)")
     try:
-        for other in ("avx512", "avx2", "portable"):
-            kernels.isa("avx512-bf16")
+        for other in [name for name in ("avx512", "portable") if kernels.ISAS.index(name) <= best]:
+            kernels.isa("avx2")  # (every processor with avx512 has it)
             kernels.int8_inputs(True)
             kernels.isa(other)
             on = kernels.moe_gemv(x, idx, w, s, 4, 64)
@@ -393,12 +407,12 @@ def test_int4_8bit_inputs_are_off_by_default_and_ignored_without_int8_dot_produc
 
 
 def test_int8_inputs_are_refused_without_int8_dot_products(monkeypatch):
-    """Asking for 8-bit inputs on a set without vpdpbusd is one line, in the API and in the environment
+    """Asking for 8-bit inputs on a set without 8-bit dot products is one line, in the API and in the environment
     variable; a value other than 0/1 is refused before anything is built."""
     before = kernels.isa()
-    kernels.isa("avx2")
+    kernels.isa("portable")
     try:
-        with pytest.raises(ValueError, match="need int8 dot products .* the kernels use avx2"):
+        with pytest.raises(ValueError, match="need int8 dot products .* the kernels use portable"):
             kernels.int8_inputs(True)
         assert kernels.int8_inputs() is False and kernels.int8_inputs(False) is False
     finally:
@@ -409,7 +423,7 @@ def test_int8_inputs_are_refused_without_int8_dot_products(monkeypatch):
     with pytest.raises(ValueError, match="use 1 .* or 0"):
         kernels._int8_inputs_asked()
     code = "from zoo.moe import kernels; print(kernels.load(), kernels.int8_inputs())"
-    env = dict(os.environ, ZOO_KERNEL_ISA="avx2", ZOO_KERNEL_INT8_INPUTS="1")
+    env = dict(os.environ, ZOO_KERNEL_ISA="portable", ZOO_KERNEL_INT8_INPUTS="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.split()[0] == "False" and "needs int8 dot products" in out.stderr, out.stderr
 

@@ -77,6 +77,7 @@ _state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load(
 
 
 ISAS = ("portable", "avx2", "avx512", "avx512-bf16")  # the kernel's codes 0..3; each needs all before it
+INT8_DOT_ISAS = ("avx512-bf16", "avx2")  # the sets with 8-bit dot products (int8_inputs): vpdpbusd, vpmaddubsw
 
 
 def _forced_isa() -> Optional[str]:
@@ -142,9 +143,9 @@ def _build() -> Optional[str]:
             return lacking
         torch.ops.zoo.moe_gemv_isa(ISAS.index(forced))
     if int8:
-        if torch.ops.zoo.moe_gemv_isa(-1) != ISAS.index("avx512-bf16"):
-            return (f"ZOO_KERNEL_INT8_INPUTS=1 needs int8 dot products (AVX512-VNNI, the avx512-bf16 set); the set in "
-                    f"use is {ISAS[torch.ops.zoo.moe_gemv_isa(-1)]}")
+        if ISAS[torch.ops.zoo.moe_gemv_isa(-1)] not in INT8_DOT_ISAS:
+            return (f"ZOO_KERNEL_INT8_INPUTS=1 needs int8 dot products (the {' or '.join(INT8_DOT_ISAS)} set); the set "
+                    f"in use is {ISAS[torch.ops.zoo.moe_gemv_isa(-1)]}")
         torch.ops.zoo.moe_gemv_int8_inputs(1)
         _state["int8_inputs"] = True
     torch.library.register_fake("zoo::moe_gemv")(_fake_moe_gemv)
@@ -263,18 +264,20 @@ def int8_inputs(on: Optional[bool] = None) -> bool:
     prefill takes the kernel itself up to ``INT4_DOT_PAIRS`` pairs per expert (``_int_mm`` has no
     per-group scales: one product per group measured 3-24x slower than the dequantised dense matmul), int8 experts'
     up to ``INT8_DOT_PAIRS``, and quantized linear layers' up to ``INT8_DOT_ROWS`` rows.
-    ``int8_inputs(True)`` / ``(False)`` turns that on / off (on: ValueError unless the kernels run the ``avx512-bf16``
-    set, which has them; another set switched to afterwards ignores it). Off by default: it changes the results
-    (``benchmarks/int8_inputs.py`` measures by how much)."""
+    ``int8_inputs(True)`` / ``(False)`` turns that on / off (on: ValueError unless the kernels run a set in
+    ``INT8_DOT_ISAS``: ``avx512-bf16`` with vpdpbusd, or ``avx2`` with its 8-bit multiply-adds, where 3-bit rows and
+    2-bit rows outside steps of 256 run the float kernel on the same rounded inputs, the same result; another set
+    switched to afterwards ignores it). Off by default: it changes the results (``benchmarks/int8_inputs.py``
+    measures by how much)."""
     if on is not None and not isinstance(on, bool):
         raise ValueError(f"int8_inputs takes True, False or None, got {on!r}")
     if not load():
         if on:
             raise ValueError(f"zoo's CPU kernel is not available ({unavailable_reason()})")
         return False
-    if on and isa() != "avx512-bf16":
-        raise ValueError(f"8-bit inputs need int8 dot products (AVX512-VNNI, the avx512-bf16 set); the kernels use "
-                         f"{isa()} here")
+    if on and isa() not in INT8_DOT_ISAS:
+        raise ValueError(f"8-bit inputs need int8 dot products (the {' or '.join(INT8_DOT_ISAS)} set); the kernels "
+                         f"use {isa()} here")
     _state["int8_inputs"] = bool(torch.ops.zoo.moe_gemv_int8_inputs(-1 if on is None else int(on)))
     return _state["int8_inputs"]
 

@@ -187,8 +187,10 @@ namespace avx512bf16 {
 #define ZOO_LANES 16
 #define ZOO_BF16_DOT 1
 #define ZOO_VNNI 1
+#define ZOO_DOT8 1
 ZOO_AVX512_TYPES
 #include "moe_gemv_body.h"
+#undef ZOO_DOT8
 #undef ZOO_VNNI
 #undef ZOO_BF16_DOT
 #undef ZOO_LANES
@@ -207,7 +209,9 @@ static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
   lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
   hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 }
+#define ZOO_DOT8 1  // 8-bit inputs on vpmaddubsw / vpmaddwd (int8, int4, 2-bit rows in steps of 256)
 #include "moe_gemv_body.h"
+#undef ZOO_DOT8
 #undef ZOO_LANES
 }  // namespace avx2
 #pragma GCC pop_options
@@ -241,16 +245,17 @@ int64_t moe_gemv_isa(int64_t want) {
 }
 
 // int8 weights and 2/3/4-bit codes times inputs rounded to 8 bits (one absmax scale per input row), on int8 dot
-// products: off unless asked for (it changes the results: the inputs lose precision), and only with the set that
-// has them (3)
+// products: off unless asked for (it changes the results: the inputs lose precision), and only with the sets that
+// have them: 3 (vpdpbusd) and 1 (AVX2's vpmaddubsw; the AVX-512 set without VNNI has neither form here)
 static bool g_int8_inputs = false;
+static inline bool has_8bit_dots(int isa) { return isa == 3 || isa == 1; }
 constexpr int64_t VNNI_MAX_K = 65536;  // |sum| <= K * 255 * 128 stays inside int32 (codes: a group's, K * 15 * 127)
 
 // -1: whether they are on; 0 / 1: turn them off / on (on: refused unless the set in use has int8 dot products)
 int64_t moe_gemv_int8_inputs(int64_t want) {
   if (want >= 0) {
-    TORCH_CHECK(want == 0 || g_isa == 3, "moe_gemv_int8_inputs: 8-bit inputs need int8 dot products "
-                "(AVX512-VNNI, the avx512-bf16 set); the set in use is ", g_isa);
+    TORCH_CHECK(want == 0 || has_8bit_dots(g_isa), "moe_gemv_int8_inputs: 8-bit inputs need int8 dot products "
+                "(the avx512-bf16 or avx2 set); the set in use is ", g_isa);
     g_int8_inputs = want == 1;
   }
   return g_int8_inputs;
@@ -387,25 +392,37 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   // are (int4 also needs them in fp32, for the per-group sums and the tail rows; int8 for one-input items)
   const bool bf16_dot = g_isa == 3 && (kind == Kind::bf16 || kind == Kind::int4 || kind == Kind::int8) && !f32;
   // 8-bit inputs: q = round(x / s) in [-127, 127] with s = max|x| / 127 per row, for vpdpbusd's signed operand
-  // (2/3/4-bit codes are its unsigned one) or stored q + 128 as its unsigned operand (int8 weights are the signed one)
-  const bool int8_dot = g_int8_inputs && g_isa == 3 && kind != Kind::f32 && kind != Kind::bf16 && K <= VNNI_MAX_K;
+  // (2/3/4-bit codes are its unsigned one) or stored q + 128 as its unsigned operand (int8 weights are the signed
+  // one; AVX2 takes q as it is, rows_int8_dot there). AVX2 has no 8-bit kernel for 3-bit rows and 2-bit rows outside
+  // steps of 256: they run the float kernel on the same q as floats (exact integer sums per group, the outputs times
+  // the inputs' scales afterwards), so the results do not depend on the set's kernels.
+  const bool int8_dot =
+      g_int8_inputs && has_8bit_dots(g_isa) && kind != Kind::f32 && kind != Kind::bf16 && K <= VNNI_MAX_K;
+  const bool q_as_float = int8_dot && g_isa == 1 &&
+                          (kind == Kind::int3 || (kind == Kind::int2 && !int2_steps_of_256(K, group_size)));
   std::vector<float> xbuf;
   if (!f32 && !(bf16_dot && kind == Kind::bf16)) {
     xbuf.resize(rows * K);
     const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
     for (int64_t i = 0; i < rows * K; ++i) xbuf[i] = float(xb[i]);
   }
-  std::vector<float> permuted, sums;
+  std::vector<float> permuted, sums, qf;
   const float* Xp = f32 ? xc.data_ptr<float>() : xbuf.data();
-  const int offset = kind == Kind::int8 ? 128 : 0;
+  const int offset = kind == Kind::int8 && g_isa == 3 ? 128 : 0;
   std::vector<uint8_t> xq(int8_dot ? rows * K : 0);
   std::vector<float> xqs(int8_dot ? rows : 0);
 #ifdef ZOO_X86
   for (int64_t r = 0; int8_dot && r < rows; ++r)
-    xqs[r] = avx512bf16::round_to_8_bits(Xp + r * K, K, offset, xq.data() + r * K);
+    xqs[r] = g_isa == 3 ? avx512bf16::round_to_8_bits(Xp + r * K, K, offset, xq.data() + r * K)
+                        : avx2::round_to_8_bits(Xp + r * K, K, offset, xq.data() + r * K);
 #endif
+  if (q_as_float) {
+    qf.resize(rows * K);
+    for (int64_t i = 0; i < rows * K; ++i) qf[i] = float(int8_t(xq[i]));
+    Xp = qf.data();
+  }
   std::vector<uint8_t> xq_permuted;
-  if ((kind == Kind::int2 || kind == Kind::int3) && int8_dot) {
+  if ((kind == Kind::int2 || kind == Kind::int3) && int8_dot && !q_as_float) {
     xq_permuted.resize(rows * K);
     if (kind == Kind::int2 && int2_steps_of_256(K, group_size)) {
       // layout 3 (rows_int2_dot256): per 256 inputs, pass j's 64 bytes, byte i <- input 4 i + j
@@ -473,9 +490,11 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   Problem pb{kind, weight.data_ptr(), weight.stride(0) * weight.element_size(), sc, N, K, group_size,
              permuted.empty() ? Xp : permuted.data(), sums.empty() ? nullptr : sums.data(),
              bf16_dot ? reinterpret_cast<const uint16_t*>(xc.data_ptr()) : nullptr,
-             int8_dot ? (xq_permuted.empty() ? xq.data() : xq_permuted.data()) : nullptr,
-             int8_dot ? xqs.data() : nullptr, Yp, in_rows.data(), out_rows.data()};
+             int8_dot && !q_as_float ? (xq_permuted.empty() ? xq.data() : xq_permuted.data()) : nullptr,
+             int8_dot && !q_as_float ? xqs.data() : nullptr, Yp, in_rows.data(), out_rows.data()};
   run_all(pb, items);
+  for (size_t i = 0; q_as_float && i < out_rows.size(); ++i)
+    for (int64_t n = 0; n < N; ++n) Yp[out_rows[i] * N + n] *= xqs[in_rows[i]];
   if (!f32) {  // round to nearest even, NaN kept (as .to() does), in a loop the compiler vectorises
     uint16_t* yb = reinterpret_cast<uint16_t*>(Y.data_ptr());
     for (int64_t i = 0; i < T * k * N; ++i) {

@@ -101,6 +101,82 @@ static void rows_bf16_dot(const uint16_t* w, int64_t K, int64_t r0, int64_t r1, 
 }
 #endif
 
+#ifdef ZOO_DOT8
+// 8-bit dot products (ZOO_DOT8: the avx512-bf16 set's vpdpbusd, or AVX2's multiply-adds): acc plus, in each 32-bit
+// lane, the four products of adjacent unsigned bytes u and signed bytes s. AVX2: vpmaddubsw sums product pairs into
+// 16 bits (saturating: the callers' operands, codes <= 15 times |q| <= 127, stay below 2^15) and vpmaddwd the pairs.
+static inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
+#ifdef ZOO_VNNI
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+#if defined(ZOO_DOT8) && !defined(ZOO_VNNI)
+// The AVX2 forms of round_to_8_bits and rows_int8_dot (below, for the set with vpdpbusd). Rounding: the same
+// arithmetic 8 lanes at a time (max over |x| keeping the running max on a NaN, clamp, round half to even).
+static float round_to_8_bits(const float* x, int64_t K, int offset, uint8_t* q) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + k), magnitude), m);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float amax = 0.f;
+  for (float v : lanes) amax = std::max(amax, v);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+  const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  // each 32-bit lane's low byte, to the low 4 bytes of each 128-bit half, then the halves' words together
+  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (k = 0; k + 8 <= K; k += 8) {
+    const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv), lo), hi);
+    const __m256i r = _mm256_add_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(offset));
+    const __m256i b =
+        _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(r, low_bytes), _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm256_castsi256_si128(b));
+  }
+  for (; k < K; ++k) q[k] = uint8_t(int(std::nearbyint(std::min(127.f, std::max(-127.f, x[k] * inv)))) + offset);
+  return s;
+}
+
+static inline int32_t hsum_epi32(__m256i v) {
+  __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1)));
+}
+
+// int8 weights times 8-bit inputs q (signed, stored as they are: offset 0 on this set): vpmaddubsw takes |w| as its
+// unsigned operand and q with w's sign (vpsignb) as its signed one, so |pair sums| <= 2 * 128 * 127 never saturate
+template <int NP>
+static void rows_int8_dot(const int8_t* w, const Scales& sc, int64_t K, int64_t r0, int64_t r1,
+                          const uint8_t* const* xs, const float* xscale, float* const* ys) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int8_t* wr = w + r * K;
+    __m256i a[NP];
+    for (int p = 0; p < NP; ++p) a[p] = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m256i wv = load<__m256i>(wr + k), magnitude = _mm256_abs_epi8(wv);
+      for (int p = 0; p < NP; ++p) {
+        const __m256i signed_q = _mm256_sign_epi8(load<__m256i>(xs[p] + k), wv);
+        a[p] = _mm256_add_epi32(a[p], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_q), ones));
+      }
+    }
+    const float row_scale = sc.ptr ? sc.at(r) : 1.f;
+    for (int p = 0; p < NP; ++p) {
+      int32_t total = hsum_epi32(a[p]);
+      for (int64_t j = k; j < K; ++j) total += int32_t(int8_t(xs[p][j])) * wr[j];
+      ys[p][r] = float(total) * xscale[p] * row_scale;
+    }
+  }
+}
+#endif
+
 #ifdef ZOO_VNNI
 // One input row rounded to 8 bits for the int8 dot products: q = round(x / s) (half to even) in [-127, 127] with
 // s = max|x| / 127 (1 for a row of zeros), stored q + offset; returns s. Vectorised: the scalar loop of the baseline
@@ -286,7 +362,7 @@ static void block_int4_bf16(const uint8_t* blk, const Scales& sc, int64_t K, int
 }
 #endif
 
-#ifdef ZOO_VNNI
+#ifdef ZOO_DOT8
 // int4 codes times 8-bit inputs (q signed, x ~ q * input scale) on vpdpbusd, one block of 64 rows as block_int4
 // reads it. vpdpbusd sums the products of four adjacent bytes into a 32-bit lane, so each byte's codes for four
 // consecutive k are brought together: byte unpacks pair k with k + 1 and k + 2 with k + 3, 16-bit unpacks join the
@@ -317,7 +393,7 @@ static inline void int4_group_dots(const uint8_t* blk, int64_t k0, int64_t k1, c
     }
     for (int p = 0; p < C; ++p) {
       const __m256i xv = _mm256_set1_epi32(load<int32_t>(xs[p] + k));
-      for (int c = 0; c < 8; ++c) d[p][c] = _mm256_dpbusd_epi32(d[p][c], q[c], xv);
+      for (int c = 0; c < 8; ++c) d[p][c] = dot4_add(d[p][c], q[c], xv);
     }
   }
   for (int p = 0; p < C; ++p)
@@ -336,8 +412,12 @@ static void block_int4_dot(const uint8_t* blk, const Scales& sc, int64_t K, int6
     for (int c = 0; c < 8; ++c) acc[p][c] = _mm256_setzero_ps();
   for (int64_t gi = 0; gi < K / g; ++gi) {
     __m256i dot[NP][8];
+#ifdef ZOO_VNNI
     for (int p = 0; p + 1 < NP; p += 2) int4_group_dots<2>(blk, gi * g, (gi + 1) * g, xs + p, dot + p);
     if constexpr (NP % 2 == 1) int4_group_dots<1>(blk, gi * g, (gi + 1) * g, xs + NP - 1, dot + NP - 1);
+#else  // AVX2's 16 registers hold one input's 8 sums beside the 8 code vectors
+    for (int p = 0; p < NP; ++p) int4_group_dots<1>(blk, gi * g, (gi + 1) * g, xs + p, dot + p);
+#endif
     // the group's scales, vector c's rows: r..r+3 (low half) and r+16..r+19 (high), r = n0 + c / 4 * 32 + c % 4 * 4;
     // taken apart from the products, so that the compiler unrolls both and keeps the sums in registers (a loop over
     // c with the two cases inside kept them in memory: about 0.7x the speed from memory, measured)
@@ -739,6 +819,53 @@ static void rows_int2_dot256(const uint8_t* w, const Scales& sc, int64_t K, int6
 }
 #endif
 
+#if defined(ZOO_DOT8) && !defined(ZOO_VNNI)
+// rows_int2_dot256 on AVX2: the same layout (layout 3) and step, each 64-byte step as two 32-byte halves. Half h's
+// pass j is (bytes >> 2 j) & 3 against inputs 64 j + 32 h.. of the step; the four passes' vpmaddubsw pair sums add in
+// 16 bits (at most 4 * 2 * 3 * 127) before one vpmaddwd, so 32-bit lane l sums codes 128 h + 16 l.. + 15 of the step,
+// all of one group; each lane is scaled by its group's scale into the fp32 accumulator.
+template <int NP>
+static void rows_int2_dot256(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                             const int8_t* const* xs, const float* const* sxs, const float* xscale,
+                             float* const* ys) {
+  const int64_t R = r1 - r0, G = K / g;
+  RowScales rs;
+  row_scales<NP>(sc, G, r0, r1, sxs, rs);
+  thread_local std::vector<float> own;  // each row's group scales together (row_scales keeps them per group)
+  own.resize(R * G + 8);
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t gi = 0; gi < G; ++gi) own[i * G + gi] = rs.s[gi * R + i];
+  alignas(32) int32_t lane_group[8];  // lane l's group, counted from its half's first
+  for (int l = 0; l < 8; ++l) lane_group[l] = int32_t(g <= 128 ? 16 * l / g : 0);
+  const __m256i groups = _mm256_load_si256(reinterpret_cast<const __m256i*>(lane_group));
+  const __m256i three = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wp = w + r * (K / 4);
+    const float* srow = own.data() + (r - r0) * G;
+    __m256 acc[NP];
+    for (int p = 0; p < NP; ++p) acc[p] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 256, wp += 64) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = load<__m256i>(wp + 32 * h);
+        const __m256i c0 = _mm256_and_si256(v, three), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 2), three);
+        const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), three);
+        const __m256i c3 = _mm256_and_si256(_mm256_srli_epi16(v, 6), three);
+        const __m256 vs = _mm256_permutevar8x32_ps(_mm256_loadu_ps(srow + (k + 128 * h) / g), groups);
+        for (int p = 0; p < NP; ++p) {
+          const int8_t* x = xs[p] + k + 32 * h;
+          __m256i d = _mm256_maddubs_epi16(c0, load<__m256i>(x));
+          d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c1, load<__m256i>(x + 64)));
+          d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c2, load<__m256i>(x + 128)));
+          d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c3, load<__m256i>(x + 192)));
+          acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), vs, acc[p]);
+        }
+      }
+    }
+    for (int p = 0; p < NP; ++p) ys[p][r] = (hsum((vf8)acc[p]) + rs.zt[p * R + r - r0]) * xscale[p];
+  }
+}
+#endif
+
 // Dequantise one int4 block of 64 rows into the transposed weight wt [K, N] (float or bf16, rounded to nearest
 // even): the pack is k-major, so each k's 64 values are contiguous in wt too.
 static inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
@@ -798,8 +925,8 @@ static void dequant_int4(const uint8_t* w, const Scales& sc, int64_t N, int64_t 
   });
 }
 
-#ifdef ZOO_VNNI
-// A chunk's 8-bit inputs as vpdpbusd's signed operand (rows of q, for codes) and their scales
+#ifdef ZOO_DOT8
+// A chunk's 8-bit inputs as the dot products' signed operand (rows of q, for codes) and their scales
 static inline void signed_8bit_inputs(const Problem& pb, int np, const int64_t* in_row, const int8_t** xqs,
                                       float* scales) {
   for (int p = 0; p < np; ++p) {
@@ -849,7 +976,7 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
       ZOO_NP((rows_dense<NP>(reinterpret_cast<const uint16_t*>(w), sc, pb.K, it.r0, it.r1, xs, ys)));
       break;
     case Kind::int8:
-#ifdef ZOO_VNNI
+#ifdef ZOO_DOT8
       if (pb.XQ) {
         const uint8_t* xqs[8];
         float scales[8];
@@ -872,7 +999,7 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
       ZOO_NP((rows_dense<NP>(reinterpret_cast<const int8_t*>(w), sc, pb.K, it.r0, it.r1, xs, ys)));
       break;
     case Kind::int4:
-#ifdef ZOO_VNNI
+#ifdef ZOO_DOT8
       if (pb.XQ) {
         const int8_t* xqs[8];
         float scales[8];
@@ -901,17 +1028,19 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
       break;
     case Kind::int2:
     case Kind::int3: {
-#ifdef ZOO_VNNI
-      if (pb.XQ) {
+#ifdef ZOO_DOT8
+      if (pb.XQ) {  // (on AVX2 only 2-bit rows in steps of 256 come with 8-bit inputs: moe_gemv)
         const int8_t* xqs[8];
         float scales[8];
         signed_8bit_inputs(pb, np, in_row, xqs, scales);
         if (pb.kind == Kind::int2 && int2_steps_of_256(pb.K, pb.g)) {
           ZOO_NP((rows_int2_dot256<NP>(w, sc, pb.K, pb.g, it.r0, it.r1, xqs, sxs, scales, ys)));
+#ifdef ZOO_VNNI
         } else if (pb.kind == Kind::int2) {
           ZOO_NP((rows_packed_dot<NP, 2>(w, sc, pb.K, pb.g, it.r0, it.r1, xqs, sxs, scales, ys)));
         } else {
           ZOO_NP((rows_packed_dot<NP, 3>(w, sc, pb.K, pb.g, it.r0, it.r1, xqs, sxs, scales, ys)));
+#endif
         }
         break;
       }
