@@ -113,19 +113,6 @@ def bytes_per_token(model) -> int:
     return int(total)
 
 
-def read_bandwidth(threads: int, smoke: bool) -> float:
-    """The machine's read bandwidth, GB/s: a compiled sum over a bf16 tensor far beyond the last-level cache."""
-    big = torch.randn(2 ** 20 if smoke else 2 ** 29).to(torch.bfloat16)
-    summed = torch.compile(lambda t: t.sum(dtype=torch.float32))
-    summed(big)
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        summed(big)
-        times.append(time.perf_counter() - t)
-    return big.nbytes / statistics.median(times) / 1e9
-
-
 @torch.no_grad()
 def run_model(name: str, model, new_tokens: int, prompt: int, prefill: int, loop: bool = True) -> list:
     """Every engine's row; ``loop=False`` skips the zoo-loop column and the rows without the zoo's kernel (more
@@ -192,10 +179,10 @@ def main(argv=None):
     models = [("mixtral-304M" if not args.smoke else "mixtral-smoke", mixtral_shaped(args.smoke))]
     if not args.skip_shipped and not args.smoke:
         models.append(("zoo-tiny-moe", zoo.load("zoo-tiny-moe", convert=False).eval()))
-    from moe_gemv import cpu_flags
+    from moe_gemv import cpu_flags, read_bandwidth
 
     rows = []
-    bandwidth = read_bandwidth(args.threads, args.smoke)
+    bandwidth, how = read_bandwidth(args.smoke)
     tokenizer = zoo.load_tokenizer("zoo-tiny-moe")
     for name, model in models:
         rows += run_model(name, model, args.new_tokens, args.prompt, args.prefill, loop=not args.smoke)
@@ -210,7 +197,7 @@ def main(argv=None):
             rows += llama_rows(name, same, tokenizer, prompt, prefill, args.new_tokens, args.threads, args.own_quantized)
     print(f"\n{args.new_tokens} greedy tokens after a {args.prompt}-token prompt, batch 1; prefill {args.prefill} "
           f"tokens; torch threads {args.threads}; ratios to transformers eager bf16 of the same model\nprocessor flags: "
-          f"{cpu_flags()}; machine read bandwidth (compiled sum over bf16, {args.threads} threads): {bandwidth:.1f} GB/s")
+          f"{cpu_flags()}; machine read bandwidth ({how}, {args.threads} threads): {bandwidth:.1f} GB/s")
     head = (f"{'model':14} {'engine':24} {'decode tok/s':>12} {'ratio':>6} {'zoo loop':>8} {'ratio':>6} {'jit loop':>8} "
             f"{'prefill tok/s':>13} {'ratio':>6} {'compile s':>9} {'1st token ms':>12} {'same tokens':>11} "
             f"{'MB/token':>8} {'GB/s':>6} {'of bw':>5}")
