@@ -164,10 +164,10 @@ def llama_worker(args) -> dict:
 
 
 def dot_products() -> bool:
-    """Whether the zoo's kernel loads here with the instruction set that has int8 dot products."""
+    """Whether the zoo's kernel loads here with an instruction set that has int8 dot products."""
     from zoo.moe import kernels
 
-    return kernels.load() and kernels.best_isa() == "avx512-bf16"
+    return kernels.load() and kernels.best_isa() in kernels.INT8_DOT_ISAS
 
 
 def run_worker(kind: str, env: dict, args, **extra) -> dict:

@@ -121,8 +121,9 @@ def main(argv=None):
     from decode import mixtral_shaped
     from zoo.moe import kernels
 
-    if not kernels.load() or kernels.best_isa() != "avx512-bf16":
-        print(f"8-bit inputs need AVX512-VNNI and AVX512-BF16 (kernel: {kernels.unavailable_reason() or kernels.isa()})")
+    if not kernels.load() or kernels.best_isa() not in kernels.INT8_DOT_ISAS:
+        print(f"8-bit inputs need int8 dot products, the {' or '.join(kernels.INT8_DOT_ISAS)} set "
+              f"(kernel: {kernels.unavailable_reason() or kernels.isa()})")
         return
     base = zoo.convert(mixtral_shaped(False)).eval()
     if "decode" in parts:

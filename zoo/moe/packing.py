@@ -71,12 +71,18 @@ def int4unpack(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @functools.cache
+def _torch_int4_layout_matches() -> bool:
+    codes = (torch.arange(INT4_BLOCK * 2, dtype=torch.int32) // 4 % 16)[:, None].expand(-1, 64).contiguous()
+    return torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), int4pack(codes))
+
+
+@torch.compiler.assume_constant_result
 def torch_packs_int4_alike() -> bool:
     """Whether torch's own int4 op (``_convert_weight_to_int4pack_for_cpu``, and so ``_weight_int4pack_mm_for_cpu``)
     lays packs out as ``int4pack`` does on this machine (its AVX-512 build does; an AVX2-only one packs blocks of 32
-    rows): where it does not, torch's int4 matmul cannot read the stored form."""
-    codes = (torch.arange(INT4_BLOCK * 2, dtype=torch.int32) // 4 % 16)[:, None].expand(-1, 64).contiguous()
-    return torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), int4pack(codes))
+    rows): where it does not, torch's int4 matmul cannot read the stored form. Probed once per process; a constant
+    to the compiler (compiled steps ask it too)."""
+    return _torch_int4_layout_matches()
 
 
 def dequantize(bits: int, q: torch.Tensor, scale: torch.Tensor, shape, group_size: int, codes=None):
