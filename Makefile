@@ -17,10 +17,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 run: $(VENV)/.installed
 	$(VENV)/bin/moe-zoo tour
 
-# One pytest worker per core (pytest-xdist), a test file per worker at a time (module fixtures run once).
+# One pytest worker per core (pytest-xdist), a test file per worker at a time (module fixtures run once); the 25
+# slowest tests are listed at the end (the suite has a 15-minute budget).
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed system-deps
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # System packages some tests need: Debian's chromium and its driver (the browser test), espeak-ng (the spoken
 # digits of the multimodal data). Installed when missing and apt-get can (as root); otherwise a one-line hint.
