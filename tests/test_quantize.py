@@ -127,6 +127,32 @@ def test_int4_pack_is_one_layout_on_every_processor(n, k):
                 kernels.ready = real
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_prefill_widens_to_fp32_where_bf16_matmuls_are_not_native(bits, monkeypatch):
+    """A bf16 prompt's dense matmul on a widened int8/int4 weight runs in bf16 where torch's bf16 matmuls are native
+    and in fp32 where they are not (an AVX2-only processor: a transposed bf16 weight's matmul ran ~40x slower
+    there), the output bf16 either way and within bf16 rounding of the fp32 product."""
+    from zoo.moe import in_place
+    from zoo.moe.packing import dequantize
+    from zoo.moe.quantized import quantize_grouped, quantize_int8
+
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(bits)) * 0.1
+    q, s = quantize_int8(w) if bits == 8 else quantize_grouped(w, 32, 4)[:2]
+    x = torch.randn(in_place.PREFILL_ROWS, 128).bfloat16()
+    want = x.float() @ dequantize(bits, q, s, (64, 128), 32).t()
+    from zoo.moe import kernels
+
+    monkeypatch.setattr(kernels, "lowbit_gemm_fits", lambda *a: False)  # the bf16-dot tiles would serve instead
+    real, seen = torch.nn.functional.linear, []
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda a, b, *r: seen.append(b.dtype) or real(a, b, *r))
+    for native in (True, False):
+        monkeypatch.setattr(in_place, "bf16_matmul_is_native", lambda: native)
+        seen.clear()
+        got = in_place.kernel_linear(x, q, s, bits, 32)
+        assert got.dtype == torch.bfloat16 and seen == [torch.bfloat16 if native else torch.float32]
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
 def test_esd_alpha_recovers_a_power_law_and_alphaq_prefers_heavy_tails():
     rng = np.random.default_rng(0)
     def with_spectrum(alpha, n=128):

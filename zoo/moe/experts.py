@@ -138,8 +138,8 @@ def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.T
     """Whether an inference call on few tokens can run on ``zoo::moe_gemv`` (loaded by ``zoo.runtime.decode``'s
     compile config, or by the quantized experts' first call): no gradients, few tokens (a compiled step: at most
     ``kernels.MAX_TOKENS``; an eager call, a short prompt's prefill or an eager decode step: at most
-    ``kernels.PAIRS_PER_EXPERT`` (token, slot) pairs per selected expert on average: fewer for ``packed`` weights,
-    more for bf16 and int8 ones on bf16 inputs where the processor has bf16 dot products),
+    ``kernels.PAIRS_PER_EXPERT`` (token, slot) pairs per selected expert on average: fewer for ``packed`` weights
+    (more on the avx2 set), more for bf16 and int8 ones on bf16 inputs where the processor has bf16 dot products),
     CPU tensors of float32/bfloat16 activations and contiguous stored weights. (Per selected expert, so that the
     same routing takes the same path whichever stack holds the experts: a consolidated model's pool, its own.)"""
     if not (kernels.ready() and not torch.is_grad_enabled() and hidden.device.type == "cpu"):
@@ -160,7 +160,9 @@ def _pairs_limit(hidden: torch.Tensor, stored, packed: bool):
     if not packed:
         return "bf16" if kernels.bf16_dot_products(hidden, *stored) else 16
     int8 = any(t.dtype == torch.int8 for t in stored) and not any(t.dtype == torch.uint8 for t in stored)
-    return "int8" if int8 and kernels.bf16_dot_products(hidden) else "packed"
+    if int8 and kernels.bf16_dot_products(hidden):
+        return "int8"
+    return "packed-avx2" if kernels.isa() == "avx2" else "packed"
 
 
 def naive_experts(module, hidden: torch.Tensor, routing) -> torch.Tensor:

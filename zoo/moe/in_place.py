@@ -26,6 +26,19 @@ PREFILL_ROWS = 16  # from this many rows, an int8 weight converted to the activa
 TILE_ROWS = {8: 12, 4: 8}
 
 
+@torch.compiler.assume_constant_result
+def bf16_matmul_is_native() -> bool:
+    """Whether torch's CPU matmuls run bf16 natively here (oneDNN's bf16: AVX-512 processors). On an AVX2-only one
+    they do not: [16, 1024] x a transposed [5632, 1024] bf16 weight took 192 ms there, a row-major one 9.5, fp32 4.7."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def matmul_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a prefill's dense matmul on a widened weight runs in: the activations' own, except bf16 where
+    torch's bf16 matmuls are not native (fp32 there, the output rounded back to bf16)."""
+    return torch.float32 if dtype == torch.bfloat16 and not bf16_matmul_is_native() else dtype
+
+
 def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:
     """x [n, K] @ W.T on torch's kernel for an int8 or int4-packed W (no autograd). Many rows of int8 (prefill):
     the weight converted to x's dtype and torch's dense matmul, which is compute-efficient where the int8 kernel
@@ -43,19 +56,21 @@ def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:
     if x.shape[0] >= TILE_ROWS.get(bits, PREFILL_ROWS) and kernels.lowbit_gemm_fits(x, q, bits, group_size):
         # bf16 inputs: each block of W widened into a tile in the cache and multiplied there (no bf16 copy of W)
         return kernels.lowbit_gemm(x.contiguous(), q, scale, bits, group_size)
+    dense = matmul_dtype(x.dtype)
     if bits == 8 and x.shape[0] >= PREFILL_ROWS:
         # int8 codes are exact in bf16/fp32, so the per-row scale can wait for the output: one pass over W
-        return torch.nn.functional.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+        return (torch.nn.functional.linear(x.to(dense), q.to(dense)) * scale.to(dense)).to(x.dtype)
     if bits == 8:
         return torch.ops.aten._weight_int8pack_mm(x, q, scale.to(x.dtype))
     dense_ok = kernels.ready() and x.dtype in (torch.float32, torch.bfloat16)
-    if x.shape[0] >= PREFILL_ROWS and dense_ok:
-        # int4 too: dequantised by the zoo's kernel straight into the layout the dense matmul reads best
-        return torch.nn.functional.linear(x, kernels.dequantize_int4(q, scale, group_size, x.dtype))
-    if not torch_packs_int4_alike():  # torch's int4 kernel would misread the stored pack on this processor
-        w = (kernels.dequantize_int4(q, scale, group_size, x.dtype) if dense_ok
-             else dequantize(4, q, scale, (q.shape[0], x.shape[-1]), group_size).to(x.dtype))
-        return torch.nn.functional.linear(x, w)
+    if (x.shape[0] >= PREFILL_ROWS or not torch_packs_int4_alike()) and dense_ok:
+        # int4 too: dequantised by the zoo's kernel straight into the layout the dense matmul reads best (and where
+        # torch's int4 kernel would misread the stored pack, below, whatever the rows)
+        w = kernels.dequantize_int4(q, scale, group_size, dense)
+        return torch.nn.functional.linear(x.to(dense), w).to(x.dtype)
+    if not torch_packs_int4_alike():
+        w = dequantize(4, q, scale, (q.shape[0], x.shape[-1]), group_size).to(dense)
+        return torch.nn.functional.linear(x.to(dense), w).to(x.dtype)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, group_size, scale.to(x.dtype))
 
 

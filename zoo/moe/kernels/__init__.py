@@ -41,8 +41,11 @@ MAX_TOKENS = 8  # a compiled step serves at most this many tokens from the kerne
 # 1.04-1.13x at 24-48 (one run; the down projections' tiles 1.5-1.9x the rows kernel's from 8 pairs on); the 304M
 # model's bf16 prefill at 128 tokens (32 pairs per expert) 0.98x transformers on the kernel, so 24. int8 experts
 # on bf16 inputs ("int8", the same tiles): the 304M model's prefill with int8 experts, limit 16 against 4, 1.29 /
-# 1.03x transformers bf16 at 32 tokens, 1.12 / 1.05x at 64 (int4 experts: no gain past 4, lowbit_gemm serves them)
-PAIRS_PER_EXPERT = {16: 8, "bf16": 24, "int8": 16, "packed": 4}
+# 1.03x transformers bf16 at 32 tokens, 1.12 / 1.05x at 64 (int4 experts: no gain past 4, lowbit_gemm serves them).
+# On the avx2 set (no lowbit_gemm tiles, no native bf16 matmul: the alternative is a widened fp32 matmul) packed ones
+# go to 16: the 304M model with everything at int4, 16-token prefill 269 -> 77 ms from 4 to 16, 64 tokens 322 -> 253;
+# int8 97 -> 85 and 264 -> 267 (AMD EPYC Zen 3, 2 threads, interleaved)
+PAIRS_PER_EXPERT = {16: 8, "bf16": 24, "int8": 16, "packed": 4, "packed-avx2": 16}
 # With 8-bit inputs (int8_inputs(True)) int4 experts take the kernel up to this many pairs per selected expert on
 # average, a prompt's prefill too (zoo.moe.quantized): its int8 dot products beat dequantising for a dense matmul
 # there (one [5632, 1024] expert, 2 threads: 2.6x at 16 rows, 1.4x at 128 and 256, 0.86x at 512; the 304M model's
