@@ -236,38 +236,50 @@ template <int NP>
 static void block_int4(const uint8_t* blk, const Scales& sc, int64_t K, int64_t g, int64_t n0, const float* const* xs,
                        const float* const* sxs, float* const* ys) {
   constexpr int C = 32 / L;  // L-byte pieces per k; piece c gives rows c*L.. (low) and 32 + c*L.. (high)
+  // On 8 lanes (AVX2: 16 registers, which 2 C NP = 8 NP sums overflowed) several inputs go one piece at a time over a
+  // group's inputs, and at most 4 inputs at once (8 sums); the same products added in the same order, so the same
+  // outputs. 304M model, everything int4, prefill on AMD EPYC Zen 3, interleaved: 1.52x at 16 tokens (4 pairs per
+  // expert), 1.49x at 64 (1.33 / 1.27x one piece at a time without the split)
+  if constexpr (L == 8 && NP > 4) {
+    block_int4<4>(blk, sc, K, g, n0, xs, sxs, ys);
+    return block_int4<NP - 4>(blk, sc, K, g, n0, xs + 4, sxs + 4, ys + 4);
+  }
+  constexpr int PC = (L == 8 && NP >= 2) ? 1 : C;
   vf acc[NP][2 * C];
   for (int p = 0; p < NP; ++p)
     for (int c = 0; c < 2 * C; ++c) acc[p][c] = vf{};
   for (int64_t gi = 0; gi < K / g; ++gi) {
-    vf ga[NP][2 * C];
-    for (int p = 0; p < NP; ++p)
-      for (int c = 0; c < 2 * C; ++c) ga[p][c] = vf{};
-    for (int64_t k = gi * g; k < (gi + 1) * g; ++k) {
-      const uint8_t* b = blk + k * 32;
-      for (int c = 0; c < C; ++c) {
-        vf lo, hi;
-        nibbles_to_float(b + c * L, lo, hi);
-        for (int p = 0; p < NP; ++p) {
-          float x = xs[p][k];
-          ga[p][c] += lo * x;
-          ga[p][C + c] += hi * x;
+    for (int c0 = 0; c0 < C; c0 += PC) {
+      vf ga[NP][2 * PC];
+      for (int p = 0; p < NP; ++p)
+        for (int j = 0; j < 2 * PC; ++j) ga[p][j] = vf{};
+      for (int64_t k = gi * g; k < (gi + 1) * g; ++k) {
+        const uint8_t* b = blk + k * 32;
+        for (int c = 0; c < PC; ++c) {
+          vf lo, hi;
+          nibbles_to_float(b + (c0 + c) * L, lo, hi);
+          for (int p = 0; p < NP; ++p) {
+            float x = xs[p][k];
+            ga[p][c] += lo * x;
+            ga[p][PC + c] += hi * x;
+          }
         }
       }
-    }
-    for (int c = 0; c < 2 * C; ++c) {
-      vf s, zm;
-      if (sc.bf16) {  // L (scale, zero) pairs of bf16 as L 32-bit lanes: scale in the low half, zero in the high
-        vu32 sz = load<vu32>(static_cast<const uint16_t*>(sc.ptr) + (gi * sc.N + n0 + c * L) * 2);
-        s = (vf)(sz << 16);
-        zm = (vf)(sz & 0xffff0000u) - 8 * s;
-      } else {
-        for (int i = 0; i < L; ++i) {
-          s[i] = sc.scale(gi, n0 + c * L + i);
-          zm[i] = sc.zero(gi, n0 + c * L + i) - 8 * s[i];
+      for (int j = 0; j < 2 * PC; ++j) {
+        const int c = j < PC ? c0 + j : C + c0 + j - PC;  // the piece's index among all 2 C
+        vf s, zm;
+        if (sc.bf16) {  // L (scale, zero) pairs of bf16 as L 32-bit lanes: scale in the low half, zero in the high
+          vu32 sz = load<vu32>(static_cast<const uint16_t*>(sc.ptr) + (gi * sc.N + n0 + c * L) * 2);
+          s = (vf)(sz << 16);
+          zm = (vf)(sz & 0xffff0000u) - 8 * s;
+        } else {
+          for (int i = 0; i < L; ++i) {
+            s[i] = sc.scale(gi, n0 + c * L + i);
+            zm[i] = sc.zero(gi, n0 + c * L + i) - 8 * s[i];
+          }
         }
+        for (int p = 0; p < NP; ++p) acc[p][c] += ga[p][j] * s + zm * sxs[p][gi];
       }
-      for (int p = 0; p < NP; ++p) acc[p][c] += ga[p][c] * s + zm * sxs[p][gi];
     }
   }
   for (int p = 0; p < NP; ++p)
