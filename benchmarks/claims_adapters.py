@@ -33,6 +33,7 @@ from zoo.evaluation.claims import judge, record, same_weights
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokens import token_stream, train_batch
 from zoo.training.finetune import finetune, held_out, lr_at
+from zoo.training.precision import precision_label, training_autocast
 from zoo.moe.layout import moe_layers
 
 from claim_args import conclude, geo, seed_args, show, verdict_parts  # noqa: E402
@@ -90,7 +91,7 @@ def full_experts(args, label: str):
             for g in opt.param_groups:
                 g["lr"] = lr_at(args.full_lr, step, args.steps)
             ids = train_batch(streams, step, args.batch, args.seq_len, seed)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with training_autocast():
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -137,7 +138,7 @@ def close(j: dict) -> dict:
 
 def settings(args, steps: str = "") -> str:
     return (f"{steps or args.steps} steps x {args.batch} x {args.seq_len} {args.domain} tokens "
-            f"(zoo.training.finetune's schedule, bf16 autocast), seeds {', '.join(map(str, range(args.seeds)))} "
+            f"(zoo.training.finetune's schedule, {precision_label()}), seeds {', '.join(map(str, range(args.seeds)))} "
             "(both arms of a seed start from the same base model, every update at zero, and see the same batches: "
             f"judged paired by seed), "
             f"{args.windows} held-out windows x {args.seq_len} tokens per domain, measure: held-out {args.domain} "

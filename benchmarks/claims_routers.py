@@ -48,6 +48,7 @@ from zoo.data.corpus import DOMAINS, load_text  # noqa: E402
 from zoo.data.tokens import token_stream, train_batch  # noqa: E402
 from zoo.evaluation.claims import judge, same_weights  # noqa: E402
 from zoo.evaluation.eval import perplexity_and_usage  # noqa: E402
+from zoo.training.precision import precision_label, training_autocast  # noqa: E402
 from zoo.moe.layout import moe_layers  # noqa: E402
 from zoo.moe.losses import load_balancing_loss  # noqa: E402
 from zoo.training.finetune import lr_at  # noqa: E402
@@ -115,7 +116,7 @@ def tune(model, tok, args, aux: float, seed: int) -> None:
             for g in opt.param_groups:
                 g["lr"] = lr_at(args.lr, step, args.steps)
             ids = train_batch(data, step, args.batch, args.seq_len, seed)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with training_autocast():
                 loss = model(input_ids=ids, labels=ids).loss
                 # routers without logits (token-hash: the table picks, balanced by construction) take no loss
                 bal = [load_balancing_loss(seen[i].logits, layers[i][1].router.top_k) for i in seen
@@ -186,10 +187,10 @@ def paired(mech: list, ctrl: list, key: str, lower_is_better: bool = True, same:
 
 def settings(args) -> str:
     return (f"{MODEL} fine-tuned whole for {args.steps} steps x {args.batch} x {args.seq_len} tokens of both domains "
-            f"(AdamW lr {args.lr}, warm-up then cosine, bf16 autocast) from each of {args.seeds} seeds; both arms of a "
-            f"seed start from the same weights and see the same batches, so each comparison is paired by seed (noise: "
-            f"the spread of the per-seed differences); evaluated on {args.windows} held-out windows x 256 tokens per "
-            "domain; one thread. So short a tune raises every arm's perplexity above the shipped model's: compare "
+            f"(AdamW lr {args.lr}, warm-up then cosine, {precision_label()}) from each of {args.seeds} seeds; both "
+            f"arms of a seed start from the same weights and see the same batches, so each comparison is paired by "
+            f"seed (noise: the spread of the per-seed differences); evaluated on {args.windows} held-out windows x 256 "
+            "tokens per domain; one thread. So short a tune raises every arm's perplexity above the shipped model's: compare "
             "the arms with each other")
 
 

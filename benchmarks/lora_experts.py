@@ -63,6 +63,7 @@ def worker(variant: str, model: str, batch: int, seq_len: int, steps: int, warmu
     from zoo.data.tokenizer import load_tokenizer
     from zoo.data.tokens import eval_windows, token_stream
     from zoo.moe.layout import moe_layers
+    from zoo.training.precision import precision_label, training_autocast
 
     torch.set_num_threads(1)
     base = zoo.load(model, dtype=torch.float32)
@@ -87,7 +88,7 @@ def worker(variant: str, model: str, batch: int, seq_len: int, steps: int, warmu
     times, losses = [], []
 
     def step(ids):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with training_autocast():
             loss = peft_model(input_ids=ids, labels=ids, output_router_logits=True).loss
         loss.backward()
         optimizer.step()
@@ -103,7 +104,7 @@ def worker(variant: str, model: str, batch: int, seq_len: int, steps: int, warmu
     train_peak = peak_rss_mb()
     tensor_peak = step_tensor_peak_mb(lambda: step(batches[warmup]))
     peft_model.eval()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), training_autocast():
         peft_model(input_ids=batches[0])
         t = time.perf_counter()
         peft_model(input_ids=batches[0])
@@ -121,7 +122,7 @@ def worker(variant: str, model: str, batch: int, seq_len: int, steps: int, warmu
         routing = moe.router(x)
 
     def layer_step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with training_autocast():
             out = moe.experts(x, routing)
         out.float().square().mean().backward()
         optimizer.zero_grad(set_to_none=True)
@@ -171,7 +172,7 @@ def main():
         print(json.dumps(worker(args.worker, args.model, batch, seq_len, args.steps, args.warmup, args.rank)))
         return
     print(f"{args.model}: LoRA r={args.rank}, alpha={2 * args.rank} on gate_up_proj + down_proj of every expert; "
-          f"fp32 weights, bf16 autocast, 1 thread; {args.steps} timed steps after {args.warmup}, "
+          f"fp32 weights, {precision_label()}, 1 thread; {args.steps} timed steps after {args.warmup}, "
           f"best of {args.repeats} runs")
     print(f"{'':17}{'--------------- training step (whole model) ---------------':>62}"
           f"{'-- one MoE layer, fwd+bwd --':>30}")

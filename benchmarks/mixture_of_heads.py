@@ -35,6 +35,7 @@ from zoo.data.corpus import DOMAINS
 from zoo.data.tokens import token_stream, train_batch
 from zoo.evaluation.claims import judge
 from zoo.evaluation.eval import perplexity_and_usage
+from zoo.training.precision import training_autocast
 from zoo_routers.mixture_of_heads import MixtureOfHeads, head_balance_loss, head_count
 
 
@@ -62,7 +63,7 @@ def tune(model, tok, steps: int, batch: int, seq_len: int, lr: float, balance: f
             group["lr"] = lr * min((step + 1) / warm, 0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
         seen.clear()
         ids = train_batch(streams, step, batch, seq_len, seed)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with training_autocast():
             lm = model(input_ids=ids, labels=ids).loss
         aux = torch.stack([head_balance_loss(r) for r in seen]).mean()
         (lm + balance * aux).backward()

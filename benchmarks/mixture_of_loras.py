@@ -35,6 +35,7 @@ from zoo.data.corpus import DOMAINS
 from zoo.data.tokenizer import load_tokenizer
 from zoo.data.tokens import eval_windows, token_stream, train_batch
 from zoo.evaluation.eval import perplexity_and_usage
+from zoo.training.precision import training_autocast
 from zoo.evaluation.claims import judge, same_weights
 from zoo.training.finetune import lr_at
 
@@ -101,7 +102,7 @@ def run(router: str, args, tokenizer, seed: int) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(args.lr, step, args.steps)
         ids = train_batch(streams, step, args.batch_size, args.seq_len, seed)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with training_autocast():
             loss, lm = adapter.loss(model, ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -40,6 +40,7 @@ from zoo.data.corpus import DOMAINS  # noqa: E402
 from zoo.data.tokenizer import load_tokenizer  # noqa: E402
 from zoo.data.tokens import token_stream, train_batch  # noqa: E402
 from zoo.moe.layout import moe_layers, set_block, sync_layout  # noqa: E402
+from zoo.training.precision import training_autocast  # noqa: E402
 from zoo.evaluation.claims import judge  # noqa: E402
 from zoo.training.train import TrainConfig, lr_at  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
@@ -66,7 +67,7 @@ def continue_training(model, args, streams, label: str, seed: int) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step) * group["scale"]
         batch = train_batch(streams, step, args.batch, args.seq_len, seed=seed)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with training_autocast():
             out = model(input_ids=batch, labels=batch, output_router_logits=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

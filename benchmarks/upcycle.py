@@ -38,6 +38,7 @@ from zoo.data.corpus import DOMAINS, load_text  # noqa: E402
 from zoo.data.tokenizer import load_tokenizer  # noqa: E402
 from zoo.data.tokens import token_stream, train_batch  # noqa: E402
 from zoo.evaluation.eval import perplexity_and_usage, sizes  # noqa: E402
+from zoo.training.precision import training_autocast  # noqa: E402
 from zoo.moe.layout import moe_layers  # noqa: E402
 from zoo.training.train import TrainConfig, lr_at  # noqa: E402
 
@@ -77,7 +78,7 @@ def continue_training(model, args, streams, label: str, data_seed: int, setup=No
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
         ids = train_batch(streams, step, args.batch, args.seq_len, seed=data_seed)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with training_autocast():
             out = model(input_ids=ids, labels=ids, output_router_logits=moe)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

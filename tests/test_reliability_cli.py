@@ -293,7 +293,8 @@ def test_evaluate_refuses_bad_arguments(tiny, kwargs, needle, never):
 
 @pytest.mark.parametrize("kwargs,needle", [({"steps": 0}, "steps"), ({"lr": float("nan")}, "lr"),
                                            ({"batch_size": 2.5}, "batch_size"), ({"seed": -1}, "seed"),
-                                           ({"threads": 0}, "threads"), ({"windows": 0}, "windows")])
+                                           ({"threads": 0}, "threads"), ({"windows": 0}, "windows"),
+                                           ({"bf16": "yes"}, "bf16")])
 def test_finetune_refuses_bad_arguments_before_loading(kwargs, needle, never):
     never(zoo, "load")
     with pytest.raises(ValueError, match=needle):

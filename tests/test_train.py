@@ -91,8 +91,25 @@ def test_training_can_start_from_an_upcycled_model(tmp_path):
 def test_init_options_are_checked(tmp_path):
     with pytest.raises(ValueError, match="init_recipe needs init"):
         TrainConfig(init_recipe="upcycle")
+    with pytest.raises(ValueError, match="bf16 must be"):
+        TrainConfig(bf16="false")
     from zoo.data.tokenizer import load_tokenizer
     from zoo.training.train import initial_model
 
     with pytest.raises(ValueError, match="is a mistral model; arch 'mixtral' expects zoo_mixtral"):
         initial_model(TrainConfig(arch="mixtral", init="zoo-tiny-dense", out=str(tmp_path)), load_tokenizer())
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_steps_autocast_to_bf16_only_where_bf16_is_native(monkeypatch, native):
+    """bf16 autocast by default where the processor multiplies bf16 natively; fp32 where it does not (an AVX2-only
+    CPU, where torch's bf16 products are ~100x slower); an explicit choice is kept."""
+    from zoo.moe import in_place
+    from zoo.training.precision import precision_label, training_autocast
+
+    monkeypatch.setattr(in_place, "bf16_matmul_is_native", lambda: native)
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    for bf16, expect in ((None, native), (True, True), (False, False)):
+        with training_autocast(bf16):
+            assert (a @ b).dtype == (torch.bfloat16 if expect else torch.float32)
+        assert precision_label(bf16).startswith("bf16" if expect else "fp32")

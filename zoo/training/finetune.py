@@ -29,6 +29,7 @@ from zoo.io.outputs import check_output_apart
 from zoo.components.options import check_int
 from zoo.io.adapter_folder import portable_base
 from zoo.moe.layout import moe_layers
+from zoo.training.precision import training_autocast, use_bf16
 
 
 @dataclass
@@ -74,10 +75,11 @@ def lr_at(lr: float, step: int, steps: int) -> float:
 
 def finetune(model, adapter: str, options: dict | None = None, domain: str = "code", steps: int = 100,
              lr: float = 1e-3, batch_size: int = 8, seq_len: int = 256, windows: int = 24, seed: int = 0,
-             bf16: bool = True, threads: int | None = None, out: str | None = None, merge: bool = False,
+             bf16: bool | None = None, threads: int | None = None, out: str | None = None, merge: bool = False,
              progress: bool = True) -> FinetuneResult:
     """Attach ``adapter`` (with ``options``) to ``model`` (a loaded model, or a name / folder for ``zoo.load``),
-    train it for ``steps`` on ``domain``'s training split, and save to ``out`` (atomically) when given."""
+    train it for ``steps`` on ``domain``'s training split, and save to ``out`` (atomically) when given. ``bf16``:
+    bf16 autocast over the fp32 weights (None: where the processor multiplies bf16 natively)."""
     import zoo
     from zoo.editing.apply import find
 
@@ -98,6 +100,8 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
         raise ValueError(f"lr must be a positive finite number, got {lr!r}")
     check_int("seed", seed, 0, 2**32 - 1)
+    if bf16 is not None and not isinstance(bf16, bool):
+        raise ValueError(f"bf16 must be True, False or None, got {bf16!r}")
     if out is not None:
         check_target(out)
         check_output_apart(out, model, what="out")  # never into the base (or inside it): it would change the base
@@ -143,7 +147,7 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
         for group in optimizer.param_groups:
             group["lr"] = lr_at(lr, step, steps)
         ids = train_batch(streams, step, batch_size, seq_len, seed)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with training_autocast(bf16):
             if helper is not None and helper.loss is not None:
                 loss, lm_loss = helper.loss(model, ids)
             else:
@@ -177,8 +181,8 @@ def finetune(model, adapter: str, options: dict | None = None, domain: str = "co
     if out:
         save(result, out, tokenizer, {"base": portable_base(source), "adapter": adapter,
                                       "options": options, "domain": domain, "steps": steps, "lr": lr,
-                                      "batch_size": batch_size, "seq_len": seq_len, "seed": seed, "bf16": bf16,
-                                      "windows": windows, "merged": merge})
+                                      "batch_size": batch_size, "seq_len": seq_len, "seed": seed,
+                                      "bf16": use_bf16(bf16), "windows": windows, "merged": merge})
     return result
 
 

@@ -1,8 +1,9 @@
 """Train the zoo's own small models on the shipped corpus: an MoE (Mixtral or Qwen3-MoE layout) and a
 dense control with the same active parameters (Mistral layout), on the same tokens.
 
-bf16 autocast on the CPU, the load-balancing loss for MoE models, a tqdm bar, periodic validation per
-domain, and resumable checkpoints (weights and optimizer state in safetensors, never pickles).
+bf16 autocast where the processor multiplies bf16 natively (``zoo.training.precision``), the load-balancing loss
+for MoE models, a tqdm bar, periodic validation per domain, and resumable checkpoints (weights and optimizer state in
+safetensors, never pickles).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from zoo.io.atomic import atomic_directory, write_text
 from zoo.data.corpus import DOMAINS
 from zoo.data.tokenizer import load_tokenizer
 from zoo.data.tokens import eval_windows, token_stream, train_batch
+from zoo.training.precision import training_autocast
 
 ARCHS = ("mixtral", "qwen3_moe", "dense")
 
@@ -46,7 +48,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_windows: int = 24
     seed: int = 0
-    bf16: bool = True
+    bf16: bool | None = None  # bf16 autocast; None: where bf16 is native (zoo.training.precision)
     threads: int | None = None
     out: str = "runs/zoo-tiny-moe"
     # Start from a trained model instead of random weights: ``init`` is a model zoo.load accepts (a name or a
@@ -60,6 +62,8 @@ class TrainConfig:
             raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if self.init_recipe and not self.init:
             raise ValueError("init_recipe needs init (the model the recipe is applied to)")
+        if self.bf16 is not None and not isinstance(self.bf16, bool):
+            raise ValueError(f"bf16 must be true, false or null, got {self.bf16!r}")
 
     @classmethod
     def from_json(cls, path: str, **overrides) -> "TrainConfig":
@@ -137,7 +141,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 @torch.no_grad()
-def validate(model, windows: dict[str, torch.Tensor], bf16: bool, batch: int = 8) -> dict[str, float]:
+def validate(model, windows: dict[str, torch.Tensor], bf16: bool | None, batch: int = 8) -> dict[str, float]:
     """Mean next-token cross-entropy (nats) per domain on fixed held-out windows."""
     model.eval()
     out = {}
@@ -145,7 +149,7 @@ def validate(model, windows: dict[str, torch.Tensor], bf16: bool, batch: int = 8
         total, count = 0.0, 0
         for i in range(0, len(w), batch):
             ids = w[i:i + batch]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with training_autocast(bf16):
                 loss = model(input_ids=ids, labels=ids).loss
             n = ids.numel() - ids.shape[0]
             total, count = total + loss.float().item() * n, count + n
@@ -212,7 +216,7 @@ def train(cfg: TrainConfig, resume: bool = True, progress: bool = True) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(cfg, step)
         ids = train_batch(streams, step, cfg.batch_size, cfg.seq_len, cfg.seed)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        with training_autocast(cfg.bf16):
             out = model(input_ids=ids, labels=ids, output_router_logits=is_moe(cfg))
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
