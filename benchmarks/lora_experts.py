@@ -63,7 +63,7 @@ def worker(variant: str, model: str, batch: int, seq_len: int, steps: int, warmu
     from zoo.data.tokenizer import load_tokenizer
     from zoo.data.tokens import eval_windows, token_stream
     from zoo.moe.layout import moe_layers
-    from zoo.training.precision import precision_label, training_autocast
+    from zoo.training.precision import training_autocast
 
     torch.set_num_threads(1)
     base = zoo.load(model, dtype=torch.float32)
@@ -171,6 +171,8 @@ def main():
         batch, seq_len = map(int, args.sizes[0].split("x"))
         print(json.dumps(worker(args.worker, args.model, batch, seq_len, args.steps, args.warmup, args.rank)))
         return
+    from zoo.training.precision import precision_label
+
     print(f"{args.model}: LoRA r={args.rank}, alpha={2 * args.rank} on gate_up_proj + down_proj of every expert; "
           f"fp32 weights, {precision_label()}, 1 thread; {args.steps} timed steps after {args.warmup}, "
           f"best of {args.repeats} runs")
