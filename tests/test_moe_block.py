@@ -163,6 +163,27 @@ def test_experts_match_reference(path, num_experts, k, tokens, bias, dtype):
     check_against_reference(ex, path, x, weights, indices, dtype)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-native", "bf16-not-native"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_bf16_experts_multiply_in_fp32_where_bf16_is_not_native(monkeypatch, native, bias):
+    """On a CPU without native bf16 products (AVX2-only) the eager experts widen to fp32 and round back: the same
+    reference, outputs and gradients in bf16, the products in fp32."""
+    from zoo.moe import cpu_precision
+
+    monkeypatch.setattr(cpu_precision, "bf16_matmul_is_native", lambda: native)
+    real, seen = torch.nn.functional.linear, []
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda a, b, *r: seen.append((a.dtype, b.dtype)) or real(a, b, *r))
+    torch.manual_seed(7)
+    ex = make_experts(8, torch.bfloat16, bias=bias)
+    x = torch.randn(64, H).to(torch.bfloat16)
+    weights, indices = random_routing(64, 8, 2, torch.bfloat16)
+    _, grads = check_against_reference(ex, "sorted", x, weights, indices, torch.bfloat16)
+    product = torch.bfloat16 if native else torch.float32
+    assert seen and set(seen) == {(product, product)}
+    assert all(grads[n].dtype == torch.bfloat16 for n, _ in ex.named_parameters())
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens,num_experts,k", [(1, 8, 2), (2, 8, 2), (3, 8, 2), (4, 8, 2), (5, 8, 2),
                                                   (1, 4, 1), (7, 4, 1), (64, 8, 2)])

@@ -132,7 +132,7 @@ def test_prefill_widens_to_fp32_where_bf16_matmuls_are_not_native(bits, monkeypa
     """A bf16 prompt's dense matmul on a widened int8/int4 weight runs in bf16 where torch's bf16 matmuls are native
     and in fp32 where they are not (an AVX2-only processor: a transposed bf16 weight's matmul ran ~40x slower
     there), the output bf16 either way and within bf16 rounding of the fp32 product."""
-    from zoo.moe import in_place
+    from zoo.moe import cpu_precision, in_place
     from zoo.moe.packing import dequantize
     from zoo.moe.quantized import quantize_grouped, quantize_int8
 
@@ -146,7 +146,7 @@ def test_prefill_widens_to_fp32_where_bf16_matmuls_are_not_native(bits, monkeypa
     real, seen = torch.nn.functional.linear, []
     monkeypatch.setattr(torch.nn.functional, "linear", lambda a, b, *r: seen.append(b.dtype) or real(a, b, *r))
     for native in (True, False):
-        monkeypatch.setattr(in_place, "bf16_matmul_is_native", lambda: native)
+        monkeypatch.setattr(cpu_precision, "bf16_matmul_is_native", lambda: native)
         seen.clear()
         got = in_place.kernel_linear(x, q, s, bits, 32)
         assert got.dtype == torch.bfloat16 and seen == [torch.bfloat16 if native else torch.float32]

@@ -21,9 +21,9 @@ WINDOWS = 24  # the held-out windows training validated on: 24 x 256 tokens per 
 
 
 @pytest.fixture(scope="module")
-def results():
+def results():  # in fp32: bf16 products are slow on processors without native bf16 (AVX2-only ones)
     tok = zoo.load_tokenizer("zoo-tiny-moe")
-    return {name: evaluate(zoo.load(name).eval(), tok, max_windows=WINDOWS, measure_speed=False)
+    return {name: evaluate(zoo.load(name, dtype=torch.float32).eval(), tok, max_windows=WINDOWS, measure_speed=False)
             for name in ("zoo-tiny-moe", "zoo-tiny-dense")}
 
 
@@ -45,7 +45,8 @@ def test_native_checkpoints_load_without_zoo():
 
 def test_sizes_and_evaluation_are_sane(results):
     moe, dense = results["zoo-tiny-moe"], results["zoo-tiny-dense"]
-    assert 10e6 <= moe["size"]["params"] <= 30e6 and moe["size"]["bytes"] <= 60e6
+    assert 10e6 <= moe["size"]["params"] <= 30e6 and moe["size"]["bytes"] <= 4 * 30e6  # evaluated in fp32
+    assert (Path(MOE.local_path) / "model.safetensors").stat().st_size <= 60e6  # shipped in bf16
     # the dense control has the MoE's active parameters
     assert abs(dense["size"]["params"] - moe["size"]["active_params"]) / dense["size"]["params"] < 0.02
     for r in (moe, dense):

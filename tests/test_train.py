@@ -104,10 +104,10 @@ def test_init_options_are_checked(tmp_path):
 def test_steps_autocast_to_bf16_only_where_bf16_is_native(monkeypatch, native):
     """bf16 autocast by default where the processor multiplies bf16 natively; fp32 where it does not (an AVX2-only
     CPU, where torch's bf16 products are ~100x slower); an explicit choice is kept."""
-    from zoo.moe import in_place
+    from zoo.moe import cpu_precision
     from zoo.training.precision import precision_label, training_autocast
 
-    monkeypatch.setattr(in_place, "bf16_matmul_is_native", lambda: native)
+    monkeypatch.setattr(cpu_precision, "bf16_matmul_is_native", lambda: native)
     a, b = torch.randn(4, 8), torch.randn(8, 3)
     for bf16, expect in ((None, native), (True, True), (False, False)):
         with training_autocast(bf16):

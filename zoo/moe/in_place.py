@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from zoo.moe import kernels
+from zoo.moe.cpu_precision import matmul_dtype
 from zoo.moe.dispatch import run_each, run_sorted
 from zoo.moe.experts import ACTIVATIONS
 
@@ -24,19 +25,6 @@ PREFILL_ROWS = 16  # from this many rows, an int8 weight converted to the activa
 # 2 threads: int4 0.64 against 0.68 ms at 8 rows, 0.70 against 1.00 at 12; int8 1.04 against 1.08 at 12, 0.96
 # against 0.84 at 8); below it torch's low-bit kernels, and for a few tokens zoo::moe_gemv, serve
 TILE_ROWS = {8: 12, 4: 8}
-
-
-@torch.compiler.assume_constant_result
-def bf16_matmul_is_native() -> bool:
-    """Whether torch's CPU matmuls run bf16 natively here (oneDNN's bf16: AVX-512 processors). On an AVX2-only one
-    they do not: [16, 1024] x a transposed [5632, 1024] bf16 weight took 192 ms there, a row-major one 9.5, fp32 4.7."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def matmul_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a prefill's dense matmul on a widened weight runs in: the activations' own, except bf16 where
-    torch's bf16 matmuls are not native (fp32 there, the output rounded back to bf16)."""
-    return torch.float32 if dtype == torch.bfloat16 and not bf16_matmul_is_native() else dtype
 
 
 def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:

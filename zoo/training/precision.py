@@ -11,7 +11,7 @@ def bf16_is_fast(device_type: str = "cpu") -> bool:
     """Whether bf16 autocast speeds up matrix products on ``device_type`` (every accelerator is taken to)."""
     if device_type != "cpu":
         return True
-    from zoo.moe.in_place import bf16_matmul_is_native
+    from zoo.moe.cpu_precision import bf16_matmul_is_native
 
     return bf16_matmul_is_native()
 
