@@ -598,6 +598,29 @@ def test_eager_linear_layers_below_the_weight_thresholds_keep_the_library_matmul
             torch.testing.assert_close(got, layer(x), rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_kernel_read_linear_on_many_bf16_rows_multiplies_in_fp32_where_bf16_is_not_native(monkeypatch, native):
+    """Past the kernel's rows, a bf16 layer takes torch's product: in bf16 where that is native, else on the weight
+    widened to fp32 (an AVX2-only CPU's bf16 products are slow), its output rounded back to bf16 either way."""
+    from zoo.moe import cpu_precision
+    from zoo.moe.kernels import linear
+
+    monkeypatch.setattr(cpu_precision, "bf16_matmul_is_native", lambda: native)
+    real, seen = torch.nn.functional.linear, []
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda a, b, *r: seen.append((a.dtype, b.dtype)) or real(a, b, *r))
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    linear.read_linears_with_kernel(layer)
+    x = torch.randn(2, kernels.MAX_TOKENS + 40, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        got = layer(x)
+    product = torch.bfloat16 if native else torch.float32
+    assert got.dtype == torch.bfloat16 and seen == [(product, product)]
+    torch.testing.assert_close(got.float(), x.float() @ layer.weight.float().t() + layer.bias.float(), rtol=2e-2,
+                               atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dequantize_int4_matches_reference(isa, dtype):
     """Prefill's dequantised int4 weight: the reference's, full blocks of 64 rows and the two-rows-a-byte tail."""

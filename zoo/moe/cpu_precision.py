@@ -17,3 +17,10 @@ def matmul_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a CPU product of ``dtype`` operands runs in: their own, except bf16 where torch's bf16 matmuls are
     not native (fp32 there, the output rounded back to bf16)."""
     return torch.float32 if dtype == torch.bfloat16 and not bf16_matmul_is_native() else dtype
+
+
+def at_matmul_dtype(x: torch.Tensor, *tensors):
+    """``x`` and ``tensors`` (None stays None) in the dtype ``x``'s products run in on its device (see
+    ``matmul_dtype``; off the CPU, its own). Round the result back with ``.to(x.dtype)``."""
+    dtype = matmul_dtype(x.dtype) if x.device.type == "cpu" else x.dtype
+    return tuple(None if t is None else t.to(dtype) for t in (x, *tensors))

@@ -10,7 +10,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 
 from zoo.moe import kernels
-from zoo.moe.cpu_precision import matmul_dtype
+from zoo.moe.cpu_precision import at_matmul_dtype
 from zoo.moe.dispatch import gather_rows, run_sorted
 from zoo.components.controls import DemoControls
 from zoo.moe.routing import Routing
@@ -244,14 +244,10 @@ class SwiGLUExperts(Experts):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert on its own slice of tokens, ``x [n, H] -> [n, H]``; bf16 widened to fp32 on a CPU without
         native bf16 products (``zoo.moe.cpu_precision``), the output rounded back."""
-        w1, w2 = self.gate_up_proj[e], self.down_proj[e]
         b1 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[e]
         b2 = None if self.down_proj_bias is None else self.down_proj_bias[e]
-        dtype = matmul_dtype(x.dtype) if x.device.type == "cpu" else x.dtype
-        if dtype != x.dtype:
-            w1, w2, b1, b2 = (None if t is None else t.to(dtype) for t in (w1, w2, b1, b2))
-            return F.linear(self.glu(F.linear(x.to(dtype), w1, b1)), w2, b2).to(x.dtype)
-        return F.linear(self.glu(F.linear(x, w1, b1)), w2, b2)
+        xm, w1, w2, b1, b2 = at_matmul_dtype(x, self.gate_up_proj[e], self.down_proj[e], b1, b2)
+        return F.linear(self.glu(F.linear(xm, w1, b1)), w2, b2).to(x.dtype)
 
     def forward(self, hidden: torch.Tensor, routing) -> torch.Tensor:
         tokens, k = routing.indices.shape
@@ -358,7 +354,8 @@ class MLPExperts(Experts):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         b1 = None if self.up_proj_bias is None else self.up_proj_bias[e]
         b2 = None if self.down_proj_bias is None else self.down_proj_bias[e]
-        return F.linear(self._act(F.linear(x, self.up_proj[e], b1)), self.down_proj[e], b2)
+        xm, w1, w2, b1, b2 = at_matmul_dtype(x, self.up_proj[e], self.down_proj[e], b1, b2)  # (SwiGLUExperts.expert)
+        return F.linear(self._act(F.linear(xm, w1, b1)), w2, b2).to(x.dtype)
 
     def forward(self, hidden: torch.Tensor, routing) -> torch.Tensor:
         tokens, k = routing.indices.shape
