@@ -28,7 +28,6 @@ from zoo.moe.layout import (
 )
 from zoo.moe import Router, SparseMoE
 from zoo.moe import context as routing_context
-from zoo.moe.cpu_precision import linear_at_matmul_dtype
 from zoo.moe.losses import family_aux_loss
 from zoo.moe.router_capture import recorded_router_logits
 from zoo.moe.init import init_zoo_module, initialize_missing_keys
@@ -308,7 +307,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, cache
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_router_logits=False, return_dict=True, **kwargs)
     hidden = outputs.last_hidden_state
-    logits = linear_at_matmul_dtype(self.lm_head, slice_logits_to_keep(hidden, logits_to_keep))
+    logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
     loss = self.loss_function(logits, labels, self.vocab_size, **kwargs) if labels is not None else None
     aux_loss = None
     router_logits = tuple(lg for _, lg in recorded) if output_router_logits else None

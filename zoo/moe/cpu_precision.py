@@ -24,23 +24,3 @@ def at_matmul_dtype(x: torch.Tensor, *tensors):
     ``matmul_dtype``; off the CPU, its own). Round the result back with ``.to(x.dtype)``."""
     dtype = matmul_dtype(x.dtype) if x.device.type == "cpu" else x.dtype
     return tuple(None if t is None else t.to(dtype) for t in (x, *tensors))
-
-
-def linear_at_matmul_dtype(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``; for a plain ``nn.Linear`` that nothing wraps (no hooks, no forward of its own: accelerate's
-    offloading, tensor parallelism and PEFT all leave one of those) on operands ``at_matmul_dtype`` widens, the same
-    product in that dtype, rounded back. zoo-tiny-moe's bf16 LM head over 2048 rows took 1.1 s on an AVX2-only CPU,
-    its whole forward 3.9 s in bf16, 1.2 s with this and the widened experts."""
-    hooked = module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module) or _global_hooks()
-    if type(module) is not torch.nn.Linear or hooked:
-        return module(x)
-    xm, weight, bias = at_matmul_dtype(x, module.weight, module.bias)
-    if xm.dtype == x.dtype:
-        return module(x)
-    return torch.nn.functional.linear(xm, weight, bias).to(x.dtype)
-
-
-def _global_hooks() -> bool:
-    from torch.nn.modules import module as m
-
-    return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
