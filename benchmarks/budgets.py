@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zoo  # noqa: E402
-from claim_args import claim_parser, conclude, draw_args, draw_geo, show, verdict_parts  # noqa: E402
+from claim_args import claim_parser, conclude, draw_args, draw_geo, load_model, show, verdict_parts  # noqa: E402
 from zoo.editing import calibration  # noqa: E402
 from zoo.evaluation.claims import judge, record, same_weights  # noqa: E402
 
@@ -53,7 +53,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     rows, verdicts = [], {}
     for model_name in args.models:
-        base, tok = zoo.load(model_name).eval(), zoo.load_tokenizer(model_name)
+        base, tok = load_model(model_name), zoo.load_tokenizer(model_name)
         for method in args.methods:
             geos, made = {}, {}
             for allocation in ALLOCATIONS:

@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from claim_args import claim_parser, conclude, draw_args, draw_geo, show, verdict_parts  # noqa: E402
+from claim_args import claim_parser, conclude, draw_args, draw_geo, load_model, show, verdict_parts  # noqa: E402
 import zoo  # noqa: E402
 from zoo.editing import calibration  # noqa: E402
 from zoo.evaluation import claims  # noqa: E402
@@ -82,7 +82,7 @@ def main(argv=None):
     domain = "code" if args.quick else "mixed"  # quick: one domain's train split to tokenize, not two
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    base = zoo.load(args.model).eval()
+    base = load_model(args.model)
     tok = zoo.load_tokenizer(args.model)
     dtype = next(base.parameters()).dtype
     geos, ppls, counted = {}, {}, {}
@@ -97,7 +97,7 @@ def main(argv=None):
             counted.setdefault(key, []).append(got)
 
     def build(options, budget, cal):
-        return zoo.apply(zoo.load(args.model).eval(), "channel-topk", budget=budget, calibration=cal, **options)
+        return zoo.apply(load_model(args.model), "channel-topk", budget=budget, calibration=cal, **options)
 
     for i in range(0 if args.quick else args.draws):
         evaluate(("dense experts", 1.0), base, i)

@@ -1,5 +1,5 @@
-"""What the claim benchmarks share: the compressors' command line, the geometric mean of per-domain perplexity, and
-the plain table the short-run benchmarks print."""
+"""What the claim benchmarks share: the compressors' command line, loading a model to evaluate, the geometric mean of
+per-domain perplexity, and the plain table the short-run benchmarks print."""
 import argparse
 import math
 
@@ -12,6 +12,18 @@ def claim_parser(description: str, calibration_tokens: int) -> argparse.Argument
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-record", action="store_true")
     return ap
+
+
+def load_model(name: str):
+    """``zoo.load(name).eval()``, its plain linear layers widened where bf16 products are not native
+    (``zoo.moe.cpu_precision.widen_bf16_linears``: the same products; on an AVX2-only processor the bf16 ones
+    take torch's slow path)."""
+    import zoo
+    from zoo.moe.cpu_precision import widen_bf16_linears
+
+    model = zoo.load(name).eval()
+    widen_bf16_linears(model)
+    return model
 
 
 def geo(ppl: dict) -> float:

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zoo  # noqa: E402
-from claim_args import claim_parser, conclude, draw_args, draw_windows, show, verdict_parts  # noqa: E402
+from claim_args import claim_parser, conclude, draw_args, draw_windows, load_model, show, verdict_parts  # noqa: E402
 from zoo.editing import calibration  # noqa: E402
 from zoo.evaluation.claims import judge, judge_differs, record  # noqa: E402
 from zoo.moe.layout import moe_layers  # noqa: E402
@@ -72,7 +72,7 @@ def main(argv=None):
     cells = [c for n in range(len(PARTS) + 1) for c in itertools.combinations(PARTS, n)]
     rows, predictable, dominant = [], {}, {}
     for name in args.models:
-        base, tok = zoo.load(name).eval(), zoo.load_tokenizer(name)
+        base, tok = load_model(name), zoo.load_tokenizer(name)
         half = max(moe.num_experts for _, moe in moe_layers(base)) // 2
         geos = {c: [] for c in cells}
         for i in range(args.draws):

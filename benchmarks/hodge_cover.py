@@ -32,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from claim_args import claim_parser, conclude, draw_args, draw_geo, show, verdict_parts  # noqa: E402
+from claim_args import claim_parser, conclude, draw_args, draw_geo, load_model, show, verdict_parts  # noqa: E402
 from merging import expert_cosine  # noqa: E402  (the merging benchmark's harness)
 
 import zoo  # noqa: E402
@@ -96,7 +96,7 @@ def main(argv=None):
         args.calibration_tokens = min(args.calibration_tokens, 256)
     domain = "code" if args.quick else "mixed"  # quick: one domain's train split to tokenize, not two
     torch.set_num_threads(args.threads)
-    base = zoo.load(args.model).eval()
+    base = load_model(args.model)
     tok = zoo.load_tokenizer(args.model)
     n, plan = args.size, runs(args.size, args.quick)
     geos, ppls, harmonic, same = {}, {}, [], {}

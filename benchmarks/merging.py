@@ -34,7 +34,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from claim_args import claim_parser, conclude, draw_args, draw_geo, judgement_line, show, verdict_parts  # noqa: E402
+from claim_args import (claim_parser, conclude, draw_args, draw_geo, judgement_line, load_model, show,  # noqa: E402
+                        verdict_parts)
 import zoo  # noqa: E402
 from zoo.editing import calibration  # noqa: E402
 from zoo.evaluation import claims  # noqa: E402
@@ -120,7 +121,7 @@ def main(argv=None):
         args.windows, args.draws, args.sizes, args.no_record = 2, min(args.draws, 2), [min(args.sizes)], True
         args.calibration_tokens = min(args.calibration_tokens, 512)
     torch.set_num_threads(args.threads)
-    base = zoo.load(args.model).eval()
+    base = load_model(args.model)
     tok = zoo.load_tokenizer(args.model)
     total = moe_layers(base)[0][1].num_experts
     labels = [a[0] for a in arms(args.quick)]

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compression import per_expert_svd  # noqa: E402  (the per-expert SVD baseline)
 
-from claim_args import claim_parser, conclude, draw_args, draw_geo, show, verdict_parts  # noqa: E402
+from claim_args import claim_parser, conclude, draw_args, draw_geo, load_model, show, verdict_parts  # noqa: E402
 import zoo  # noqa: E402
 from zoo.editing import calibration  # noqa: E402
 from zoo.evaluation.claims import judge, same_weights  # noqa: E402
@@ -66,7 +66,7 @@ def main(argv=None):
         runs = [(label, {**options, "ratio": 0.95, "layer_ratio": 0.5}) for label, options in RUNS[:2]]
     domain = "code" if args.quick else "mixed"  # quick: one domain's train split to tokenize, not two
     torch.set_num_threads(args.threads)
-    base = zoo.load(args.model).eval()
+    base = load_model(args.model)
     tok = zoo.load_tokenizer(args.model)
     dense_params = sum(m.experts.num_parameters() for _, m in moe_layers(base))
     geos = {label: [] for label, _ in [("base", None), *runs]}

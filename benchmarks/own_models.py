@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from claim_args import conclude, draw_args, draws_geo, geo, judgement_line, show, verdict_parts  # noqa: E402
+from claim_args import conclude, draw_args, draws_geo, geo, judgement_line, load_model, show, verdict_parts  # noqa: E402
 import zoo  # noqa: E402
 from zoo.components.registry import get_model  # noqa: E402
 from zoo.data.corpus import DOMAINS  # noqa: E402
@@ -133,7 +133,7 @@ def main(argv=None):
     names = {MOE: MOE, DENSE: DENSE, UPCYCLED: UPCYCLED}
     if args.dense_continued:
         names[CONTINUED] = args.dense_continued
-    models = {name: zoo.load(where).eval() for name, where in names.items()}
+    models = {name: load_model(where) for name, where in names.items()}
     tok = zoo.load_tokenizer(MOE)
     m = measure(models, tok, args)
     rows = rows_of(m)

@@ -31,7 +31,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from claim_args import claim_parser, draw_args, draw_geo, draws_geo, judgement_line, show, verdict_parts  # noqa: E402
+from claim_args import (claim_parser, draw_args, draw_geo, draws_geo, judgement_line, load_model,  # noqa: E402
+                        show, verdict_parts)
 import zoo  # noqa: E402
 from zoo.editing import calibration  # noqa: E402
 from zoo.evaluation.claims import combine, judge, same_weights  # noqa: E402
@@ -75,7 +76,7 @@ def main(argv=None):
         args.windows, args.draws, args.no_record = 2, min(args.draws, 2), True
         args.calibration_tokens = min(args.calibration_tokens, 512)
     torch.set_num_threads(args.threads)
-    base = zoo.load(args.model).eval()
+    base = load_model(args.model)
     tok = zoo.load_tokenizer(args.model)
     geos, models, rows = {}, {}, []
 

@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from claim_args import claim_parser, draw_args, draws_geo, judgement_line, show, verdict_parts  # noqa: E402
+from claim_args import claim_parser, draw_args, draws_geo, judgement_line, load_model, show, verdict_parts  # noqa: E402
 import zoo  # noqa: E402
 from zoo.evaluation.claims import combine, judge, same_weights  # noqa: E402
 from zoo.moe.layout import moe_layers  # noqa: E402
@@ -54,7 +54,7 @@ def main(argv=None):
     # quick: the uniform run FineQuant's bound 0.6 and BitMoD are compared with (g64) is the only one
     widths, alphas, uniform = ((4,), (0.6,), (GROUP,)) if args.quick else ((4, 3), ALPHAS, UNIFORM)
     torch.set_num_threads(args.threads)
-    base = zoo.load(args.model).eval()
+    base = load_model(args.model)
     tok = zoo.load_tokenizer(args.model)
     weights = sum(m.experts.num_parameters() for _, m in moe_layers(base))
 

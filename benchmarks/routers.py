@@ -45,7 +45,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from claim_args import conclude, draw_windows, geo, seed_args, verdict_parts  # noqa: E402
+from claim_args import conclude, draw_windows, geo, load_model, seed_args, verdict_parts  # noqa: E402
 import zoo  # noqa: E402
 from zoo.editing.apply import NoChange  # noqa: E402
 from zoo.editing.calibration import corpus  # noqa: E402
@@ -427,7 +427,7 @@ def main():
     args.steps_for = {"otp": args.otp_steps, "top-p": args.loss_steps}
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    base, tok = zoo.load(args.model).eval(), zoo.load_tokenizer(args.model)
+    base, tok = load_model(args.model), zoo.load_tokenizer(args.model)
     if args.claim:
         todo = ["top-p", "otp", "top-p-loss"] if args.claim == "all" else [args.claim]
         for name in todo:

@@ -658,7 +658,7 @@ def test_compiled_greedy_reads_linear_layers_with_the_kernel(monkeypatch):
     torch._dynamo.reset()
     compiled = greedy(model, ids, 12)
     assert torch.equal(compiled, eager)
-    assert isinstance(model.lm_head, linear.KernelLinear) and type(model.lm_head).__mro__[1] is torch.nn.Linear
+    assert isinstance(model.lm_head, linear.KernelLinear) and isinstance(model.lm_head, torch.nn.Linear)
     assert (1, 128, 64) in calls  # the LM head, as a one-expert stack, traced into the compiled step
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())

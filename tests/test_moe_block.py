@@ -184,6 +184,84 @@ def test_bf16_experts_multiply_in_fp32_where_bf16_is_not_native(monkeypatch, nat
     assert all(grads[n].dtype == torch.bfloat16 for n, _ in ex.named_parameters())
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-native", "bf16-not-native"])
+def test_widened_linear_layers_multiply_bf16_in_fp32_where_bf16_is_not_native(monkeypatch, native):
+    """``widen_bf16_linears`` (opt in) gives a model's plain linear layers (attention projections, the LM head)
+    ``WideningLinear`` where bf16 products are not native: the fp32 product rounded once, gradients too; the state
+    dict, the kernel's swap and the adapters' linear targets see the same layers. Where bf16 is native, and by
+    default, nothing changes."""
+    import zoo
+    from zoo.moe import cpu_precision
+    from zoo.moe.kernels.linear import KernelLinear, read_linears_with_kernel
+
+    monkeypatch.setattr(cpu_precision, "bf16_matmul_is_native", lambda: native)
+    model = zoo.load("zoo-tiny-moe")
+    assert model.dtype == torch.bfloat16
+    linears = [m for m in model.modules() if cpu_precision.is_plain_linear(m)]
+    assert len(linears) == 17 and {type(m) for m in linears} == {torch.nn.Linear}  # nothing by default
+    keys = list(model.state_dict())
+    assert cpu_precision.widen_bf16_linears(model) == (0 if native else 17)
+    assert {type(m) for m in linears} == {torch.nn.Linear if native else cpu_precision.WideningLinear}
+    assert cpu_precision.widen_bf16_linears(model) == 0  # idempotent
+    real, seen = torch.nn.functional.linear, []
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda a, b, *r: seen.append((a.dtype, b.dtype)) or real(a, b, *r))
+    torch.manual_seed(3)
+    layer = cpu_precision.WideningLinear(H, 2 * H, dtype=torch.bfloat16)
+    x = torch.randn(5, H, dtype=torch.bfloat16, requires_grad=True)
+    cotangent = torch.randn(5, 2 * H, dtype=torch.bfloat16)
+    out = layer(x)
+    out.backward(cotangent)
+    product = torch.bfloat16 if native else torch.float32
+    assert out.dtype == torch.bfloat16 and seen == [(product, product)]
+    leaves = [t.detach().float().requires_grad_() for t in (x, layer.weight, layer.bias)]
+    want = real(*leaves)
+    want.backward(cotangent.float())
+    assert torch.allclose(out.float(), want, atol=0.02, rtol=0.01)
+    if not native:  # widened: the reference's fp32 results, each rounded once
+        assert torch.equal(out, want.bfloat16())
+        assert all(torch.equal(t.grad, ref.grad.bfloat16()) for t, ref in zip((x, layer.weight, layer.bias), leaves))
+    rows = []  # the output rows of each bf16 product in a forward: only the routers' (8 experts) when widened
+
+    def counted(a, b, *rest):
+        if a.dtype == b.dtype == torch.bfloat16:
+            rows.append(b.shape[0])
+        return real(a, b, *rest)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", counted)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[3, 5, 7, 11]]))
+    assert rows and (set(rows) == {8}) != native
+    assert read_linears_with_kernel(model) == 17 and all(type(m) is KernelLinear for m in linears)
+    assert list(model.state_dict()) == keys
+
+
+def test_widened_linear_layers_under_a_device_maps_hooks_give_the_same_logits(monkeypatch, tmp_path):
+    """A device map with a layer on disk puts accelerate's hooks on every plain linear: ``widen_bf16_linears`` widens
+    them under their hooks, and the logits equal the widened model's in memory, bit for bit."""
+    import zoo
+    from transformers import AutoModelForCausalLM
+
+    from zoo.moe import cpu_precision
+
+    monkeypatch.setattr(cpu_precision, "bf16_matmul_is_native", lambda: False)
+    model = zoo.load("zoo-tiny-moe").eval()
+    model.save_pretrained(tmp_path / "m")
+    assert cpu_precision.widen_bf16_linears(model) == 17
+    ids = torch.tensor([[3, 5, 7, 11, 13, 17]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    disk = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
+            **{f"model.layers.{i}": "disk" if i == 3 else "cpu" for i in range(4)}}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=disk,
+                                                  offload_folder=tmp_path / "offload").eval()
+    hooked = [m for m in loaded.modules() if type(m) is torch.nn.Linear and hasattr(m, "_hf_hook")]
+    assert len(hooked) == 17 and cpu_precision.widen_bf16_linears(loaded) == 17
+    assert all(m._old_forward.__func__ is cpu_precision.WideningLinear.forward for m in hooked)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens,num_experts,k", [(1, 8, 2), (2, 8, 2), (3, 8, 2), (4, 8, 2), (5, 8, 2),
                                                   (1, 4, 1), (7, 4, 1), (64, 8, 2)])

@@ -20,6 +20,7 @@ def find_linears(model, names: tuple[str, ...], who: str) -> list[tuple[str, nn.
 
     Raises (before anything changes) when a name matches nothing, or matches a layer another adapter already wraps.
     """
+    from zoo.moe.cpu_precision import is_plain_linear
     from zoo.moe.layout import moe_layers
 
     if not moe_layers(model):
@@ -30,7 +31,7 @@ def find_linears(model, names: tuple[str, ...], who: str) -> list[tuple[str, nn.
             continue
         if hasattr(module, "zoo_spec"):
             raise ValueError(f"{path} already carries a {module.zoo_spec()['adapter']} adapter")
-        if type(module) is nn.Linear:
+        if is_plain_linear(module):
             found.append((path, module))
     missing = [n for n in names if not any(p.rpartition(".")[2] == n for p, _ in found)]
     if missing:

@@ -33,6 +33,7 @@ from zoo.editing.layer_inputs import LayerInputs, NeedsRecording
 from zoo.editing.phases import phase
 from zoo.moe.layout import decoder_layers, get_block, layer_block_attr, layer_prefix, moe_layers, put_block
 from zoo.moe import SparseMoE, routing_context
+from zoo.moe.cpu_precision import is_plain_linear
 
 
 def capture_inputs(model, batches) -> LayerInputs:
@@ -47,12 +48,6 @@ def capture_inputs(model, batches) -> LayerInputs:
                              f"states and keyword inputs ({reason}); components that calibrate layer by layer need "
                              "such a model in memory, not streamed from its shards") from None
         return layer_calls.capture(model, batches)
-
-
-def is_plain_linear(module) -> bool:
-    from zoo.moe.kernels.linear import KernelLinear
-
-    return type(module) in (nn.Linear, KernelLinear)
 
 
 def layer_linears(layer) -> list[tuple[str, nn.Linear]]:

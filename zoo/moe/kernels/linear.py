@@ -4,17 +4,16 @@ In one decode step the large one-row matmuls outside the experts ran as library 
 machine's read bandwidth (profile of the 304M benchmark model: ``aten::mm`` 5.3 ms of a 20 ms step). The kernel
 reads a weight as a one-expert stack at memory speed. ``read_linears_with_kernel(model)`` gives a model's plain
 ``nn.Linear`` layers this forward by a class swap: same parameters and state dict, and outside few-row inference
-(a compiled decode step, an eager call on a few rows) ``nn.Linear``'s product (in fp32 for bf16 on a CPU without
+(a compiled decode step, an eager call on a few rows) ``WideningLinear``'s product (in fp32 for bf16 on a CPU without
 native bf16 products: ``zoo.moe.cpu_precision``).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from zoo.moe import kernels
-from zoo.moe.cpu_precision import at_matmul_dtype
+from zoo.moe.cpu_precision import WideningLinear
 
 # Smaller weights (routers) stay in inductor's fused code. Key/value projections of 2^18 elements take the kernel: in
 # inductor's code they were a loop of single-row dot products inside the attention's fused kernel (304M model, bf16
@@ -31,10 +30,12 @@ MIN_WEIGHTS = 1 << 18
 EAGER_MIN_WEIGHTS = 1 << 16
 
 
-class KernelLinear(nn.Linear):
+class KernelLinear(WideningLinear):
     """``nn.Linear`` whose few-row inference (a compiled decode step: up to ``kernels.MAX_TOKENS`` rows; eager: up to
     ``kernels.PAIRS_PER_EXPERT``'s bound for its weights, e.g. a short prompt's prefill or the LM head on its last
     position) reads the weight with ``zoo::moe_gemv``."""
+
+    zoo_plain_linear = True  # is_plain_linear: the same product as nn.Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -51,16 +52,14 @@ class KernelLinear(nn.Linear):
             y = kernels.moe_gemv(x.reshape(rows, x.shape[-1]), one, self.weight.unsqueeze(0), None, 16)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        # bf16 on a CPU without native bf16 products: widened to fp32, as the eager experts are
-        xm, weight, bias = at_matmul_dtype(x, self.weight, self.bias)
-        return F.linear(xm, weight, bias).to(x.dtype)
+        return super().forward(x)  # bf16 widened to fp32 on a CPU without native bf16 products
 
 
 def read_linears_with_kernel(model: nn.Module) -> int:
     """Swap the class of every plain ``nn.Linear`` in ``model`` to ``KernelLinear`` (idempotent); how many."""
     swapped = 0
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if type(module) in (nn.Linear, WideningLinear):
             module.__class__ = KernelLinear
             swapped += 1
     return swapped
