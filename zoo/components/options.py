@@ -2,10 +2,17 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
 import inspect
 import re
+
+
+@functools.lru_cache(maxsize=2048)
+def _parameters(init) -> tuple[inspect.Parameter, ...]:
+    """``init``'s parameters, read once (components are made often: a router per MoE layer)."""
+    return tuple(inspect.signature(init).parameters.values())
 
 
 def accepted_options(cls, skip=()) -> list[str]:
@@ -15,7 +22,7 @@ def accepted_options(cls, skip=()) -> list[str]:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
-        for p in inspect.signature(init).parameters.values():
+        for p in _parameters(init):
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self" and p.name not in skip:
                 if p.name not in names:
                     names.append(p.name)
@@ -48,7 +55,7 @@ def check_options(cls, options: dict, skip=()) -> None:
 def required_options(cls, skip=()) -> list[str]:
     """``__init__`` parameters without a default (e.g. a pruner's ``num_experts``)."""
     init = cls.__init__
-    return [p.name for p in inspect.signature(init).parameters.values()
+    return [p.name for p in _parameters(init)
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
             and p.name != "self" and p.name not in skip]
 
@@ -63,7 +70,7 @@ def annotated_types(cls) -> dict[str, tuple[type, bool]]:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
-        for p in inspect.signature(init).parameters.values():
+        for p in _parameters(init):
             ann = p.annotation
             ann = ann if isinstance(ann, str) else ann.__name__ if isinstance(ann, type) else str(ann)
             parts = [a.strip() for a in ann.split("|")]
@@ -166,7 +173,7 @@ def describe_options(cls, skip=()) -> list[dict]:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
-        for p in inspect.signature(init).parameters.values():
+        for p in _parameters(init):
             if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.name == "self" or p.name in skip:
                 continue
             params.setdefault(p.name, p)

@@ -1,6 +1,7 @@
 """Model cards: ``zoo.card(model)`` renders ``cards/`` templates with huggingface_hub's ModelCard."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -10,6 +11,12 @@ import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from zoo.components.resources import resource_path
+
+
+@functools.lru_cache(maxsize=256)
+def _template(text: str) -> jinja2.Template:
+    """A card template compiled once (each save writes a card; compiling took most of rendering one)."""
+    return jinja2.Template(text)
 
 
 def _layout_summary(layout) -> str:
@@ -126,15 +133,19 @@ def card(model, eval_result: dict | None = None, repo_id: str | None = None, mod
     sections = [section for c in comps if getattr(c.obj, "card", "")
                 for section in [render_component_card(c.obj, context, missing_ok=True)] if section]
     citations = unique_citations(getattr(c.obj, "paper", "") for c in comps)
-    rendered = ModelCard.from_template(
-        data, template_path=str(resource_path("cards/base.md")), model_name=name,
-        summary=summary or f"A {fam.name} Mixture-of-Experts model built with moe-zoo.", recipe=recipe,
-        results=results, sections=sections, repo_id=target, load_from=json.dumps(target, ensure_ascii=False),
-        family=fam.name, exportable=exportable, export_reason=reason, padding=padding, citations=citations,
-        packages=packages,
-        adapter_base=adapter_base, ood=bool(eval_result and eval_result.get("perplexity_ood")),
-        auto_loads=arch is None or arch.distribution == "moe-zoo", auto_class=AUTO_CLASS_NAMES[getattr(fam, "auto", "causal-lm")])
-    return ModelCard(tidy(rendered.content))
+    fields = dict(
+        model_name=name, summary=summary or f"A {fam.name} Mixture-of-Experts model built with moe-zoo.",
+        recipe=recipe, results=results, sections=sections, repo_id=target,
+        load_from=json.dumps(target, ensure_ascii=False), family=fam.name, exportable=exportable,
+        export_reason=reason, padding=padding, citations=citations, packages=packages, adapter_base=adapter_base,
+        ood=bool(eval_result and eval_result.get("perplexity_ood")),
+        auto_loads=arch is None or arch.distribution == "moe-zoo",
+        auto_class=AUTO_CLASS_NAMES[getattr(fam, "auto", "causal-lm")])
+    # what ModelCard.from_template renders (the card data's fields, the YAML header as card_data, the keywords
+    # last), on the template compiled once
+    template = _template(resource_path("cards/base.md").read_text(encoding="utf-8"))
+    rendered = template.render({**data.to_dict(), "card_data": data.to_yaml(), **fields})
+    return ModelCard(tidy(rendered))
 
 
 def source_entry(cfg, base: str | None):
@@ -180,6 +191,6 @@ def render_component_card(component, context: dict | None = None, missing_ok: bo
         return ""
     from zoo.evaluation.claims import card_section
 
-    rendered = jinja2.Template(text).render(**(context or {})).rstrip("\n")
+    rendered = _template(text).render(**(context or {})).rstrip("\n")
     verdicts = card_section(component)
     return f"{rendered}\n\n{verdicts}" if verdicts else rendered + "\n"
