@@ -36,9 +36,10 @@ def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:
     if x.device.type != "cpu":  # these packed kernels are CPU ones: elsewhere, the dequantized weight's matmul
         w = dequantize(bits, q, scale, (q.shape[0], x.shape[-1]), group_size)
         return torch.nn.functional.linear(x, w.to(x.dtype))
-    if bits == 8 and x.shape[0] >= PREFILL_ROWS and kernels.int8_inputs_on():
+    if bits == 8 and x.shape[0] >= PREFILL_ROWS and kernels.int8_inputs_on() and kernels.isa() == "avx512-bf16":
         # the inputs rounded to 8 bits as the decode kernel rounds them, on torch's int8 matrix product (VNNI):
-        # 1.8-2.3x a bf16 matmul of the same shape, measured on the 304M model's experts
+        # 1.8-2.3x a bf16 matmul of the same shape, measured on the 304M model's experts. Without VNNI (the avx2
+        # set) torch's int8 product is slow: the 304M model's int8 prefill took 1.6 s at 64 tokens against 0.31
         xq, xs = kernels.int8_input_rows(x)
         return (torch._int_mm(xq, q.t()).float() * xs * scale.float()).to(x.dtype)
     if x.shape[0] >= TILE_ROWS.get(bits, PREFILL_ROWS) and kernels.lowbit_gemm_fits(x, q, bits, group_size):

@@ -353,7 +353,7 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
         ``INT8_DOT_PAIRS`` (token, slot) pairs per selected expert on average, where it beats the dequantised dense
         matmuls (int4) or torch's int8 ones (int8). One width only: mixed widths were not measured."""
         limit = kernels.int8_dot_limit("experts", self.widths[0], hidden.dtype) if self.widths in ([4], [8]) else None
-        if not (limit and kernels.int8_inputs_on() and kernels.isa() == "avx512-bf16"
+        if not (limit and kernels.int8_inputs_on() and kernels.isa() in kernels.INT8_DOT_ISAS
                 and not torch.is_grad_enabled() and hidden.device.type == "cpu"
                 and hidden.dtype in (torch.float32, torch.bfloat16)
                 and all(t.is_contiguous() for st in stacks for t in st[:4])):

@@ -95,7 +95,7 @@ class QuantizedLinear(nn.Module):
         for this width and dtype, where its integer dots beat the exact path (bf16 int4: lowbit_gemm's tiles; fp32:
         dequantising) or torch's int8 matmuls (int8)."""
         return (kernels.int8_inputs_on() and rows <= kernels.int8_dot_limit("linear", self.bits, dtype)
-                and kernels.isa() == "avx512-bf16"
+                and kernels.isa() in kernels.INT8_DOT_ISAS
                 and all(t.is_contiguous() for t in self.packed))
 
     def extra_repr(self) -> str:
