@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from transformers import initialization as init
 
+from zoo.moe.cpu_precision import linear
 from zoo.moe.dispatch import run_sorted
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.init import refuse_missing
@@ -271,7 +272,7 @@ class ChannelTopKExperts(SwiGLUExperts):
         """The sketch's estimate h~ [n, I] of the intermediate activation."""
         s = self.sketch()
         b1 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[e].detach()
-        return self.glu(F.linear(x, s.ternary[e].to(x.dtype), b1))
+        return self.glu(linear(x, s.ternary[e], b1))
 
     def scores(self, e: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """The selector's scores for expert e's tokens ``x [n, H]``, float32, keyed by the matrix whose input
@@ -283,7 +284,7 @@ class ChannelTopKExperts(SwiGLUExperts):
             return {"down": self._estimate(e, x).abs().float() * s.down_norms[e].float()}
         if self.selector == "down":
             with torch.no_grad():
-                h = super().glu(F.linear(x, self.gate_up_proj[e], None if self.gate_up_proj_bias is None
+                h = super().glu(linear(x, self.gate_up_proj[e], None if self.gate_up_proj_bias is None
                                          else self.gate_up_proj_bias[e]))
             return {"down": h.abs().float() * s.down_norms[e].float()}
         out = {"gate": x.abs().float() * s.gate_norms[e].float(), "up": x.abs().float() * s.up_norms[e].float()}
@@ -296,8 +297,8 @@ class ChannelTopKExperts(SwiGLUExperts):
     def _wina_hidden(self, e, x, keep_g, keep_u):
         I = self.intermediate_size
         w, b = self.gate_up_proj[e], self.gate_up_proj_bias
-        g = F.linear(x * keep_g.to(x.dtype), w[:I], None if b is None else b[e, :I])
-        u = F.linear(x * keep_u.to(x.dtype), w[I:], None if b is None else b[e, I:])
+        g = linear(x * keep_g.to(x.dtype), w[:I], None if b is None else b[e, :I])
+        u = linear(x * keep_u.to(x.dtype), w[I:], None if b is None else b[e, I:])
         return self._act(g, u, self.swiglu_limit, self.swiglu_alpha)
 
     # ---- the fast path ------------------------------------------------------------------------------------------
@@ -325,18 +326,18 @@ class ChannelTopKExperts(SwiGLUExperts):
             h = self._wina_hidden(e, x, keep_g, keep_u)
             keep = self._keep(h.detach().abs().float() * s.down_norms[e].float(), self.channels, e, 2)
             self._count(x.shape[0], (keep_g.sum() + keep_u.sum()) * I + keep.sum() * H)
-            return F.linear(h * keep.to(h.dtype), self.down_proj[e], b2)
-        h = self.glu(F.linear(x, self.gate_up_proj[e], b1))
+            return linear(h * keep.to(h.dtype), self.down_proj[e], b2)
+        h = self.glu(linear(x, self.gate_up_proj[e], b1))
         if self.selector == "down":
             keep = self._keep(h.detach().abs().float() * s.down_norms[e].float(), self.channels, e, 2)
             self._count(x.shape[0], x.shape[0] * 2 * I * H + keep.sum() * H)
-            return F.linear(h * keep.to(h.dtype), self.down_proj[e], b2)
+            return linear(h * keep.to(h.dtype), self.down_proj[e], b2)
         est = self._estimate(e, x)
         keep = self._keep(est.detach().abs().float() * s.down_norms[e].float(), self.channels, e, 2)
         self._count(x.shape[0], keep.sum() * 3 * H)
-        y = F.linear(h * keep.to(h.dtype), self.down_proj[e], b2)
+        y = linear(h * keep.to(h.dtype), self.down_proj[e], b2)
         if self.rank:
-            y = y + F.linear(F.linear(est * (~keep).to(est.dtype), s.lowrank_b[e]), s.lowrank_a[e])
+            y = y + linear(linear(est * (~keep).to(est.dtype), s.lowrank_b[e]), s.lowrank_a[e])
         return y
 
     @staticmethod
@@ -371,7 +372,7 @@ class ChannelTopKExperts(SwiGLUExperts):
             self._count(x.shape[0], valid.sum() * H)
         else:
             if self.selector == "down":
-                h_all = self.glu(F.linear(x, gu, b1))
+                h_all = self.glu(linear(x, gu, b1))
                 score = h_all.detach().abs().float() * s.down_norms[e].float()
             else:
                 est = self._estimate(e, x)
@@ -394,7 +395,7 @@ class ChannelTopKExperts(SwiGLUExperts):
         if b2 is not None:
             y = y + b2
         if est is not None and self.rank:
-            y = y + F.linear(F.linear(est * (~keep).to(est.dtype), s.lowrank_b[e]), s.lowrank_a[e])
+            y = y + linear(linear(est * (~keep).to(est.dtype), s.lowrank_b[e]), s.lowrank_a[e])
         return y
 
     def forward(self, hidden, routing):

@@ -31,6 +31,13 @@ def at_matmul_dtype(x: torch.Tensor, *tensors):
     return tuple(None if t is None else t.to(dtype) for t in (x, *tensors))
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """``F.linear`` in the dtype ``x``'s products run in (``at_matmul_dtype``: fp32 for bf16 where torch's bf16
+    products are not native), the output in ``x``'s dtype. ``weight`` and ``bias`` may be stored in another dtype."""
+    xm, weight, bias = at_matmul_dtype(x, weight, bias)
+    return F.linear(xm, weight, bias).to(x.dtype)
+
+
 class WideningLinear(nn.Linear):
     """``nn.Linear`` whose bf16 product on a CPU without native bf16 products runs in fp32, rounded back to bf16
     (what a native bf16 matmul does too: fp32 sums, one rounding; the order of the sums may differ). Same parameters
@@ -39,8 +46,7 @@ class WideningLinear(nn.Linear):
     zoo_plain_linear = True  # is_plain_linear: the same product as nn.Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xm, weight, bias = at_matmul_dtype(x, self.weight, self.bias)
-        return F.linear(xm, weight, bias).to(x.dtype)
+        return linear(x, self.weight, self.bias)
 
 
 def is_plain_linear(module: nn.Module) -> bool:

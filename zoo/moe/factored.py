@@ -5,9 +5,9 @@ the input projection, then each selected expert applies only its ``U``."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from zoo.moe.cpu_precision import linear
 from zoo.moe.experts import ACTIVATIONS, SwiGLUExperts
 from zoo.moe.init import refuse_missing
 
@@ -56,16 +56,16 @@ class FactoredExperts(SwiGLUExperts):
         u = int(self.u_index[e])
         b1 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[e]
         b2 = None if self.down_proj_bias is None else self.down_proj_bias[e]
-        h = self.glu(F.linear(xv, self.gate_up_u[u], b1))
-        return F.linear(F.linear(h, self.down_v), self.down_u[u], b2)
+        h = self.glu(linear(xv, self.gate_up_u[u], b1))
+        return linear(linear(h, self.down_v), self.down_u[u], b2)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return self.expert_from_projected(e, F.linear(x, self.gate_up_v))
+        return self.expert_from_projected(e, linear(x, self.gate_up_v))
 
     def forward(self, hidden, routing):
         from zoo.moe.dispatch import combine, sort_by_expert
 
-        xv = F.linear(hidden, self.gate_up_v)  # once per token, shared by every expert
+        xv = linear(hidden, self.gate_up_v)  # once per token, shared by every expert
         plan = sort_by_expert(routing.indices, self.num_experts)
         x = xv.index_select(0, plan.token)
         outs, start = [], 0

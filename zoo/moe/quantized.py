@@ -350,8 +350,9 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
     def _prefill_on_int8_dots(self, hidden, routing, stacks) -> bool:
         """Whether int4 or int8 experts' prefill runs on the kernel with 8-bit inputs (``kernels.int8_inputs(True)``,
         on the set that has int8 dot products), rounded as in decode: up to ``kernels.INT4_DOT_PAIRS`` /
-        ``INT8_DOT_PAIRS`` (token, slot) pairs per selected expert on average, where it beats the dequantised dense
-        matmuls (int4) or torch's int8 ones (int8). One width only: mixed widths were not measured."""
+        ``INT8_DOT_PAIRS`` (``INT8_DOT_PAIRS_AVX2``) (token, slot) pairs per selected expert on average, where it beats
+        the exact path (dequantised dense matmuls; int8 with VNNI: torch's int8 ones). One width only: mixed widths were
+        not measured."""
         limit = kernels.int8_dot_limit("experts", self.widths[0], hidden.dtype) if self.widths in ([4], [8]) else None
         if not (limit and kernels.int8_inputs_on() and kernels.isa() in kernels.INT8_DOT_ISAS
                 and not torch.is_grad_enabled() and hidden.device.type == "cpu"

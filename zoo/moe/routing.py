@@ -7,12 +7,12 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 from transformers import initialization as init
 
 from zoo.components.controls import (Control, DemoControls, controls_from_signature, defaults_of, layer_experts,
                                 layer_top_k)
 from zoo.components.options import check_options
+from zoo.moe.cpu_precision import linear
 
 
 class _RoutingFields(NamedTuple):
@@ -171,8 +171,8 @@ class Router(nn.Module, DemoControls):
             init.zeros_(self.bias)
 
     def gate_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, E] raw router logits."""
-        return F.linear(hidden, self.weight, self.bias)
+        """[T, H] -> [T, E] raw router logits (bf16 multiplied in fp32 where torch's bf16 products are not native)."""
+        return linear(hidden, self.weight, self.bias)
 
     def forward(self, hidden: torch.Tensor, context=None) -> Routing:  # pragma: no cover - abstract
         """``hidden [T, H]`` -> ``Routing``; ``context`` only when the class sets ``uses_context``."""
