@@ -157,13 +157,19 @@ def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.T
 
 def _pairs_limit(hidden: torch.Tensor, stored, packed: bool):
     """The key of ``kernels.PAIRS_PER_EXPERT`` that bounds an eager call: bf16 weights, or int8 ones (every width),
-    on bf16 inputs with bf16 dot products go further (the kernel's tiles)."""
+    on bf16 inputs with bf16 dot products go further (the kernel's tiles), and on the avx2 set bf16 weights and int8
+    ones on exact inputs (its strips)."""
+    avx2 = kernels.isa() == "avx2"
     if not packed:
-        return "bf16" if kernels.bf16_dot_products(hidden, *stored) else 16
+        if kernels.bf16_dot_products(hidden, *stored):
+            return "bf16"
+        return "bf16-avx2" if avx2 and all(t.dtype == torch.bfloat16 for t in stored) else 16
     int8 = any(t.dtype == torch.int8 for t in stored) and not any(t.dtype == torch.uint8 for t in stored)
     if int8 and kernels.bf16_dot_products(hidden):
         return "int8"
-    return "packed-avx2" if kernels.isa() == "avx2" else "packed"
+    if int8 and avx2 and not kernels.int8_inputs_on():
+        return "int8-avx2"
+    return "packed-avx2" if avx2 else "packed"
 
 
 def naive_experts(module, hidden: torch.Tensor, routing) -> torch.Tensor:

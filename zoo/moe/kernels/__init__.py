@@ -45,7 +45,11 @@ MAX_TOKENS = 8  # a compiled step serves at most this many tokens from the kerne
 # On the avx2 set (no lowbit_gemm tiles, no native bf16 matmul: the alternative is a widened fp32 matmul) packed ones
 # go to 16: the 304M model with everything at int4, 16-token prefill 269 -> 77 ms from 4 to 16, 64 tokens 322 -> 253;
 # int8 97 -> 85 and 264 -> 267 (AMD EPYC Zen 3, 2 threads, interleaved)
-PAIRS_PER_EXPERT = {16: 8, "bf16": 24, "int8": 16, "packed": 4, "packed-avx2": 16}
+# On the avx2 set bf16 and int8 experts take strips from 8 pairs of a block (16 rows widened to fp32 in the cache,
+# 6 inputs at a time: moe_gemv_body.h) and the kernel goes further: the 304M model's prefill against limits 8 / 16
+# (the widened fp32 matmul past them), interleaved, 2 threads: bf16 16 tokens 1.19x, 32: 3.28x, 64: 3.14x, 128:
+# 2.57-2.66x, 256 (64 pairs per expert): 1.72x; int8 16: 1.22x, 64: 1.73x, 128 (32 pairs): 1.81x
+PAIRS_PER_EXPERT = {16: 8, "bf16": 24, "int8": 16, "packed": 4, "packed-avx2": 16, "bf16-avx2": 64, "int8-avx2": 32}
 # With 8-bit inputs (int8_inputs(True)) int4 experts take the kernel up to this many pairs per selected expert on
 # average, a prompt's prefill too (zoo.moe.quantized): its int8 dot products beat dequantising for a dense matmul
 # there (one [5632, 1024] expert, 2 threads: 2.6x at 16 rows, 1.4x at 128 and 256, 0.86x at 512; the 304M model's
