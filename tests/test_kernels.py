@@ -568,7 +568,7 @@ def test_eager_inference_on_few_tokens_uses_the_kernel(kind, isa, monkeypatch):
 def test_eager_linear_layers_on_few_rows_use_the_kernel(bits, dtype, monkeypatch):
     """A kernel-read plain linear layer takes zoo::moe_gemv eagerly up to PAIRS_PER_EXPERT[16] rows (the LM head on a
     prompt's last position, an eager decode step), bf16 on bf16 dot products up to PAIRS_PER_EXPERT["bf16"] (a short
-    prompt's prefill), a quantized one at one row (torch's int8/int4 matmuls win from a few rows on); all give the
+    prompt's prefill), bf16 on the avx2 set up to PAIRS_PER_EXPERT["bf16-avx2"] (its strips), a quantized one at one row (torch's int8/int4 matmuls win from a few rows on); all give the
     library path's output."""
     from zoo.moe.kernels import linear
     from zoo.moe.quantized_linear import QuantizedLinear
@@ -579,7 +579,8 @@ def test_eager_linear_layers_on_few_rows_use_the_kernel(bits, dtype, monkeypatch
     dense = torch.nn.Linear(64, 96).to(dtype)
     if bits == 16:
         bf16_dots = kernels.bf16_dot_products(torch.zeros(1, dtype=dtype), dense.weight)
-        layer, limit = dense, kernels.PAIRS_PER_EXPERT["bf16" if bf16_dots else 16]
+        avx2 = kernels.isa() == "avx2" and dtype == torch.bfloat16  # the strips
+        layer, limit = dense, kernels.PAIRS_PER_EXPERT["bf16" if bf16_dots else "bf16-avx2" if avx2 else 16]
         linear.read_linears_with_kernel(layer)
         assert isinstance(layer, linear.KernelLinear)
     else:
@@ -597,7 +598,8 @@ def test_eager_linear_layers_on_few_rows_use_the_kernel(bits, dtype, monkeypatch
 @torch.no_grad()
 def test_eager_linear_layers_below_the_weight_thresholds_keep_the_library_matmul(monkeypatch):
     """Eagerly, bf16 weights of at least EAGER_MIN_WEIGHTS elements take the kernel (a prefill's key/value projections)
-    and smaller ones (routers) the library's matmul; fp32 ones need MIN_WEIGHTS, as compiled steps do."""
+    on bf16 dot products or the avx2 set's strips, and smaller ones (routers) the library's matmul; fp32 ones need
+    MIN_WEIGHTS, as compiled steps do."""
     from zoo.moe.kernels import linear
 
     calls = kernel_calls(monkeypatch)
@@ -611,7 +613,8 @@ def test_eager_linear_layers_below_the_weight_thresholds_keep_the_library_matmul
         calls.clear()
         got = layer(x)
         bf16_dots = kernels.bf16_dot_products(x, layer.weight)
-        assert bool(calls) == (uses and (bf16_dots or dtype == torch.float32)), (dtype, out_features, calls)
+        strips = kernels.isa() == "avx2" and dtype == torch.bfloat16
+        assert bool(calls) == (uses and (bf16_dots or strips or dtype == torch.float32)), (dtype, out_features, calls)
         with kernels.turned_off():
             torch.testing.assert_close(got, layer(x), rtol=3e-2, atol=3e-2)
 
