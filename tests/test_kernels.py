@@ -98,7 +98,8 @@ def test_many_pairs_through_tiles(isa, bits, K, N):
     """Blocks of rows that many pairs read (on avx512-bf16, bf16 and int8 rows times bf16 inputs go through a tile of
     bf16 pairs from 16 pairs, or from 8 whose inputs pass 32 KB; on avx2, bf16 and int8 rows through fp32 strips of
     16 rows from 8 pairs; widths that are not a multiple of 32 (avx2: 8), the rows past the last full block of 64
-    (avx2: past the last 16), and the fewer pairs stay on the rows kernels): the reference's result, for inputs
+    (avx2: a last block of rows that is not a multiple of 16), and the fewer pairs stay on the rows kernels): the
+    reference's result, for inputs
     shared by the slots and per slot, bf16 and fp32."""
     S, T, k = 3, 20, 2
     w, s = stack(bits, S, N, K)
