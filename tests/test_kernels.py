@@ -569,8 +569,8 @@ def test_eager_inference_on_few_tokens_uses_the_kernel(kind, isa, monkeypatch):
 def test_eager_linear_layers_on_few_rows_use_the_kernel(bits, dtype, monkeypatch):
     """A kernel-read plain linear layer takes zoo::moe_gemv eagerly up to PAIRS_PER_EXPERT[16] rows (the LM head on a
     prompt's last position, an eager decode step), bf16 on bf16 dot products up to PAIRS_PER_EXPERT["bf16"] (a short
-    prompt's prefill), bf16 on the avx2 set up to PAIRS_PER_EXPERT["bf16-avx2"] (its strips), a quantized one at one row (torch's int8/int4 matmuls win from a few rows on); all give the
-    library path's output."""
+    prompt's prefill), bf16 on the avx2 set up to PAIRS_PER_EXPERT["bf16-avx2"] (its strips), a quantized one at one
+    row (torch's int8/int4 matmuls win from a few rows on); all give the library path's output."""
     from zoo.moe.kernels import linear
     from zoo.moe.quantized_linear import QuantizedLinear
 

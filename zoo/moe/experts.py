@@ -149,27 +149,10 @@ def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.T
         few = routing.indices.shape[0] <= kernels.MAX_TOKENS
     else:
         chosen = routing.indices[routing.indices < num_experts]
-        few = chosen.numel() <= kernels.PAIRS_PER_EXPERT[_pairs_limit(hidden, stored, packed)] * max(
+        few = chosen.numel() <= kernels.PAIRS_PER_EXPERT[kernels.eager_pairs_key(hidden, *stored, packed=packed)] * max(
             1, len(chosen.unique()))
     return few and hidden.dtype in (torch.float32, torch.bfloat16) and all(
         t.device.type == "cpu" and t.is_contiguous() for t in stored)
-
-
-def _pairs_limit(hidden: torch.Tensor, stored, packed: bool):
-    """The key of ``kernels.PAIRS_PER_EXPERT`` that bounds an eager call: bf16 weights, or int8 ones (every width),
-    on bf16 inputs with bf16 dot products go further (the kernel's tiles), and on the avx2 set bf16 weights and int8
-    ones on exact inputs (its strips)."""
-    avx2 = kernels.isa() == "avx2"
-    if not packed:
-        if kernels.bf16_dot_products(hidden, *stored):
-            return "bf16"
-        return "bf16-avx2" if avx2 and all(t.dtype == torch.bfloat16 for t in stored) else 16
-    int8 = any(t.dtype == torch.int8 for t in stored) and not any(t.dtype == torch.uint8 for t in stored)
-    if int8 and kernels.bf16_dot_products(hidden):
-        return "int8"
-    if int8 and avx2 and not kernels.int8_inputs_on():
-        return "int8-avx2"
-    return "packed-avx2" if avx2 else "packed"
 
 
 def naive_experts(module, hidden: torch.Tensor, routing) -> torch.Tensor:

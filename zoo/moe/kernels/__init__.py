@@ -242,6 +242,23 @@ def bf16_dot_products(x: torch.Tensor, *weights: torch.Tensor) -> bool:
             and isa() == "avx512-bf16")
 
 
+def eager_pairs_key(x: torch.Tensor, *weights: torch.Tensor, packed: bool = False):
+    """The key of ``PAIRS_PER_EXPERT`` that bounds an eager call on these inputs and stored weights (experts' and
+    ``KernelLinear``'s): bf16 weights, or int8 ones (every width), on bf16 inputs with bf16 dot products go further
+    (the tiles); on the avx2 set bf16 weights and int8 ones on exact inputs (the strips), and packed codes."""
+    avx2 = ready() and isa() == "avx2"
+    if not packed:
+        if bf16_dot_products(x, *weights):
+            return "bf16"
+        return "bf16-avx2" if avx2 and all(w.dtype == torch.bfloat16 for w in weights) else 16
+    int8 = any(w.dtype == torch.int8 for w in weights) and not any(w.dtype == torch.uint8 for w in weights)
+    if int8 and bf16_dot_products(x):
+        return "int8"
+    if int8 and avx2 and not int8_inputs_on():
+        return "int8-avx2"
+    return "packed-avx2" if avx2 else "packed"
+
+
 def ready() -> bool:
     """Whether ``load()`` succeeded and the kernels are on (never builds: safe to call inside a compiled step)."""
     return _state["reason"] is None and not _state["off"]

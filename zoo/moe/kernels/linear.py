@@ -41,14 +41,11 @@ class KernelLinear(WideningLinear):
         rows = x.numel() // x.shape[-1]
         if torch.compiler.is_compiling():
             few, big = rows <= kernels.MAX_TOKENS, self.weight.numel() >= MIN_WEIGHTS
-        elif kernels.bf16_dot_products(x, self.weight):
-            few, big = rows <= kernels.PAIRS_PER_EXPERT["bf16"], self.weight.numel() >= EAGER_MIN_WEIGHTS
-        elif x.dtype == self.weight.dtype == torch.bfloat16 and kernels.isa() == "avx2":
-            # the kernel's strips: the 304M model's bf16 prefill (attention projections, LM head), interleaved, 2
-            # threads: 16 tokens 1.12-1.18x the widened matmul, 32: 1.15x, 64: 1.02x
-            few, big = rows <= kernels.PAIRS_PER_EXPERT["bf16-avx2"], self.weight.numel() >= EAGER_MIN_WEIGHTS
-        else:
-            few, big = rows <= kernels.PAIRS_PER_EXPERT[16], self.weight.numel() >= MIN_WEIGHTS
+        else:  # bf16 on bf16 dot products (tiles) or on the avx2 set (strips: the 304M model's bf16 prefill,
+            # interleaved, 2 threads: 16 tokens 1.12-1.18x the widened matmul, 32: 1.15x, 64: 1.02x) go further
+            key = kernels.eager_pairs_key(x, self.weight)
+            few = rows <= kernels.PAIRS_PER_EXPERT[key]
+            big = self.weight.numel() >= (MIN_WEIGHTS if key == 16 else EAGER_MIN_WEIGHTS)
         if (few and big and kernels.ready() and not torch.is_grad_enabled()
                 and x.device.type == "cpu"
                 and x.dtype in (torch.float32, torch.bfloat16) and self.weight.is_contiguous()):
