@@ -8,15 +8,15 @@ rule (``zoo.evaluation.claims.judge``) against the control arm that lacks only i
   perplexity better than mixed calibration (Half the Experts, All the Code; measure: code perplexity);
 * sub-moe: its subspace merge (output-cosine clusters, shared U, frequency-merged V) beats plain averaging of the same
   clusters (the same pipeline with the subspace merge swapped for the frequency-weighted average) and hc-smoe. At the
-  default full rank the subspace merge is that average, so that comparison is of one model; the truncated merge
-  (rank_ratio 0.5, stored dense: no bytes saved) is shown beside it;
+  default full rank the subspace merge is that average (sub-moe takes it without the SVD), so that comparison is of
+  one model; the truncated merge (rank_ratio 0.5, stored dense: no bytes saved) is shown beside it;
 * prune-frequency: a baseline with no claim of its own (untestable here), its place among the others shown.
 
 Every method here is deterministic given its calibration, so the repeats are draws: repeat i of every arm is
 calibrated on calibration seed i (``calibration.corpus(seed=i)``) and evaluated on held-out evaluation draw i
 (``claim_args.draw_geo``), paired across arms; the measure is the geometric mean over domains of the perplexity (code
 perplexity for the code-calibration claim). Arms that are the same model (``same_weights``; for the subspace merge
-and its average, the same clusters and weights equal up to float rounding) are inconclusive and say why.
+and its average, the same clusters and weights equal to ``ROUNDING``) are inconclusive and say why.
 
     python benchmarks/merging.py                                # 3 draws x 16 windows, 4096 calibration tokens
     python benchmarks/merging.py --model zoo-tiny-upcycled      # the same on the upcycled model (its own entries)
@@ -56,22 +56,21 @@ def arms(quick: bool) -> list[tuple[str, str, dict, str]]:
 @contextlib.contextmanager
 def plain_average():
     """Sub-MoE's pipeline (its calibration, clusters and router) with its subspace merge swapped for the
-    frequency-weighted average of each cluster's weights (U the identity, V the average): the control that lacks only
-    the shared subspace. The compressor is not changed: its ``subspace_parts`` is swapped here."""
+    frequency-weighted average of each cluster's weights at every rank: the control that lacks only the shared
+    subspace. The compressor is not changed: its ``merge_cluster`` is swapped here."""
     import zoo_compressors.sub_moe as sub
 
-    subspace = sub.subspace_parts
+    merge = sub.merge_cluster
 
     def average(weights, freq, rank_ratio):
         f = freq.double() / freq.double().sum()
-        avg = sum(w.double() * x for w, x in zip(weights, f))
-        return torch.eye(len(avg), dtype=torch.float64), avg, len(avg)
+        return sum(w.double() * x for w, x in zip(weights, f)), weights[0].numel()
 
-    sub.subspace_parts = average
+    sub.merge_cluster = average
     try:
         yield
     finally:
-        sub.subspace_parts = subspace
+        sub.merge_cluster = merge
 
 
 @torch.no_grad()
@@ -192,7 +191,8 @@ def main(argv=None):
             if is_same:
                 why = (f"at full rank the shared basis is complete, so the subspace merge is the frequency-weighted "
                        f"average of the same clusters (every draw: the same clusters, weights within "
-                       f"{max(apart[n]):.1e} of their scale: float rounding of the SVD)")
+                       f"{max(apart[n]):.1e} of their scale; sub-moe takes that average without its SVD at full "
+                       f"rank)")
         return claims.judge(m, c, paired=True, same_model=is_same, why_same=why)
 
     sizes = args.sizes

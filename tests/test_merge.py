@@ -101,6 +101,25 @@ def test_subspace_merge_at_full_rank_is_the_frequency_weighted_average():
     torch.testing.assert_close(low, u @ u.T @ avg.double(), rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("out_dim,in_dim", [(6, 4), (12, 2), (5, 5)])  # out below, above, at m * in
+@pytest.mark.parametrize("rank_ratio", [1.0, 0.96, 0.5, 0.01])
+def test_merge_cluster_is_the_svd_merge_with_the_svd_skipped_only_at_the_whole_rank(out_dim, in_dim, rank_ratio,
+                                                                                   monkeypatch):
+    import zoo_compressors.sub_moe as sub
+
+    ws = [torch.randn(out_dim, in_dim, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    f = torch.tensor([1.0, 2.0, 5.0])
+    u, v, r = sub.subspace_parts(ws, f, rank_ratio)  # the reference: the joint SVD at every rank
+    full = min(out_dim, 3 * in_dim)
+    svds = []
+    real = torch.linalg.svd
+    monkeypatch.setattr(torch.linalg, "svd", lambda *a, **k: svds.append(1) or real(*a, **k))
+    merged, stored = sub.merge_cluster(ws, f, rank_ratio)
+    assert bool(svds) == (r < full), (r, full, svds)
+    torch.testing.assert_close(merged, u @ v, rtol=1e-9, atol=1e-10)
+    assert stored == r * (out_dim + in_dim)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_sub_moe_old_settings_use_euclidean_kmeans_and_roundtrip(family, tmp_path):
     from sklearn.cluster import KMeans
