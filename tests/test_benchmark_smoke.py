@@ -20,10 +20,9 @@ def test_decode_benchmark_smoke():
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("mixtral-smoke ")]
-    engines = ["transformers eager", "transformers grouped_mm", "zoo bf16 eager", "zoo bf16 compiled",
-               "zoo int4 compiled"]
+    engines = ["transformers eager", "transformers grouped_mm", "zoo bf16 eager", "zoo int4 compiled"]
     assert [e for e in engines if any(e in r for r in rows)] == engines, run.stdout
-    assert all(r.split()[-4] == "yes" for r in rows[:4]), run.stdout  # bf16 engines: same greedy tokens
+    assert all(r.split()[-4] == "yes" for r in rows[:3]), run.stdout  # bf16 engines: same greedy tokens
     assert "machine read bandwidth" in run.stdout and all(float(r.split()[-2]) > 0 for r in rows), run.stdout
 
 
