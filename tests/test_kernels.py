@@ -343,8 +343,9 @@ def test_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch, bits):
     vnni = kernels.isa() == "avx512-bf16"
     limit = "INT4_DOT_PAIRS" if bits == 4 else "INT8_DOT_PAIRS" if vnni else "INT8_DOT_PAIRS_AVX2"
     assert kernels.int8_dot_limit("experts", bits, torch.float32) == getattr(kernels, limit)
-    # pairs per expert on average past the few-token limit (packed: 4; avx2's 16) and within the 8-bit-input one
-    T = 20 if vnni else 48
+    # pairs per expert on average past the few-token limit (packed: 4; avx2's 64) and within the 8-bit-input one
+    T = 20 if vnni else 160
+    assert kernels.PAIRS_PER_EXPERT["packed" if vnni else "packed-avx2"] < T * 2 // 4 <= getattr(kernels, limit)
     x, r = torch.randn(T, 64), Routing(torch.rand(T, 2), routing(T, 2, 4, seed=5))
     calls = kernel_calls(monkeypatch)
     got = experts(x, r)
@@ -358,7 +359,7 @@ def test_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch, bits):
     kernels.int8_inputs(False)
     exact = experts(x, r)
     kernels.int8_inputs(True)
-    strips = kernels.isa() == "avx2" and bits == 8  # int8 on exact inputs there: the kernel's strips, to 32 pairs
+    strips = kernels.isa() == "avx2" and bits == 8  # int8 on exact inputs there: the kernel's strips, to 128 pairs
     assert bool(calls) == strips
     tol = 1e-5 if strips else 0.0  # the same products summed in another order
     torch.testing.assert_close(past, exact, rtol=tol, atol=tol)
@@ -391,7 +392,17 @@ def test_quantized_linear_prefill_on_8bit_inputs_uses_the_kernel(int8_inputs, mo
     assert torch.equal(q(x), torch_path(limit + 1)) and not calls
     kernels.int8_inputs(False)
     exact = q(x[:limit])
-    assert torch.equal(exact, torch_path(limit)) and torch.equal(q(x[:2]), torch_path(2)) and not calls
+    # with the option off: torch's path, but on the avx2 set the kernel's exact rows up to LINEAR_ROWS_AVX2
+    avx2 = kernels.LINEAR_ROWS_AVX2[bits] if kernels.isa() == "avx2" else 0
+    assert calls == [n for n in (limit,) if n <= avx2]
+    torch.testing.assert_close(exact, torch_path(limit), rtol=0 if limit > avx2 else 1e-5, atol=0 if limit > avx2
+                               else (1e-5 if dtype == torch.float32 else 2e-2))
+    calls.clear()
+    few = q(x[:2])
+    assert calls == [n for n in (2,) if n <= avx2]
+    torch.testing.assert_close(few, torch_path(2), rtol=0 if not avx2 else 1e-5, atol=0 if not avx2
+                               else (1e-5 if dtype == torch.float32 else 2e-2))
+    calls.clear()
     kernels.int8_inputs(True)
     assert not torch.equal(got, exact) and float((got - exact).norm() / exact.norm()) < 0.02
 
@@ -566,11 +577,12 @@ def test_eager_inference_on_few_tokens_uses_the_kernel(kind, isa, monkeypatch):
 @pytest.mark.parametrize("bits,dtype", [(16, torch.bfloat16), (16, torch.float32), (8, torch.bfloat16),
                                         (4, torch.bfloat16)])
 @torch.no_grad()
-def test_eager_linear_layers_on_few_rows_use_the_kernel(bits, dtype, monkeypatch):
+def test_eager_linear_layers_on_few_rows_use_the_kernel(isa, bits, dtype, monkeypatch):
     """A kernel-read plain linear layer takes zoo::moe_gemv eagerly up to PAIRS_PER_EXPERT[16] rows (the LM head on a
     prompt's last position, an eager decode step), bf16 on bf16 dot products up to PAIRS_PER_EXPERT["bf16"] (a short
     prompt's prefill), bf16 on the avx2 set up to PAIRS_PER_EXPERT["bf16-avx2"] (its strips), a quantized one at one
-    row (torch's int8/int4 matmuls win from a few rows on); all give the library path's output."""
+    row (torch's int8/int4 matmuls win from a few rows on), on the avx2 set up to LINEAR_ROWS_AVX2 rows; all give the
+    library path's output."""
     from zoo.moe.kernels import linear
     from zoo.moe.quantized_linear import QuantizedLinear
 
@@ -585,7 +597,9 @@ def test_eager_linear_layers_on_few_rows_use_the_kernel(bits, dtype, monkeypatch
         linear.read_linears_with_kernel(layer)
         assert isinstance(layer, linear.KernelLinear)
     else:
-        layer, limit = QuantizedLinear.from_linear(dense, bits, group_size=32), 1
+        avx2 = kernels.isa() == "avx2" and not kernels.int8_inputs_on()  # exact inputs on the avx2 set: further
+        layer = QuantizedLinear.from_linear(dense, bits, group_size=32)
+        limit = kernels.LINEAR_ROWS_AVX2[bits] if avx2 else 1
     calls = kernel_calls(monkeypatch)
     for rows, uses in ((1, True), (limit, True), (limit + 1, False)):
         x = torch.randn(1, rows, 64).to(dtype)

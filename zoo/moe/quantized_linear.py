@@ -77,9 +77,10 @@ class QuantizedLinear(nn.Module):
         q, s = self.packed
         rows = x.numel() // x.shape[-1]
         # eager: one row (torch's int8/int4 matmuls win from a few rows on: [1024 | 8192, 1024] weights, 2 threads,
-        # the kernel 1.3-2.1x their speed at one row, 0.85-1.2x at four), or a prompt's rows on int8 dot products
+        # the kernel 1.3-2.1x their speed at one row, 0.85-1.2x at four), or a prompt's rows on int8 dot products or
+        # on the avx2 set
         few = (rows <= kernels.MAX_TOKENS if torch.compiler.is_compiling()
-               else rows == 1 or self._on_int8_dots(rows, x.dtype))
+               else rows == 1 or self._on_int8_dots(rows, x.dtype) or self._on_avx2_rows(rows))
         if (few and kernels.ready() and not torch.is_grad_enabled() and x.device.type == "cpu"
                 and x.dtype in (torch.float32, torch.bfloat16)):
             one = torch.zeros(rows, 1, dtype=torch.long, device=x.device)  # every row reads "expert" 0
@@ -97,6 +98,12 @@ class QuantizedLinear(nn.Module):
         return (kernels.int8_inputs_on() and rows <= kernels.int8_dot_limit("linear", self.bits, dtype)
                 and kernels.isa() in kernels.INT8_DOT_ISAS
                 and all(t.is_contiguous() for t in self.packed))
+
+    def _on_avx2_rows(self, rows: int) -> bool:
+        """Whether an eager call on ``rows`` rows of exact inputs takes the kernel on the avx2 set: up to
+        ``kernels.LINEAR_ROWS_AVX2`` rows for this width."""
+        return (rows <= kernels.LINEAR_ROWS_AVX2.get(self.bits, 1) and kernels.ready() and not kernels.int8_inputs_on()
+                and kernels.isa() == "avx2")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"

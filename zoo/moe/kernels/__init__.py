@@ -48,8 +48,13 @@ MAX_TOKENS = 8  # a compiled step serves at most this many tokens from the kerne
 # On the avx2 set bf16 and int8 experts take strips from 8 pairs of a block (16 rows widened to fp32 in the cache,
 # 6 inputs at a time: moe_gemv_body.h) and the kernel goes further: the 304M model's prefill against limits 8 / 16
 # (the widened fp32 matmul past them), interleaved, 2 threads: bf16 16 tokens 1.19x, 32: 3.28x, 64: 3.14x, 128:
-# 2.57-2.66x, 256 (64 pairs per expert): 1.72x; int8 16: 1.22x, 64: 1.73x, 128 (32 pairs): 1.81x
-PAIRS_PER_EXPERT = {16: 8, "bf16": 24, "int8": 16, "packed": 4, "packed-avx2": 16, "bf16-avx2": 64, "int8-avx2": 32}
+# 2.57-2.66x, 256 (64 pairs per expert): 1.72x; int8 16: 1.22x, 64: 1.73x, 128 (32 pairs): 1.81x.
+# Further on the avx2 set (the alternative, each expert dequantised into an fp32 matmul, is slower still): the 304M
+# model's prefill, everything quantized, exact inputs, interleaved medians of 5, 2 threads: int4 experts limit 64
+# against 16 at 64 / 128 / 256 tokens (16 / 32 / 64 pairs per expert) 1.83 / 2.31 / 1.19x, at 512 tokens the
+# kernel 0.94x (so 64); 3-bit experts 1.51 / 1.58 / 1.11x, 2-bit 1.17 / 1.67x at 64 / 128 tokens; int8 experts
+# limit 64 against 32 at 128 / 256 tokens 1.21 / 1.74x, 128 against 64 at 512 tokens 1.06x
+PAIRS_PER_EXPERT = {16: 8, "bf16": 24, "int8": 16, "packed": 4, "packed-avx2": 64, "bf16-avx2": 64, "int8-avx2": 128}
 # With 8-bit inputs (int8_inputs(True)) int4 experts take the kernel up to this many pairs per selected expert on
 # average, a prompt's prefill too (zoo.moe.quantized): its int8 dot products beat dequantising for a dense matmul
 # there (one [5632, 1024] expert, 2 threads: 2.6x at 16 rows, 1.4x at 128 and 256, 0.86x at 512; the 304M model's
@@ -61,19 +66,31 @@ INT4_DOT_PAIRS = 128
 INT8_DOT_PAIRS = 16
 # On the avx2 set, where torch's int8 product is slow (no VNNI) and the exact alternative is the widened dense
 # matmul, int8 experts take the kernel with 8-bit inputs further: the 304M model's prefill (int8 everywhere, 2 threads,
-# AMD EPYC Zen 3, interleaved) 2.1x the exact path at 4-8 pairs per expert, 2.3x at 16, 2.0x at 32
-INT8_DOT_PAIRS_AVX2 = 32
+# AMD EPYC Zen 3, interleaved) 2.1x the exact path at 4-8 pairs per expert, 2.3x at 16, 2.0x at 32; against the
+# sorted path (each expert dequantised) 1.34x at 32, 1.71x at 64, 1.59x at 128
+INT8_DOT_PAIRS_AVX2 = 128
 # With 8-bit inputs, an eager ``QuantizedLinear`` call (a prompt's prefill) takes the kernel up to this many rows, per
 # width. Measured on the 304M model's [1024 | 256 | 8192, 1024] matrices (bf16, 2 threads), kernel against the eager
 # path: int4 (dequantised dense matmul) 3.8-4.8x at 16 rows, 1.2-1.4x at 256, 1.0-1.2x at 512; int8 (torch's int8
 # matmuls) 1.3-4.6x at 16 rows, 0.9-2.9x at 32 (the [8192, 1024] LM head about even), 0.8-1.6x at 64
 INT8_DOT_ROWS = {4: 256, 8: 32}
+# int8 on the avx2 set (torch's int8 product there has no VNNI): [256 | 1024 | 8192, 1024] bf16, 2 threads, AMD EPYC
+# Zen 3, interleaved, 8-bit inputs on both paths: 2.8-8.7x at 32 rows, 1.5-3.5x at 128, 1.3-2.5x at 256
+INT8_DOT_ROWS_AVX2 = 256
 # bf16 inputs: exact int8 / int4 prefill runs on lowbit_gemm's tiles, which beat the int4 dot products from fewer rows
 # (304M model's prefill, int4 experts, 8-bit against exact inputs: 1.41 / 1.23x transformers at 16 pairs per expert,
 # 1.12 / 1.18 at 32, 0.89 / 1.14 at 64; int4 everywhere at 256 tokens 0.81 / 1.19), so these limits replace
 # INT4_DOT_PAIRS and INT8_DOT_ROWS[4] there (int8_dot_limit)
 INT4_DOT_PAIRS_BF16 = 24
 INT4_DOT_ROWS_BF16 = 32
+
+
+# On the avx2 set, an eager ``QuantizedLinear`` call on exact inputs (a prompt's prefill) takes the kernel up to this
+# many rows, per width: the alternative there dequantises into an fp32 matmul (int4) or runs torch's int8 weight
+# product, both slow without AVX-512. The 304M model's [256 | 1024 | 8192, 1024] matrices, 2 threads, AMD EPYC Zen 3,
+# interleaved, kernel against that path: int4 bf16 inputs 2.1-9.2x at 16 rows, 1.2-3.6x at 64, 1.1-2.2x at 128,
+# 0.88-1.4x at 256 (fp32 inputs: 0.94-2.2x at 128); int8 2.9-8.7x at 16, 1.4-2.8x at 128, 1.1-1.9x at 256
+LINEAR_ROWS_AVX2 = {4: 64, 8: 128}
 
 
 def int8_dot_limit(kind: str, bits: int, dtype: torch.dtype) -> int:
@@ -84,7 +101,9 @@ def int8_dot_limit(kind: str, bits: int, dtype: torch.dtype) -> int:
         if bits == 8:
             return INT8_DOT_PAIRS if vnni else INT8_DOT_PAIRS_AVX2
         return INT4_DOT_PAIRS_BF16 if vnni and dtype == torch.bfloat16 else INT4_DOT_PAIRS
-    return INT4_DOT_ROWS_BF16 if vnni and bits == 4 and dtype == torch.bfloat16 else INT8_DOT_ROWS[bits]
+    if vnni:
+        return INT4_DOT_ROWS_BF16 if bits == 4 and dtype == torch.bfloat16 else INT8_DOT_ROWS[bits]
+    return INT8_DOT_ROWS_AVX2 if bits == 8 else INT8_DOT_ROWS[bits]
 
 
 _state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load())", "off": False, "int8_inputs": False}
