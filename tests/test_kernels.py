@@ -111,6 +111,21 @@ def test_many_pairs_through_tiles(isa, bits, K, N):
                                    rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("K", [64, 2048])
+@pytest.mark.parametrize("N", [128, 160])
+def test_many_pairs_on_int4_blocks(isa, K, N):
+    """Full 64-row blocks of int4 codes that many pairs read (the block kernel, 4 inputs at a time on avx2) and the
+    rows past the last full block: the reference's result, for inputs shared by the slots and per slot, bf16 and
+    fp32."""
+    S, T, k = 3, 20, 2
+    w, s = stack(4, S, N, K)
+    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.where(torch.arange(T) < 9, 1, 2)], 1)  # 20 / 9 / 11
+    for x in (torch.randn(T, K).bfloat16(), torch.randn(T, k, K).bfloat16(), torch.randn(T, K)):
+        got = kernels.moe_gemv(x, idx, w, s, 4, 32)
+        torch.testing.assert_close(got.float(), kernels.moe_gemv_reference(x, idx, w, s, 4, 32).float(),
+                                   rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize("K", [32, 64, 77, 130])
 @pytest.mark.parametrize("T", [1, 3])
 def test_bf16_inputs_every_width(isa, K, T):
