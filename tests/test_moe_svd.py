@@ -170,7 +170,7 @@ def test_u_trimming_keeps_the_most_frequent_experts_u_and_duplicate_experts_shar
         moe.experts.down_proj[2:] = moe.experts.down_proj[:2].clone()
     zoo.apply(model, "moe-svd", calibration=CAL, ratio=0.9, layer_ratio=0.9, u_keep=0.5)
     f = moe_layers(model)[0][1].experts
-    if isinstance(f, FactoredExperts):
-        assert f.num_u == 2
-        idx = f.u_index.tolist()
-        assert idx[0] == idx[2] and idx[1] == idx[3]
+    assert isinstance(f, FactoredExperts), type(f).__name__  # layer_ratio 0.9 of 2 layers: both decomposed
+    assert f.num_u == 2
+    idx = f.u_index.tolist()
+    assert idx[0] == idx[2] and idx[1] == idx[3]
