@@ -12,6 +12,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	# torch first, from the CPU build; then everything else pinned against it (never a CUDA torch)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	# the CPU kernels built now, as a compiled package's would be, not by the first test or model that runs them
+	# (about a minute on two cores); where they cannot be (no compiler) the line says why and torch's kernels serve
+	-$(VENV)/bin/moe-zoo kernels
 	touch $@
 
 run: $(VENV)/.installed

@@ -472,12 +472,15 @@ def test_int8_inputs_are_refused_without_int8_dot_products(monkeypatch):
 
 
 def test_environment_forces_an_instruction_set(monkeypatch):
-    """ZOO_KERNEL_ISA picks the set a process uses; a misspelt name is one line naming the close ones; a set the
-    processor lacks leaves the kernel off with the reason (never an illegal instruction)."""
-    code = "from zoo.moe import kernels; print(kernels.load(), kernels.isa())"
+    """ZOO_KERNEL_ISA picks the set a process uses (``moe-zoo kernels`` says which); a misspelt name is one line
+    naming the close ones; a set the processor lacks leaves the kernel off with the reason (never an illegal
+    instruction)."""
     env = dict(os.environ, ZOO_KERNEL_ISA="portable")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.split() == ["True", "portable"], out.stderr
+    out = subprocess.run([sys.executable, "-m", "zoo.cli", "kernels"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (f"zoo's CPU kernels are ready: instruction set portable (the best this processor "
+                                  f"has: {kernels.best_isa()}); 8-bit inputs off")
     monkeypatch.setenv("ZOO_KERNEL_ISA", "avx-512")
     with pytest.raises(ValueError, match="did you mean avx512"):
         kernels._forced_isa()
@@ -486,6 +489,28 @@ def test_environment_forces_an_instruction_set(monkeypatch):
     assert kernels._lacking("avx512-bf16", 1) == ("ZOO_KERNEL_ISA=avx512-bf16 asks for instructions this processor "
                                                   "lacks (it has avx2, portable)")
     assert kernels._lacking("avx2", 1) is None
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ZOO_KERNEL_ISA": "avx-512"}, "ZOO_KERNEL_ISA='avx-512' is not an instruction set of zoo's kernel; did you mean"),
+    ({"ZOO_KERNEL_INT8_INPUTS": "yes"}, "ZOO_KERNEL_INT8_INPUTS='yes': use 1"),
+    ({"ZOO_KERNELS": "0"}, "zoo's CPU kernels are not available: turned off by ZOO_KERNELS=0")])
+def test_kernels_command_says_why_not_in_one_line(monkeypatch, env, message):
+    """``moe-zoo kernels`` where the kernels cannot load (a fresh load: the process's own stays as it was): exit 1
+    and one line, no traceback, nothing built."""
+    from click.testing import CliRunner
+
+    from zoo.cli import cli
+
+    monkeypatch.setattr(kernels, "_state", {**kernels._state, "tried": False})
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("a build was started"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(cli, ["kernels"])
+    assert result.exit_code == 1 and result.exception.__class__ is SystemExit, result.output
+    assert result.output.startswith("Error: " + message) and result.output.count("\n") == 1, result.output
 
 
 def test_opcheck():

@@ -110,6 +110,26 @@ def info(name):
     _json(row)
 
 
+@cli.command()
+def kernels():
+    """Build (the first time) or load the zoo's CPU kernels and say which instruction set they run; exits 1 where
+    they cannot be built (torch's kernels serve then), with the reason."""
+    import warnings
+
+    from zoo.moe import kernels as k
+
+    with warnings.catch_warnings():  # the reason is this command's own output
+        warnings.simplefilter("ignore")
+        try:
+            ready = k.load()
+        except ValueError as exc:  # a misspelt ZOO_KERNEL_ISA / ZOO_KERNEL_INT8_INPUTS
+            raise click.ClickException(str(exc)) from None
+    if not ready:
+        raise click.ClickException(f"zoo's CPU kernels are not available: {k.unavailable_reason()}")
+    click.echo(f"zoo's CPU kernels are ready: instruction set {k.isa()} (the best this processor has: "
+               f"{k.best_isa()}); 8-bit inputs {'on' if k.int8_inputs_on() else 'off'}")
+
+
 def _memory_size(ctx, param, value):
     """--max-memory must be a positive size (checked before any work)."""
     from zoo.io.memory import parse_bytes
