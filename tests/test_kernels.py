@@ -197,6 +197,17 @@ def test_int8_inputs_are_exact_integer_dots(int8_inputs, K, T):
     assert not torch.equal(got, exact) and float((got - exact).norm() / exact.norm()) < 0.02
 
 
+@pytest.mark.parametrize("bits", [3, 2])
+@pytest.mark.parametrize("N", [1, 3, 101])
+def test_one_input_packed_rows_two_at_a_time_and_an_odd_last_row(isa, bits, N):
+    """One input on 2/3-bit rows goes two rows a step (8-lane sets): an odd row count leaves one row alone, each row's
+    result its own (fp32 inputs: the reference within float rounding)."""
+    w, s = stack(bits, 3, N, 128, group_size=64, dtype=torch.float32)
+    x, idx = torch.randn(1, 128), torch.tensor([[2, 0]])
+    got = kernels.moe_gemv(x, idx, w, s, bits, 64)
+    torch.testing.assert_close(got, kernels.moe_gemv_reference(x, idx, w, s, bits, 64), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("K", [64, 100])
 def test_int8_inputs_prefill_rounds_as_the_kernel(int8_inputs, monkeypatch, K):
     """Many rows (prefill) go through torch's int8 matrix product on the kernel's rounding: the integer reference's

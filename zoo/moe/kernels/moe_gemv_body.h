@@ -474,8 +474,10 @@ static void block_int4_dot(const uint8_t* blk, const Scales& sc, int64_t K, int6
 // 3 bits, lanes 0..3 hold the four 24-bit words (8 codes each) and lanes 4..7 the same words, read from bit 12.
 // codes_to_float: each lane's code at bit `shift`, as a float.
 #ifdef ZOO_X86_PACKED
-// x86 (AVX2 and up): the bytes widened in one instruction (3 bits: one byte shuffle), and each code turned into a
-// float by a lookup in a table of 8 floats (vpermps reads an index's low 3 bits: no mask, no int-to-float convert)
+// x86 (AVX2 and up): the bytes widened in one instruction (3 bits: one byte shuffle); on AVX-512 processors each
+// code is turned into a float by a lookup in a table of 8 floats (vpermps reads an index's low 3 bits: no mask, no
+// int-to-float convert). On the avx2 set a mask and a convert instead, faster there (AMD EPYC Zen 3, [5632, 1024]
+// experts, 2 threads, interleaved: 2-bit 1.05x at one input, 1.08-1.17x at 2 and 4; 3-bit 1.01-1.05x)
 template <int BITS>
 static inline vw8 packed_words(const uint8_t* b) {
   if (BITS == 2) return (vw8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)b));
@@ -487,9 +489,13 @@ static inline vw8 packed_words(const uint8_t* b) {
 }
 template <int BITS>
 static inline vf8 codes_to_float(vw8 words, vw8 shift) {
+#if ZOO_LANES == 16
   // 2 bits: the index's third bit is the next code's, so the table repeats 0..3
   const __m256 table = BITS == 2 ? _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3) : _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   return (vf8)_mm256_permutevar8x32_ps(table, _mm256_srlv_epi32((__m256i)words, (__m256i)shift));
+#else
+  return __builtin_convertvector(vi32_8((words >> shift) & ((1u << BITS) - 1)), vf8);
+#endif
 }
 #else
 template <int BITS>
@@ -557,32 +563,58 @@ static void row_scales(const Scales& sc, int64_t G, int64_t r0, int64_t r1, cons
 // 2- or 3-bit codes packed densely along each row (zoo.moe.packing). 32 codes (4 * BITS bytes) at a time as
 // eight lanes x four shifts; the inputs come permuted to match (permute_for_packed, layout 0), so each shift's lanes
 // multiply contiguous inputs. Groups are multiples of 32, so a 32-code chunk never straddles two.
+// RS rows a step, A sums per row and input: one input (decode) goes two rows at a time with two sums each, so each
+// input vector read serves both rows and four chains of multiply-adds run side by side. AMD EPYC Zen 3 (avx2 set),
+// [5632, 1024] experts, interleaved, against one row at a time with one sum and the codes turned into floats by a
+// lookup (before): one token, from memory, 2 threads, 3-bit 1.18x, 2-bit 1.33x (in L2, 1 thread: 1.13 / 1.24x; four
+// rows a step: no better); 2 inputs 1.01 / 1.15x, 4 inputs 1.01 / 1.04x (the convert alone)
+template <int NP, int BITS, int RS, int A>
+static inline void rows_packed_step(const uint8_t* wr, int64_t row_bytes, int64_t K, int64_t g, const RowScales& rs,
+                                    int64_t R, int64_t i0, const float* const* xs, float* const* ys, int64_t r) {
+  const vw8 base = BITS == 2 ? vw8{0, 0, 0, 0, 0, 0, 0, 0} : vw8{0, 0, 0, 0, 12, 12, 12, 12};
+  vf8 acc[RS][NP];
+  for (int j = 0; j < RS; ++j)
+    for (int p = 0; p < NP; ++p) acc[j][p] = vf8{};
+  for (int64_t gi = 0; gi < K / g; ++gi) {
+    vf8 ga[RS][NP][A];
+    for (int j = 0; j < RS; ++j)
+      for (int p = 0; p < NP; ++p)
+        for (int a = 0; a < A; ++a) ga[j][p][a] = vf8{};
+    for (int64_t c = gi * g / 32; c < (gi + 1) * g / 32; ++c) {
+      vw8 words[RS];
+      for (int j = 0; j < RS; ++j) {
+        words[j] = packed_words<BITS>(wr + j * row_bytes + c * 4 * BITS);
+        if (BITS == 3) words[j] = words[j] >> base;  // then every lane's shift is the same: an immediate
+      }
+      for (int s = 0; s < 4; ++s)
+        for (int j = 0; j < RS; ++j) {
+          const vf8 q = codes_to_float<BITS>(words[j], vw8{} + BITS * s);
+          for (int p = 0; p < NP; ++p) ga[j][p][s % A] += q * load<vf8>(xs[p] + c * 32 + s * 8);
+        }
+    }
+    for (int j = 0; j < RS; ++j) {
+      const float s = rs.s[gi * R + i0 + j];
+      for (int p = 0; p < NP; ++p) {
+        vf8 sum = ga[j][p][0];
+        for (int a = 1; a < A; ++a) sum += ga[j][p][a];
+        acc[j][p] += sum * s;
+      }
+    }
+  }
+  for (int j = 0; j < RS; ++j)
+    for (int p = 0; p < NP; ++p) ys[p][r + j] = hsum(acc[j][p]) + rs.zt[p * R + i0 + j];
+}
 template <int NP, int BITS>
 static void rows_packed(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
                         const float* const* xs, const float* const* sxs, float* const* ys) {
-  const int64_t row_bytes = K * BITS / 8;
-  const vw8 base = BITS == 2 ? vw8{0, 0, 0, 0, 0, 0, 0, 0} : vw8{0, 0, 0, 0, 12, 12, 12, 12};
+  constexpr int RS = NP == 1 ? 2 : 1, A = NP == 1 ? 2 : 1;
+  const int64_t row_bytes = K * BITS / 8, R = r1 - r0;
   RowScales rs;
   row_scales<NP>(sc, K / g, r0, r1, sxs, rs);
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* wr = w + r * row_bytes;
-    vf8 acc[NP];
-    for (int p = 0; p < NP; ++p) acc[p] = vf8{};
-    for (int64_t gi = 0; gi < K / g; ++gi) {
-      vf8 ga[NP];
-      for (int p = 0; p < NP; ++p) ga[p] = vf8{};
-      for (int64_t c = gi * g / 32; c < (gi + 1) * g / 32; ++c) {
-        const vw8 words = packed_words<BITS>(wr + c * 4 * BITS);
-        for (int s = 0; s < 4; ++s) {
-          const vf8 q = codes_to_float<BITS>(words, base + BITS * s);
-          for (int p = 0; p < NP; ++p) ga[p] += q * load<vf8>(xs[p] + c * 32 + s * 8);
-        }
-      }
-      const float s = rs.s[gi * (r1 - r0) + r - r0];
-      for (int p = 0; p < NP; ++p) acc[p] += ga[p] * s;
-    }
-    for (int p = 0; p < NP; ++p) ys[p][r] = hsum(acc[p]) + rs.zt[p * (r1 - r0) + r - r0];
-  }
+  int64_t r = r0;
+  for (; r + RS <= r1; r += RS)
+    rows_packed_step<NP, BITS, RS, A>(w + r * row_bytes, row_bytes, K, g, rs, R, r - r0, xs, ys, r);
+  for (; r < r1; ++r) rows_packed_step<NP, BITS, 1, A>(w + r * row_bytes, row_bytes, K, g, rs, R, r - r0, xs, ys, r);
 }
 
 #if ZOO_LANES == 16
