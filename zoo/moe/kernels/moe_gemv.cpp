@@ -210,7 +210,7 @@ static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
   hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 }
 #define ZOO_DOT8 1  // 8-bit inputs on vpmaddubsw / vpmaddwd (int8, int4, 2-bit rows in steps of 256)
-#define ZOO_PREFETCH 1  // software prefetch of the rows ahead in decode (moe_gemv_body.h: kPrefetch)
+#define ZOO_PREFETCH 1  // software prefetch of the weights ahead in decode (moe_gemv_body.h: kPrefetch)
 #include "moe_gemv_body.h"
 #undef ZOO_PREFETCH
 #undef ZOO_DOT8
