@@ -510,12 +510,11 @@ def test_kernels_command_says_why_not_in_one_line(monkeypatch, env, message):
     """``moe-zoo kernels`` where the kernels cannot load (a fresh load: the process's own stays as it was): exit 1
     and one line, no traceback, nothing built."""
     from click.testing import CliRunner
+    from torch.utils import cpp_extension
 
     from zoo.cli import cli
 
     monkeypatch.setattr(kernels, "_state", {**kernels._state, "tried": False})
-    from torch.utils import cpp_extension
-
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("a build was started"))
     for name, value in env.items():
         monkeypatch.setenv(name, value)

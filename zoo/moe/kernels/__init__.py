@@ -3,7 +3,8 @@ experts' stored weights once, in place, for a few tokens (decode), at memory spe
 
 The library is built from ``moe_gemv.cpp`` with ``torch.utils.cpp_extension`` on first use (about a minute with
 two cores; ``moe-zoo kernels`` builds it ahead) and cached in torch's extension folder, rebuilt only when the
-source changes. ``load()`` builds or loads it and says whether it is there; ``ready()`` only reads that answer, so compiled code can branch on it.
+source changes. ``load()`` builds or loads it and says whether it is there; ``ready()`` only reads that answer, so
+compiled code can branch on it.
 The kernels come in four instruction sets (``ISAS``), the best the processor has chosen at load; the environment
 variable ``ZOO_KERNEL_ISA`` forces one (``portable`` runs anywhere: SSE2 on x86-64, NEON on ARM64). ``int8_inputs(True)``
 (or ``ZOO_KERNEL_INT8_INPUTS=1``) multiplies int8 weights and 2/3/4-bit codes by inputs rounded to 8 bits on int8
