@@ -171,8 +171,8 @@ def on_8bit_dot_set(name):
 
 @pytest.fixture(params=kernels.INT8_DOT_ISAS)
 def int8_inputs(request):
-    """Each set with 8-bit dot products: avx512-bf16 (vpdpbusd) and avx2 (vpmaddubsw; 3-bit rows and 2-bit rows
-    outside steps of 256 take the float kernel on the rounded inputs there)."""
+    """Each set with 8-bit dot products: avx512-bf16 (vpdpbusd) and avx2 (vpmaddubsw, 3-bit rows on vpmaddwd; 2-bit
+    rows outside steps of 256 take the float kernel on the rounded inputs there)."""
     yield from on_8bit_dot_set(request.param)
 
 
@@ -338,6 +338,16 @@ def test_packed_8bit_inputs_over_many_groups(int8_inputs, bits, g, K, T):
     dividing 256 or a multiple of it go 256 codes a step (rows_int2_dot256: 8, 4, 2, 1 groups a step, and groups of
     several steps); the others (576, 192 of 768, 320) the per-group way."""
     assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g, 64, K), bits, g, T)
+
+
+@pytest.mark.parametrize("bits,g,K", [(3, 64, 1024), (3, 96, 192), (3, 32, 32), (2, 64, 512)])
+@pytest.mark.parametrize("N", [67, 1])
+@pytest.mark.parametrize("T", [1, 3])
+def test_packed_8bit_inputs_odd_rows_and_one_chunk_rows(int8_inputs, bits, g, K, N, T):
+    """Rows that the few-input kernels take two at a time with one left alone (67 rows: items of 64 and 3; one row),
+    one and several pairs per expert; 3-bit rows of a single chunk (K = 32: its 12 bytes read apart, since a row may
+    end the allocation) and groups of 1 and 3 chunks: the integer reference's result."""
+    assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g, N, K), bits, g, T)
 
 
 @pytest.mark.parametrize("g,K", [(32, 1024), (64, 1280), (64, 512)])

@@ -82,6 +82,7 @@ struct Problem {
                            // q + 128 for int8 weights, q (as int8_t) for 2/3/4-bit codes (the unsigned operand there);
                            // 2/3 bits: permuted as those kernels read them
   const float* XQS;        // their scales [rows]: x ~ q * scale
+  const int16_t* XW;       // 3-bit rows on AVX2 (rows_int3_dot): q as 16-bit words q << (7 - 3 k % 8) [rows, K]
   float* Y;                // outputs [T * k, N]
   const int64_t* in_rows;  // per (token, slot) pair, grouped by the stack slot it reads: its input row of X
   const int64_t* out_rows; // and its output row of Y
@@ -395,13 +396,12 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   const bool bf16_dot = g_isa == 3 && (kind == Kind::bf16 || kind == Kind::int4 || kind == Kind::int8) && !f32;
   // 8-bit inputs: q = round(x / s) in [-127, 127] with s = max|x| / 127 per row, for vpdpbusd's signed operand
   // (2/3/4-bit codes are its unsigned one) or stored q + 128 as its unsigned operand (int8 weights are the signed
-  // one; AVX2 takes q as it is, rows_int8_dot there). AVX2 has no 8-bit kernel for 3-bit rows and 2-bit rows outside
-  // steps of 256: they run the float kernel on the same q as floats (exact integer sums per group, the outputs times
-  // the inputs' scales afterwards), so the results do not depend on the set's kernels.
+  // one; AVX2 takes q as it is, rows_int8_dot there). AVX2 has no 8-bit kernel for 2-bit rows outside steps of 256:
+  // they run the float kernel on the same q as floats (exact integer sums per group, the outputs times the inputs'
+  // scales afterwards), so the results do not depend on the set's kernels.
   const bool int8_dot =
       g_int8_inputs && has_8bit_dots(g_isa) && kind != Kind::f32 && kind != Kind::bf16 && K <= VNNI_MAX_K;
-  const bool q_as_float = int8_dot && g_isa == 1 &&
-                          (kind == Kind::int3 || (kind == Kind::int2 && !int2_steps_of_256(K, group_size)));
+  const bool q_as_float = int8_dot && g_isa == 1 && kind == Kind::int2 && !int2_steps_of_256(K, group_size);
   std::vector<float> xbuf;
   if (!f32 && !(bf16_dot && kind == Kind::bf16)) {
     xbuf.resize(rows * K);
@@ -424,7 +424,12 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
     Xp = qf.data();
   }
   std::vector<uint8_t> xq_permuted;
-  if ((kind == Kind::int2 || kind == Kind::int3) && int8_dot && !q_as_float) {
+  std::vector<int16_t> xw;
+  if (kind == Kind::int3 && int8_dot && g_isa == 1) {
+    xw.resize(rows * K);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < K; ++k) xw[r * K + k] = int16_t(int8_t(xq[r * K + k]) * (1 << (7 - (3 * k & 7))));
+  } else if ((kind == Kind::int2 || kind == Kind::int3) && int8_dot && !q_as_float) {
     xq_permuted.resize(rows * K);
     if (kind == Kind::int2 && int2_steps_of_256(K, group_size)) {
       // layout 3 (rows_int2_dot256): per 256 inputs, pass j's 64 bytes, byte i <- input 4 i + j
@@ -493,7 +498,8 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
              permuted.empty() ? Xp : permuted.data(), sums.empty() ? nullptr : sums.data(),
              bf16_dot ? reinterpret_cast<const uint16_t*>(xc.data_ptr()) : nullptr,
              int8_dot && !q_as_float ? (xq_permuted.empty() ? xq.data() : xq_permuted.data()) : nullptr,
-             int8_dot && !q_as_float ? xqs.data() : nullptr, Yp, in_rows.data(), out_rows.data()};
+             int8_dot && !q_as_float ? xqs.data() : nullptr, xw.empty() ? nullptr : xw.data(), Yp, in_rows.data(),
+             out_rows.data()};
   run_all(pb, items);
   for (size_t i = 0; q_as_float && i < out_rows.size(); ++i)
     for (int64_t n = 0; n < N; ++n) Yp[out_rows[i] * N + n] *= xqs[in_rows[i]];
