@@ -446,6 +446,12 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
     const int layout = g_isa >= 2 ? 1 : 0;  // the AVX-512 sets read 16 lanes
     for (int64_t r = 0; r < rows; ++r)
       permute_for_packed(Xp + r * K, permuted.data() + r * K, K, group_size, int(bits), layout);
+    // layout 0: each 32-input chunk's shift s (inputs 8 s..8 s + 7) times 2^-(bits s), for the codes masked where
+    // they lie (rows_packed_step): exact, powers of two (but for inputs below 2^-117, rounded as subnormals)
+    const float down[4] = {1.f, std::ldexp(1.f, -int(bits)), std::ldexp(1.f, -2 * int(bits)),
+                           std::ldexp(1.f, -3 * int(bits))};
+    for (int64_t c = 0; layout == 0 && c < rows * K; c += 32)
+      for (int i = 0; i < 32; ++i) permuted[c + i] *= down[i / 8];
   }
   if (bits <= 4) {
     const int64_t G = K / group_size;

@@ -500,12 +500,11 @@ static void block_int4_dot(const uint8_t* blk, const Scales& sc, int64_t K, int6
 
 // One 32-code chunk of a 2- or 3-bit row as eight 32-bit words: 2 bits, lane i holds byte i (codes 4i..4i+3);
 // 3 bits, lanes 0..3 hold the four 24-bit words (8 codes each) and lanes 4..7 the same words, read from bit 12.
-// codes_to_float: each lane's code at bit `shift`, as a float.
+// codes_to_float (the 16-lane kernels' odd chunk): each lane's code at bit `shift`, as a float.
 #ifdef ZOO_X86_PACKED
 // x86 (AVX2 and up): the bytes widened in one instruction (3 bits: one byte shuffle); on AVX-512 processors each
 // code is turned into a float by a lookup in a table of 8 floats (vpermps reads an index's low 3 bits: no mask, no
-// int-to-float convert). On the avx2 set a mask and a convert instead, faster there (AMD EPYC Zen 3, [5632, 1024]
-// experts, 2 threads, interleaved: 2-bit 1.05x at one input, 1.08-1.17x at 2 and 4; 3-bit 1.01-1.05x)
+// int-to-float convert). (The 8-lane sets mask the codes where they lie instead: rows_packed_step.)
 template <int BITS>
 static inline vw8 packed_words(const uint8_t* b) {
   if (BITS == 2) return (vw8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)b));
@@ -515,16 +514,14 @@ static inline vw8 packed_words(const uint8_t* b) {
   const __m128i words = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1));
   return (vw8)_mm256_broadcastsi128_si256(words);
 }
+#if ZOO_LANES == 16
 template <int BITS>
 static inline vf8 codes_to_float(vw8 words, vw8 shift) {
-#if ZOO_LANES == 16
   // 2 bits: the index's third bit is the next code's, so the table repeats 0..3
   const __m256 table = BITS == 2 ? _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3) : _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   return (vf8)_mm256_permutevar8x32_ps(table, _mm256_srlv_epi32((__m256i)words, (__m256i)shift));
-#else
-  return __builtin_convertvector(vi32_8((words >> shift) & ((1u << BITS) - 1)), vf8);
-#endif
 }
+#endif
 #else
 template <int BITS>
 static inline vw8 packed_words(const uint8_t* b) {
@@ -532,10 +529,6 @@ static inline vw8 packed_words(const uint8_t* b) {
   uint32_t u[4];
   for (int i = 0; i < 4; ++i) u[i] = b[3 * i] | (b[3 * i + 1] << 8) | (b[3 * i + 2] << 16);
   return vw8{u[0], u[1], u[2], u[3], u[0], u[1], u[2], u[3]};
-}
-template <int BITS>
-static inline vf8 codes_to_float(vw8 words, vw8 shift) {
-  return __builtin_convertvector(vi32_8((words >> shift) & ((1u << BITS) - 1)), vf8);
 }
 #endif
 
@@ -599,7 +592,11 @@ static void row_scales(const Scales& sc, int64_t G, int64_t r0, int64_t r1, cons
 // input vector read serves both rows and four chains of multiply-adds run side by side. AMD EPYC Zen 3 (avx2 set),
 // [5632, 1024] experts, interleaved, against one row at a time with one sum and the codes turned into floats by a
 // lookup (before): one token, from memory, 2 threads, 3-bit 1.18x, 2-bit 1.33x (in L2, 1 thread: 1.13 / 1.24x; four
-// rows a step: no better); 2 inputs 1.01 / 1.15x, 4 inputs 1.01 / 1.04x (the convert alone)
+// rows a step: no better); 2 inputs 1.01 / 1.15x, 4 inputs 1.01 / 1.04x (the convert alone).
+// Each code is masked where it lies (bit BITS s of its lane: no shift) and turned into a float, its inputs having
+// come times 2^-(BITS s) (moe_gemv; a power of two: exact), so the product is code * input. Against shifting each
+// code down first, interleaved as above (3 runs): one input 2-bit 1.10-1.24x, 3-bit 0.98-1.03x; two inputs 1.06 /
+// 1.05-1.07x; four 1.01-1.03 / 1.02-1.07x.
 template <int NP, int BITS, int RS, int A>
 static inline void rows_packed_step(const uint8_t* wr, int64_t row_bytes, int64_t K, int64_t g, const RowScales& rs,
                                     int64_t R, int64_t i0, const float* const* xs, float* const* ys, int64_t r) {
@@ -620,7 +617,7 @@ static inline void rows_packed_step(const uint8_t* wr, int64_t row_bytes, int64_
       }
       for (int s = 0; s < 4; ++s)
         for (int j = 0; j < RS; ++j) {
-          const vf8 q = codes_to_float<BITS>(words[j], vw8{} + BITS * s);
+          const vf8 q = __builtin_convertvector(vi32_8(words[j] & (((1u << BITS) - 1) << (BITS * s))), vf8);
           for (int p = 0; p < NP; ++p) ga[j][p][s % A] += q * load<vf8>(xs[p] + c * 32 + s * 8);
         }
     }
