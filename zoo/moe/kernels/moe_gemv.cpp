@@ -75,12 +75,12 @@ struct Problem {
   int64_t expert_bytes;    // bytes of one expert in the stack
   Scales scales;
   int64_t N, K, g;         // output rows, inputs, group size (2/3/4 bits)
-  const float* X;          // inputs [rows, K] in fp32 (2/3 bits: permuted per 32-input chunk)
+  const float* X;          // inputs [rows, K] in fp32 (2/3 bits: permuted per 32-input chunk; on 8 lanes scaled too)
   const float* SX;         // per-group sums of the inputs [rows, K/g] (2/3/4 bits; with XQ: sums of q)
   const uint16_t* XB;      // the inputs in bf16 [rows, K], for bf16 dot products (null: X serves)
   const uint8_t* XQ;       // the inputs rounded to 8 bits q [rows, K], for int8 dot products (or null): stored
                            // q + 128 for int8 weights, q (as int8_t) for 2/3/4-bit codes (the unsigned operand there);
-                           // 2/3 bits: permuted as those kernels read them
+                           // 2/3 bits: permuted as those kernels read them (3 bits on AVX2: XW serves)
   const float* XQS;        // their scales [rows]: x ~ q * scale
   const int16_t* XW;       // 3-bit rows on AVX2 (rows_int3_dot): q as 16-bit words q << (7 - 3 k % 8) [rows, K]
   float* Y;                // outputs [T * k, N]
