@@ -258,3 +258,16 @@ def test_a_step_that_cannot_be_exported_falls_back_to_the_jit_step(monkeypatch):
     with pytest.warns(UserWarning, match="not compiled ahead of time .*data-dependent branch"):
         compiled = lean(model, IDS, 12, backend="inductor")
     assert torch.equal(compiled, lean(model, IDS, 12, compile=False))
+
+
+@torch.no_grad()
+def test_a_step_reading_tensors_outside_the_models_state_is_not_compiled_ahead_of_time():
+    """2/3-bit experts decode on int4 working copies cached outside the module's parameters and buffers; AOTInductor
+    renames such tensors, so the library could not be handed them (it raised a KeyError after compiling). The step
+    is refused before compiling, with the reason, and the JIT step serves."""
+    from zoo.runtime import decode
+
+    model = zoo.apply(zoo.convert(tiny_native("qwen3_moe")), "quantize", bits=3, targets="experts").eval()
+    model(IDS)  # the eager prefill builds the working copies
+    with pytest.warns(UserWarning, match="not compiled ahead of time .*not the model's parameters or buffers"):
+        assert decode.ahead_of_time_step(model, 1, 64) is None

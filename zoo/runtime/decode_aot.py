@@ -78,6 +78,12 @@ class AotStep:
                                                                         *cache_state(cache)), strict=False)
             except Exception as exc:  # what export cannot trace: the JIT step (which may break the graph) serves
                 raise NotExportable(f"torch.export: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}")
+        # tensors the step reads that are neither parameters nor buffers (a module's cached working copy: 2/3-bit
+        # experts' int4 stacks) are renamed by AOTInductor, so the library could not be handed them
+        lifted = program.graph_signature.lifted_tensor_constants
+        if lifted:
+            raise NotExportable(f"the step reads {len(lifted)} tensors that are not the model's parameters or buffers "
+                                f"(first {lifted[0]})")
         options = {"aot_inductor.package_constants_in_so": False,
                    "post_grad_fusion_options": {"decompose_mm_pass": {}},
                    "post_grad_custom_post_pass": RealizeOneRowBmmInputs()}
@@ -87,6 +93,10 @@ class AotStep:
             self.runner = torch._inductor.aoti_load_package(path)
         # the library reads the model's own tensors (no copy): the exported program names them by module path
         named = {**program.state_dict, **program.constants}
+        missing = [k for k in self.runner.get_constant_fqns() if k not in named]
+        if missing:
+            raise NotExportable(f"the compiled step names {len(missing)} tensors the model does not "
+                                f"(first {missing[0]})")
         self.runner.load_constants({k: named[k] for k in self.runner.get_constant_fqns()}, check_full_update=True,
                                    user_managed=True)
         self._keep = named  # the library holds pointers to these
