@@ -249,15 +249,30 @@ def test_cache_lengths_round_up_to_a_bucket_within_the_models_positions():
 def test_a_step_that_cannot_be_exported_falls_back_to_the_jit_step(monkeypatch):
     from zoo.runtime.decode import greedy as lean
 
+    from zoo.runtime.decode import ahead_of_time_step, cache_length
+
     model = zoo.convert(tiny_native("qwen3_moe"))
+    length = cache_length(model, IDS.shape[1] + 12)
+    exports = []
 
     def refuse(*args, **kwargs):
+        exports.append(1)
         raise RuntimeError("data-dependent branch")
 
     monkeypatch.setattr(torch.export, "export", refuse)
     with pytest.warns(UserWarning, match="not compiled ahead of time .*data-dependent branch"):
         compiled = lean(model, IDS, 12, backend="inductor")
     assert torch.equal(compiled, lean(model, IDS, 12, compile=False))
+    # the refusal is kept for these weights: later calls do not export again (each try costs seconds on a real
+    # model, every greedy call), and say the same reason; new weights are tried anew
+    with pytest.warns(UserWarning, match="not compiled ahead of time .*data-dependent branch"):
+        lean(model, IDS, 12, backend="inductor")
+        assert ahead_of_time_step(model, 1, length) is None
+    assert len(exports) == 1
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    with pytest.warns(UserWarning, match="not compiled ahead of time"):
+        assert ahead_of_time_step(model, 1, length) is None
+    assert len(exports) == 2
 
 
 @torch.no_grad()

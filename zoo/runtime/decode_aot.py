@@ -12,6 +12,7 @@ model and shape, keyed on the parameters' storage: swapped or converted weights 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import weakref
@@ -26,6 +27,14 @@ from zoo.runtime.realize_query import RealizeOneRowBmmInputs
 
 class NotExportable(RuntimeError):
     """The model's decode step cannot be exported (the reason is ``torch.export``'s or AOTInductor's)."""
+
+
+@dataclasses.dataclass
+class _Refused:
+    """Why a model's step was not exported, for the weights and dtype it had then."""
+    reason: str
+    _key: tuple
+    dtype: torch.dtype
 
 
 class _Step(torch.nn.Module):
@@ -107,7 +116,13 @@ class AotStep:
         steps = _STEPS.setdefault(model, {})
         step = steps.get((batch, max_cache_len))
         if step is None or step._key != _weights_key(model) or step.dtype != model.dtype:
-            step = steps[(batch, max_cache_len)] = cls(model, batch, max_cache_len)
+            try:
+                step = steps[(batch, max_cache_len)] = cls(model, batch, max_cache_len)
+            except NotExportable as exc:  # kept too: a refused model is not exported again on every call (seconds)
+                steps[(batch, max_cache_len)] = _Refused(str(exc), _weights_key(model), model.dtype)
+                raise
+        if isinstance(step, _Refused):
+            raise NotExportable(step.reason)
         return step
 
     def __call__(self, token: torch.Tensor, position: int, cache: StaticCache) -> torch.Tensor:
