@@ -1,5 +1,7 @@
 """Compiled decode (static cache + torch.compile through model.generate): the whole step is one graph,
 and it decodes the same greedy tokens as eager code."""
+import warnings
+
 import pytest
 import torch
 from tiny import tiny_native
@@ -286,3 +288,29 @@ def test_a_step_reading_tensors_outside_the_models_state_is_not_compiled_ahead_o
     model(IDS)  # the eager prefill builds the working copies
     with pytest.warns(UserWarning, match="not compiled ahead of time .*not the model's parameters or buffers"):
         assert decode.ahead_of_time_step(model, 1, 64) is None
+
+
+@torch.no_grad()
+def test_2bit_experts_on_8bit_inputs_decode_ahead_of_time_from_their_stored_codes():
+    """Where the kernel reads 2-bit codes as stored (kernels.STORED_CODES: 8-bit inputs on the avx2 set) no int4
+    working copy is built, so the step compiles ahead of time (a step on the copy is refused: above), and decodes the
+    eager decode's tokens."""
+    from zoo.moe import kernels
+    from zoo.runtime import decode
+
+    if not kernels.load() or kernels.ISAS.index(kernels.best_isa()) < kernels.ISAS.index("avx2"):
+        pytest.skip("needs zoo's kernel on the avx2 set")
+    before = kernels.isa()
+    kernels.isa("avx2")
+    kernels.int8_inputs(True)
+    try:
+        model = zoo.apply(zoo.convert(tiny_native("qwen3_moe")), "quantize", bits=2, targets="experts").eval()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="decode step not compiled ahead of time")
+            tokens = decode.greedy(model, IDS, 6)
+            assert decode.ahead_of_time_step(model, 1, decode.cache_length(model, IDS.shape[1] + 6)) is not None
+        assert not any(m._kernel_cache for m in model.modules() if hasattr(m, "_kernel_cache"))
+        assert torch.equal(tokens, decode.greedy(model, IDS, 6, compile=False))
+    finally:
+        kernels.int8_inputs(False)
+        kernels.isa(before)

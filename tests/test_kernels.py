@@ -403,6 +403,52 @@ def test_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch, bits):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("mlp", [False, True])
+def test_2_3bit_experts_read_their_stored_codes_where_listed(int8_inputs, monkeypatch, bits, mlp):
+    """Where kernels.STORED_CODES lists (bits, 8-bit inputs) for the set in use, 2/3-bit experts (gated and not) give
+    the kernel their stored codes: no int4 working copy is built, the kernel is called with their own width, and the
+    outputs are the copy's (the same integer dots per group, summed in another order); elsewhere the copy serves. A
+    compiled step past kernels.MAX_TOKENS tokens takes the kernel on the stored codes too (torch's int4 path would
+    need the copy). The shipped table: 2-bit with 8-bit inputs on avx2 only (exact inputs: the copy)."""
+    from zoo.moe import Routing
+    from zoo.moe.experts import MLPExperts, SwiGLUExperts
+    from zoo.moe.quantized import QuantizedExperts, QuantizedMLPExperts
+
+    assert kernels.reads_stored_codes(bits) == (kernels.isa() == "avx2" and bits == 2)
+    kernels.int8_inputs(False)
+    assert not kernels.reads_stored_codes(bits)
+    kernels.int8_inputs(True)
+    torch.manual_seed(0)
+    dense = (MLPExperts if mlp else SwiGLUExperts)(4, 64, 96)
+    for p in dense.parameters():
+        p.normal_(0, 0.1)
+    experts = (QuantizedMLPExperts if mlp else QuantizedExperts).from_dense(dense, bits, group_size=32)
+    x, r = torch.randn(5, 64), Routing(torch.rand(5, 2), routing(5, 2, 4, seed=3))
+    widths, real = [], kernels.moe_gemv
+    monkeypatch.setattr(kernels, "moe_gemv", lambda *a, **k: widths.append(a[4]) or real(*a, **k))
+    outs = {}
+    for listed in (True, False):
+        monkeypatch.setattr(kernels, "STORED_CODES", {kernels.isa(): {(bits, True)}} if listed else {})
+        experts._kernel_cache.clear()
+        widths.clear()
+        outs[listed] = experts(x, r)
+        assert widths == [bits if listed else 4] * 2
+        assert bool(experts._kernel_cache) != listed
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(kernels, "STORED_CODES", {kernels.isa(): {(bits, True)}})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the compiled step's branch, run eagerly
+    experts._kernel_cache.clear()
+    widths.clear()
+    T = kernels.MAX_TOKENS + 1
+    x, r = torch.randn(T, 64), Routing(torch.rand(T, 2), routing(T, 2, 4, seed=4))
+    got = experts(x, r)
+    assert widths == [bits] * 2 and not experts._kernel_cache
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    torch.testing.assert_close(got, experts(x, r), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_prefill_on_8bit_inputs_uses_the_kernel(int8_inputs, monkeypatch, bits, dtype):

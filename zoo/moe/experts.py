@@ -135,17 +135,21 @@ ACTIVATIONS = {"silu": _silu_glu, "clamped-swiglu": _clamped_glu, "clamped-silu"
 _TP_METHODS = ("forward", "expert", "glu", "_forward_sorted", "_forward_gather")
 
 
-def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.Tensor, packed: bool = False) -> bool:
+def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.Tensor, packed: bool = False,
+               any_count: bool = False) -> bool:
     """Whether an inference call on few tokens can run on ``zoo::moe_gemv`` (loaded by ``zoo.runtime.decode``'s
     compile config, or by the quantized experts' first call): no gradients, few tokens (a compiled step: at most
     ``kernels.MAX_TOKENS``; an eager call, a short prompt's prefill or an eager decode step: at most
     ``kernels.PAIRS_PER_EXPERT`` (token, slot) pairs per selected expert on average: fewer for ``packed`` weights
     (more on the avx2 set), more for bf16 and int8 ones on bf16 inputs where the processor has bf16 dot products),
     CPU tensors of float32/bfloat16 activations and contiguous stored weights. (Per selected expert, so that the
-    same routing takes the same path whichever stack holds the experts: a consolidated model's pool, its own.)"""
+    same routing takes the same path whichever stack holds the experts: a consolidated model's pool, its own.)
+    ``any_count``: whatever the number of tokens (stacks the other paths cannot read as they are)."""
     if not (kernels.ready() and not torch.is_grad_enabled() and hidden.device.type == "cpu"):
         return False
-    if torch.compiler.is_compiling():
+    if any_count:
+        few = True
+    elif torch.compiler.is_compiling():
         few = routing.indices.shape[0] <= kernels.MAX_TOKENS
     else:
         chosen = routing.indices[routing.indices < num_experts]

@@ -5,8 +5,9 @@ Per expert and projection, a weight ``W [N, K]`` is stored as
   * 4 bits: torch's CPU int4 pack (``uint8 [N, K/2]``) with a bf16 scale and zero per ``group_size`` inputs;
   * 2 or 3 bits: the codes densely packed (``uint8 [N, K*bits/8]``, see ``zoo.moe.packing``) with the same
     per-group scale and zero. torch has no 2/3-bit CPU kernel, so on first use each such weight is
-    expanded into the int4 pack (its codes fit in 0..15) and runs on the int4 kernel: 2/3 bits on disk
-    and in the saved model, 4 bits in the kernel's working copy.
+    expanded into the int4 pack (its codes fit in 0..15) and runs on the int4 kernels: 2/3 bits on disk
+    and in the saved model, 4 bits in the kernels' working copy (the zoo's kernel reads the stored codes
+    instead where ``kernels.STORED_CODES`` measured that faster: no copy then).
 Experts in one layer may use different bit widths (mixed-precision allocation), and the two projection stacks
 different group sizes (``group_sizes``, FineQuant's adaptive choice; every width of a projection shares it). Inputs
 get gradients (through the dequantized weight); the packed weights are frozen. Gated experts are
@@ -133,7 +134,8 @@ def pick(stack: torch.Tensor, i) -> torch.Tensor:
 class PackedStacks:
     """What packed experts share, gated or not: per projection (``self.shapes``, name -> weight shape ``(N, K)``,
     in the order the experts apply them) and per width, one stack of packed weights and their scales; index tables
-    that find an expert's width and slot without a host sync; the 2/3-bit working copies for the int4 kernel."""
+    that find an expert's width and slot without a host sync; the 2/3-bit working copies for the int4 kernels (torch's,
+    and the zoo's where ``kernels.reads_stored_codes`` is false)."""
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on tokens ``x`` (its own width and slot; ``_expert_at`` is the kind's formula)."""
@@ -227,12 +229,6 @@ class PackedStacks:
             self._kernel_cache[proj, bits] = torch.stack([int4_pack(bits, w, k) for w in q]) if len(q) else q
         return self._kernel_cache[proj, bits], scale, 4
 
-    def _build_kernel_stacks(self) -> None:
-        """The 2/3-bit kernel stacks, built eagerly (prefill), never inside a compiled step."""
-        for b in self.widths:
-            for proj in self.shapes:
-                self.kernel_stack(proj, b)
-
     def _linear(self, x, proj: str, bits: int, slot):
         q, scale, kernel_bits = self.kernel_stack(proj, bits)
         return lowbit_linear(x, pick(q, slot), pick(scale, slot), kernel_bits, self.groups[proj], self.shapes[proj])
@@ -243,14 +239,25 @@ class PackedStacks:
             return {self.widths[0]: None}
         return {b: torch.where(self.width_of == b, self.slot_of, -1) for b in self.widths}
 
+    def _reads_stored_codes(self) -> bool:
+        """Whether the kernel reads some width's 2/3-bit codes as stored (no int4 working copy is built for them,
+        so a compiled step takes the kernel whatever its token count rather than torch's int4 path on a copy)."""
+        return any(b in (2, 3) and kernels.reads_stored_codes(b) for b in self.widths)
+
     def _kernel_stacks(self) -> list:
-        """Per width, ``kernels.expert_block``'s ``(first, first scale, down, down scale, bits, groups, slots)``."""
+        """Per width, ``kernels.expert_block``'s ``(first, first scale, down, down scale, bits, groups, slots)``.
+        Called eagerly first (the prefill), which builds any int4 working copy: never built inside a compiled step."""
         first, second = self.shapes  # the projection into the intermediate channels, then down
-        # 2/3-bit experts read their int4 working copy (built by the eager prefill): the kernel reads 4-bit codes
-        # at memory speed, while unpacking 2/3-bit codes is compute-bound (benchmarks/moe_gemv.py: ~2.3 GB/s of
-        # packed bytes, fewer weights per second than int4's ~11 GB/s)
+        # 2/3-bit experts read their int4 working copy where that is faster (an AVX-512 machine read 2/3-bit codes at
+        # ~2.3 GB/s of packed bytes, fewer weights per second than int4's ~11 GB/s), their own codes where
+        # kernels.STORED_CODES measured those faster (2-bit with 8-bit inputs on the avx2 set): no copy then, and
+        # the decode step can be compiled ahead of time
+        def stack(proj, b):
+            return self.stored(proj, b) + (b,) if b in (2, 3) and kernels.reads_stored_codes(b) else \
+                self.kernel_stack(proj, b)
+
         maps, groups = self.slot_maps(), (self.groups[first], self.groups[second])
-        return [self.kernel_stack(first, b)[:2] + self.kernel_stack(second, b) + (groups, maps[b]) for b in self.widths]
+        return [stack(first, b)[:2] + stack(second, b) + (groups, maps[b]) for b in self.widths]
 
     def _forward_gather(self, hidden, routing):
         """Compiled training on few tokens: for each (token, slot) pick the selected expert's packed weights
@@ -339,7 +346,6 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
             if tokens * k <= self.num_experts:
                 return self._forward_gather(hidden, routing)
         kernels.load()  # prefill dequantises int4 with the zoo's kernel (built once per machine, then cached)
-        self._build_kernel_stacks()
         stacks = self._kernel_stacks()  # few tokens (a short prompt, an eager step): the kernel reads them in place
         if (use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True)
                 or self._prefill_on_int8_dots(hidden, routing, stacks)):
@@ -367,7 +373,8 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
         where it is loaded, else ``zoo::lowbit_experts``, which slices each selected expert's packed weights
         as views for torch's kernels; both are opaque to the compiler, so the compiled step stays one graph."""
         stacks = self._kernel_stacks()
-        if use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True):
+        if use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True,
+                      any_count=self._reads_stored_codes()):
             return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self.glu,
                                         self.gate_up_proj_bias, self.down_proj_bias)
         return lowbit_experts(*self.in_place_args(hidden, routing))
@@ -442,13 +449,13 @@ class QuantizedMLPExperts(PackedStacks, MLPExperts):
         if torch.compiler.is_compiling():
             if not torch.is_grad_enabled():
                 stacks = self._kernel_stacks()
-                if use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True):
+                if use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True,
+                              any_count=self._reads_stored_codes()):
                     return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts,
                                                 self._act)
             if tokens * k <= self.num_experts:
                 return self._forward_gather(hidden, routing)
         kernels.load()  # prefill dequantises int4 with the zoo's kernel (built once per machine, then cached)
-        self._build_kernel_stacks()
         stacks = self._kernel_stacks()  # few tokens (a short prompt, an eager step): the kernel reads them in place
         if use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True):
             return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self._act)

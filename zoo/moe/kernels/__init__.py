@@ -94,6 +94,21 @@ INT4_DOT_ROWS_BF16 = 32
 LINEAR_ROWS_AVX2 = {4: 64, 8: 128}
 
 
+# Where the kernel reads 2/3-bit experts' stored codes, not their int4 working copy: instruction set -> the
+# (bits, 8-bit inputs) it does so for. The 304M model with 2/3-bit experts (everything else bf16), 2 threads, AMD EPYC
+# Zen 3, interleaved in one process, stored codes against the copy (whose decode step cannot be compiled ahead of
+# time: decode_aot), decode ms a token on a 16-token prompt: 2-bit with 8-bit inputs 1.38x (prefill at 16 / 64 /
+# 128 / 256 tokens 1.14 / 1.07 / 1.04 / 1.05x, the same tokens); 2-bit exact 0.94x (16-token prefill 0.84x), 3-bit
+# with 8-bit inputs 0.92x (0.81x), 3-bit exact 0.79x (0.76x). Not measured on the AVX-512 sets: the copy serves there.
+STORED_CODES = {"avx2": {(2, True)}}
+
+
+def reads_stored_codes(bits: int) -> bool:
+    """Whether the kernel multiplies ``bits``-wide experts in their stored form now (``STORED_CODES``), where 2/3-bit
+    ones otherwise run on an int4 working copy. Reads only the state (safe inside compiled code, which guards on it)."""
+    return ready() and (bits, _state["int8_inputs"]) in STORED_CODES.get(_state["isa"], ())
+
+
 def int8_dot_limit(kind: str, bits: int, dtype: torch.dtype) -> int:
     """How many (token, slot) pairs per expert (kind "experts") or rows (kind "linear") a prefill call on 8-bit inputs
     may have and still take the kernel's int8 dot products, for this width and input dtype."""
@@ -107,7 +122,8 @@ def int8_dot_limit(kind: str, bits: int, dtype: torch.dtype) -> int:
     return INT8_DOT_ROWS_AVX2 if bits == 8 else INT8_DOT_ROWS[bits]
 
 
-_state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load())", "off": False, "int8_inputs": False}
+_state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load())", "off": False, "int8_inputs": False,
+                "isa": None}
 
 
 ISAS = ("portable", "avx2", "avx512", "avx512-bf16")  # the kernel's codes 0..3; each needs all before it
@@ -176,6 +192,7 @@ def _build() -> Optional[str]:
         if lacking:
             return lacking
         torch.ops.zoo.moe_gemv_isa(ISAS.index(forced))
+    _state["isa"] = ISAS[torch.ops.zoo.moe_gemv_isa(-1)]
     if int8:
         if ISAS[torch.ops.zoo.moe_gemv_isa(-1)] not in INT8_DOT_ISAS:
             return (f"ZOO_KERNEL_INT8_INPUTS=1 needs int8 dot products (the {' or '.join(INT8_DOT_ISAS)} set); the set "
@@ -304,6 +321,7 @@ def isa(want: Optional[str] = None) -> str:
     """The instruction set the kernels use (one of ``ISAS``); ``isa("avx2")`` switches to that one (tests;
     RuntimeError where the processor lacks it)."""
     code = torch.ops.zoo.moe_gemv_isa(-1 if want is None else ISAS.index(want))
+    _state["isa"] = ISAS[code]
     return ISAS[code]
 
 
