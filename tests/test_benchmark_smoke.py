@@ -42,3 +42,20 @@ def test_moe_gemv_benchmark_smoke():
     dot = kernels.best_isa() in kernels.INT8_DOT_ISAS  # the 8-bit-input rows, where they can run
     want = ["bf16", *(f for b in (8, 4, 3, 2) for f in [f"int{b}", *([f"int{b},"] if dot else [])])]
     assert forms == want, run.stdout
+
+
+def test_stored_codes_benchmark_smoke():
+    """The stored-codes table: a row per (width, inputs) with both arms' times, where the kernel is available."""
+    from zoo.moe import kernels
+
+    run = subprocess.run([sys.executable, str(SCRIPT.parent / "stored_codes.py"), "--smoke", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    if not kernels.load():
+        assert "unavailable" in run.stdout
+        return
+    rows = [line.split("|") for line in run.stdout.splitlines() if line.lstrip().startswith(("2 ", "3 "))]
+    dot = kernels.best_isa() in kernels.INT8_DOT_ISAS
+    assert [r[0].split() for r in rows] == [[b, i] for b in "23" for i in ("exact", "int8")[:1 + dot]], run.stdout
+    assert all(r[4].strip() in ("yes", "no") for r in rows), run.stdout  # tokens compared (bf16: they may differ)
+    assert all(float(r[1].split()[0]) > 0 and float(r[1].split()[2]) > 0 for r in rows), run.stdout

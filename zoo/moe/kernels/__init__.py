@@ -100,6 +100,8 @@ LINEAR_ROWS_AVX2 = {4: 64, 8: 128}
 # time: decode_aot), decode ms a token on a 16-token prompt: 2-bit with 8-bit inputs 1.38x (prefill at 16 / 64 /
 # 128 / 256 tokens 1.14 / 1.07 / 1.04 / 1.05x, the same tokens); 2-bit exact 0.94x (16-token prefill 0.84x), 3-bit
 # with 8-bit inputs 0.92x (0.81x), 3-bit exact 0.79x (0.76x). Not measured on the AVX-512 sets: the copy serves there.
+# benchmarks/stored_codes.py measures every setting in one run (the copy takes 2x the 2-bit codes' memory, 4/3 the
+# 3-bit ones' on top of them).
 STORED_CODES = {"avx2": {(2, True)}}
 
 
