@@ -278,39 +278,52 @@ def test_a_step_that_cannot_be_exported_falls_back_to_the_jit_step(monkeypatch):
 
 
 @torch.no_grad()
-def test_a_step_reading_tensors_outside_the_models_state_is_not_compiled_ahead_of_time():
-    """2/3-bit experts decode on int4 working copies cached outside the module's parameters and buffers; AOTInductor
-    renames such tensors, so the library could not be handed them (it raised a KeyError after compiling). The step
-    is refused before compiling, with the reason, and the JIT step serves."""
-    from zoo.runtime import decode
-
-    model = zoo.apply(zoo.convert(tiny_native("qwen3_moe")), "quantize", bits=3, targets="experts").eval()
-    model(IDS)  # the eager prefill builds the working copies
-    with pytest.warns(UserWarning, match="not compiled ahead of time .*not the model's parameters or buffers"):
-        assert decode.ahead_of_time_step(model, 1, 64) is None
-
-
-@torch.no_grad()
-def test_2bit_experts_on_8bit_inputs_decode_ahead_of_time_from_their_stored_codes():
-    """Where the kernel reads 2-bit codes as stored (kernels.STORED_CODES: 8-bit inputs on the avx2 set) no int4
-    working copy is built, so the step compiles ahead of time (a step on the copy is refused: above), and decodes the
-    eager decode's tokens."""
+def test_2_3bit_experts_decode_ahead_of_time_on_stored_codes_and_working_copies(monkeypatch):
+    """Experts of 2 and 3 bits in one layer, 8-bit inputs on the avx2 set (kernels.STORED_CODES: 2-bit read as stored,
+    3-bit on int4 working copies kept outside the module's state; elsewhere every width on copies): the copies are
+    registered as buffers while the step is exported (``working_copies``), so it compiles ahead of time, reads them as
+    it reads the weights, builds none for stored codes, and decodes the eager tokens; copies rebuilt (a state dict
+    loaded) change the step's key, so it is rebuilt. A tensor outside the state that a module does not list is
+    refused before compiling (AOTInductor renames such tensors: a KeyError came after compiling); the JIT step
+    serves."""
     from zoo.moe import kernels
+    from zoo.moe.quantized import PackedStacks, QuantizedExperts
     from zoo.runtime import decode
+    from zoo.runtime.decode_aot import _weights_key
 
-    if not kernels.load() or kernels.ISAS.index(kernels.best_isa()) < kernels.ISAS.index("avx2"):
-        pytest.skip("needs zoo's kernel on the avx2 set")
-    before = kernels.isa()
-    kernels.isa("avx2")
-    kernels.int8_inputs(True)
+    def mixed():
+        model = zoo.convert(tiny_native("qwen3_moe")).eval()
+        for layer in model.model.layers:
+            e = layer.mlp.experts
+            layer.mlp.experts = QuantizedExperts.from_dense(e, [2, 3] * (e.num_experts // 2), group_size=32)
+        return model
+
+    stored = kernels.load() and kernels.ISAS.index(kernels.best_isa()) >= kernels.ISAS.index("avx2")
+    before = kernels.isa() if kernels.load() else None
+    if stored:
+        kernels.isa("avx2")
+        kernels.int8_inputs(True)
     try:
-        model = zoo.apply(zoo.convert(tiny_native("qwen3_moe")), "quantize", bits=2, targets="experts").eval()
+        model = mixed()
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="decode step not compiled ahead of time")
             tokens = decode.greedy(model, IDS, 6)
             assert decode.ahead_of_time_step(model, 1, decode.cache_length(model, IDS.shape[1] + 6)) is not None
-        assert not any(m._kernel_cache for m in model.modules() if hasattr(m, "_kernel_cache"))
+        packed = [m for m in model.modules() if isinstance(m, PackedStacks)]
+        assert packed and all(set(m._kernel_cache) == {(p, b) for p in ("gate_up", "down") for b in (2, 3)[stored:]}
+                              for m in packed)
+        assert not any(m.working_copies().keys() & dict(m.named_buffers()).keys() for m in packed)  # only exported
         assert torch.equal(tokens, decode.greedy(model, IDS, 6, compile=False))
+        key = _weights_key(model)
+        model.load_state_dict(model.state_dict())
+        model(IDS)
+        assert _weights_key(model) != key
     finally:
-        kernels.int8_inputs(False)
-        kernels.isa(before)
+        if stored:
+            kernels.int8_inputs(False)
+            kernels.isa(before)
+
+    monkeypatch.setattr(PackedStacks, "working_copies", lambda self: {})
+    model = mixed()
+    with pytest.warns(UserWarning, match="not compiled ahead of time .*not the model's parameters or buffers"):
+        assert decode.ahead_of_time_step(model, 1, 64) is None

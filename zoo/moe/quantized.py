@@ -224,10 +224,17 @@ class PackedStacks:
         q, scale = self.stored(proj, bits)
         if bits not in (2, 3):
             return q, scale, bits
+        if f"{proj}_int{bits}_as_int4" in self._buffers:  # registered while a decode step is exported
+            return self._buffers[f"{proj}_int{bits}_as_int4"], scale, 4
         if (proj, bits) not in self._kernel_cache:
             k = self.shapes[proj][1]
             self._kernel_cache[proj, bits] = torch.stack([int4_pack(bits, w, k) for w in q]) if len(q) else q
         return self._kernel_cache[proj, bits], scale, 4
+
+    def working_copies(self) -> dict:
+        """The int4 working copies built so far, by the buffer names they take while a decode step is exported
+        (``zoo.runtime.decode_aot``: so the compiled step reads them as it reads the stored weights)."""
+        return {f"{proj}_int{bits}_as_int4": t for (proj, bits), t in self._kernel_cache.items()}
 
     def _linear(self, x, proj: str, bits: int, slot):
         q, scale, kernel_bits = self.kernel_stack(proj, bits)
@@ -250,8 +257,7 @@ class PackedStacks:
         first, second = self.shapes  # the projection into the intermediate channels, then down
         # 2/3-bit experts read their int4 working copy where that is faster (an AVX-512 machine read 2/3-bit codes at
         # ~2.3 GB/s of packed bytes, fewer weights per second than int4's ~11 GB/s), their own codes where
-        # kernels.STORED_CODES measured those faster (2-bit with 8-bit inputs on the avx2 set): no copy then, and
-        # the decode step can be compiled ahead of time
+        # kernels.STORED_CODES measured those as fast or faster (2-bit with 8-bit inputs on the avx2 set): no copy
         def stack(proj, b):
             return self.stored(proj, b) + (b,) if b in (2, 3) and kernels.reads_stored_codes(b) else \
                 self.kernel_stack(proj, b)

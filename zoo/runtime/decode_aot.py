@@ -12,6 +12,7 @@ model and shape, keyed on the parameters' storage: swapped or converted weights 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -64,8 +65,31 @@ STEP_ATTENTION = "eager"
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(batch, cache length): AotStep}
 
 
+def _working_copies(model) -> list:
+    """(module, name, tensor) for the working copies modules keep outside their state (``working_copies()``: 2/3-bit
+    experts' int4 stacks)."""
+    return [(m, name, t) for m in model.modules() if hasattr(m, "working_copies")
+            for name, t in m.working_copies().items()]
+
+
 def _weights_key(model) -> tuple:
-    return tuple((p.data_ptr(), p.dtype) for p in model.parameters())
+    return tuple((t.data_ptr(), t.dtype) for t in [*model.parameters(), *(t for *_, t in _working_copies(model))])
+
+
+@contextlib.contextmanager
+def _working_copies_as_buffers(model):
+    """The modules' working copies registered as (non-persistent) buffers while the step is exported: the program
+    then names them by module path, as it names the weights, and the library is handed them like the weights (a
+    tensor outside the state would be a lifted constant, which AOTInductor renames)."""
+    added = []
+    try:
+        for m, name, t in _working_copies(model):
+            m.register_buffer(name, t, persistent=False)
+            added.append((m, name))
+        yield
+    finally:
+        for m, name in added:
+            del m._buffers[name]
 
 
 class AotStep:
@@ -73,7 +97,6 @@ class AotStep:
 
     def __init__(self, model, batch: int, max_cache_len: int):
         self.batch, self.max_cache_len, self.dtype = batch, max_cache_len, model.dtype
-        self._key = _weights_key(model)
         cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
         token = torch.zeros(batch, 1, dtype=torch.long)
         if any(type(layer) is not StaticLayer for layer in cache.layers):
@@ -81,14 +104,15 @@ class AotStep:
             raise NotExportable(f"its cache has {kinds} layers, whose update branches on the position")
         with torch.no_grad():  # one eager call initialises the cache's tensors (their shapes are static)
             model(input_ids=token, past_key_values=cache, cache_position=torch.tensor([0]), use_cache=True)
+            self._key = _weights_key(model)  # after the call, which builds any working copy the step reads
             try:
-                with attention(model, STEP_ATTENTION):
+                with attention(model, STEP_ATTENTION), _working_copies_as_buffers(model):
                     program = torch.export.export(_Step(model, cache), (token, torch.tensor([0]),
                                                                         *cache_state(cache)), strict=False)
             except Exception as exc:  # what export cannot trace: the JIT step (which may break the graph) serves
                 raise NotExportable(f"torch.export: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}")
-        # tensors the step reads that are neither parameters nor buffers (a module's cached working copy: 2/3-bit
-        # experts' int4 stacks) are renamed by AOTInductor, so the library could not be handed them
+        # tensors the step reads that are neither parameters nor buffers (a cached tensor of a module that does not
+        # list it in working_copies()) are renamed by AOTInductor, so the library could not be handed them
         lifted = program.graph_signature.lifted_tensor_constants
         if lifted:
             raise NotExportable(f"the step reads {len(lifted)} tensors that are not the model's parameters or buffers "

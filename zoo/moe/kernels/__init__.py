@@ -95,13 +95,11 @@ LINEAR_ROWS_AVX2 = {4: 64, 8: 128}
 
 
 # Where the kernel reads 2/3-bit experts' stored codes, not their int4 working copy: instruction set -> the
-# (bits, 8-bit inputs) it does so for. The 304M model with 2/3-bit experts (everything else bf16), 2 threads, AMD EPYC
-# Zen 3, interleaved in one process, stored codes against the copy (whose decode step cannot be compiled ahead of
-# time: decode_aot), decode ms a token on a 16-token prompt: 2-bit with 8-bit inputs 1.38x (prefill at 16 / 64 /
-# 128 / 256 tokens 1.14 / 1.07 / 1.04 / 1.05x, the same tokens); 2-bit exact 0.94x (16-token prefill 0.84x), 3-bit
-# with 8-bit inputs 0.92x (0.81x), 3-bit exact 0.79x (0.76x). Not measured on the AVX-512 sets: the copy serves there.
-# benchmarks/stored_codes.py measures every setting in one run (the copy takes 2x the 2-bit codes' memory, 4/3 the
-# 3-bit ones' on top of them).
+# (bits, 8-bit inputs) it does so for. benchmarks/stored_codes.py, the 304M model with 2/3-bit experts (everything else
+# bf16), 2 threads, AMD EPYC Zen 3, the two forms taking turns, both decode steps compiled ahead of time, stored
+# against copy: 2-bit with 8-bit inputs decode 1.02x, prefill at 16 / 128 tokens 1.06 / 1.20x, the same tokens, and
+# no copy (which takes 2x the 2-bit codes' memory); 2-bit exact decode 0.90x (prefill 0.78 / 0.71x), 3-bit with 8-bit
+# inputs 0.88x (0.81 / 0.63x), 3-bit exact 0.75x (0.80 / 0.70x). Not measured on the AVX-512 sets: the copy serves.
 STORED_CODES = {"avx2": {(2, True)}}
 
 
