@@ -901,51 +901,59 @@ static void rows_int2_dot256(const uint8_t* w, const Scales& sc, int64_t K, int6
 // by row from row_scales (they were gathered so after it). AMD EPYC Zen 3, [5632, 1024] experts, g = 64, one input,
 // interleaved: the scales row by row 1.10-1.16x from memory (2 threads), two rows a step 1.12x in L2 (1 thread,
 // 1.00x from memory), the prefetch 1.06-1.08x from memory.
+// RS rows from row r (item row i0), each 32-byte half of a step multiplied by the same input vectors
+template <int NP, int RS>
+static inline void rows_int2_dot256_step(const uint8_t* wp, int64_t row_bytes, int64_t K, int64_t g,
+                                         const RowScales& rs, int64_t R, int64_t i0, const int8_t* const* xs,
+                                         const float* xscale, float* const* ys, int64_t r, __m256i groups) {
+  const __m256i three = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+  const int64_t G = K / g;
+  __m256 acc[RS][NP];
+  for (int j = 0; j < RS; ++j)
+    for (int p = 0; p < NP; ++p) acc[j][p] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 256, wp += 64) {
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < RS; ++j) {
+        const __m256i v = load<__m256i>(wp + j * row_bytes + 32 * h);
+        const __m256i c0 = _mm256_and_si256(v, three), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 2), three);
+        const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), three);
+        const __m256i c3 = _mm256_and_si256(_mm256_srli_epi16(v, 6), three);
+        const float* srow = rs.s + (i0 + j) * G;
+        const __m256 vs = _mm256_permutevar8x32_ps(_mm256_loadu_ps(srow + (k + 128 * h) / g), groups);
+        for (int p = 0; p < NP; ++p) {
+          const int8_t* x = xs[p] + k + 32 * h;
+          __m256i d = _mm256_maddubs_epi16(c0, load<__m256i>(x));
+          d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c1, load<__m256i>(x + 64)));
+          d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c2, load<__m256i>(x + 128)));
+          d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c3, load<__m256i>(x + 192)));
+          acc[j][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), vs, acc[j][p]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < RS; ++j)
+    for (int p = 0; p < NP; ++p) ys[p][r + j] = (hsum((vf8)acc[j][p]) + rs.zt[p * R + i0 + j]) * xscale[p];
+}
+
 template <int NP>
 static void rows_int2_dot256(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
                              const int8_t* const* xs, const float* const* sxs, const float* xscale,
                              float* const* ys) {
-  const int64_t R = r1 - r0, G = K / g;
+  const int64_t R = r1 - r0, row_bytes = K / 4;
   RowScales rs;
-  row_scales<NP>(sc, G, r0, r1, sxs, rs, true);  // each row's group scales together
+  row_scales<NP>(sc, K / g, r0, r1, sxs, rs, true);  // each row's group scales together
   alignas(32) int32_t lane_group[8];  // lane l's group, counted from its half's first
   for (int l = 0; l < 8; ++l) lane_group[l] = int32_t(g <= 128 ? 16 * l / g : 0);
   const __m256i groups = _mm256_load_si256(reinterpret_cast<const __m256i*>(lane_group));
-  const __m256i three = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
-  auto rows = [&](auto rows_a_step, int64_t r) {
-    constexpr int RS = decltype(rows_a_step)::value;
-    __m256 acc[RS][NP];
-    for (int j = 0; j < RS; ++j)
-      for (int p = 0; p < NP; ++p) acc[j][p] = _mm256_setzero_ps();
-    const uint8_t* wp = w + r * (K / 4);
-    if constexpr (kPrefetch && NP <= 2) prefetch_bytes(wp + 2 * RS * (K / 4), RS * (K / 4));
-    for (int64_t k = 0; k < K; k += 256, wp += 64) {
-      for (int h = 0; h < 2; ++h) {
-        for (int j = 0; j < RS; ++j) {
-          const __m256i v = load<__m256i>(wp + j * (K / 4) + 32 * h);
-          const __m256i c0 = _mm256_and_si256(v, three), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 2), three);
-          const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), three);
-          const __m256i c3 = _mm256_and_si256(_mm256_srli_epi16(v, 6), three);
-          const float* srow = rs.s + (r + j - r0) * G;
-          const __m256 vs = _mm256_permutevar8x32_ps(_mm256_loadu_ps(srow + (k + 128 * h) / g), groups);
-          for (int p = 0; p < NP; ++p) {
-            const int8_t* x = xs[p] + k + 32 * h;
-            __m256i d = _mm256_maddubs_epi16(c0, load<__m256i>(x));
-            d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c1, load<__m256i>(x + 64)));
-            d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c2, load<__m256i>(x + 128)));
-            d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c3, load<__m256i>(x + 192)));
-            acc[j][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), vs, acc[j][p]);
-          }
-        }
-      }
-    }
-    for (int j = 0; j < RS; ++j)
-      for (int p = 0; p < NP; ++p) ys[p][r + j] = (hsum((vf8)acc[j][p]) + rs.zt[p * R + r + j - r0]) * xscale[p];
-  };
   constexpr int RS = NP <= 2 ? 2 : 1;
+  constexpr bool prefetch = kPrefetch && NP <= 2;
   int64_t r = r0;
-  for (; r + RS <= r1; r += RS) rows(std::integral_constant<int, RS>{}, r);
-  for (; r < r1; ++r) rows(std::integral_constant<int, 1>{}, r);
+  for (; r + RS <= r1; r += RS) {
+    if constexpr (prefetch) prefetch_bytes(w + (r + 2 * RS) * row_bytes, RS * row_bytes);
+    rows_int2_dot256_step<NP, RS>(w + r * row_bytes, row_bytes, K, g, rs, R, r - r0, xs, xscale, ys, r, groups);
+  }
+  for (; r < r1; ++r)
+    rows_int2_dot256_step<NP, 1>(w + r * row_bytes, row_bytes, K, g, rs, R, r - r0, xs, xscale, ys, r, groups);
 }
 #endif
 
