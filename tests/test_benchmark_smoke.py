@@ -26,36 +26,44 @@ def test_decode_benchmark_smoke():
     assert "machine read bandwidth" in run.stdout and all(float(r.split()[-2]) > 0 for r in rows), run.stdout
 
 
+def kernel_benchmark_smoke(name: str):
+    """A kernel benchmark's smoke run, one thread: its output, or None where the kernel is unavailable (the script
+    then says so and exits cleanly)."""
+    from zoo.moe import kernels
+
+    run = subprocess.run([sys.executable, str(SCRIPT.parent / name), "--smoke", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    if not kernels.load():
+        assert "unavailable" in run.stdout
+        return None
+    return run.stdout
+
+
 def test_moe_gemv_benchmark_smoke():
     """The kernel's bandwidth table: a row per stored form beside the machine's read bandwidth (or the reason it is
     absent)."""
     from zoo.moe import kernels
 
-    run = subprocess.run([sys.executable, str(SCRIPT.parent / "moe_gemv.py"), "--smoke", "--threads", "1"],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    if not kernels.load():
-        assert "unavailable" in run.stdout
+    out = kernel_benchmark_smoke("moe_gemv.py")
+    if out is None:
         return
-    assert "machine read bandwidth (best of an eager fp32 sum" in run.stdout
-    forms = [line.split()[0] for line in run.stdout.splitlines() if line.startswith(("bf16 ", "int"))]
+    assert "machine read bandwidth (best of an eager fp32 sum" in out
+    forms = [line.split()[0] for line in out.splitlines() if line.startswith(("bf16 ", "int"))]
     dot = kernels.best_isa() in kernels.INT8_DOT_ISAS  # the 8-bit-input rows, where they can run
     want = ["bf16", *(f for b in (8, 4, 3, 2) for f in [f"int{b}", *([f"int{b},"] if dot else [])])]
-    assert forms == want, run.stdout
+    assert forms == want, out
 
 
 def test_stored_codes_benchmark_smoke():
     """The stored-codes table: a row per (width, inputs) with both arms' times, where the kernel is available."""
     from zoo.moe import kernels
 
-    run = subprocess.run([sys.executable, str(SCRIPT.parent / "stored_codes.py"), "--smoke", "--threads", "1"],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    if not kernels.load():
-        assert "unavailable" in run.stdout
+    out = kernel_benchmark_smoke("stored_codes.py")
+    if out is None:
         return
-    rows = [line.split("|") for line in run.stdout.splitlines() if line.lstrip().startswith(("2 ", "3 "))]
+    rows = [line.split("|") for line in out.splitlines() if line.lstrip().startswith(("2 ", "3 "))]
     dot = kernels.best_isa() in kernels.INT8_DOT_ISAS
-    assert [r[0].split() for r in rows] == [[b, i] for b in "23" for i in ("exact", "int8")[:1 + dot]], run.stdout
-    assert all(r[4].strip() in ("yes", "no") for r in rows), run.stdout  # tokens compared (bf16: they may differ)
-    assert all(float(r[1].split()[0]) > 0 and float(r[1].split()[2]) > 0 for r in rows), run.stdout
+    assert [r[0].split() for r in rows] == [[b, i] for b in "23" for i in ("exact", "int8")[:1 + dot]], out
+    assert all(r[4].strip() in ("yes", "no") for r in rows), out  # tokens compared (bf16: they may differ)
+    assert all(float(r[1].split()[0]) > 0 and float(r[1].split()[2]) > 0 for r in rows), out
