@@ -8,7 +8,8 @@ shared library that one C++ call runs. The weights are not copied into it: the l
 tensors (``load_constants(..., user_managed=True)``). The cache's tensors are inputs the step updates in place,
 so the eager prefill fills the same cache. One library serves one (batch, cache length, dtype); a different one
 compiles anew (as the JIT step recompiles), and a changed model needs a new library (``AotStep.of`` keeps one per
-model and shape, keyed on the parameters' storage: swapped or converted weights rebuild it).
+model and shape, keyed on the storage of the parameters and of the modules' ``working_copies()``: swapped or
+converted weights rebuild it; a refusal is kept on the same key).
 """
 from __future__ import annotations
 
