@@ -115,8 +115,10 @@ def main(argv=None) -> None:
         print(f"zoo's CPU kernel is unavailable ({kernels.unavailable_reason()}): nothing to compare")
         return
     from decode import mixtral_shaped
+    from moe_gemv import cpu_flags
 
     dot = kernels.isa() in kernels.INT8_DOT_ISAS
+    print(f"processor flags: {cpu_flags()}")
     print(f"instruction set {kernels.isa()}; {args.threads} threads; STORED_CODES lists {kernels.STORED_CODES}")
     print("stored codes against the int4 working copy: speed = copy time / stored time (> 1: stored faster)")
     print(f"{'bits':>4} {'inputs':>6} | {'decode ms/token stored / copy':>30} {'speed':>5} | "
