@@ -41,9 +41,13 @@ def read_bandwidth(smoke: bool) -> tuple:
     """The machine's read bandwidth, GB/s, and how it was read: the faster of two sums over 1 GiB (far beyond the
     last-level cache), torch's eager fp32 sum and a compiled sum of bf16 widened to fp32. Either alone can be bound
     by its own arithmetic: on an AVX2-only processor (AMD EPYC, Zen 3) the compiled sums read 13-14 GB/s where the
-    eager fp32 sum reads 25 and the kernel's int8 rows 24."""
+    eager fp32 sum reads 25 and the kernel's int8 rows 24. A smoke run sums 4 MiB eagerly (in the cache: a stand-in,
+    not the machine's figure) and compiles nothing (a cold compile took ~7 s of the test suite's time)."""
     n = 2 ** 20 if smoke else 2 ** 28  # fp32 elements (bf16: twice as many)
     f32 = torch.randn(n)
+    if smoke:
+        eager = f32.nbytes / clock([lambda i: f32.sum()], 3)[0] / 1e9
+        return eager, f"a smoke run's stand-in: an eager fp32 sum ({eager:.1f}) over {f32.nbytes >> 20} MiB"
     bf16 = torch.randn(2 * n).to(torch.bfloat16)
     compiled = torch.compile(lambda t: t.sum(dtype=torch.float32))
     t_eager, t_compiled = clock([lambda i: f32.sum(), lambda i: compiled(bf16)], 3)
