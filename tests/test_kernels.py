@@ -531,7 +531,7 @@ def test_int8_inputs_are_refused_without_int8_dot_products(monkeypatch):
         kernels.int8_inputs(1)
     monkeypatch.setenv("ZOO_KERNEL_INT8_INPUTS", "yes")
     with pytest.raises(ValueError, match="use 1 .* or 0"):
-        kernels._int8_inputs_asked()
+        kernels._asked("ZOO_KERNEL_INT8_INPUTS", "8-bit inputs on int8 dot products")
     code = "from zoo.moe import kernels; print(kernels.load(), kernels.int8_inputs())"
     env = dict(os.environ, ZOO_KERNEL_ISA="portable", ZOO_KERNEL_INT8_INPUTS="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -542,12 +542,13 @@ def test_environment_forces_an_instruction_set(monkeypatch):
     """ZOO_KERNEL_ISA picks the set a process uses (``moe-zoo kernels`` says which); a misspelt name is one line
     naming the close ones; a set the processor lacks leaves the kernel off with the reason (never an illegal
     instruction)."""
-    env = dict(os.environ, ZOO_KERNEL_ISA="portable")
+    env = dict(os.environ, ZOO_KERNEL_ISA="portable", ZOO_KERNEL_STORED_CODES="1")  # and a switch turned on
     out = subprocess.run([sys.executable, "-m", "zoo.cli", "kernels"], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (f"zoo's CPU kernels are ready: instruction set portable (the best this processor "
-                                  f"has: {kernels.best_isa()}); 8-bit inputs off")
+                                  f"has: {kernels.best_isa()}); 8-bit inputs off; 2/3-bit experts on their stored "
+                                  f"codes always")
     monkeypatch.setenv("ZOO_KERNEL_ISA", "avx-512")
     with pytest.raises(ValueError, match="did you mean avx512"):
         kernels._forced_isa()
@@ -561,6 +562,7 @@ def test_environment_forces_an_instruction_set(monkeypatch):
 @pytest.mark.parametrize("env, message", [
     ({"ZOO_KERNEL_ISA": "avx-512"}, "ZOO_KERNEL_ISA='avx-512' is not an instruction set of zoo's kernel; did you mean"),
     ({"ZOO_KERNEL_INT8_INPUTS": "yes"}, "ZOO_KERNEL_INT8_INPUTS='yes': use 1"),
+    ({"ZOO_KERNEL_STORED_CODES": "on"}, "ZOO_KERNEL_STORED_CODES='on': use 1"),
     ({"ZOO_KERNELS": "0"}, "zoo's CPU kernels are not available: turned off by ZOO_KERNELS=0")])
 def test_kernels_command_says_why_not_in_one_line(monkeypatch, env, message):
     """``moe-zoo kernels`` where the kernels cannot load (a fresh load: the process's own stays as it was): exit 1
@@ -773,6 +775,77 @@ def test_dequantize_int4_matches_reference(isa, dtype):
     want = dequantize(4, w[0], s[0].to(dtype), (160, 128), 64)
     assert got.shape == (160, 128) and got.dtype == dtype and got.t().is_contiguous()
     torch.testing.assert_close(got.float(), want, rtol=0 if dtype == torch.float32 else 8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("g", [8, 32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_packed_matches_reference(isa, bits, g, dtype):
+    """A long prompt's dequantised 2/3-bit weight, read from the stored codes: the reference's, on every instruction
+    set, every group size a multiple of 8, fp32 and bf16 outputs and scales; bad input is refused."""
+    from zoo.moe.quantized import dequantize
+
+    w, s = stack(bits, 1, 70, 128, group_size=g)
+    got = kernels.dequantize_packed(w[0], s[0].to(dtype), bits, g, dtype)
+    want = dequantize(bits, w[0], s[0].to(dtype), (70, 128), g)
+    assert got.shape == (70, 128) and got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got.float(), want, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
+    torch.library.opcheck(torch.ops.zoo.dequantize_packed.default, (w[0], s[0], bits, g, dtype))
+    with pytest.raises(RuntimeError, match="bits must be 2 or 3"):
+        kernels.dequantize_packed(w[0], s[0], 4, g, dtype)
+    with pytest.raises(RuntimeError, match="multiple of 8 dividing K"):
+        kernels.dequantize_packed(w[0], s[0], bits, 12, dtype)
+    with pytest.raises(RuntimeError, match="scales"):
+        kernels.dequantize_packed(w[0], s[0][:, :-1].contiguous(), bits, g, dtype)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("mlp", [False, True])
+def test_stored_codes_switch_keeps_no_working_copy(monkeypatch, bits, mlp):
+    """kernels.stored_codes(True): 2/3-bit experts (gated and not) never build their int4 working copy, at any
+    width and inputs: few tokens go to the kernel on the stored codes, a long prompt past the kernel's limit is
+    dequantised from them per call (kernels.dequantize_packed), a training call too; outputs and input gradients
+    are the copy's. Off again, the copy serves. Bad values are refused."""
+    from zoo.moe import Routing
+    from zoo.moe.experts import MLPExperts, SwiGLUExperts
+    from zoo.moe.quantized import QuantizedExperts, QuantizedMLPExperts
+
+    assert kernels.stored_codes() is False
+    with pytest.raises(ValueError, match="True, False or None"):
+        kernels.stored_codes(1)
+    torch.manual_seed(0)
+    dense = (MLPExperts if mlp else SwiGLUExperts)(4, 64, 96)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.normal_(0, 0.1)
+    experts = (QuantizedMLPExperts if mlp else QuantizedExperts).from_dense(dense, bits, group_size=32)
+    widths, real = [], kernels.moe_gemv
+    monkeypatch.setattr(kernels, "moe_gemv", lambda *a, **k: widths.append(a[4]) or real(*a, **k))
+    dequantised, real_dq = [], kernels.dequantize_packed
+    monkeypatch.setattr(kernels, "dequantize_packed", lambda *a, **k: dequantised.append(a[2]) or real_dq(*a, **k))
+    limit = kernels.PAIRS_PER_EXPERT["packed-avx2" if kernels.isa() == "avx2" else "packed"]
+    calls = {}
+    for T in (5, 2 * limit + 1):  # 2 slots over 4 experts: T / 2 pairs per expert on average
+        x, r = torch.randn(T, 64), Routing(torch.rand(T, 2), routing(T, 2, 4, seed=T))
+        for on in (True, False):
+            kernels.stored_codes(on)
+            try:
+                experts._kernel_cache.clear()
+                widths.clear(), dequantised.clear()
+                with torch.no_grad():
+                    out = experts(x, r)
+                xg = x.clone().requires_grad_(True)
+                experts(xg, r).square().sum().backward()
+            finally:
+                kernels.stored_codes(False)
+            calls[T, on] = (list(widths), sorted(set(dequantised)), bool(experts._kernel_cache))
+            if on:
+                stored_out, stored_grad = out, xg.grad
+        torch.testing.assert_close(stored_out, out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stored_grad, xg.grad, rtol=1e-5, atol=1e-5)
+    assert calls[5, True] == ([bits] * 2, [bits], False)  # the kernel; the training call dequantised
+    assert calls[2 * limit + 1, True] == ([], [bits], False)
+    assert calls[5, False][2] and calls[2 * limit + 1, False] == ([], [], True)
 
 
 @torch.no_grad()

@@ -122,12 +122,13 @@ def kernels():
         warnings.simplefilter("ignore")
         try:
             ready = k.load()
-        except ValueError as exc:  # a misspelt ZOO_KERNEL_ISA / ZOO_KERNEL_INT8_INPUTS
+        except ValueError as exc:  # a misspelt ZOO_KERNEL_ISA, a switch (ZOO_KERNEL_INT8_INPUTS, ...) not 0/1
             raise click.ClickException(str(exc)) from None
     if not ready:
         raise click.ClickException(f"zoo's CPU kernels are not available: {k.unavailable_reason()}")
     click.echo(f"zoo's CPU kernels are ready: instruction set {k.isa()} (the best this processor has: "
-               f"{k.best_isa()}); 8-bit inputs {'on' if k.int8_inputs_on() else 'off'}")
+               f"{k.best_isa()}); 8-bit inputs {'on' if k.int8_inputs_on() else 'off'}; 2/3-bit experts on their "
+               f"stored codes {'always' if k.stored_codes() else 'where measured as fast'}")
 
 
 def _memory_size(ctx, param, value):

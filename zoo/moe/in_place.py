@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from zoo.moe import kernels
-from zoo.moe.cpu_precision import matmul_dtype
+from zoo.moe.cpu_precision import at_matmul_dtype, matmul_dtype
 from zoo.moe.dispatch import run_each, run_sorted
 from zoo.moe.experts import ACTIVATIONS
 
@@ -28,14 +28,21 @@ TILE_ROWS = {8: 12, 4: 8}
 
 
 def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:
-    """x [n, K] @ W.T on torch's kernel for an int8 or int4-packed W (no autograd). Many rows of int8 (prefill):
-    the weight converted to x's dtype and torch's dense matmul, which is compute-efficient where the int8 kernel
-    is not (256-token prefill on the 304M benchmark model: 347 -> 1016 tok/s; bf16 1350)."""
+    """x [n, K] @ W.T on torch's kernel for an int8 or int4-packed W (no autograd; a 2/3-bit W read as stored is
+    dequantised). Many rows of int8 (prefill): the weight converted to x's dtype and torch's dense matmul, which is
+    compute-efficient where the int8 kernel is not (256-token prefill on the 304M benchmark model: 347 -> 1016 tok/s;
+    bf16 1350)."""
     from zoo.moe.packing import dequantize, torch_packs_int4_alike
 
-    if x.device.type != "cpu":  # these packed kernels are CPU ones: elsewhere, the dequantized weight's matmul
-        w = dequantize(bits, q, scale, (q.shape[0], x.shape[-1]), group_size)
-        return torch.nn.functional.linear(x, w.to(x.dtype))
+    if x.device.type != "cpu" or bits in (2, 3):
+        # these packed kernels are CPU int4/int8 ones: elsewhere, and for 2/3-bit codes read as stored (no int4 working
+        # copy: kernels.reads_stored_codes), the dequantized weight's matmul (on the CPU dequantised by the zoo's kernel)
+        xd, = at_matmul_dtype(x)
+        if x.device.type == "cpu" and kernels.ready() and q.is_contiguous() and scale.is_contiguous():
+            w = kernels.dequantize_packed(q, scale, bits, group_size, xd.dtype)
+        else:
+            w = dequantize(bits, q, scale, (q.shape[0], x.shape[-1]), group_size).to(xd.dtype)
+        return torch.nn.functional.linear(xd, w).to(x.dtype)
     if bits == 8 and x.shape[0] >= PREFILL_ROWS and kernels.int8_inputs_on() and kernels.isa() == "avx512-bf16":
         # the inputs rounded to 8 bits as the decode kernel rounds them, on torch's int8 matrix product (VNNI):
         # 1.8-2.3x a bf16 matmul of the same shape, measured on the 304M model's experts. Without VNNI (the avx2

@@ -236,8 +236,14 @@ class PackedStacks:
         (``zoo.runtime.decode_aot``: so the compiled step reads them as it reads the stored weights)."""
         return {f"{proj}_int{bits}_as_int4": t for (proj, bits), t in self._kernel_cache.items()}
 
+    def read_stack(self, proj: str, bits: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(weights, scales, width) as a call reads them now: the stored codes where ``kernels.reads_stored_codes``
+        (no working copy is built; past the kernel, a long prompt, each selected expert is dequantised for the call),
+        else ``kernel_stack``'s."""
+        return self.stored(proj, bits) + (bits,) if kernels.reads_stored_codes(bits) else self.kernel_stack(proj, bits)
+
     def _linear(self, x, proj: str, bits: int, slot):
-        q, scale, kernel_bits = self.kernel_stack(proj, bits)
+        q, scale, kernel_bits = self.read_stack(proj, bits)
         return lowbit_linear(x, pick(q, slot), pick(scale, slot), kernel_bits, self.groups[proj], self.shapes[proj])
 
     def slot_maps(self) -> dict:
@@ -249,7 +255,7 @@ class PackedStacks:
     def _reads_stored_codes(self) -> bool:
         """Whether the kernel reads some width's 2/3-bit codes as stored (no int4 working copy is built for them,
         so a compiled step takes the kernel whatever its token count rather than torch's int4 path on a copy)."""
-        return any(b in (2, 3) and kernels.reads_stored_codes(b) for b in self.widths)
+        return any(kernels.reads_stored_codes(b) for b in self.widths)
 
     def _kernel_stacks(self) -> list:
         """Per width, ``kernels.expert_block``'s ``(first, first scale, down, down scale, bits, groups, slots)``.
@@ -257,13 +263,10 @@ class PackedStacks:
         first, second = self.shapes  # the projection into the intermediate channels, then down
         # 2/3-bit experts read their int4 working copy where that is faster (an AVX-512 machine read 2/3-bit codes at
         # ~2.3 GB/s of packed bytes, fewer weights per second than int4's ~11 GB/s), their own codes where
-        # kernels.STORED_CODES measured those as fast or faster (2-bit with 8-bit inputs on the avx2 set): no copy
-        def stack(proj, b):
-            return self.stored(proj, b) + (b,) if b in (2, 3) and kernels.reads_stored_codes(b) else \
-                self.kernel_stack(proj, b)
-
+        # kernels.STORED_CODES measured those as fast or faster (2-bit with 8-bit inputs on the avx2 set), or every
+        # width with kernels.stored_codes(True): no copy
         maps, groups = self.slot_maps(), (self.groups[first], self.groups[second])
-        return [stack(first, b)[:2] + stack(second, b) + (groups, maps[b]) for b in self.widths]
+        return [self.read_stack(first, b)[:2] + self.read_stack(second, b) + (groups, maps[b]) for b in self.widths]
 
     def _forward_gather(self, hidden, routing):
         """Compiled training on few tokens: for each (token, slot) pick the selected expert's packed weights

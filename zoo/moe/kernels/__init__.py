@@ -8,7 +8,9 @@ compiled code can branch on it.
 The kernels come in four instruction sets (``ISAS``), the best the processor has chosen at load; the environment
 variable ``ZOO_KERNEL_ISA`` forces one (``portable`` runs anywhere: SSE2 on x86-64, NEON on ARM64). ``int8_inputs(True)``
 (or ``ZOO_KERNEL_INT8_INPUTS=1``) multiplies int8 weights and 2/3/4-bit codes by inputs rounded to 8 bits on int8
-dot products (VNNI), an option: faster, and less exact.
+dot products (VNNI), an option: faster, and less exact. ``stored_codes(True)`` (or ``ZOO_KERNEL_STORED_CODES=1``)
+multiplies 2/3-bit experts in their stored form on every call, where they otherwise keep an int4 working copy
+(memory first: the copy takes twice the 2-bit codes' memory).
 Where the library cannot be built (no C++ compiler, or ``ZOO_KERNELS=0``), the zoo keeps torch's path and
 ``unavailable_reason()`` says why.
 """
@@ -104,9 +106,11 @@ STORED_CODES = {"avx2": {(2, True)}}
 
 
 def reads_stored_codes(bits: int) -> bool:
-    """Whether the kernel multiplies ``bits``-wide experts in their stored form now (``STORED_CODES``), where 2/3-bit
-    ones otherwise run on an int4 working copy. Reads only the state (safe inside compiled code, which guards on it)."""
-    return ready() and (bits, _state["int8_inputs"]) in STORED_CODES.get(_state["isa"], ())
+    """Whether ``bits``-wide experts are multiplied in their stored form now (``STORED_CODES``, or every 2/3-bit
+    width with ``stored_codes(True)``), where 2/3-bit ones otherwise run on an int4 working copy. Reads only the state
+    (safe inside compiled code, which guards on it)."""
+    return ready() and bits in (2, 3) and (
+        _state["stored_codes"] or (bits, _state["int8_inputs"]) in STORED_CODES.get(_state["isa"], ()))
 
 
 def int8_dot_limit(kind: str, bits: int, dtype: torch.dtype) -> int:
@@ -123,7 +127,7 @@ def int8_dot_limit(kind: str, bits: int, dtype: torch.dtype) -> int:
 
 
 _state: dict = {"tried": False, "reason": "not loaded yet (zoo.moe.kernels.load())", "off": False, "int8_inputs": False,
-                "isa": None}
+                "isa": None, "stored_codes": False}
 
 
 ISAS = ("portable", "avx2", "avx512", "avx512-bf16")  # the kernel's codes 0..3; each needs all before it
@@ -145,11 +149,11 @@ def _forced_isa() -> Optional[str]:
     return want
 
 
-def _int8_inputs_asked() -> bool:
-    """Whether ZOO_KERNEL_INT8_INPUTS asks for 8-bit inputs ("1") or not ("0", unset); another value is an error."""
-    value = os.environ.get("ZOO_KERNEL_INT8_INPUTS", "0").strip()
+def _asked(variable: str, meaning: str) -> bool:
+    """Whether the switch ``variable`` is on ("1") or off ("0", unset); another value is an error."""
+    value = os.environ.get(variable, "0").strip()
     if value not in ("0", "1"):
-        raise ValueError(f"ZOO_KERNEL_INT8_INPUTS={value!r}: use 1 (8-bit inputs on int8 dot products) or 0")
+        raise ValueError(f"{variable}={value!r}: use 1 ({meaning}) or 0")
     return value == "1"
 
 
@@ -165,7 +169,8 @@ def _build() -> Optional[str]:
     if os.environ.get("ZOO_KERNELS", "1") == "0":
         return "turned off by ZOO_KERNELS=0"
     forced = _forced_isa()  # a misspelt name is refused before anything is built
-    int8 = _int8_inputs_asked()
+    int8 = _asked("ZOO_KERNEL_INT8_INPUTS", "8-bit inputs on int8 dot products")
+    stored = _asked("ZOO_KERNEL_STORED_CODES", "2/3-bit experts multiplied in their stored form, no working copy")
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (c++ or $CXX) on PATH"
     # cpp_extension runs ninja from PATH; a venv's ninja (the pip package) sits beside its interpreter
@@ -199,8 +204,10 @@ def _build() -> Optional[str]:
                     f"in use is {ISAS[torch.ops.zoo.moe_gemv_isa(-1)]}")
         torch.ops.zoo.moe_gemv_int8_inputs(1)
         _state["int8_inputs"] = True
+    _state["stored_codes"] = stored
     torch.library.register_fake("zoo::moe_gemv")(_fake_moe_gemv)
     torch.library.register_fake("zoo::dequantize_int4")(_fake_dequantize_int4)
+    torch.library.register_fake("zoo::dequantize_packed")(_fake_dequantize_packed)
     torch.library.register_fake("zoo::lowbit_gemm")(_fake_lowbit_gemm)
     return None
 
@@ -254,6 +261,18 @@ def lowbit_gemm_fits(x: torch.Tensor, weight: torch.Tensor, bits: int, group_siz
     return (bits in (8, 4) and ready() and not torch.compiler.is_compiling() and x.dtype == torch.bfloat16
             and x.device.type == "cpu" and not torch.is_grad_enabled() and weight.shape[0] % 64 == 0 and K % 32 == 0
             and (bits == 8 or (group_size % 32 == 0 and K % group_size == 0)) and isa() == "avx512-bf16")
+
+
+def _fake_dequantize_packed(weight, scale, bits, group_size, dtype):
+    return weight.new_empty(weight.shape[0], weight.shape[1] * 8 // bits, dtype=dtype)
+
+
+def dequantize_packed(weight: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The float weight ``[N, K]`` (contiguous) of one 2/3-bit matrix in its stored form (``zoo.moe.packing.pack``)
+    with ``(scale, zero)`` pairs ``[K/g, N, 2]``: a long prompt's prefill on 2/3-bit codes that keep no int4 working
+    copy."""
+    return torch.ops.zoo.dequantize_packed.default(weight, scale, bits, group_size, dtype)
 
 
 def dequantize_int4(weight: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -349,6 +368,23 @@ def int8_inputs(on: Optional[bool] = None) -> bool:
                          f"use {isa()} here")
     _state["int8_inputs"] = bool(torch.ops.zoo.moe_gemv_int8_inputs(-1 if on is None else int(on)))
     return _state["int8_inputs"]
+
+
+def stored_codes(on: Optional[bool] = None) -> bool:
+    """Whether 2/3-bit experts are multiplied in their stored form on every call: by the kernel (decode, short
+    prompts), dequantised per call past it (long prompts), never through the int4 working copy they otherwise keep.
+    Memory first: the copy takes twice the 2-bit codes' memory and 4/3 of the 3-bit ones'; the speeds are
+    ``STORED_CODES``'s (as fast only for 2-bit with 8-bit inputs on the avx2 set, which reads them so anyway).
+    ``stored_codes(True)`` / ``(False)`` turns it on / off (on: ValueError where the kernels are unavailable: torch's
+    int4 kernels need the copy); off by default. It applies to copies not yet built: set it before the model runs."""
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"stored_codes takes True, False or None, got {on!r}")
+    if on and not load():
+        raise ValueError(f"zoo's CPU kernel is not available ({unavailable_reason()}): 2/3-bit experts need their "
+                         f"int4 working copy for torch's kernels")
+    if on is not None:
+        _state["stored_codes"] = on
+    return _state["stored_codes"] and ready()
 
 
 def int8_inputs_on() -> bool:
