@@ -178,3 +178,23 @@ def test_token_streams_are_cached_on_disk_checked_and_never_written_through_a_li
     monkeypatch.setenv("MOE_ZOO_CACHE", "off")
     assert torch.equal(fresh(), want) and len(calls) == 4
     assert [p.name for p in (tmp_path / "cache" / "tokens").iterdir()] == [path.name]
+
+
+def test_a_streams_key_follows_the_tokenizers_vocabulary(monkeypatch):
+    """token_stream keys a stream by the tokenizer's vocabulary, hashed once per tokenizer object while its size
+    stays (get_vocab builds the whole dict); another object with the same vocabulary gets the same key, a token added
+    another one."""
+    import copy
+
+    import zoo.data.tokens as tokens
+
+    tok = copy.deepcopy(tokens.load_tokenizer())
+    calls, real = [], type(tok).get_vocab
+    monkeypatch.setattr(type(tok), "get_vocab", lambda self: calls.append(1) or real(self))
+    first = tokens._vocab_hash(tok)
+    assert tokens._vocab_hash(tok) == first and len(calls) == 1
+    other = copy.deepcopy(tok)
+    assert tokens._vocab_hash(other) == first and len(calls) == 2
+    other.add_tokens(["<zoo-test-token>"])
+    assert tokens._vocab_hash(other) != first and len(calls) == 3
+    assert tokens._vocab_hash(tok) == first and len(calls) == 3
