@@ -6,8 +6,8 @@ inputs and, where the processor has int8 dot products, on 8-bit ones. Per settin
 kernel calls read the stored codes, one the working copy (the table set for each copy's calls), taking turns over the
 rounds: greedy decode (``zoo.runtime.decode.greedy``, a 16-token prompt and 48 new tokens, as a user runs it: both
 steps compiled ahead of time, the "AOT" column says), milliseconds a token with the prefill in; the prompt's prefill
-alone at 16, 128 and 512 tokens (512: past the kernel's limit, each expert dequantised per call, from its stored codes
-or from the copy); whether the greedy tokens agree; and the memory the working copy adds.
+alone at 16, 128, 256 and 512 tokens (across the kernel's limits, past which each expert is dequantised per call, from
+its stored codes or from the copy); whether the greedy tokens agree; and the memory the working copy adds.
 
     python benchmarks/stored_codes.py              # ~5 minutes on 2 cores
     python benchmarks/stored_codes.py --smoke      # a miniature model, eager decode, one round (seconds)
@@ -55,10 +55,10 @@ def ahead_of_time(model, prompt: int, new_tokens: int) -> bool:
 
 
 def prompt_lengths(smoke: bool) -> tuple:
-    """Prefill lengths: a short prompt and longer ones; the longest goes past the kernel's PAIRS_PER_EXPERT on the avx2
-    set (8 experts, top-2: 128 pairs per expert at 512 tokens, 80 at the smoke run's 320), where the stored codes are
-    dequantised per call (the copy's arm dequantises the copy)."""
-    return (16, 320) if smoke else (16, 128, 512)
+    """Prefill lengths: a short prompt and longer ones (8 experts, top-2: 32 / 64 / 128 pairs per expert at 128 / 256
+    / 512 tokens, 80 at the smoke run's 320), across the kernel's limits (``PAIRS_PER_EXPERT``, ``STORED_PAIRS_AVX2``),
+    past which each selected expert is dequantised per call, from its stored codes or from the copy."""
+    return (16, 320) if smoke else (16, 128, 256, 512)
 
 
 @torch.no_grad()

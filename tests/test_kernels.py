@@ -446,6 +446,16 @@ def test_2_3bit_experts_read_their_stored_codes_where_listed(int8_inputs, monkey
     assert widths == [bits] * 2 and not experts._kernel_cache
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     torch.testing.assert_close(got, experts(x, r), rtol=1e-5, atol=1e-5)
+    # eager prompts to the kernel's limit for stored codes (kernels.stored_pairs), then dequantised from the codes: no
+    # copy at any length, and past the limit the copy's own dequantised product
+    limit = kernels.stored_pairs(bits) or kernels.PAIRS_PER_EXPERT["packed-avx2" if kernels.isa() == "avx2" else "packed"]
+    for T in (2 * limit, 2 * limit + 2):  # 2 slots over 4 experts, all chosen: T / 2 pairs per expert on average
+        x, r = torch.randn(T, 64), Routing(torch.rand(T, 2), routing(T, 2, 4, seed=T))
+        widths.clear()
+        got = experts(x, r)
+        assert widths == ([bits] * 2 if T == 2 * limit else []) and not experts._kernel_cache
+    monkeypatch.setattr(kernels, "STORED_CODES", {})
+    torch.testing.assert_close(got, experts(x, r), rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()
@@ -805,7 +815,8 @@ def test_stored_codes_switch_keeps_no_working_copy(monkeypatch, bits, mlp):
     """kernels.stored_codes(True): 2/3-bit experts (gated and not) never build their int4 working copy, at any
     width and inputs: few tokens go to the kernel on the stored codes, a long prompt past the kernel's limit is
     dequantised from them per call (kernels.dequantize_packed), a training call too; outputs and input gradients
-    are the copy's. Off again, the copy serves. Bad values are refused."""
+    are the copy's. The kernel's limit for stored codes (kernels.stored_pairs on the avx2 set) holds to the pair. Off
+    again, the copy serves. Bad values are refused."""
     from zoo.moe import Routing
     from zoo.moe.experts import MLPExperts, SwiGLUExperts
     from zoo.moe.quantized import QuantizedExperts, QuantizedMLPExperts
@@ -823,9 +834,11 @@ def test_stored_codes_switch_keeps_no_working_copy(monkeypatch, bits, mlp):
     monkeypatch.setattr(kernels, "moe_gemv", lambda *a, **k: widths.append(a[4]) or real(*a, **k))
     dequantised, real_dq = [], kernels.dequantize_packed
     monkeypatch.setattr(kernels, "dequantize_packed", lambda *a, **k: dequantised.append(a[2]) or real_dq(*a, **k))
-    limit = kernels.PAIRS_PER_EXPERT["packed-avx2" if kernels.isa() == "avx2" else "packed"]
+    kernels.stored_codes(True)
+    limit = kernels.stored_pairs(bits) or kernels.PAIRS_PER_EXPERT["packed-avx2" if kernels.isa() == "avx2" else "packed"]
+    kernels.stored_codes(False)
     calls = {}
-    for T in (5, 2 * limit + 1):  # 2 slots over 4 experts: T / 2 pairs per expert on average
+    for T in (5, 2 * limit, 2 * limit + 2):  # 2 slots over 4 experts (all chosen): T / 2 pairs per expert on average
         x, r = torch.randn(T, 64), Routing(torch.rand(T, 2), routing(T, 2, 4, seed=T))
         for on in (True, False):
             kernels.stored_codes(on)
@@ -843,9 +856,10 @@ def test_stored_codes_switch_keeps_no_working_copy(monkeypatch, bits, mlp):
                 stored_out, stored_grad = out, xg.grad
         torch.testing.assert_close(stored_out, out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(stored_grad, xg.grad, rtol=1e-5, atol=1e-5)
-    assert calls[5, True] == ([bits] * 2, [bits], False)  # the kernel; the training call dequantised
-    assert calls[2 * limit + 1, True] == ([], [bits], False)
-    assert calls[5, False][2] and calls[2 * limit + 1, False] == ([], [], True)
+    for T in (5, 2 * limit):
+        assert calls[T, True] == ([bits] * 2, [bits], False)  # the kernel; the training call dequantised
+    assert calls[2 * limit + 2, True] == ([], [bits], False)
+    assert all(calls[T, False][1:] == ([], True) for T in (5, 2 * limit, 2 * limit + 2))  # the copy, at every length
 
 
 @torch.no_grad()

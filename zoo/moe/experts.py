@@ -136,7 +136,7 @@ _TP_METHODS = ("forward", "expert", "glu", "_forward_sorted", "_forward_gather")
 
 
 def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.Tensor, packed: bool = False,
-               any_count: bool = False) -> bool:
+               any_count: bool = False, pairs: int | None = None) -> bool:
     """Whether an inference call on few tokens can run on ``zoo::moe_gemv`` (loaded by ``zoo.runtime.decode``'s
     compile config, or by the quantized experts' first call): no gradients, few tokens (a compiled step: at most
     ``kernels.MAX_TOKENS``; an eager call, a short prompt's prefill or an eager decode step: at most
@@ -144,7 +144,8 @@ def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.T
     (more on the avx2 set), more for bf16 and int8 ones on bf16 inputs where the processor has bf16 dot products),
     CPU tensors of float32/bfloat16 activations and contiguous stored weights. (Per selected expert, so that the
     same routing takes the same path whichever stack holds the experts: a consolidated model's pool, its own.)
-    ``any_count``: whatever the number of tokens (stacks the other paths cannot read as they are)."""
+    ``any_count``: whatever the number of tokens (stacks the other paths cannot read as they are); ``pairs``: an
+    eager call's limit in place of ``PAIRS_PER_EXPERT``'s (2/3-bit codes read as stored: ``kernels.stored_pairs``)."""
     if not (kernels.ready() and not torch.is_grad_enabled() and hidden.device.type == "cpu"):
         return False
     if any_count:
@@ -153,8 +154,9 @@ def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.T
         few = routing.indices.shape[0] <= kernels.MAX_TOKENS
     else:
         chosen = routing.indices[routing.indices < num_experts]
-        few = chosen.numel() <= kernels.PAIRS_PER_EXPERT[kernels.eager_pairs_key(hidden, *stored, packed=packed)] * max(
-            1, len(chosen.unique()))
+        limit = pairs if pairs is not None else kernels.PAIRS_PER_EXPERT[kernels.eager_pairs_key(hidden, *stored,
+                                                                                                  packed=packed)]
+        few = chosen.numel() <= limit * max(1, len(chosen.unique()))
     return few and hidden.dtype in (torch.float32, torch.bfloat16) and all(
         t.device.type == "cpu" and t.is_contiguous() for t in stored)
 

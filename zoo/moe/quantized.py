@@ -252,6 +252,16 @@ class PackedStacks:
             return {self.widths[0]: None}
         return {b: torch.where(self.width_of == b, self.slot_of, -1) for b in self.widths}
 
+    def _eager_pairs(self, hidden, stacks) -> int | None:
+        """An eager call's kernel limit where some width is read as stored (``kernels.stored_pairs``; with mixed
+        widths the least of every width's), else None (``kernels.PAIRS_PER_EXPERT``'s)."""
+        stored = [kernels.stored_pairs(b) for b in self.widths]
+        if all(limit is None for limit in stored):
+            return None
+        default = kernels.PAIRS_PER_EXPERT[kernels.eager_pairs_key(hidden, *(t for st in stacks for t in st[:4]),
+                                                                   packed=True)]
+        return min(default if limit is None else limit for limit in stored)
+
     def _reads_stored_codes(self) -> bool:
         """Whether the kernel reads some width's 2/3-bit codes as stored (no int4 working copy is built for them,
         so a compiled step takes the kernel whatever its token count rather than torch's int4 path on a copy)."""
@@ -356,7 +366,8 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
                 return self._forward_gather(hidden, routing)
         kernels.load()  # prefill dequantises int4 with the zoo's kernel (built once per machine, then cached)
         stacks = self._kernel_stacks()  # few tokens (a short prompt, an eager step): the kernel reads them in place
-        if (use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True)
+        if (use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True,
+                       pairs=self._eager_pairs(hidden, stacks))
                 or self._prefill_on_int8_dots(hidden, routing, stacks)):
             return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self.glu,
                                         self.gate_up_proj_bias, self.down_proj_bias)
@@ -466,7 +477,8 @@ class QuantizedMLPExperts(PackedStacks, MLPExperts):
                 return self._forward_gather(hidden, routing)
         kernels.load()  # prefill dequantises int4 with the zoo's kernel (built once per machine, then cached)
         stacks = self._kernel_stacks()  # few tokens (a short prompt, an eager step): the kernel reads them in place
-        if use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True):
+        if use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True,
+                      pairs=self._eager_pairs(hidden, stacks)):
             return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self._act)
         return run_sorted(hidden, routing.indices, routing.weights, self.num_experts, self.expert)
 

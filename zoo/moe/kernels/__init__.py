@@ -102,7 +102,25 @@ LINEAR_ROWS_AVX2 = {4: 64, 8: 128}
 # against copy: 2-bit with 8-bit inputs decode 1.02x, prefill at 16 / 128 tokens 1.06 / 1.20x, the same tokens, and
 # no copy (which takes 2x the 2-bit codes' memory); 2-bit exact decode 0.90x (prefill 0.78 / 0.71x), 3-bit with 8-bit
 # inputs 0.88x (0.81 / 0.63x), 3-bit exact 0.75x (0.80 / 0.70x). Not measured on the AVX-512 sets: the copy serves.
+# With STORED_PAIRS_AVX2 (another run): 2-bit with 8-bit inputs prefill at 256 / 512 tokens 1.21 / 1.52x.
 STORED_CODES = {"avx2": {(2, True)}}
+
+
+# Eager calls on 2/3-bit codes read as stored (reads_stored_codes) on the avx2 set: (bits, 8-bit inputs) -> the most
+# (token, slot) pairs per selected expert, on average, the kernel takes (for PAIRS_PER_EXPERT's "packed-avx2"); past
+# it each selected expert is dequantised from its codes (dequantize_packed) into a dense matmul. The 304M model with
+# 2/3-bit experts, prefill, 2 threads, AMD EPYC Zen 3, the two taking turns, kernel against dequantised: exact 2-bit
+# 2.50 / 1.80 / 1.15 / 0.86x at 8 / 16 / 32 / 64 pairs, exact 3-bit 2.13 / 1.76 / 1.08 / 0.87x; 8-bit inputs 2-bit
+# 3.86 / 2.84 / 1.91 / 1.54 / 1.40 / 1.23x at 8 / 16 / 32 / 64 / 128 / 256 pairs, 3-bit 2.96 / 2.47 / 1.73 / 1.29 /
+# 0.98 / 0.84x
+STORED_PAIRS_AVX2 = {(2, False): 32, (3, False): 32, (2, True): 256, (3, True): 64}
+
+
+def stored_pairs(bits: int) -> Optional[int]:
+    """An eager call's kernel limit (pairs per selected expert) for ``bits``-wide codes read as stored, where measured
+    (``STORED_PAIRS_AVX2``); None elsewhere (``PAIRS_PER_EXPERT``'s)."""
+    listed = reads_stored_codes(bits) and _state["isa"] == "avx2"
+    return STORED_PAIRS_AVX2.get((bits, _state["int8_inputs"])) if listed else None
 
 
 def reads_stored_codes(bits: int) -> bool:
