@@ -392,7 +392,8 @@ def stored_codes(on: Optional[bool] = None) -> bool:
     """Whether 2/3-bit experts are multiplied in their stored form on every call: by the kernel (decode, short
     prompts), dequantised per call past it (long prompts), never through the int4 working copy they otherwise keep.
     Memory first: the copy takes twice the 2-bit codes' memory and 4/3 of the 3-bit ones'; the speeds are
-    ``STORED_CODES``'s (as fast only for 2-bit with 8-bit inputs on the avx2 set, which reads them so anyway).
+    ``benchmarks/stored_codes.py``'s (faster only for 2-bit with 8-bit inputs on the avx2 set, which ``STORED_CODES``
+    reads so anyway; elsewhere 0.6-1.05x the copy).
     ``stored_codes(True)`` / ``(False)`` turns it on / off (on: ValueError where the kernels are unavailable: torch's
     int4 kernels need the copy); off by default. It applies to copies not yet built: set it before the model runs."""
     if on is not None and not isinstance(on, bool):

@@ -521,6 +521,14 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   return Y;
 }
 
+// One matrix's (scale, zero) pairs [K/g, N, 2], checked: contiguous float32 / bfloat16 of that size
+static Scales group_scales(const at::Tensor& scale, int64_t K, int64_t group_size, int64_t N) {
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == K / group_size * N * 2 &&
+                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16),
+              "scales must be contiguous float32/bfloat16 [K/g, N, 2]");
+  return Scales::of(scale, N);
+}
+
 // The float weight [N, K] of one int4-packed matrix (torch's CPU pack, scale/zero per group), returned as the
 // transpose of a contiguous [K, N]: prefill multiplies many rows, where a dense matmul on the dequantised weight
 // beats a low-bit kernel, and the transposed view is what the matmul reads best.
@@ -532,10 +540,7 @@ at::Tensor dequantize_int4(const at::Tensor& weight, const at::Tensor& scale, in
   const int64_t N = weight.size(0), K = weight.size(1) * 2;
   TORCH_CHECK(N % 16 == 0 && group_size >= 32 && group_size % 32 == 0 && K % group_size == 0,
               "N must be divisible by 16 and group_size a multiple of 32 dividing K");
-  TORCH_CHECK(scale.is_contiguous() && scale.numel() == K / group_size * N * 2 &&
-                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16),
-              "scales must be contiguous float32/bfloat16 [K/g, N, 2]");
-  const Scales sc = Scales::of(scale, N);
+  const Scales sc = group_scales(scale, K, group_size, N);
   at::Tensor wt = at::empty({K, N}, weight.options().dtype(dtype));
   const uint8_t* w = weight.data_ptr<uint8_t>();
   if (dtype == at::kFloat)
@@ -571,10 +576,7 @@ at::Tensor dequantize_packed(const at::Tensor& weight, const at::Tensor& scale, 
   const int64_t N = weight.size(0), K = weight.size(1) * 8 / bits;
   TORCH_CHECK(group_size >= 8 && group_size % 8 == 0 && K % group_size == 0,
               "group_size must be a multiple of 8 dividing K");
-  TORCH_CHECK(scale.is_contiguous() && scale.numel() == K / group_size * N * 2 &&
-                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16),
-              "scales must be contiguous float32/bfloat16 [K/g, N, 2]");
-  const Scales sc = Scales::of(scale, N);
+  const Scales sc = group_scales(scale, K, group_size, N);
   at::Tensor out = at::empty({N, K}, weight.options().dtype(dtype));
   const uint8_t* w = weight.data_ptr<uint8_t>();
   if (dtype == at::kFloat)
