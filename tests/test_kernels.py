@@ -812,11 +812,11 @@ def test_dequantize_packed_matches_reference(isa, bits, g, dtype):
 @pytest.mark.parametrize("bits", [2, 3])
 @pytest.mark.parametrize("mlp", [False, True])
 def test_stored_codes_switch_keeps_no_working_copy(monkeypatch, bits, mlp):
-    """kernels.stored_codes(True): 2/3-bit experts (gated and not) never build their int4 working copy, at any
-    width and inputs: few tokens go to the kernel on the stored codes, a long prompt past the kernel's limit is
-    dequantised from them per call (kernels.dequantize_packed), a training call too; outputs and input gradients
-    are the copy's. The kernel's limit for stored codes (kernels.stored_pairs on the avx2 set) holds to the pair. Off
-    again, the copy serves. Bad values are refused."""
+    """kernels.stored_codes(True): 2/3-bit experts (gated and not) never build their int4 working copy, whatever
+    their width (exact inputs here; 8-bit ones: the test above): few tokens go to the kernel on the stored codes, a
+    long prompt past the kernel's limit is dequantised from them per call (kernels.dequantize_packed), a training
+    call too; outputs and input gradients are the copy's. The kernel's limit for stored codes (kernels.stored_pairs on
+    the avx2 set) holds to the pair. Off again, the copy serves. Bad values are refused."""
     from zoo.moe import Routing
     from zoo.moe.experts import MLPExperts, SwiGLUExperts
     from zoo.moe.quantized import QuantizedExperts, QuantizedMLPExperts
