@@ -141,12 +141,13 @@ def test_bf16_inputs_every_width(isa, K, T):
 
 
 def int8_inputs_reference(x, idx, w, s, slot_of=None):
-    """The 8-bit-input path's exact result: each input row rounded to q = round(x / a) in [-127, 127] with
-    a = max|x| / 127, the integer dot with the int8 row, times a and the row's scale (in float64)."""
+    """The 8-bit-input path's exact result: each input row rounded to q = round(x * (1 / a)) in [-127, 127] with
+    a = max|x| / 127 (times the reciprocal, as the kernel rounds: x / a can land on the other side of a half, in 113
+    of 400 draws of bf16 inputs here), the integer dot with the int8 row, times a and the row's scale (in float64)."""
     T, k = idx.shape
     xf = x.float()
     a = xf.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(xf / a).clamp(-127, 127).double()
+    q = torch.round(xf * a.reciprocal()).clamp(-127, 127).double()
     y = torch.zeros(T, k, w.shape[1], dtype=torch.float64)
     for t in range(T):
         for j in range(k):
