@@ -27,13 +27,19 @@ test: $(VENV)/.installed system-deps
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # System packages some tests need: Debian's chromium and its driver (the browser test), espeak-ng (the spoken
-# digits of the multimodal data). Installed when missing and apt-get can (as root); otherwise a one-line hint.
+# digits of the multimodal data), an ARM64 cross compiler and qemu's user-mode emulator (the kernels built for ARM64
+# and run: tests/test_kernels_standalone.py). Installed when missing and apt-get can (as root); otherwise a one-line
+# hint.
+SYSTEM_COMMANDS := chromium chromedriver espeak-ng aarch64-linux-gnu-g++ qemu-aarch64
+SYSTEM_PACKAGES := chromium chromium-driver espeak-ng g++-aarch64-linux-gnu qemu-user
 .PHONY: system-deps
 system-deps:
-	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null || ! command -v espeak-ng >/dev/null; then \
+	@for c in $(SYSTEM_COMMANDS); do command -v $$c >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ]; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver espeak-ng >/dev/null; \
-	  else echo "missing system packages: install chromium, chromium-driver and espeak-ng (Debian names)"; exit 1; fi; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      $(SYSTEM_PACKAGES) >/dev/null; \
+	  else echo "missing system packages: install $(SYSTEM_PACKAGES) (Debian names)"; exit 1; fi; \
 	fi
 
 # transformers' own model tests, every family, native and zoo classes, all of them (`make test` runs a subset)

@@ -26,11 +26,22 @@
 #include <immintrin.h>
 #endif
 
+#ifdef ZOO_KERNELS_STANDALONE
+// the kernels and moe_gemv_rows without torch, for tests on processors torch is not installed for
+// (tests/kernels_standalone.cpp, run under an emulator): the torch ops below are left out, threads too
+namespace at {
+template <class F>
+void parallel_for(int64_t begin, int64_t end, int64_t, const F& f) {
+  if (begin < end) f(begin, end);
+}
+}  // namespace at
+#else
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
+#endif
 
 namespace zoo_kernels {
 
@@ -54,6 +65,7 @@ struct Scales {
   float at(int64_t r) const { return get(r); }
   float scale(int64_t gi, int64_t n) const { return get((gi * N + n) * 2); }
   float zero(int64_t gi, int64_t n) const { return get((gi * N + n) * 2 + 1); }
+#ifndef ZOO_KERNELS_STANDALONE
   // one matrix's scales (checked by the caller: contiguous float32 or bfloat16), N output rows
   static Scales of(const at::Tensor& scale, int64_t N) {
     Scales r;
@@ -62,6 +74,7 @@ struct Scales {
     r.N = N;
     return r;
   }
+#endif
   Scales of_slot(int64_t s) const {
     Scales r = *this;
     if (ptr) r.ptr = static_cast<const char*>(ptr) + s * per_slot * (bf16 ? 2 : 4);
@@ -237,6 +250,7 @@ static int detect_isa() {
 }
 static int g_isa = detect_isa();
 
+#ifndef ZOO_KERNELS_STANDALONE
 // -1: the set in use; 0..3: use that one (refused if the processor lacks it); -2: the best the processor has
 int64_t moe_gemv_isa(int64_t want) {
   if (want == -2) return detect_isa();
@@ -246,6 +260,7 @@ int64_t moe_gemv_isa(int64_t want) {
   }
   return g_isa;
 }
+#endif
 
 // int8 weights and 2/3/4-bit codes times inputs rounded to 8 bits (one absmax scale per input row), on int8 dot
 // products: off unless asked for (it changes the results: the inputs lose precision), and only with the sets that
@@ -254,6 +269,7 @@ static bool g_int8_inputs = false;
 static inline bool has_8bit_dots(int isa) { return isa == 3 || isa == 1; }
 constexpr int64_t VNNI_MAX_K = 65536;  // |sum| <= K * 255 * 128 stays inside int32 (codes: a group's, K * 15 * 127)
 
+#ifndef ZOO_KERNELS_STANDALONE
 // -1: whether they are on; 0 / 1: turn them off / on (on: refused unless the set in use has int8 dot products)
 int64_t moe_gemv_int8_inputs(int64_t want) {
   if (want >= 0) {
@@ -263,6 +279,7 @@ int64_t moe_gemv_int8_inputs(int64_t want) {
   }
   return g_int8_inputs;
 }
+#endif
 
 static void run_all(const Problem& pb, const std::vector<Item>& items) {
 #ifdef ZOO_X86
@@ -331,66 +348,26 @@ static void permute_for_packed(const T* x, T* out, int64_t K, int64_t g, int bit
   }
 }
 
-at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
-                    const std::optional<at::Tensor>& scale, int64_t bits, int64_t group_size,
-                    const std::optional<at::Tensor>& slot_of) {
-  TORCH_CHECK(x.device().is_cpu() && indices.device().is_cpu() && weight.device().is_cpu(),
-              "zoo::moe_gemv runs on CPU tensors");
-  TORCH_CHECK(indices.dim() == 2 && indices.scalar_type() == at::kLong, "indices must be int64 [T, k]");
-  const int64_t T = indices.size(0), k = indices.size(1), K = x.size(-1);
-  const bool per_slot = x.dim() == 3;
-  TORCH_CHECK((x.dim() == 2 && x.size(0) == T) || (per_slot && x.size(0) == T && x.size(1) == k),
-              "x must be [T, K] or [T, k, K] for indices [T, k]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous(), "weight must be a contiguous [S, N, ...] stack");
-  const int64_t S = weight.size(0), N = weight.size(1);
+// What moe_gemv computes once its inputs are checked, on raw pointers (no at:: calls: each costs a dispatch and an
+// allocation, ~20 us of a small model's decode step; and the kernels build without torch for other processors'
+// tests: tests/kernels_standalone.cpp)
+struct Call {
   Kind kind;
-  int64_t packed_k = K;  // the stored row's last dimension
-  if (bits == 16) {
-    TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
-                "16-bit weights must be float32 or bfloat16");
-    kind = weight.scalar_type() == at::kFloat ? Kind::f32 : Kind::bf16;
-  } else if (bits == 8) {
-    TORCH_CHECK(weight.scalar_type() == at::kChar, "8-bit weights must be int8");
-    kind = Kind::int8;
-  } else {
-    TORCH_CHECK(bits == 2 || bits == 3 || bits == 4, "bits must be 16, 8, 4, 3 or 2, got ", bits);
-    TORCH_CHECK(weight.scalar_type() == at::kByte, "packed weights must be uint8");
-    TORCH_CHECK(group_size >= 32 && group_size % 32 == 0 && K % group_size == 0,
-                "group_size must be a multiple of 32 dividing K");
-    kind = bits == 4 ? Kind::int4 : bits == 3 ? Kind::int3 : Kind::int2;
-    packed_k = K * bits / 8;
-    if (bits == 4) TORCH_CHECK(N % 16 == 0, "torch's int4 pack needs N divisible by 16");
-  }
-  TORCH_CHECK(weight.size(2) == packed_k, "weight's last dimension is ", weight.size(2), ", expected ", packed_k);
+  int64_t bits, group_size, T, k, K, N;
+  bool per_slot;              // x: an input per (token, slot) pair [T, k, K], else per token [T, K]
+  const void* x;              // fp32 or bf16 (x_f32 false), contiguous
+  bool x_f32;
+  const int64_t* indices;     // [T, k]
+  std::vector<int64_t> slot_map;  // expert -> stack slot (-1: not in this stack)
+  const void* w;              // the stack [S, N, ...]
+  int64_t expert_bytes;
   Scales sc;
-  if (bits <= 8) {
-    TORCH_CHECK(scale.has_value() && scale->is_contiguous(), "quantized weights need contiguous scales");
-    TORCH_CHECK(scale->scalar_type() == at::kFloat || scale->scalar_type() == at::kBFloat16,
-                "scales must be float32 or bfloat16");
-    const int64_t per_slot_n = bits == 8 ? N : K / group_size * N * 2;
-    TORCH_CHECK(scale->numel() == S * per_slot_n, "scales have ", scale->numel(), " elements, expected ",
-                S * per_slot_n);
-    sc.ptr = scale->data_ptr();
-    sc.bf16 = scale->scalar_type() == at::kBFloat16;
-    sc.N = N;
-    sc.per_slot = per_slot_n;
-  }
-  const int64_t E = slot_of.has_value() ? slot_of->numel() : S;
-  std::vector<int64_t> slot_map(E);
-  if (slot_of.has_value()) {
-    TORCH_CHECK(slot_of->scalar_type() == at::kLong && slot_of->is_contiguous(), "slot_of must be int64");
-    std::memcpy(slot_map.data(), slot_of->data_ptr<int64_t>(), E * sizeof(int64_t));
-    for (int64_t s : slot_map) TORCH_CHECK(s < S, "slot_of names slot ", s, " of a stack of ", S);
-  } else {
-    for (int64_t e = 0; e < E; ++e) slot_map[e] = e;
-  }
+};
 
-  // the inputs in fp32 and the outputs' fp32 accumulators without at:: calls (each costs a dispatch and an
-  // allocation; in a small model's decode step these were ~20 us of an op call)
-  const int64_t rows = x.numel() / K;
-  const bool f32 = x.scalar_type() == at::kFloat;
-  at::Tensor xc = x.contiguous();
+// Y [T, k, N] in fp32 (every row written)
+static void moe_gemv_rows(const Call& c, float* Yp) {
+  const auto& [kind, bits, group_size, T, k, K, N, per_slot, x, f32, idx, slot_map, w, expert_bytes, sc] = c;
+  const int64_t rows = per_slot ? T * k : T, E = int64_t(slot_map.size());
   // bf16 weights, int8 weights and int4 codes times bf16 inputs on bf16 dot products: the inputs are read as they
   // are (int4 also needs them in fp32, for the per-group sums and the tail rows; int8 for one-input items)
   const bool bf16_dot = g_isa == 3 && (kind == Kind::bf16 || kind == Kind::int4 || kind == Kind::int8) && !f32;
@@ -405,11 +382,11 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   std::vector<float> xbuf;
   if (!f32 && !(bf16_dot && kind == Kind::bf16)) {
     xbuf.resize(rows * K);
-    const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < rows * K; ++i) xbuf[i] = float(xb[i]);
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    for (int64_t i = 0; i < rows * K; ++i) xbuf[i] = bf16_to_float(xb[i]);
   }
   std::vector<float> permuted, sums, qf;
-  const float* Xp = f32 ? xc.data_ptr<float>() : xbuf.data();
+  const float* Xp = f32 ? static_cast<const float*>(x) : xbuf.data();
   const int offset = kind == Kind::int8 && g_isa == 3 ? 128 : 0;
   std::vector<uint8_t> xq(int8_dot ? rows * K : 0);
   std::vector<float> xqs(int8_dot ? rows : 0);
@@ -476,8 +453,6 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   // the cache, so each selected expert comes from memory once however many pairs chose it)
   std::map<int64_t, std::vector<int64_t>> pairs_of;
   std::vector<int64_t> unread;  // pairs whose outputs are zeros: empty slots, experts stored elsewhere
-  at::Tensor ic = indices.contiguous();
-  const int64_t* idx = ic.data_ptr<int64_t>();
   for (int64_t p = 0; p < T * k; ++p) {
     int64_t e = idx[p];
     if (e >= 0 && e < E && slot_map[e] >= 0)
@@ -496,19 +471,82 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Te
   }
 
   // every row of a read pair is written by exactly one item; the others are zeroed here
-  at::Tensor Y = at::empty({T, k, N}, x.options());
-  std::vector<float> ybuf(f32 ? 0 : T * k * N);
-  float* Yp = f32 ? Y.data_ptr<float>() : ybuf.data();
   for (int64_t p : unread) std::memset(Yp + p * N, 0, N * sizeof(float));
-  Problem pb{kind, weight.data_ptr(), weight.stride(0) * weight.element_size(), sc, N, K, group_size,
+  Problem pb{kind, w, expert_bytes, sc, N, K, group_size,
              permuted.empty() ? Xp : permuted.data(), sums.empty() ? nullptr : sums.data(),
-             bf16_dot ? reinterpret_cast<const uint16_t*>(xc.data_ptr()) : nullptr,
+             bf16_dot ? static_cast<const uint16_t*>(x) : nullptr,
              int8_dot && !q_as_float ? (xq_permuted.empty() ? xq.data() : xq_permuted.data()) : nullptr,
              int8_dot && !q_as_float ? xqs.data() : nullptr, xw.empty() ? nullptr : xw.data(), Yp, in_rows.data(),
              out_rows.data()};
   run_all(pb, items);
   for (size_t i = 0; q_as_float && i < out_rows.size(); ++i)
     for (int64_t n = 0; n < N; ++n) Yp[out_rows[i] * N + n] *= xqs[in_rows[i]];
+}
+
+#ifndef ZOO_KERNELS_STANDALONE
+at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
+                    const std::optional<at::Tensor>& scale, int64_t bits, int64_t group_size,
+                    const std::optional<at::Tensor>& slot_of) {
+  TORCH_CHECK(x.device().is_cpu() && indices.device().is_cpu() && weight.device().is_cpu(),
+              "zoo::moe_gemv runs on CPU tensors");
+  TORCH_CHECK(indices.dim() == 2 && indices.scalar_type() == at::kLong, "indices must be int64 [T, k]");
+  const int64_t T = indices.size(0), k = indices.size(1), K = x.size(-1);
+  const bool per_slot = x.dim() == 3;
+  TORCH_CHECK((x.dim() == 2 && x.size(0) == T) || (per_slot && x.size(0) == T && x.size(1) == k),
+              "x must be [T, K] or [T, k, K] for indices [T, k]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous(), "weight must be a contiguous [S, N, ...] stack");
+  const int64_t S = weight.size(0), N = weight.size(1);
+  Kind kind;
+  int64_t packed_k = K;  // the stored row's last dimension
+  if (bits == 16) {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+                "16-bit weights must be float32 or bfloat16");
+    kind = weight.scalar_type() == at::kFloat ? Kind::f32 : Kind::bf16;
+  } else if (bits == 8) {
+    TORCH_CHECK(weight.scalar_type() == at::kChar, "8-bit weights must be int8");
+    kind = Kind::int8;
+  } else {
+    TORCH_CHECK(bits == 2 || bits == 3 || bits == 4, "bits must be 16, 8, 4, 3 or 2, got ", bits);
+    TORCH_CHECK(weight.scalar_type() == at::kByte, "packed weights must be uint8");
+    TORCH_CHECK(group_size >= 32 && group_size % 32 == 0 && K % group_size == 0,
+                "group_size must be a multiple of 32 dividing K");
+    kind = bits == 4 ? Kind::int4 : bits == 3 ? Kind::int3 : Kind::int2;
+    packed_k = K * bits / 8;
+    if (bits == 4) TORCH_CHECK(N % 16 == 0, "torch's int4 pack needs N divisible by 16");
+  }
+  TORCH_CHECK(weight.size(2) == packed_k, "weight's last dimension is ", weight.size(2), ", expected ", packed_k);
+  Scales sc;
+  if (bits <= 8) {
+    TORCH_CHECK(scale.has_value() && scale->is_contiguous(), "quantized weights need contiguous scales");
+    TORCH_CHECK(scale->scalar_type() == at::kFloat || scale->scalar_type() == at::kBFloat16,
+                "scales must be float32 or bfloat16");
+    const int64_t per_slot_n = bits == 8 ? N : K / group_size * N * 2;
+    TORCH_CHECK(scale->numel() == S * per_slot_n, "scales have ", scale->numel(), " elements, expected ",
+                S * per_slot_n);
+    sc.ptr = scale->data_ptr();
+    sc.bf16 = scale->scalar_type() == at::kBFloat16;
+    sc.N = N;
+    sc.per_slot = per_slot_n;
+  }
+  const int64_t E = slot_of.has_value() ? slot_of->numel() : S;
+  std::vector<int64_t> slot_map(E);
+  if (slot_of.has_value()) {
+    TORCH_CHECK(slot_of->scalar_type() == at::kLong && slot_of->is_contiguous(), "slot_of must be int64");
+    std::memcpy(slot_map.data(), slot_of->data_ptr<int64_t>(), E * sizeof(int64_t));
+    for (int64_t s : slot_map) TORCH_CHECK(s < S, "slot_of names slot ", s, " of a stack of ", S);
+  } else {
+    for (int64_t e = 0; e < E; ++e) slot_map[e] = e;
+  }
+
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const at::Tensor xc = x.contiguous(), ic = indices.contiguous();
+  at::Tensor Y = at::empty({T, k, N}, x.options());
+  std::vector<float> ybuf(f32 ? 0 : T * k * N);
+  float* Yp = f32 ? Y.data_ptr<float>() : ybuf.data();
+  const Call call{kind, bits, group_size, T, k, K, N, per_slot, xc.data_ptr(), f32, ic.data_ptr<int64_t>(),
+                  std::move(slot_map), weight.data_ptr(), weight.stride(0) * weight.element_size(), sc};
+  moe_gemv_rows(call, Yp);
   if (!f32) {  // round to nearest even, NaN kept (as .to() does), in a loop the compiler vectorises
     uint16_t* yb = reinterpret_cast<uint16_t*>(Y.data_ptr());
     for (int64_t i = 0; i < T * k * N; ++i) {
@@ -587,9 +625,11 @@ at::Tensor dequantize_packed(const at::Tensor& weight, const at::Tensor& scale, 
 }
 
 #include "lowbit_gemm.h"
+#endif  // ZOO_KERNELS_STANDALONE
 
 }  // namespace zoo_kernels
 
+#ifndef ZOO_KERNELS_STANDALONE
 TORCH_LIBRARY_FRAGMENT(zoo, m) {
   m.def("moe_gemv(Tensor x, Tensor indices, Tensor weight, Tensor? scale, int bits, int group_size, "
         "Tensor? slot_of) -> Tensor");
@@ -611,3 +651,4 @@ TORCH_LIBRARY_IMPL(zoo, CompositeExplicitAutograd, m) {
   m.impl("moe_gemv_isa", &zoo_kernels::moe_gemv_isa);
   m.impl("moe_gemv_int8_inputs", &zoo_kernels::moe_gemv_int8_inputs);
 }
+#endif

@@ -1,0 +1,50 @@
+// moe_gemv's kernels without torch (ZOO_KERNELS_STANDALONE), for processors this machine's torch is not built for:
+// tests/test_kernels_standalone.py builds this for ARM64 and runs it under an emulator. One problem on stdin, its
+// outputs Y [T, k, N] in fp32 on stdout.
+//
+// stdin: 12 int64 (kind, bits, group_size, T, k, K, N, S, per_slot, x_f32, scale_bf16, E), then the inputs x
+// (fp32 or bf16, [T, K] or [T, k, K]), indices [T, k] and the expert -> slot map [E] (int64), the stack
+// [S, N, ...] in its stored form, and for 8 bits or fewer its scales (fp32 or bf16).
+#define ZOO_KERNELS_STANDALONE 1
+#include "../zoo/moe/kernels/moe_gemv.cpp"
+
+#include <cstdio>
+#include <cstdlib>
+
+static std::vector<char> read_bytes(size_t n) {
+  std::vector<char> v(n);
+  if (std::fread(v.data(), 1, n, stdin) != n) {
+    std::fprintf(stderr, "short input\n");
+    std::exit(2);
+  }
+  return v;
+}
+
+int main() {
+  using namespace zoo_kernels;
+  const std::vector<char> head = read_bytes(12 * sizeof(int64_t));
+  int64_t h[12];
+  std::memcpy(h, head.data(), sizeof h);
+  const auto [kind_code, bits, g, T, k, K, N, S, per_slot, x_f32, scale_bf16, E] = h;
+  const Kind kind = Kind(kind_code);
+  const int64_t rows = per_slot ? T * k : T;
+  const std::vector<char> x = read_bytes(rows * K * (x_f32 ? 4 : 2));
+  const std::vector<char> idx = read_bytes(T * k * sizeof(int64_t)), map = read_bytes(E * sizeof(int64_t));
+  const int64_t expert_bytes = kind == Kind::f32 ? N * K * 4 : kind == Kind::bf16 ? N * K * 2 : N * K * bits / 8;
+  const std::vector<char> w = read_bytes(S * expert_bytes);
+  const int64_t per_slot_scales = bits == 8 ? N : bits < 8 ? K / g * N * 2 : 0;
+  const std::vector<char> scales = read_bytes(S * per_slot_scales * (scale_bf16 ? 2 : 4));
+  Scales sc;
+  sc.ptr = bits <= 8 ? scales.data() : nullptr;
+  sc.bf16 = scale_bf16;
+  sc.N = N;
+  sc.per_slot = per_slot_scales;
+  std::vector<int64_t> slot_map(E);
+  std::memcpy(slot_map.data(), map.data(), E * sizeof(int64_t));
+  const Call call{kind, bits, g, T, k, K, N, bool(per_slot), x.data(), bool(x_f32),
+                  reinterpret_cast<const int64_t*>(idx.data()), slot_map, w.data(), expert_bytes, sc};
+  std::vector<float> y(T * k * N);
+  moe_gemv_rows(call, y.data());
+  std::fwrite(y.data(), sizeof(float), y.size(), stdout);
+  return 0;
+}
