@@ -2,9 +2,11 @@
 // tests/test_kernels_standalone.py builds this for ARM64 and runs it under an emulator. One problem on stdin, its
 // outputs Y [T, k, N] in fp32 on stdout.
 //
-// stdin: 12 int64 (kind, bits, group_size, T, k, K, N, S, per_slot, x_f32, scale_bf16, E), then the inputs x
-// (fp32 or bf16, [T, K] or [T, k, K]), indices [T, k] and the expert -> slot map [E] (int64), the stack
-// [S, N, ...] in its stored form, and for 8 bits or fewer its scales (fp32 or bf16).
+// stdin: the task (int64: 0 moe_gemv, 1 dequantise), then for moe_gemv 12 int64 (kind, bits, group_size, T, k, K, N,
+// S, per_slot, x_f32, scale_bf16, E), the inputs x (fp32 or bf16, [T, K] or [T, k, K]), indices [T, k] and the
+// expert -> slot map [E] (int64), the stack [S, N, ...] in its stored form, and for 8 bits or fewer its scales
+// (fp32 or bf16); for a dequantisation 5 int64 (bits 4, 3 or 2, group_size, N, K, scale_bf16), one matrix's codes and
+// its scales: out the fp32 weight as prefill gets it (4 bits: transposed, [K, N]; 2/3 bits: [N, K]).
 #define ZOO_KERNELS_STANDALONE 1
 #include "../zoo/moe/kernels/moe_gemv.cpp"
 
@@ -20,8 +22,32 @@ static std::vector<char> read_bytes(size_t n) {
   return v;
 }
 
+static int dequantise() {
+  using namespace zoo_kernels;
+  const std::vector<char> head = read_bytes(5 * sizeof(int64_t));
+  int64_t h[5];
+  std::memcpy(h, head.data(), sizeof h);
+  const auto [bits, g, N, K, scale_bf16] = h;
+  const std::vector<char> w = read_bytes(N * K * bits / 8), scales = read_bytes(K / g * N * 2 * (scale_bf16 ? 2 : 4));
+  Scales sc;
+  sc.ptr = scales.data();
+  sc.bf16 = scale_bf16;
+  sc.N = N;
+  std::vector<float> out(N * K);
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(w.data());
+  if (bits == 4) {
+    dequant_int4_any(codes, sc, N, K, g, out.data());
+  } else {
+    dequant_packed_any(codes, sc, N, K, g, int(bits), out.data());
+  }
+  std::fwrite(out.data(), sizeof(float), out.size(), stdout);
+  return 0;
+}
+
 int main() {
   using namespace zoo_kernels;
+  const std::vector<char> task = read_bytes(sizeof(int64_t));
+  if (task[0] == 1) return dequantise();
   const std::vector<char> head = read_bytes(12 * sizeof(int64_t));
   int64_t h[12];
   std::memcpy(h, head.data(), sizeof h);

@@ -1,7 +1,8 @@
 """The kernels on a processor this machine's torch is not built for: ARM64 (NEON through GCC's generic vectors, the
 portable set). tests/kernels_standalone.cpp builds moe_gemv's kernels without torch (ZOO_KERNELS_STANDALONE) with a
 cross compiler, and an emulator runs it: every stored form, fp32 and bf16 inputs, an input per slot, empty slots and
-a stack holding some experts, against the same reference as the native tests (kernels.moe_gemv_reference).
+a stack holding some experts, against the same reference as the native tests (kernels.moe_gemv_reference); and
+prefill's dequantisers (zoo::dequantize_int4 / dequantize_packed), against the reference dequantisation.
 Skipped where the cross compiler or the emulator is missing (the Makefile's system-deps installs both on Debian)."""
 import re
 import shutil
@@ -44,7 +45,7 @@ def run_arm64(program, x, idx, w, s, bits, group_size, slot_of):
     S, N = w.shape[:2]
     head = [kind, bits, group_size, T, k, x.shape[-1], N, S, int(x.dim() == 3), int(x.dtype == torch.float32),
             int(s is not None and s.dtype == torch.bfloat16), slot_of.numel()]
-    parts = [struct.pack("<12q", *head), x.contiguous().view(torch.uint8).numpy().tobytes(),
+    parts = [struct.pack("<13q", 0, *head), x.contiguous().view(torch.uint8).numpy().tobytes(),
              idx.contiguous().numpy().tobytes(), slot_of.contiguous().numpy().tobytes(),
              w.contiguous().view(torch.uint8).numpy().tobytes()]
     if s is not None:
@@ -80,3 +81,21 @@ def test_arm64_build_matches_reference(program, bits, dtype):
     got = run_arm64(program, x, idx, w[:3], None if s is None else s[:3], bits, g, slot_of)
     want = kernels.moe_gemv_reference(x, idx, w[:3], None if s is None else s[:3], bits, g, slot_of).float()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,g", [(4, 64), (3, 32), (3, 64), (2, 8), (2, 64)])
+def test_arm64_dequantisers_match_reference(program, bits, g):
+    """One matrix of 160 x 128 (4 bits: two full blocks of 64 rows and the two-rows-a-byte tail) as prefill gets
+    it, from fp32 and bf16 scales: the reference's."""
+    from zoo.moe.quantized import dequantize
+
+    N, K = 160, 128
+    w, s = stack(bits, 1, N, K, group_size=g, seed=bits + g)
+    for scale in (s[0], s[0].float()):
+        head = struct.pack("<6q", 1, bits, g, N, K, int(scale.dtype == torch.bfloat16))
+        run = subprocess.run([EMULATOR, str(program)], input=head + w[0].numpy().tobytes() +
+                             scale.contiguous().view(torch.uint8).numpy().tobytes(), capture_output=True, timeout=120)
+        assert run.returncode == 0, run.stderr.decode()[-3000:]
+        got = torch.frombuffer(bytearray(run.stdout), dtype=torch.float32)
+        got = got.view(K, N).t() if bits == 4 else got.view(N, K)
+        torch.testing.assert_close(got, dequantize(bits, w[0], scale, (N, K), g), rtol=1e-6, atol=1e-6)

@@ -587,6 +587,7 @@ at::Tensor dequantize_int4(const at::Tensor& weight, const at::Tensor& scale, in
     dequant_int4_any(w, sc, N, K, group_size, reinterpret_cast<uint16_t*>(wt.data_ptr()));
   return wt.t();
 }
+#endif  // ZOO_KERNELS_STANDALONE
 
 template <class OUT>
 static void dequant_packed_any(const uint8_t* w, const Scales& sc, int64_t N, int64_t K, int64_t g, int bits,
@@ -601,6 +602,7 @@ static void dequant_packed_any(const uint8_t* w, const Scales& sc, int64_t N, in
   }
 }
 
+#ifndef ZOO_KERNELS_STANDALONE
 // The float weight [N, K] (contiguous) of one 2/3-bit matrix in its stored form: a long prompt's prefill on codes that
 // keep no int4 working copy (a dense matmul reads it as fast as dequantize_int4's transposed form: [5632, 1024] fp32,
 // 64-256 rows, 2 threads, AMD EPYC Zen 3)
