@@ -354,12 +354,12 @@ static void permute_for_packed(const T* x, T* out, int64_t K, int64_t g, int bit
 struct Call {
   Kind kind;
   int64_t bits, group_size, T, k, K, N;
-  bool per_slot;              // x: an input per (token, slot) pair [T, k, K], else per token [T, K]
-  const void* x;              // fp32 or bf16 (x_f32 false), contiguous
+  bool per_slot;                  // x: an input per (token, slot) pair [T, k, K], else per token [T, K]
+  const void* x;                  // contiguous fp32, or bf16 where x_f32 is false
   bool x_f32;
-  const int64_t* indices;     // [T, k]
+  const int64_t* indices;         // [T, k]
   std::vector<int64_t> slot_map;  // expert -> stack slot (-1: not in this stack)
-  const void* w;              // the stack [S, N, ...]
+  const void* w;                  // the stack [S, N, ...], expert_bytes apart
   int64_t expert_bytes;
   Scales sc;
 };
