@@ -8,6 +8,15 @@
 // (fp32 or bf16); for a dequantisation 5 int64 (bits 4, 3 or 2, group_size, N, K, scale_bf16), one matrix's codes and
 // its scales: out the fp32 weight as prefill gets it (4 bits: transposed, [K, N]; 2/3 bits: [N, K]).
 #define ZOO_KERNELS_STANDALONE 1
+#include <cstdint>
+
+namespace at {  // the one torch call the kernels make: serial here
+template <class F>
+void parallel_for(int64_t begin, int64_t end, int64_t, const F& f) {
+  if (begin < end) f(begin, end);
+}
+}  // namespace at
+
 #include "../zoo/moe/kernels/moe_gemv.cpp"
 
 #include <cstdio>

@@ -26,16 +26,9 @@
 #include <immintrin.h>
 #endif
 
-#ifdef ZOO_KERNELS_STANDALONE
-// the kernels and moe_gemv_rows without torch, for tests on processors torch is not installed for
-// (tests/kernels_standalone.cpp, run under an emulator): the torch ops below are left out, threads too
-namespace at {
-template <class F>
-void parallel_for(int64_t begin, int64_t end, int64_t, const F& f) {
-  if (begin < end) f(begin, end);
-}
-}  // namespace at
-#else
+// ZOO_KERNELS_STANDALONE: the kernels and moe_gemv_rows without torch, for tests on processors torch is not installed
+// for (tests/kernels_standalone.cpp, run under an emulator, gives at::parallel_for); the torch ops below are left out
+#ifndef ZOO_KERNELS_STANDALONE
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
