@@ -8,12 +8,21 @@
 // (fp32 or bf16); for a dequantisation 5 int64 (bits 4, 3 or 2, group_size, N, K, scale_bf16), one matrix's codes and
 // its scales: out the fp32 weight as prefill gets it (4 bits: transposed, [K, N]; 2/3 bits: [N, K]).
 #define ZOO_KERNELS_STANDALONE 1
+#include <algorithm>
 #include <cstdint>
+#include <thread>
 
-namespace at {  // the one torch call the kernels make: serial here
+namespace at {  // the one torch call the kernels make: the range split between two threads, as torch's would be
 template <class F>
-void parallel_for(int64_t begin, int64_t end, int64_t, const F& f) {
-  if (begin < end) f(begin, end);
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (end - begin <= std::max<int64_t>(grain, 1)) {
+    if (begin < end) f(begin, end);
+    return;
+  }
+  const int64_t middle = begin + (end - begin) / 2;
+  std::thread other([&] { f(middle, end); });
+  f(begin, middle);
+  other.join();
 }
 }  // namespace at
 

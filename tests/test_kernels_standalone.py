@@ -29,8 +29,8 @@ def program(tmp_path_factory):
     """The harness built for ARM64 with the optimisations zoo.moe.kernels builds with (static: the emulator needs no
     ARM64 libraries)."""
     out = tmp_path_factory.mktemp("arm64") / "kernels"
-    build = subprocess.run([CXX, "-std=c++17", "-O3", "-ffp-contract=fast", "-static", str(SOURCE), "-o", str(out)],
-                           capture_output=True, text=True, timeout=300)
+    build = subprocess.run([CXX, "-std=c++17", "-O3", "-ffp-contract=fast", "-static", "-pthread", str(SOURCE), "-o",
+                            str(out)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     header = out.read_bytes()[:20]
     assert header[:4] == b"\x7fELF" and struct.unpack("<H", header[18:20])[0] == 183  # EM_AARCH64
