@@ -64,8 +64,9 @@ static int dequantise() {
 
 int main() {
   using namespace zoo_kernels;
-  const std::vector<char> task = read_bytes(sizeof(int64_t));
-  if (task[0] == 1) return dequantise();
+  int64_t task;
+  std::memcpy(&task, read_bytes(sizeof task).data(), sizeof task);
+  if (task == 1) return dequantise();
   const std::vector<char> head = read_bytes(12 * sizeof(int64_t));
   int64_t h[12];
   std::memcpy(h, head.data(), sizeof h);
