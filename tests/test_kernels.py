@@ -323,11 +323,12 @@ def test_packed_rows_every_group_layout(isa, bits, g, T):
 
 @pytest.mark.parametrize("bits", [2, 3])
 @pytest.mark.parametrize("g", [32, 64, 96, 192])
-@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("T", [1, 3, 6, 8])
 def test_packed_8bit_inputs_are_exact_integer_dots(int8_inputs, bits, g, T):
     """2/3-bit codes times inputs rounded to 8 bits on vpdpbusd: the integer reference's result (up to the fp32
     scaling per group), for groups of chunk pairs and groups ending in an odd chunk, fp32 and bf16 inputs and
-    scales, an input per slot, 1..8 inputs on one expert; and within rounding distance of the exact path."""
+    scales, an input per slot, 1..8 inputs on one expert (on AVX2, 3-bit rows for 6 inputs and more take their codes
+    as bytes: groups of 1 and 2 chunks unrolled, 3 and 6 in runs); and within rounding distance of the exact path."""
     assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g), bits, g, T)
 
 @pytest.mark.parametrize("bits,g,K", [(2, 64, 576), (3, 64, 1024), (3, 128, 512), (2, 192, 768), (2, 32, 320),
@@ -343,11 +344,12 @@ def test_packed_8bit_inputs_over_many_groups(int8_inputs, bits, g, K, T):
 
 @pytest.mark.parametrize("bits,g,K", [(3, 64, 1024), (3, 96, 192), (3, 32, 32), (2, 64, 512)])
 @pytest.mark.parametrize("N", [67, 1])
-@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("T", [1, 3, 7])
 def test_packed_8bit_inputs_odd_rows_and_one_chunk_rows(int8_inputs, bits, g, K, N, T):
     """Rows that the few-input kernels take two at a time with one left alone (67 rows: items of 64 and 3; one row),
-    one and several pairs per expert; 3-bit rows of a single chunk (K = 32: its 12 bytes read apart, since a row may
-    end the allocation) and groups of 1 and 3 chunks: the integer reference's result."""
+    one and several pairs per expert (7: the many-input 3-bit rows on AVX2); 3-bit rows of a single chunk (K = 32: its
+    12 bytes read apart, since a row may end the allocation) and groups of 1 and 3 chunks: the integer reference's
+    result."""
     assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g, N, K), bits, g, T)
 
 

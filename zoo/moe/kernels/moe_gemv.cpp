@@ -38,6 +38,7 @@
 
 namespace zoo_kernels {
 
+
 enum class Kind { f32, bf16, int8, int4, int2, int3 };
 
 static inline float bf16_to_float(uint16_t v) {
@@ -399,7 +400,8 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
     xw.resize(rows * K);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t k = 0; k < K; ++k) xw[r * K + k] = int16_t(int8_t(xq[r * K + k]) * (1 << (7 - (3 * k & 7))));
-  } else if ((kind == Kind::int2 || kind == Kind::int3) && int8_dot && !q_as_float) {
+  }
+  if ((kind == Kind::int2 || kind == Kind::int3) && int8_dot && !q_as_float) {
     xq_permuted.resize(rows * K);
     if (kind == Kind::int2 && int2_steps_of_256(K, group_size)) {
       // layout 3 (rows_int2_dot256): per 256 inputs, pass j's 64 bytes, byte i <- input 4 i + j
