@@ -102,7 +102,9 @@ LINEAR_ROWS_AVX2 = {4: 64, 8: 128}
 # against copy: 2-bit with 8-bit inputs decode 1.02x, prefill at 16 / 128 tokens 1.06 / 1.20x, the same tokens, and
 # no copy (which takes 2x the 2-bit codes' memory); 2-bit exact decode 0.90x (prefill 0.78 / 0.71x), 3-bit with 8-bit
 # inputs 0.88x (0.81 / 0.63x), 3-bit exact 0.75x (0.80 / 0.70x). Not measured on the AVX-512 sets: the copy serves.
-# With STORED_PAIRS_AVX2 (another run): 2-bit with 8-bit inputs prefill at 256 / 512 tokens 1.21 / 1.52x.
+# With STORED_PAIRS_AVX2 (another run): 2-bit with 8-bit inputs prefill at 256 / 512 tokens 1.21 / 1.52x. 3-bit with
+# 8-bit inputs after its rows took 6 inputs and more as bytes (rows_int3_bytes): decode 0.90x, prefill at 16 / 128 /
+# 256 / 512 tokens 0.89 / 0.90 / 0.85 / 0.94x (0.75 / 0.67 / 0.80 / 1.04x before, the limit then 64): still the copy.
 STORED_CODES = {"avx2": {(2, True)}}
 
 
@@ -112,8 +114,9 @@ STORED_CODES = {"avx2": {(2, True)}}
 # 2/3-bit experts, prefill, 2 threads, AMD EPYC Zen 3, the two taking turns, kernel against dequantised: exact 2-bit
 # 2.50 / 1.80 / 1.15 / 0.86x at 8 / 16 / 32 / 64 pairs, exact 3-bit 2.13 / 1.76 / 1.08 / 0.87x; 8-bit inputs 2-bit
 # 3.86 / 2.84 / 1.91 / 1.54 / 1.40 / 1.23x at 8 / 16 / 32 / 64 / 128 / 256 pairs, 3-bit 2.96 / 2.47 / 1.73 / 1.29 /
-# 0.98 / 0.84x
-STORED_PAIRS_AVX2 = {(2, False): 32, (3, False): 32, (2, True): 256, (3, True): 64}
+# 0.98 / 0.84x; 3-bit since its rows take 6 inputs and more as bytes (two runs) 1.38-1.44 / 1.13-1.21 / 0.94-0.96x
+# at 64 / 128 / 256 pairs
+STORED_PAIRS_AVX2 = {(2, False): 32, (3, False): 32, (2, True): 256, (3, True): 128}
 
 
 def stored_pairs(bits: int) -> Optional[int]:
