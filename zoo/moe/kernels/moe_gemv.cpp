@@ -38,7 +38,6 @@
 
 namespace zoo_kernels {
 
-
 enum class Kind { f32, bf16, int8, int4, int2, int3 };
 
 static inline float bf16_to_float(uint16_t v) {
@@ -87,9 +86,10 @@ struct Problem {
   const uint16_t* XB;      // the inputs in bf16 [rows, K], for bf16 dot products (null: X serves)
   const uint8_t* XQ;       // the inputs rounded to 8 bits q [rows, K], for int8 dot products (or null): stored
                            // q + 128 for int8 weights, q (as int8_t) for 2/3/4-bit codes (the unsigned operand there);
-                           // 2/3 bits: permuted as those kernels read them (3 bits on AVX2: XW serves)
+                           // 2/3 bits: permuted as those kernels read them (3 bits on AVX2: XW for fewer inputs)
   const float* XQS;        // their scales [rows]: x ~ q * scale
-  const int16_t* XW;       // 3-bit rows on AVX2 (rows_int3_dot): q as 16-bit words q << (7 - 3 k % 8) [rows, K]
+  const int16_t* XW;       // 3-bit rows on AVX2 for fewer than INT3_BYTES_FROM inputs (rows_int3_dot): q as 16-bit
+                           // words q << (7 - 3 k % 8) [rows, K]
   float* Y;                // outputs [T * k, N]
   const int64_t* in_rows;  // per (token, slot) pair, grouped by the stack slot it reads: its input row of X
   const int64_t* out_rows; // and its output row of Y
@@ -396,7 +396,7 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
   }
   std::vector<uint8_t> xq_permuted;
   std::vector<int16_t> xw;
-  if (kind == Kind::int3 && int8_dot && g_isa == 1) {
+  if (kind == Kind::int3 && int8_dot && g_isa == 1) {  // (and XQ in layout 2 below, for rows_int3_bytes)
     xw.resize(rows * K);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t k = 0; k < K; ++k) xw[r * K + k] = int16_t(int8_t(xq[r * K + k]) * (1 << (7 - (3 * k & 7))));
