@@ -15,7 +15,7 @@ import torch
 
 from zoo.moe import kernels
 
-from test_kernels import routing, stack
+from test_kernels import KINDS, routing, stack
 
 CXX, EMULATOR = "aarch64-linux-gnu-g++", "qemu-aarch64"
 pytestmark = pytest.mark.skipif(not (shutil.which(CXX) and shutil.which(EMULATOR)),
@@ -40,24 +40,25 @@ def program(tmp_path_factory):
     return out
 
 
+def emulate(program, *parts: bytes) -> torch.Tensor:
+    """The harness's fp32 outputs for one problem (its stdin: the parts)."""
+    run = subprocess.run([EMULATOR, str(program)], input=b"".join(parts), capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    return torch.frombuffer(bytearray(run.stdout), dtype=torch.float32)
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
 def run_arm64(program, x, idx, w, s, bits, group_size, slot_of):
     kind = KIND_CODES[(bits, w.dtype)] if bits == 16 else KIND_CODES[bits]
     T, k = idx.shape
     S, N = w.shape[:2]
     head = [kind, bits, group_size, T, k, x.shape[-1], N, S, int(x.dim() == 3), int(x.dtype == torch.float32),
             int(s is not None and s.dtype == torch.bfloat16), slot_of.numel()]
-    parts = [struct.pack("<13q", 0, *head), x.contiguous().view(torch.uint8).numpy().tobytes(),
-             idx.contiguous().numpy().tobytes(), slot_of.contiguous().numpy().tobytes(),
-             w.contiguous().view(torch.uint8).numpy().tobytes()]
-    if s is not None:
-        parts.append(s.contiguous().view(torch.uint8).numpy().tobytes())
-    run = subprocess.run([EMULATOR, str(program)], input=b"".join(parts), capture_output=True, timeout=120)
-    assert run.returncode == 0, run.stderr.decode()[-3000:]
-    return torch.frombuffer(bytearray(run.stdout), dtype=torch.float32).view(T, k, N)
-
-
-KINDS = [(16, torch.float32), (16, torch.bfloat16), (8, torch.bfloat16), (8, torch.float32), (4, torch.bfloat16),
-         (3, torch.bfloat16), (2, torch.bfloat16)]
+    scales = raw(s) if s is not None else b""
+    return emulate(program, struct.pack("<13q", 0, *head), raw(x), raw(idx), raw(slot_of), raw(w), scales).view(T, k, N)
 
 
 @pytest.mark.parametrize("bits,dtype", KINDS, ids=[f"{b}bit-{str(d)[6:]}" for b, d in KINDS])
@@ -94,9 +95,6 @@ def test_arm64_dequantisers_match_reference(program, bits, g):
     w, s = stack(bits, 1, N, K, group_size=g, seed=bits + g)
     for scale in (s[0], s[0].float()):
         head = struct.pack("<6q", 1, bits, g, N, K, int(scale.dtype == torch.bfloat16))
-        run = subprocess.run([EMULATOR, str(program)], input=head + w[0].numpy().tobytes() +
-                             scale.contiguous().view(torch.uint8).numpy().tobytes(), capture_output=True, timeout=120)
-        assert run.returncode == 0, run.stderr.decode()[-3000:]
-        got = torch.frombuffer(bytearray(run.stdout), dtype=torch.float32)
+        got = emulate(program, head, raw(w[0]), raw(scale))
         got = got.view(K, N).t() if bits == 4 else got.view(N, K)
         torch.testing.assert_close(got, dequantize(bits, w[0], scale, (N, K), g), rtol=1e-6, atol=1e-6)
