@@ -90,10 +90,39 @@ struct Problem {
   const float* XQS;        // their scales [rows]: x ~ q * scale
   const int16_t* XW;       // 3-bit rows on AVX2 for fewer than INT3_BYTES_FROM inputs (rows_int3_dot): q as 16-bit
                            // words q << (7 - 3 k % 8) [rows, K]
+  const float* XS;         // int4 codes on AVX2 with exact inputs: the inputs times 2^S per row [rows, K], for
+                           // block_int4 on the codes as subnormals (scaled_for_subnormals), or null
+  const float* XSU;        // and 2^(149 - S) per row
   float* Y;                // outputs [T * k, N]
   const int64_t* in_rows;  // per (token, slot) pair, grouped by the stack slot it reads: its input row of X
   const int64_t* out_rows; // and its output row of Y
 };
+
+// The inputs for block_int4 on subnormals: each row times 2^S, S = 126 - e for its largest magnitude in [2^e, 2^(e+1)),
+// so that the row stays below 2^127 and a code's subnormal (c 2^-149) times an input is a normal float unless the input
+// is below ~2^-100 of the row's largest; and 2^(149 - S) per row, which undoes it. False (the kernel converts the codes
+// instead) where a row holds a NaN or an infinity or its largest magnitude is outside [2^-100, 2^101): there 2^S or
+// 2^(149 - S) would leave the floats' range.
+static bool scaled_for_subnormals(const float* X, int64_t rows, int64_t K, std::vector<float>& xs,
+                                  std::vector<float>& unscale) {
+  xs.resize(rows * K);
+  unscale.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = X + r * K;
+    float m = 0.f, nan_or_inf = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      m = std::max(m, std::fabs(x[k]));
+      nan_or_inf += x[k] * 0.f;  // NaN from a NaN or an infinity
+    }
+    const int e = m > 0.f ? std::ilogb(m) : 0;
+    if (nan_or_inf != 0.f || e < -100 || e > 100) return false;  // (NaN != 0)
+    const int S = 126 - e;  // 26..226: two factors of at most 2^113, each product exact
+    const float a = std::ldexp(1.f, S / 2), b = std::ldexp(1.f, S - S / 2);
+    for (int64_t k = 0; k < K; ++k) xs[r * K + k] = x[k] * a * b;
+    unscale[r] = std::ldexp(1.f, 149 - S);
+  }
+  return true;
+}
 
 // Whether 2-bit rows of K inputs in groups of g take 8-bit inputs 256 at a time (rows_int2_dot256: each 16 inputs of a
 // step in one group)
@@ -217,10 +246,19 @@ static inline void nibbles_to_float(const uint8_t* p, vf& lo, vf& hi) {
   lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
   hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 }
+// 8 bytes of int4 codes as floats without a conversion (block_int4's SUB form): the low nibbles' bits are the
+// subnormals lo 2^-149, the high nibbles' masked in place 16 hi 2^-149
+static inline void nibbles_as_subnormals(const uint8_t* p, vf& lo, vf& high) {
+  __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  lo = (vf)_mm256_and_si256(v, _mm256_set1_epi32(0x0f));
+  high = (vf)_mm256_and_si256(v, _mm256_set1_epi32(0xf0));
+}
+#define ZOO_INT4_SUBNORMAL 1  // block_int4 on subnormals (exact inputs)
 #define ZOO_DOT8 1  // 8-bit inputs on vpmaddubsw / vpmaddwd (int8, int4, 2-bit rows in steps of 256)
 #define ZOO_PREFETCH 1  // software prefetch of the weights ahead in decode (moe_gemv_body.h: kPrefetch)
 #include "moe_gemv_body.h"
 #undef ZOO_PREFETCH
+#undef ZOO_INT4_SUBNORMAL
 #undef ZOO_DOT8
 #undef ZOO_LANES
 }  // namespace avx2
@@ -425,6 +463,9 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
     for (int64_t c = 0; layout == 0 && c < rows * K; c += 32)
       for (int i = 0; i < 32; ++i) permuted[c + i] *= down[i / 8];
   }
+  std::vector<float> subnormal_x, unscale;
+  const bool subnormals = kind == Kind::int4 && g_isa == 1 && !int8_dot &&
+                          scaled_for_subnormals(Xp, rows, K, subnormal_x, unscale);
   if (bits <= 4) {
     const int64_t G = K / group_size;
     sums.assign(rows * G, 0.f);
@@ -471,7 +512,8 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
              permuted.empty() ? Xp : permuted.data(), sums.empty() ? nullptr : sums.data(),
              bf16_dot ? static_cast<const uint16_t*>(x) : nullptr,
              int8_dot && !q_as_float ? (xq_permuted.empty() ? xq.data() : xq_permuted.data()) : nullptr,
-             int8_dot && !q_as_float ? xqs.data() : nullptr, xw.empty() ? nullptr : xw.data(), Yp, in_rows.data(),
+             int8_dot && !q_as_float ? xqs.data() : nullptr, xw.empty() ? nullptr : xw.data(),
+             subnormals ? subnormal_x.data() : nullptr, subnormals ? unscale.data() : nullptr, Yp, in_rows.data(),
              out_rows.data()};
   run_all(pb, items);
   for (size_t i = 0; q_as_float && i < out_rows.size(); ++i)
