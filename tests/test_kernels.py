@@ -141,44 +141,46 @@ def avx2_one_thread():
     kernels.isa(before)
 
 
+@pytest.mark.parametrize("bits", [4, 3, 2])
 @pytest.mark.parametrize("T", [1, 2, 5])
-def test_int4_blocks_on_subnormals_are_the_converted_codes_bit_for_bit(avx2_one_thread, T):
-    """On avx2, int4 blocks times exact inputs read the codes as subnormal floats (the inputs scaled by a power of two
-    per row); with subnormal operands read as zeros (set_flush_denormal) the kernel converts the codes instead. Both give
-    the same bits, and the reference's result, for rows of small and large magnitude, one to five inputs (the 4 + 1
-    split), fp32 and bf16 inputs, one input per slot too."""
-    S, N, K, k = 3, 128, 256, 2
-    w, s = stack(4, S, N, K, group_size=64)
+def test_codes_on_subnormals_are_the_converted_codes_bit_for_bit(avx2_one_thread, bits, T):
+    """On avx2, int4 blocks and 2/3-bit rows times exact inputs read the codes as subnormal floats (the inputs scaled
+    by a power of two per row); with subnormal operands read as zeros (set_flush_denormal) the kernels convert the
+    codes instead. Both give the same bits, and the reference's result, for rows of small and large magnitude, one to
+    five inputs (int4: the 4 + 1 split), fp32 and bf16 inputs, one input per slot too, an odd last row (2/3 bits)."""
+    S, N, K, k = 3, 128 if bits == 4 else 67, 256, 2
+    w, s = stack(bits, S, N, K, group_size=64)
     idx = routing(T, k, S)
     magnitude = torch.tensor([2.0 ** -90, 1.0, 2.0 ** 90, 3.0, 2.0 ** -20])[:T, None]
     for x in (torch.randn(T, K) * magnitude, (torch.randn(T, K) * magnitude).bfloat16(), torch.randn(T, k, K)):
-        subnormals = kernels.moe_gemv(x, idx, w, s, 4, 64)
+        subnormals = kernels.moe_gemv(x, idx, w, s, bits, 64)
         torch.set_flush_denormal(True)
-        converted = kernels.moe_gemv(x, idx, w, s, 4, 64)
+        converted = kernels.moe_gemv(x, idx, w, s, bits, 64)
         torch.set_flush_denormal(False)
         assert torch.equal(subnormals, converted)
-        want = kernels.moe_gemv_reference(x, idx, w, s, 4, 64).float()
+        want = kernels.moe_gemv_reference(x, idx, w, s, bits, 64).float()
         scale = want.flatten(1).abs().amax(1).clamp(min=1e-30)[:, None, None]  # each row to its own magnitude
         torch.testing.assert_close(subnormals.float() / scale, want / scale, rtol=2e-2, atol=1e-5)
 
 
-def test_int4_blocks_beyond_the_subnormal_range_convert_the_codes(avx2_one_thread):
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_codes_beyond_the_subnormal_range_are_converted(avx2_one_thread, bits):
     """Rows whose largest input is past 2^101 (where 2^(149 - S) would overflow) or that hold a NaN or an infinity:
     the call converts the codes, so the other rows' results stand and the large ones are right too."""
     S, N, K = 2, 64, 128
-    w, s = stack(4, S, N, K, group_size=64)
+    w, s = stack(bits, S, N, K, group_size=64)
     idx = torch.zeros(4, 1, dtype=torch.long)
     x = torch.randn(4, K)
     x[1] *= 2.0 ** 110
     x[2] *= 2.0 ** 120
-    got = kernels.moe_gemv(x, idx, w, s, 4, 64)
-    want = kernels.moe_gemv_reference(x, idx, w, s, 4, 64)
+    got = kernels.moe_gemv(x, idx, w, s, bits, 64)
+    want = kernels.moe_gemv_reference(x, idx, w, s, bits, 64)
     assert torch.isfinite(got).all()
     for r in range(4):
         torch.testing.assert_close(got[r] / want[r].abs().max(), want[r] / want[r].abs().max(), rtol=1e-5, atol=1e-6)
     x[3, 5] = float("nan")
     x[2, 7] = float("inf")
-    again = kernels.moe_gemv(x, idx, w, s, 4, 64)
+    again = kernels.moe_gemv(x, idx, w, s, bits, 64)
     assert again[3].isnan().any() and not torch.isfinite(again[2]).all()
     assert torch.equal(again[:2], got[:2])
 

@@ -90,15 +90,15 @@ struct Problem {
   const float* XQS;        // their scales [rows]: x ~ q * scale
   const int16_t* XW;       // 3-bit rows on AVX2 for fewer than INT3_BYTES_FROM inputs (rows_int3_dot): q as 16-bit
                            // words q << (7 - 3 k % 8) [rows, K]
-  const float* XS;         // int4 codes on AVX2 with exact inputs: the inputs times 2^S per row [rows, K], for
-                           // block_int4 on the codes as subnormals (scaled_for_subnormals), or null
+  const float* XS;         // 2/3/4-bit codes on AVX2 with exact inputs: X times 2^S per row [rows, K], for the
+                           // kernels that read the codes as subnormals (scaled_for_subnormals), or null
   const float* XSU;        // and 2^(149 - S) per row
   float* Y;                // outputs [T * k, N]
   const int64_t* in_rows;  // per (token, slot) pair, grouped by the stack slot it reads: its input row of X
   const int64_t* out_rows; // and its output row of Y
 };
 
-// The inputs for block_int4 on subnormals: each row times 2^S, S = 126 - e for its largest magnitude in [2^e, 2^(e+1)),
+// The inputs for the kernels on subnormal codes (block_int4, rows_packed): each row times 2^S, S = 126 - e for its largest magnitude in [2^e, 2^(e+1)),
 // so that the row stays below 2^127 and a code's subnormal (c 2^-149) times an input is a normal float unless the input
 // is below ~2^-100 of the row's largest; and 2^(149 - S) per row, which undoes it. False (the kernel converts the codes
 // instead) where a row holds a NaN or an infinity or its largest magnitude is outside [2^-100, 2^101): there 2^S or
@@ -464,8 +464,11 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
       for (int i = 0; i < 32; ++i) permuted[c + i] *= down[i / 8];
   }
   std::vector<float> subnormal_x, unscale;
-  const bool subnormals = kind == Kind::int4 && g_isa == 1 && !int8_dot &&
-                          scaled_for_subnormals(Xp, rows, K, subnormal_x, unscale);
+  // exact inputs on the avx2 set: int4 blocks and 2/3-bit rows read the codes as subnormals (the inputs as those
+  // kernels read them, scaled; under 8-bit inputs the 2-bit rows' float kernel takes q as it is)
+  const bool subnormals = (kind == Kind::int4 || kind == Kind::int2 || kind == Kind::int3) && g_isa == 1 &&
+                          !int8_dot &&
+                          scaled_for_subnormals(permuted.empty() ? Xp : permuted.data(), rows, K, subnormal_x, unscale);
   if (bits <= 4) {
     const int64_t G = K / group_size;
     sums.assign(rows * G, 0.f);
