@@ -98,11 +98,11 @@ struct Problem {
   const int64_t* out_rows; // and its output row of Y
 };
 
-// The inputs for the kernels on subnormal codes (block_int4, rows_packed): each row times 2^S, S = 126 - e for its largest magnitude in [2^e, 2^(e+1)),
-// so that the row stays below 2^127 and a code's subnormal (c 2^-149) times an input is a normal float unless the input
-// is below ~2^-100 of the row's largest; and 2^(149 - S) per row, which undoes it. False (the kernel converts the codes
-// instead) where a row holds a NaN or an infinity or its largest magnitude is outside [2^-100, 2^101): there 2^S or
-// 2^(149 - S) would leave the floats' range.
+// The inputs for the kernels that read codes as subnormals (block_int4, rows_packed): each row times 2^S, S = 126 - e
+// for its largest magnitude in [2^e, 2^(e+1)), so that the row stays below 2^127 and a code's subnormal (c 2^-149)
+// times an input is a normal float unless the input is below ~2^-100 of the row's largest; and 2^(149 - S) per row,
+// which undoes it. False (the kernels convert the codes instead) where a row holds a NaN or an infinity or its
+// largest magnitude is outside [2^-100, 2^101): there 2^S or 2^(149 - S) would leave the floats' range.
 static bool scaled_for_subnormals(const float* X, int64_t rows, int64_t K, std::vector<float>& xs,
                                   std::vector<float>& unscale) {
   xs.resize(rows * K);
@@ -253,12 +253,12 @@ static inline void nibbles_as_subnormals(const uint8_t* p, vf& lo, vf& high) {
   lo = (vf)_mm256_and_si256(v, _mm256_set1_epi32(0x0f));
   high = (vf)_mm256_and_si256(v, _mm256_set1_epi32(0xf0));
 }
-#define ZOO_INT4_SUBNORMAL 1  // block_int4 on subnormals (exact inputs)
+#define ZOO_SUBNORMAL_CODES 1  // exact inputs: int4 blocks and 2/3-bit rows read the codes as subnormals
 #define ZOO_DOT8 1  // 8-bit inputs on vpmaddubsw / vpmaddwd (int8, int4, 2-bit rows in steps of 256)
 #define ZOO_PREFETCH 1  // software prefetch of the weights ahead in decode (moe_gemv_body.h: kPrefetch)
 #include "moe_gemv_body.h"
 #undef ZOO_PREFETCH
-#undef ZOO_INT4_SUBNORMAL
+#undef ZOO_SUBNORMAL_CODES
 #undef ZOO_DOT8
 #undef ZOO_LANES
 }  // namespace avx2

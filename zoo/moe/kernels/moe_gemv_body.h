@@ -262,8 +262,8 @@ static void rows_int8_dot(const int8_t* w, const Scales& sc, int64_t K, int64_t 
 // (a power of two chosen so that the products are normal floats; fused multiply-adds take subnormal operands at full
 // speed on Zen 3) and unscale[p] is 2^(149 - S). Scaling by powers of two is exact, so the outputs are those of the
 // converted codes, bit for bit (but where a product falls below 2^-126: an input under ~2^-100 of its row's largest).
-// AMD EPYC Zen 3, [5632, 1024] / [1024, 2816] experts, interleaved: one input 1.19-1.24x in L2 (1 thread), from memory
-// (2 threads) 1.23 / 1.42x with the prefetch below; two inputs 0.96-1.07x (there the multiply-adds bound it).
+// AMD EPYC Zen 3, [5632, 1024] / [1024, 2816] experts, interleaved: one input 1.19-1.35x in L2 (1 thread), 1.03-1.42x
+// from memory (2 threads, with the prefetch below); two inputs and more 0.96-1.10x (the multiply-adds bound them).
 template <int NP, bool SUB = false>
 static void block_int4(const uint8_t* blk, const Scales& sc, int64_t K, int64_t g, int64_t n0, const float* const* xs,
                        const float* const* sxs, float* const* ys, const float* unscale = nullptr) {
@@ -293,7 +293,7 @@ static void block_int4(const uint8_t* blk, const Scales& sc, int64_t K, int64_t 
         if constexpr (prefetch) if ((k & 1) == 0) __builtin_prefetch(b + 8192);
         for (int c = 0; c < PC; ++c) {
           vf lo, hi;
-#ifdef ZOO_INT4_SUBNORMAL
+#ifdef ZOO_SUBNORMAL_CODES
           if constexpr (SUB)
             nibbles_as_subnormals(b + (c0 + c) * L, lo, hi);
           else
@@ -1304,6 +1304,21 @@ static inline void signed_8bit_inputs(const Problem& pb, int np, const int64_t* 
 }
 #endif
 
+#ifdef ZOO_SUBNORMAL_CODES
+// A chunk's inputs scaled for the codes read as subnormals (XS) and their unscale factors; false where the call has
+// none or where this thread reads subnormal operands as zeros (MXCSR's DAZ bit: torch.set_flush_denormal(True)), and
+// the kernels convert the codes
+static inline bool subnormal_inputs(const Problem& pb, int np, const int64_t* in_row, const float** xss,
+                                    float* unscale) {
+  if (!pb.XS || (_mm_getcsr() & 0x40)) return false;
+  for (int p = 0; p < np; ++p) {
+    xss[p] = pb.XS + in_row[p] * pb.K;
+    unscale[p] = pb.XSU[in_row[p]];
+  }
+  return true;
+}
+#endif
+
 // One chunk of a work item: its rows [r0, r1) of one expert for np of its pairs (1..8), whose input and output rows
 // are in_row[0..np), out_row[0..np).
 static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* in_row, const int64_t* out_row) {
@@ -1389,15 +1404,10 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
       }
 #endif
       if (it.r1 - it.r0 == 64 && it.r0 + 64 <= pb.N / 64 * 64) {
-#ifdef ZOO_INT4_SUBNORMAL
-        // (not where this thread reads subnormal operands as zeros: MXCSR's DAZ bit, torch.set_flush_denormal)
-        if (pb.XS && !(_mm_getcsr() & 0x40)) {
-          const float* xss[8];
-          float unscale[8];
-          for (int p = 0; p < np; ++p) {
-            xss[p] = pb.XS + in_row[p] * pb.K;
-            unscale[p] = pb.XSU[in_row[p]];
-          }
+#ifdef ZOO_SUBNORMAL_CODES
+        const float* xss[8];
+        float unscale[8];
+        if (subnormal_inputs(pb, np, in_row, xss, unscale)) {
           ZOO_NP((block_int4<NP, true>(w + it.r0 * pb.K / 2, sc, pb.K, pb.g, it.r0, xss, sxs, ys, unscale)));
           break;
         }
@@ -1440,14 +1450,10 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
 #else
 #define ZOO_ROWS_PACKED rows_packed
 #endif
-#ifdef ZOO_INT4_SUBNORMAL
-      if (pb.XS && !(_mm_getcsr() & 0x40)) {  // (as int4's: not where subnormal operands read as zeros)
-        const float* xss[8];
-        float unscale[8];
-        for (int p = 0; p < np; ++p) {
-          xss[p] = pb.XS + in_row[p] * pb.K;
-          unscale[p] = pb.XSU[in_row[p]];
-        }
+#ifdef ZOO_SUBNORMAL_CODES
+      const float* xss[8];
+      float unscale[8];
+      if (subnormal_inputs(pb, np, in_row, xss, unscale)) {
         if (pb.kind == Kind::int2) {
           ZOO_NP((rows_packed<NP, 2, true>(w, sc, pb.K, pb.g, it.r0, it.r1, xss, sxs, ys, unscale)));
         } else {
