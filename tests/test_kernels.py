@@ -128,16 +128,20 @@ def test_many_pairs_on_int4_blocks(isa, K, N):
 
 @pytest.fixture
 def avx2_one_thread():
-    """The avx2 set on one thread (the caller's, whose floating-point flags torch.set_flush_denormal sets)."""
+    """The avx2 set on one thread (the caller's, whose floating-point flags torch.set_flush_denormal sets), with the
+    codes read as subnormals whatever this processor's measurement said."""
     before, threads = kernels.isa(), torch.get_num_threads()
     try:
         kernels.isa("avx2")
     except RuntimeError:
         pytest.skip("this processor lacks avx2")
+    measured = kernels.subnormal_codes()
+    kernels.subnormal_codes(True)
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
     torch.set_flush_denormal(False)
+    kernels.subnormal_codes(measured)
     kernels.isa(before)
 
 
@@ -183,6 +187,22 @@ def test_codes_beyond_the_subnormal_range_are_converted(avx2_one_thread, bits):
     again = kernels.moe_gemv(x, idx, w, s, bits, 64)
     assert again[3].isnan().any() and not torch.isfinite(again[2]).all()
     assert torch.equal(again[:2], got[:2])
+
+
+def test_subnormal_codes_are_measured_and_change_only_the_speed(avx2_one_thread):
+    """Whether the codes are read as subnormals is measured per process (fused multiply-adds on subnormal operands
+    against normal ones) and can be forced either way; both ways give the same bits. A bad value is refused."""
+    assert isinstance(torch.ops.zoo.moe_gemv_subnormal_codes(2), int)  # measured again
+    assert kernels.subnormal_codes() in (True, False)
+    w, s = stack(4, 2, 64, 128, group_size=64)
+    x, idx = torch.randn(3, 128), torch.zeros(3, 1, dtype=torch.long)
+    outputs = []
+    for on in (False, True):
+        assert kernels.subnormal_codes(on) is on
+        outputs.append(kernels.moe_gemv(x, idx, w, s, 4, 64))
+    assert torch.equal(*outputs)
+    with pytest.raises(ValueError, match="takes True, False or None"):
+        kernels.subnormal_codes("yes")
 
 
 @pytest.mark.parametrize("K", [32, 64, 77, 130])

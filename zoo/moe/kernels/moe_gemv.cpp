@@ -14,6 +14,8 @@
 // raise an illegal instruction. The set is chosen when the library loads (moe_gemv_isa forces one: tests, and
 // ZOO_KERNEL_ISA in zoo/moe/kernels/__init__.py).
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -257,6 +259,33 @@ static inline void nibbles_as_subnormals(const uint8_t* p, vf& lo, vf& high) {
 #define ZOO_DOT8 1  // 8-bit inputs on vpmaddubsw / vpmaddwd (int8, int4, 2-bit rows in steps of 256)
 #define ZOO_PREFETCH 1  // software prefetch of the weights ahead in decode (moe_gemv_body.h: kPrefetch)
 #include "moe_gemv_body.h"
+
+// Seconds of 8 x 4096 fused multiply-adds (8 independent chains) of `w` and `y`: with w a subnormal, they show whether
+// this processor multiplies subnormal operands at full speed (AMD Zen 3 does; cores that take a microcode assist for
+// them run such products ~100x slower)
+static double fma_seconds(float w, float y) {
+  const __m256 vw = _mm256_set1_ps(w), vy = _mm256_set1_ps(y);
+  __m256 acc[8];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 4096; ++i)
+    for (auto& a : acc) a = _mm256_fmadd_ps(vw, vy, a);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile float sink = 0.f;  // the sums are used: the loop stays
+  for (auto& a : acc) sink = sink + _mm256_cvtss_f32(a);
+  return seconds;
+}
+static bool subnormal_fma_at_full_speed() {
+  float sub;
+  const uint32_t bits = 5;  // 5 x 2^-149
+  std::memcpy(&sub, &bits, 4);
+  double normal = 1e9, subnormal = 1e9;
+  for (int round = 0; round < 3; ++round) {  // the best of three each, taking turns (a noisy machine)
+    normal = std::min(normal, fma_seconds(5.f, std::ldexp(1.f, -29)));
+    subnormal = std::min(subnormal, fma_seconds(sub, std::ldexp(1.f, 120)));
+  }
+  return subnormal <= 1.5 * normal;
+}
 #undef ZOO_PREFETCH
 #undef ZOO_SUBNORMAL_CODES
 #undef ZOO_DOT8
@@ -301,7 +330,28 @@ static bool g_int8_inputs = false;
 static inline bool has_8bit_dots(int isa) { return isa == 3 || isa == 1; }
 constexpr int64_t VNNI_MAX_K = 65536;  // |sum| <= K * 255 * 128 stays inside int32 (codes: a group's, K * 15 * 127)
 
+// Exact inputs on the avx2 set: int4 blocks and 2/3-bit rows read the codes as subnormal floats (the same outputs, bit
+// for bit) where this processor multiplies subnormal operands at full speed, measured once per process on first use
+// (-1 until then)
+static std::atomic<int> g_subnormal_codes{-1};
+static bool subnormal_codes_on() {
+#ifdef ZOO_X86
+  if (g_subnormal_codes < 0) g_subnormal_codes = detect_isa() >= 1 && avx2::subnormal_fma_at_full_speed();
+  return g_subnormal_codes == 1;
+#else
+  return false;
+#endif
+}
+
 #ifndef ZOO_KERNELS_STANDALONE
+// -1: whether the codes are read as subnormals (measured on first use); 0 / 1: turn it off / on; 2: measure again
+int64_t moe_gemv_subnormal_codes(int64_t want) {
+  TORCH_CHECK(want >= -1 && want <= 2, "moe_gemv_subnormal_codes takes -1, 0, 1 or 2, got ", want);
+  if (want == 0 || want == 1) g_subnormal_codes = int(want);
+  if (want == 2) g_subnormal_codes = -1;
+  return subnormal_codes_on();
+}
+
 // -1: whether they are on; 0 / 1: turn them off / on (on: refused unless the set in use has int8 dot products)
 int64_t moe_gemv_int8_inputs(int64_t want) {
   if (want >= 0) {
@@ -467,7 +517,7 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
   // exact inputs on the avx2 set: int4 blocks and 2/3-bit rows read the codes as subnormals (the inputs as those
   // kernels read them, scaled; under 8-bit inputs the 2-bit rows' float kernel takes q as it is)
   const bool subnormals = (kind == Kind::int4 || kind == Kind::int2 || kind == Kind::int3) && g_isa == 1 &&
-                          !int8_dot &&
+                          !int8_dot && subnormal_codes_on() &&
                           scaled_for_subnormals(permuted.empty() ? Xp : permuted.data(), rows, K, subnormal_x, unscale);
   if (bits <= 4) {
     const int64_t G = K / group_size;
@@ -677,6 +727,7 @@ TORCH_LIBRARY_FRAGMENT(zoo, m) {
         "Tensor? slot_of) -> Tensor");
   m.def("moe_gemv_isa(int want) -> int");
   m.def("moe_gemv_int8_inputs(int want) -> int");
+  m.def("moe_gemv_subnormal_codes(int want) -> int");
   m.def("dequantize_int4(Tensor weight, Tensor scale, int group_size, ScalarType dtype) -> Tensor");
   m.def("dequantize_packed(Tensor weight, Tensor scale, int bits, int group_size, ScalarType dtype) -> Tensor");
   m.def("lowbit_gemm(Tensor x, Tensor weight, Tensor scale, int bits, int group_size) -> Tensor");
@@ -692,5 +743,6 @@ TORCH_LIBRARY_IMPL(zoo, CPU, m) {
 TORCH_LIBRARY_IMPL(zoo, CompositeExplicitAutograd, m) {
   m.impl("moe_gemv_isa", &zoo_kernels::moe_gemv_isa);
   m.impl("moe_gemv_int8_inputs", &zoo_kernels::moe_gemv_int8_inputs);
+  m.impl("moe_gemv_subnormal_codes", &zoo_kernels::moe_gemv_subnormal_codes);
 }
 #endif
