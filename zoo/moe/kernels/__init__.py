@@ -413,7 +413,7 @@ def subnormal_codes(on: Optional[bool] = None) -> bool:
     """Whether the avx2 set's kernels read 2/3/4-bit codes as subnormal floats on exact inputs (no int-to-float
     conversion; the inputs scaled by a power of two per row, so the outputs are the converted codes' bit for bit).
     On where this processor multiplies subnormal operands at full speed, measured once per process on first use
-    (cores that take a microcode assist for them would run ~100x slower); a thread that reads subnormals as zeros
+    (cores that take a microcode assist for them would run many times slower); a thread that reads subnormals as zeros
     (``torch.set_flush_denormal(True)``) converts anyway. ``subnormal_codes(True)`` / ``(False)`` forces it (tests,
     measurements); it changes the speed only, never the results."""
     if on is not None and not isinstance(on, bool):

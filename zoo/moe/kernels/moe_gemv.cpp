@@ -262,7 +262,7 @@ static inline void nibbles_as_subnormals(const uint8_t* p, vf& lo, vf& high) {
 
 // Seconds of 8 x 4096 fused multiply-adds (8 independent chains) of `w` and `y`: with w a subnormal, they show whether
 // this processor multiplies subnormal operands at full speed (AMD Zen 3 does; cores that take a microcode assist for
-// them run such products ~100x slower)
+// them run such products many times slower: an assist per instruction)
 static double fma_seconds(float w, float y) {
   const __m256 vw = _mm256_set1_ps(w), vy = _mm256_set1_ps(y);
   __m256 acc[8];
