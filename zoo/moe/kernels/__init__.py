@@ -415,7 +415,8 @@ def subnormal_codes(on: Optional[bool] = None) -> bool:
     On where this processor multiplies subnormal operands at full speed, measured once per process on first use
     (cores that take a microcode assist for them would run many times slower); a thread that reads subnormals as zeros
     (``torch.set_flush_denormal(True)``) converts anyway. ``subnormal_codes(True)`` / ``(False)`` forces it (tests,
-    measurements); it changes the speed only, never the results."""
+    measurements); it changes the speed only, not the results (but where an input is below ~2^-100 of its row's
+    largest: that product rounds as a subnormal)."""
     if on is not None and not isinstance(on, bool):
         raise ValueError(f"subnormal_codes takes True, False or None, got {on!r}")
     if not load():
