@@ -432,12 +432,12 @@ def test_packed_8bit_inputs_odd_rows_and_one_chunk_rows(int8_inputs, bits, g, K,
     assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g, N, K), bits, g, T)
 
 
-@pytest.mark.parametrize("g,K", [(32, 1024), (64, 1280), (64, 512)])
+@pytest.mark.parametrize("g,K", [(32, 1024), (64, 1280), (64, 512), (128, 768)])
 @pytest.mark.parametrize("N", [64, 80, 72, 70])
 def test_2bit_8bit_inputs_256_a_step_every_block_of_scales(int8_inputs, g, K, N):
-    """2 bits, 256 codes a step: each row's group scales gathered by 16 x 16 blocks where the item has 16 rows and 16
-    groups to spare, one by one for the rest (32 and 20 groups: whole and partial blocks of groups; items of 64, 16,
-    8 and 6 rows): the integer reference's result."""
+    """2 bits, 256 codes a step: each row's group scales put together by 8 x 8 blocks where the item has 8 rows and 8
+    groups to spare, one by one for the rest (32, 20, 8 and 6 groups: whole blocks, whole and partial, one, none;
+    items of 64, 16, 8 and 6 rows): the integer reference's result."""
     assert_8bit_inputs_exact(*packed_stack_with_codes(2, g, N, K), 2, g, 3)
 
 
