@@ -665,9 +665,14 @@ static void rows_packed(const uint8_t* w, const Scales& sc, int64_t K, int64_t g
   const int64_t row_bytes = K * BITS / 8, R = r1 - r0;
   RowScales rs;
   row_scales<NP>(sc, K / g, r0, r1, sxs, rs);
+  // one input: the rows two steps ahead asked for (AMD EPYC Zen 3, from memory, 2 threads, interleaved, 4 runs:
+  // [1024, 2816] experts 1.15-1.24x; [5632, 1024] 0.97-1.10x; two inputs, one row a step, lost: 0.87-0.96x)
+  constexpr bool prefetch = kPrefetch && NP == 1;
   int64_t r = r0;
-  for (; r + RS <= r1; r += RS)
+  for (; r + RS <= r1; r += RS) {
+    if constexpr (prefetch) prefetch_bytes(w + (r + 2 * RS) * row_bytes, RS * row_bytes);
     rows_packed_step<NP, BITS, RS, A, SUB>(w + r * row_bytes, row_bytes, K, g, rs, R, r - r0, xs, ys, r, unscale);
+  }
   for (; r < r1; ++r)
     rows_packed_step<NP, BITS, 1, A, SUB>(w + r * row_bytes, row_bytes, K, g, rs, R, r - r0, xs, ys, r, unscale);
 }
