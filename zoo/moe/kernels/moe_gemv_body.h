@@ -276,7 +276,11 @@ static void block_int4(const uint8_t* blk, const Scales& sc, int64_t K, int64_t 
     block_int4<4, SUB>(blk, sc, K, g, n0, xs, sxs, ys, unscale);
     return block_int4<NP - 4, SUB>(blk, sc, K, g, n0, xs + 4, sxs + 4, ys + 4, SUB ? unscale + 4 : nullptr);
   }
-  constexpr int PC = (L == 8 && NP >= 2) ? 1 : C;
+  // Two inputs go two pieces at a time: one piece's 4 sums were 4 chains of dependent multiply-adds, the
+  // multiply-adds' latency (4 cycles on Zen 3) allowing one a cycle of the two it can start; 8 sums fill both
+  // (interleaved, AMD EPYC Zen 3: 1.26-1.39x on subnormals, 1.17-1.20x converting, in L2 and from memory; 6 inputs,
+  // 4 + 2, 1.11x). Three inputs stay one piece at a time (two pieces: 12 sums, spilled, 0.65-0.82x; 2 + 1: 0.84-1.14x)
+  constexpr int PC = L == 8 && NP == 2 ? 2 : (L == 8 && NP >= 2) ? 1 : C;
   // one or two inputs on subnormals: the block's bytes 8 KB ahead asked for, a cache line every other k (~1.05-1.2x
   // from memory, measured with SUB; the converting form was bound by its instructions, not its reads)
   constexpr bool prefetch = SUB && kPrefetch && NP <= 2;
