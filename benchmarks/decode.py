@@ -183,7 +183,7 @@ def main(argv=None):
     from moe_gemv import cpu_flags, read_bandwidth
 
     rows = []
-    bandwidth, how = read_bandwidth(args.smoke)
+    bandwidth, how, _ = read_bandwidth(args.smoke)
     tokenizer = zoo.load_tokenizer("zoo-tiny-moe")
     for name, model in models:
         rows += run_model(name, model, args.new_tokens, args.prompt, args.prefill, loop=not args.smoke)

@@ -38,22 +38,33 @@ def clock(fns, calls: int, repeats: int = 5) -> list:
 
 
 def read_bandwidth(smoke: bool) -> tuple:
-    """The machine's read bandwidth, GB/s, and how it was read: the faster of two sums over 1 GiB (far beyond the
-    last-level cache), torch's eager fp32 sum and a compiled sum of bf16 widened to fp32. Either alone can be bound
-    by its own arithmetic: on an AVX2-only processor (AMD EPYC, Zen 3) the compiled sums read 13-14 GB/s where the
-    eager fp32 sum reads 25 and the kernel's int8 rows 24. A smoke run sums 4 MiB eagerly (in the cache: a stand-in,
-    not the machine's figure) and compiles nothing (a cold compile took ~7 s of the test suite's time)."""
+    """The machine's read bandwidth, GB/s, how it was read and the compiled sum's GB/s (0 in a smoke run): the faster
+    of two sums over 1 GiB (far beyond the last-level cache), torch's eager fp32 sum and a compiled sum of bf16
+    widened to fp32, at the start of the run (each row measures the eager sum again: sum_slices). Either alone can be
+    bound by its own arithmetic: on an AVX2-only processor (AMD EPYC, Zen 3) the compiled sums read 13-14 GB/s where
+    the eager fp32 sum reads 25 and the kernel's int8 rows 24. A smoke run sums 4 MiB eagerly (in the cache: a
+    stand-in, not the machine's figure) and compiles nothing (a cold compile took ~7 s of the test suite's time)."""
     n = 2 ** 20 if smoke else 2 ** 28  # fp32 elements (bf16: twice as many)
     f32 = torch.randn(n)
     if smoke:
         eager = f32.nbytes / clock([lambda i: f32.sum()], 3)[0] / 1e9
-        return eager, f"a smoke run's stand-in: an eager fp32 sum ({eager:.1f}) over {f32.nbytes >> 20} MiB"
+        return eager, f"a smoke run's stand-in: an eager fp32 sum ({eager:.1f}) over {f32.nbytes >> 20} MiB", 0.0
     bf16 = torch.randn(2 * n).to(torch.bfloat16)
     compiled = torch.compile(lambda t: t.sum(dtype=torch.float32))
     t_eager, t_compiled = clock([lambda i: f32.sum(), lambda i: compiled(bf16)], 3)
     eager, comp = f32.nbytes / t_eager / 1e9, bf16.nbytes / t_compiled / 1e9
     how = f"best of an eager fp32 sum ({eager:.1f}) and a compiled bf16 sum ({comp:.1f}) over {f32.nbytes >> 20} MiB"
-    return max(eager, comp), how
+    return max(eager, comp), how, comp
+
+
+def sum_slices(smoke: bool):
+    """The read-bandwidth probe that runs beside the kernels, in each row's rounds: call i sums slice i % 64 of 1 GiB
+    of fp32 (a smoke run: 4 MiB), so a slice is read from memory again only after the other 63, as the kernels' calls
+    rotate through their stack. Returns (fn, bytes a call). A noisy machine's read speed drifts within a run (an eager
+    sum over 1 GiB read 17 and 29 GB/s in two runs ten minutes apart here), so each row's share is of the bandwidth
+    measured in its own rounds."""
+    parts = torch.randn(2 ** 20 if smoke else 2 ** 28).view(64, -1)
+    return (lambda i: parts[i % 64].sum()), parts[0].nbytes
 
 
 def cpu_flags() -> str:
@@ -118,16 +129,18 @@ def with_int8_inputs(fn):
     return run
 
 
-def int8_dot_row(isa, label, bits, group_size, x, picks, w, s, calls, per_expert, k, sum_gbs, columns):
+def int8_dot_row(isa, label, bits, group_size, x, picks, w, s, calls, per_expert, k, probe, columns):
     """The int8 or int2/3/4 row again with the inputs rounded to 8 bits (the kernel's option), interleaved with the
-    plain path, and the error that rounding adds: ||y8 - y|| / ||y|| over the calls' outputs."""
+    plain path and the bandwidth probe, and the error that rounding adds: ||y8 - y|| / ||y|| over the calls'
+    outputs."""
     plain = with_isa(isa, lambda i: kernels.moe_gemv(x, picks[i], w, s, bits, group_size))
     dot = with_isa(isa, with_int8_inputs(lambda i: kernels.moe_gemv(x, picks[i], w, s, bits, group_size)))
-    t_dot, t_plain = clock([dot, plain], calls)
+    t_dot, t_plain, t_sum = clock([dot, plain, probe[0]], calls)
+    bw = max(probe[1] / t_sum / 1e9, probe[2])
     y, y8 = torch.cat([plain(i).float() for i in range(calls)]), torch.cat([dot(i).float() for i in range(calls)])
     gbs = k * per_expert / t_dot / 1e9
-    cells = f"{gbs:16.1f} {gbs / sum_gbs:6.2f} " + " ".join(f"{'-':>16} {'-':>6}" for _ in range(columns - 1))
-    print(f"{label + ', x int8':12} {k * per_expert / 1e6:9.1f} {cells} {'-':>10} {'-':>10}   "
+    cells = f"{gbs:16.1f} {gbs / bw:6.2f} " + " ".join(f"{'-':>16} {'-':>6}" for _ in range(columns - 1))
+    print(f"{label + ', x int8':12} {k * per_expert / 1e6:9.1f} {cells} {'-':>10} {'-':>10} {bw:7.1f}   "
           f"(8-bit inputs: {t_plain / t_dot:.2f}x the {label} row, error {float((y8 - y).norm() / y.norm()):.4f})")
 
 
@@ -143,13 +156,14 @@ def main(argv=None):
     H, I, k, group_size = (128, 256, 2, 64) if args.smoke else (1024, 2816, 2, 64)
     S = 8 if args.smoke else 64  # 64 bf16 experts of [2I, H]: 738 MB, beyond the 300 MB last-level cache
     calls = 8 if args.smoke else 64
-    sum_gbs, how = read_bandwidth(args.smoke)
+    sum_gbs, how, compiled = read_bandwidth(args.smoke)
+    probe = (*sum_slices(args.smoke), compiled)  # (fn, bytes a call, the compiled sum's GB/s: the floor of 'bw')
     x = torch.randn(1, H).to(torch.bfloat16)
     isas = list(kernels.ISAS[:kernels.ISAS.index(kernels.best_isa()) + 1][::-1])
     print(f"processor flags: {cpu_flags()}\nkernel instruction sets: {', '.join(isas)} (best first)")
     print(f"machine read bandwidth ({how}, {args.threads} threads): {sum_gbs:.1f} GB/s\n")
     head = f"{'stored form':12} {'MB / call':>9} " + " ".join(f"{n + ' GB/s':>16} {'of bw':>6}" for n in isas)
-    head += f" {'torch GB/s':>10} {'best/torch':>10}"
+    head += f" {'torch GB/s':>10} {'best/torch':>10} {'bw GB/s':>7}"
     print(head + "\n" + "-" * len(head))
     for label, bits, w, s, per_expert in stacks(S, 2 * I, H, group_size):
         pick = lambda i: torch.tensor([[(2 * i) % S, (2 * i + 1) % S]])  # noqa: E731
@@ -158,15 +172,17 @@ def main(argv=None):
         row = torch_row(label, w, s, group_size)
         if row is not None:
             fns.append(lambda i: [row(x, int(e)) for e in picks[i][0]])
-        times = clock(fns, calls)
+        *times, t_sum = clock(fns + [probe[0]], calls)
+        bw = max(probe[1] / t_sum / 1e9, probe[2])
         gbs = [k * per_expert / t / 1e9 for t in times]
-        cells = " ".join(f"{g:16.1f} {g / sum_gbs:6.2f}" for g in gbs[:len(isas)])
+        cells = " ".join(f"{g:16.1f} {g / bw:6.2f}" for g in gbs[:len(isas)])
         torch_gbs = f"{gbs[-1]:10.1f} {times[-1] / times[0]:10.2f}" if row is not None else f"{'-':>10} {'-':>10}"
-        print(f"{label:12} {k * per_expert / 1e6:9.1f} {cells} {torch_gbs}")
+        print(f"{label:12} {k * per_expert / 1e6:9.1f} {cells} {torch_gbs} {bw:7.1f}")
         if label != "bf16" and isas[0] in kernels.INT8_DOT_ISAS:
-            int8_dot_row(isas[0], label, bits, group_size, x, picks, w, s, calls, per_expert, k, sum_gbs, len(isas))
+            int8_dot_row(isas[0], label, bits, group_size, x, picks, w, s, calls, per_expert, k, probe, len(isas))
     print("\n(GB/s: bytes of the selected experts' stored weights and scales / time per call, bf16 inputs; 'of bw': "
-          "the share of the machine's read bandwidth; torch: F.linear / _weight_int8pack_mm / "
+          "the share of the machine's read bandwidth measured in the row's own rounds ('bw GB/s': an eager fp32 sum over "
+          "1 GiB (a smoke run: 4 MiB) in 64 slices, interleaved with the row's calls, or the compiled sum above where faster); torch: F.linear / _weight_int8pack_mm / "
           "_weight_int4pack_mm_for_cpu on each selected expert's view; 2/3 bits have no torch kernel; best/torch: "
           "the first instruction set's speed over torch's; 'int8, x int8' / 'int4, x int8' ...: int8 weights / "
           "2/3/4-bit codes times inputs rounded to 8 bits on int8 dot products, zoo.moe.kernels.int8_inputs(True))")
