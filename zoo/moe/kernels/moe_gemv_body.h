@@ -431,8 +431,6 @@ static void block_int4_bf16(const uint8_t* blk, const Scales& sc, int64_t K, int
 // on top). Vector v of the four holds bytes 4v..4v+3 in its low half and 16+4v..16+4v+3 in its high half; its low
 // nibbles are those rows, its high nibbles the rows 32 above (vectors 4..7 here). The codes (0..15) are the
 // unsigned operand.
-// int4_group_dots: the exact int32 dots of inputs 0..C-1 with inputs k0..k1 (one group) of the block's rows; with
-// `ahead`, the bytes that far ahead of each step are asked for (software prefetch)
 // int4_step_codes: the 8 vectors of codes of one step (four k, 128 bytes at b), as the dots take them
 static inline void int4_step_codes(const uint8_t* b, __m256i* q) {
   const __m256i low4 = _mm256_set1_epi8(15);
@@ -447,6 +445,8 @@ static inline void int4_step_codes(const uint8_t* b, __m256i* q) {
     q[4 + v] = _mm256_and_si256(_mm256_srli_epi16(t[v], 4), low4);
   }
 }
+// int4_group_dots: the exact int32 dots of inputs 0..C-1 with inputs k0..k1 (one group) of the block's rows; with
+// `ahead`, the bytes that far ahead of each step are asked for (software prefetch)
 template <int C>
 static inline void int4_group_dots(const uint8_t* blk, int64_t k0, int64_t k1, const int8_t* const* xs,
                                    __m256i (*dot)[8], int64_t ahead = 0) {
@@ -504,7 +504,7 @@ static void block_int4_dot(const uint8_t* blk, const Scales& sc, int64_t K, int6
     // threads, interleaved: 1.17-1.22x at one input, 1.12x at two; 2 KB ahead 1.09-1.18x)
     constexpr int64_t ahead = kPrefetch && NP <= 2 ? 8192 : 0;
     // four inputs and more: the group's codes unpacked once (groups to 256 inputs: 16 KiB on the stack; a
-    // thread_local vector of __m256i came back unaligned on torch's worker threads). Zen 3, interleaved, against
+    // thread_local std::vector<__m256i> there segfaulted under two threads). Zen 3, interleaved, against
     // unpacking per input: 4 inputs 1.01-1.17x, 8 1.25x; 304M model, everything int4, prefill 1.15-1.20x at 16-64
     // tokens; two inputs 0.95-0.99x (so from four)
     alignas(32) __m256i q[NP >= 4 ? 512 : 1];
