@@ -1004,7 +1004,7 @@ static inline void rows_int2_dot256_step(const uint8_t* wp, int64_t row_bytes, i
 // dst[i * G + gi] = src[gi * R + i]: row_scales' scales row by row, 8 groups x 8 rows at a time transposed in
 // registers. The compiler's form of row_scales writing them so stored each scale apart (~18% of rows_int2_dot256's
 // samples in L2); AMD EPYC Zen 3, [5632, 1024] / [1024, 2816] experts, g = 64, interleaved against it: one input
-// 1.08x in L2 (1 thread), 1.03-1.07x from memory (2 threads); two inputs 1.08 / 1.05x.
+// 1.08x in L2 (1 thread), 1.03-1.06x from memory (2 threads); two inputs 1.10 / 1.04x.
 static void scales_by_row(const float* src, int64_t G, int64_t R, float* dst) {
   int64_t gi = 0;
   for (; gi + 8 <= G; gi += 8) {
