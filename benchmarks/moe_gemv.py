@@ -181,11 +181,12 @@ def main(argv=None):
         if label != "bf16" and isas[0] in kernels.INT8_DOT_ISAS:
             int8_dot_row(isas[0], label, bits, group_size, x, picks, w, s, calls, per_expert, k, probe, len(isas))
     print("\n(GB/s: bytes of the selected experts' stored weights and scales / time per call, bf16 inputs; 'of bw': "
-          "the share of the machine's read bandwidth measured in the row's own rounds ('bw GB/s': an eager fp32 sum over "
-          "1 GiB (a smoke run: 4 MiB) in 64 slices, interleaved with the row's calls, or the compiled sum above where faster); torch: F.linear / _weight_int8pack_mm / "
-          "_weight_int4pack_mm_for_cpu on each selected expert's view; 2/3 bits have no torch kernel; best/torch: "
-          "the first instruction set's speed over torch's; 'int8, x int8' / 'int4, x int8' ...: int8 weights / "
-          "2/3/4-bit codes times inputs rounded to 8 bits on int8 dot products, zoo.moe.kernels.int8_inputs(True))")
+          "the share of the machine's read bandwidth measured in the row's own rounds ('bw GB/s': an eager fp32 sum "
+          "over 1 GiB (a smoke run: 4 MiB) in 64 slices, interleaved with the row's calls, or the compiled sum above "
+          "where faster); torch: F.linear / _weight_int8pack_mm / _weight_int4pack_mm_for_cpu on each selected "
+          "expert's view; 2/3 bits have no torch kernel; best/torch: the first instruction set's speed over torch's; "
+          "'int8, x int8' / 'int4, x int8' ...: int8 weights / 2/3/4-bit codes times inputs rounded to 8 bits on int8 "
+          "dot products, zoo.moe.kernels.int8_inputs(True))")
 
 
 if __name__ == "__main__":

@@ -260,8 +260,9 @@ static void rows_int8_dot(const int8_t* w, const Scales& sc, int64_t K, int64_t 
 // instructions per 64 codes at one input): no conversion. The low nibble's bits read as a float are the subnormal
 // lo 2^-149 and the high nibble's, masked where it lies, 16 hi 2^-149, both exact; xs are the inputs times 2^S per row
 // (a power of two chosen so that the products are normal floats; used where fused multiply-adds take subnormal
-// operands at full speed, as on Zen 3: subnormal_codes_on) and unscale[p] is 2^(149 - S). Scaling by powers of two is exact, so the outputs are those of the
-// converted codes, bit for bit (but where a product falls below 2^-126: an input under ~2^-100 of its row's largest).
+// operands at full speed, as on Zen 3: subnormal_codes_on) and unscale[p] is 2^(149 - S). Scaling by powers of two is
+// exact, so the outputs are those of the converted codes, bit for bit (but where a product falls below 2^-126: an
+// input under ~2^-100 of its row's largest).
 // AMD EPYC Zen 3, [5632, 1024] / [1024, 2816] experts, interleaved: one input 1.19-1.35x in L2 (1 thread), 1.03-1.42x
 // from memory (2 threads, with the prefetch below); two inputs and more 0.96-1.10x (the multiply-adds bound them).
 template <int NP, bool SUB = false>
