@@ -255,6 +255,12 @@ static inline void nibbles_as_subnormals(const uint8_t* p, vf& lo, vf& high) {
   lo = (vf)_mm256_and_si256(v, _mm256_set1_epi32(0x0f));
   high = (vf)_mm256_and_si256(v, _mm256_set1_epi32(0xf0));
 }
+// 8 bf16 weights as floats: one widening load and a shift (GCC's generic conversion, the body's widen, splits
+// into 128-bit halves here: five vector instructions for the two)
+static inline vf widen(const uint16_t* p) {
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+}
+#define ZOO_WIDEN_BF16 1
 #define ZOO_SUBNORMAL_CODES 1  // exact inputs: int4 blocks and 2/3-bit rows read the codes as subnormals
 #define ZOO_DOT8 1  // 8-bit inputs on vpmaddubsw / vpmaddwd (int8, int4, 2-bit rows in steps of 256)
 #define ZOO_PREFETCH 1  // software prefetch of the weights ahead in decode (moe_gemv_body.h: kPrefetch)
@@ -287,6 +293,7 @@ static bool subnormal_fma_at_full_speed() {
   return subnormal <= 1.5 * normal;
 }
 #undef ZOO_PREFETCH
+#undef ZOO_WIDEN_BF16
 #undef ZOO_SUBNORMAL_CODES
 #undef ZOO_DOT8
 #undef ZOO_LANES

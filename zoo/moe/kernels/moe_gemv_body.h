@@ -3,7 +3,8 @@
 // float vector there: 16 for AVX-512, 8 for AVX2) defined. Each kernel computes output rows [r0, r1) of one
 // expert's weight for NP inputs at once, so every weight byte is read once per call however many tokens chose it.
 
-// (vf, vi8, vu8 and to_float, the L-lane float vector and the 8-bit conversions, come from moe_gemv.cpp)
+// (vf, vi8, vu8 and to_float, the L-lane float vector and the 8-bit conversions, come from moe_gemv.cpp, as does the
+// bf16 widen where a set defines ZOO_WIDEN_BF16)
 typedef uint16_t vu16 __attribute__((vector_size(2 * L)));
 typedef uint32_t vu32 __attribute__((vector_size(4 * L)));
 typedef float vf8 __attribute__((vector_size(32)));
@@ -29,7 +30,9 @@ static inline float hsum(vf v) {
 
 // L consecutive weights as floats, dequantised in registers
 static inline vf widen(const float* p) { return load<vf>(p); }
+#ifndef ZOO_WIDEN_BF16
 static inline vf widen(const uint16_t* p) { return (vf)(__builtin_convertvector(load<vu16>(p), vu32) << 16); }
+#endif
 static inline vf widen(const int8_t* p) { return to_float(load<vi8>(p)); }
 static inline float one(float v) { return v; }
 static inline float one(uint16_t v) { return bf16_to_float(v); }
