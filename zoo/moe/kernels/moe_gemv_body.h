@@ -55,8 +55,12 @@ template <int NP, class W>
 static void rows_dense(const W* w, const Scales& sc, int64_t K, int64_t r0, int64_t r1, const float* const* xs,
                        float* const* ys) {
   // U independent accumulator chains per input, U * L weights a step: 64 bytes of bf16, 32 of int8 with U = 2;
-  // int8 takes U = 4, so that a step reads a cache line too
-  constexpr int U = sizeof(W) == 1 ? 4 : 2;
+  // int8 takes U = 4, so that a step reads a cache line too. On 8 lanes (AVX2: 16 registers) int8 rows with several
+  // inputs take the largest U whose U NP sums and U widened weights fit in 14: with U = 4 their 4 NP sums spilled
+  // from 3 inputs on (AMD EPYC Zen 3, [5632, 1024] experts, interleaved, in L3 on one thread / from memory on two:
+  // 4 inputs 1.49 / 1.34x, 5: 1.57 / 1.28x, 6: 1.78 / 1.68x, 7: 2.11 / 1.95x; 3 inputs, U = 3, 0.98 / 1.01x). bf16
+  // rows (U = 2) gained nothing from the same rule (U = 1 at 7 inputs: 0.99 / 1.00x)
+  constexpr int U = sizeof(W) != 1 ? 2 : L == 8 ? std::max(1, std::min(4, 14 / (NP + 1))) : 4;
   // bf16 and int8 rows, one or two inputs: the row two ahead asked for at each row's start (past the item's rows
   // too). AMD EPYC Zen 3, [5632, 1024] experts from memory, 2 threads, interleaved
   // (runs apart): one input bf16 1.07-1.17x, int8 1.06-1.33x; two inputs bf16 0.99-1.08x, int8 1.03-1.55x. Left out
