@@ -255,8 +255,9 @@ static inline void nibbles_as_subnormals(const uint8_t* p, vf& lo, vf& high) {
   lo = (vf)_mm256_and_si256(v, _mm256_set1_epi32(0x0f));
   high = (vf)_mm256_and_si256(v, _mm256_set1_epi32(0xf0));
 }
-// 8 bf16 weights as floats: one widening load and a shift (GCC's generic conversion, the body's widen, splits
-// into 128-bit halves here: five vector instructions for the two)
+// 8 bf16 weights as floats: one widening load and a shift. GCC compiles the body's generic conversion for this set
+// into two 128-bit widenings, a byte shift and an insert before the shift (five vector instructions where these are
+// two): AMD EPYC Zen 3, bf16 rows, interleaved, one thread in L3 1.20-1.33x, from memory on two 1.06-1.07x at one input
 static inline vf widen(const uint16_t* p) {
   return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
 }
