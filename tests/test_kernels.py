@@ -189,6 +189,46 @@ def test_codes_beyond_the_subnormal_range_are_converted(avx2_one_thread, bits):
     assert torch.equal(again[:2], got[:2])
 
 
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_a_rows_largest_input_is_found_at_every_lane(avx2_one_thread, bits):
+    """The scan that sets a row's power of two for the subnormal codes (its largest magnitude, four lanes at a time)
+    finds the largest input wherever it lies: one input of 2^90 (in range: the codes stay subnormals) or -2^110 (past
+    it: the call converts) at each lane position and at the row's last input. A largest input missed would set too
+    large a power of two, and that input's products would overflow."""
+    S, N, K = 2, 64, 192
+    w, s = stack(bits, S, N, K, group_size=64)
+    idx = torch.zeros(1, 1, dtype=torch.long)
+    base = torch.randn(1, K, generator=torch.Generator().manual_seed(7))
+    for big in (2.0 ** 90, -(2.0 ** 110)):
+        for pos in (0, 1, 2, 3, 66, K - 1):
+            x = base.clone()
+            x[0, pos] = big
+            got = kernels.moe_gemv(x, idx, w, s, bits, 64)
+            want = kernels.moe_gemv_reference(x, idx, w, s, bits, 64)
+            assert torch.isfinite(got).all(), (big, pos)
+            top = want.abs().max()
+            torch.testing.assert_close(got / top, want / top, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_group_sums_of_eight_groups_at_a_time_and_the_rest(avx2_one_thread, bits):
+    """Each group's sum of its inputs (the zero terms) is formed eight groups side by side, then the groups past the
+    last eight one at a time: 12 groups of 64 (8 + 4), inputs far from zero on average so that a wrong sum shows, the
+    reference's result, and the same bits on subnormal codes as converted."""
+    S, N, K, T = 3, 64, 768, 3
+    w, s = stack(bits, S, N, K, group_size=64)
+    idx = routing(T, 2, S)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(11)) + 3.0
+    got = kernels.moe_gemv(x, idx, w, s, bits, 64)
+    torch.set_flush_denormal(True)
+    converted = kernels.moe_gemv(x, idx, w, s, bits, 64)
+    torch.set_flush_denormal(False)
+    assert torch.equal(got, converted)
+    want = kernels.moe_gemv_reference(x, idx, w, s, bits, 64)
+    top = want.abs().amax()
+    torch.testing.assert_close(got / top, want / top, rtol=1e-5, atol=1e-5)
+
+
 def test_subnormal_codes_are_measured_and_change_only_the_speed(avx2_one_thread):
     """Whether the codes are read as subnormals is measured per process (fused multiply-adds on subnormal operands
     against normal ones) and can be forced either way; both ways give the same bits. A bad value is refused."""
