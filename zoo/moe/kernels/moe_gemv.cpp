@@ -30,7 +30,8 @@
 #endif
 
 // ZOO_KERNELS_STANDALONE: the kernels and moe_gemv_rows without torch, for tests on processors torch is not installed
-// for (tests/kernels_standalone.cpp, run under an emulator, gives at::parallel_for); the torch ops below are left out
+// for (tests/kernels_standalone.cpp, run under an emulator, gives at::parallel_for and at::get_num_threads); the torch
+// ops below are left out
 #ifndef ZOO_KERNELS_STANDALONE
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -1705,7 +1705,24 @@ static void run_item(const Problem& pb, const Item& it) {
 }
 
 static void run_items(const Problem& pb, const std::vector<Item>& items) {
-  at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) run_item(pb, items[i]);
+  // Each thread one contiguous run of items (its experts' rows read in order, as the hardware prefetchers follow),
+  // the runs of about equal work: rows x (pairs + 1), a read of the rows and a dot product per pair. A split by item
+  // count gave an expert that 12 pairs chose as many items as one that 2 did. 304M model, 2 threads, interleaved,
+  // the same greedy tokens: prefill at 16 / 32 / 64 tokens int4 1.04-1.05 / 1.07-1.13 / 1.05-1.10x, int8 1.05 / 1.06 /
+  // 1.08x, bf16 0.98-1.00 / 1.04-1.09 / 0.99-1.01x; decode (one pair an item: the same split) 0.98-1.03x. Items taken
+  // one at a time from a shared counter instead: prefill 0.96-1.07x, decode 0.72x (int4; int8 0.90x).
+  const int64_t n = (int64_t)items.size(), threads = std::min<int64_t>(at::get_num_threads(), n);
+  auto work = [](const Item& it) { return double(it.r1 - it.r0) * (it.np + 1); };
+  double total = 0;
+  for (const Item& it : items) total += work(it);
+  std::vector<int64_t> start(threads + 1, n);  // thread t runs items [start[t], start[t + 1])
+  start[0] = 0;
+  double done = 0;
+  for (int64_t i = 0, t = 1; i < n && t < threads; ++i) {
+    done += work(items[i]);
+    while (t < threads && done >= total * t / threads) start[t++] = i + 1;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = start[t0]; i < start[t1]; ++i) run_item(pb, items[i]);
   });
 }
