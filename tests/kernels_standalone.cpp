@@ -10,10 +10,13 @@
 #define ZOO_KERNELS_STANDALONE 1
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <thread>
 
 namespace at {  // the torch calls the kernels make: the range split between two threads, as torch's would be
 inline int get_num_threads() { return 2; }
+// ZOO_STANDALONE_IN_ORDER set: the two halves one after the other, so the first finds the second's items untaken (the
+// kernels' items then all go through the path a thread takes when it is done with its own run)
 template <class F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (end - begin <= std::max<int64_t>(grain, 1)) {
@@ -21,6 +24,11 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
     return;
   }
   const int64_t middle = begin + (end - begin) / 2;
+  if (std::getenv("ZOO_STANDALONE_IN_ORDER")) {
+    f(begin, middle);
+    f(middle, end);
+    return;
+  }
   std::thread other([&] { f(middle, end); });
   f(begin, middle);
   other.join();

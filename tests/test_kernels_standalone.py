@@ -4,6 +4,7 @@ cross compiler, and an emulator runs it: every stored form, fp32 and bf16 inputs
 a stack holding some experts, against the same reference as the native tests (kernels.moe_gemv_reference); and
 prefill's dequantisers (zoo::dequantize_int4 / dequantize_packed), against the reference dequantisation.
 Skipped where the cross compiler or the emulator is missing (the Makefile's system-deps installs both on Debian)."""
+import os
 import re
 import shutil
 import struct
@@ -40,9 +41,10 @@ def program(tmp_path_factory):
     return out
 
 
-def emulate(program, *parts: bytes) -> torch.Tensor:
+def emulate(program, *parts: bytes, env=None) -> torch.Tensor:
     """The harness's fp32 outputs for one problem (its stdin: the parts)."""
-    run = subprocess.run([EMULATOR, str(program)], input=b"".join(parts), capture_output=True, timeout=120)
+    run = subprocess.run([EMULATOR, str(program)], input=b"".join(parts), capture_output=True, timeout=120,
+                         env=None if env is None else {**os.environ, **env})
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     return torch.frombuffer(bytearray(run.stdout), dtype=torch.float32)
 
@@ -51,14 +53,15 @@ def raw(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def run_arm64(program, x, idx, w, s, bits, group_size, slot_of):
+def run_arm64(program, x, idx, w, s, bits, group_size, slot_of, env=None):
     kind = KIND_CODES[(bits, w.dtype)] if bits == 16 else KIND_CODES[bits]
     T, k = idx.shape
     S, N = w.shape[:2]
     head = [kind, bits, group_size, T, k, x.shape[-1], N, S, int(x.dim() == 3), int(x.dtype == torch.float32),
             int(s is not None and s.dtype == torch.bfloat16), slot_of.numel()]
     scales = raw(s) if s is not None else b""
-    return emulate(program, struct.pack("<13q", 0, *head), raw(x), raw(idx), raw(slot_of), raw(w), scales).view(T, k, N)
+    return emulate(program, struct.pack("<13q", 0, *head), raw(x), raw(idx), raw(slot_of), raw(w), scales,
+                   env=env).view(T, k, N)
 
 
 @pytest.mark.parametrize("bits,dtype", KINDS, ids=[f"{b}bit-{str(d)[6:]}" for b, d in KINDS])
@@ -82,6 +85,20 @@ def test_arm64_build_matches_reference(program, bits, dtype):
     idx = routing(5, k, 5, seed=bits + 7)
     got = run_arm64(program, x, idx, w[:3], None if s is None else s[:3], bits, g, slot_of)
     want = kernels.moe_gemv_reference(x, idx, w[:3], None if s is None else s[:3], bits, g, slot_of).float()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,dtype", [(16, torch.bfloat16), (8, torch.bfloat16), (4, torch.bfloat16)])
+def test_arm64_items_taken_from_the_back_of_another_threads_run(program, bits, dtype):
+    """A thread done with its own run of items takes the others' from their back: with the harness's two threads one
+    after the other (ZOO_STANDALONE_IN_ORDER), the first takes all of the second's items that way, one at a time from
+    the last (experts read with 1 to 4 pairs, so the runs' work differs), and the outputs are the reference's."""
+    S, N, K, k, g = 6, 160, 192, 2, 64
+    w, s = stack(bits, S, N, K, group_size=g, dtype=dtype, seed=bits + 1)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(bits + 1))
+    idx = routing(5, k, S, seed=bits + 1)
+    got = run_arm64(program, x, idx, w, s, bits, g, torch.arange(S), env={"ZOO_STANDALONE_IN_ORDER": "1"})
+    want = kernels.moe_gemv_reference(x, idx, w, s, bits, g).float()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
