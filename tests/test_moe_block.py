@@ -5,6 +5,8 @@ The reference loops over tokens and their k routing slots, computes each expert'
 weights it and sums. Outputs and gradients are compared in fp32 (tight) and bf16 (the reference then
 runs in fp32 on the bf16-cast weights, with a tolerance scaled for bf16).
 """
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -634,3 +636,38 @@ def test_ungated_shared_mlp_is_down_of_act_of_up():
     x = torch.randn(5, H)
     torch.testing.assert_close(shared(x), shared.down_proj(torch.relu(shared.up_proj(x)).square()))
     assert shared.gate_proj is None and shared.options()["glu"] is False
+
+
+@pytest.mark.parametrize("size", [(1, 2), (16, 2), (512, 2), (513, 2), (2048, 8)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_chosen_pairs_counted_on_the_host_and_in_torch_alike(size):
+    """``chosen_pairs`` (the pairs that chose a real expert, and how many experts they chose), counted on the host
+    up to 1024 indices and by ``bincount`` past that, against a mask and ``unique``; empty slots (>= the number of
+    experts) are not counted, all-empty routings count zero."""
+    from zoo.moe.experts import chosen_pairs
+
+    g = torch.Generator().manual_seed(size[0])
+    for num_experts in (4, 64):
+        indices = torch.randint(0, num_experts + 3, size, generator=g)
+        for case in (indices, torch.full(size, num_experts), indices.clamp(max=0)):
+            real = case[case < num_experts]
+            assert chosen_pairs(case, num_experts) == (real.numel(), len(real.unique()))
+
+
+def test_eager_inference_loads_the_kernel_and_training_does_not(tmp_path):
+    """Dense experts' first eager call without gradients loads the zoo's kernel (so a few tokens read the selected
+    experts in place, as the quantized kinds' calls do), in a fresh process; a call with gradients loads nothing."""
+    import subprocess
+    import sys
+
+    from zoo.moe import kernels
+
+    if not kernels.load():
+        pytest.skip(f"the zoo's kernel is not available here ({kernels.unavailable_reason()})")
+    code = ("import torch, zoo\nfrom zoo.moe import kernels\nfrom tests.tiny import tiny_native\n"
+            "m = zoo.convert(tiny_native('mixtral')).eval()\nids = torch.tensor([[5, 17, 33]])\n"
+            "m(input_ids=ids)\nprint(kernels._state['tried'])\n"
+            "with torch.no_grad():\n    m(input_ids=ids)\nprint(kernels.ready())\n")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["False", "True"]

@@ -49,6 +49,48 @@ def test_same_logits_and_tokens_as_in_memory(saved, kind, reader):
     assert (stats["reads_into_evicted"] > 0) == (reader == "pread")  # the evicted experts' memory read into again
 
 
+@pytest.fixture(scope="module")
+def saved_int4_int8(tmp_path_factory):
+    """A packed checkpoint whose widths all read on the kernel (4 and 8 bits)."""
+    packed = zoo.convert(tiny_native("mixtral", seed=2)).eval()
+    for layer in packed.model.layers:
+        layer.mlp.experts = QuantizedExperts.from_dense(layer.mlp.experts, [4, 8, 8, 4], group_size=32)
+    sync_layout(packed)
+    out = tmp_path_factory.mktemp("packed48")
+    packed.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dense", "packed"])
+@torch.no_grad()
+def test_cached_experts_run_on_the_kernel_as_the_experts_in_memory_do(saved, saved_int4_int8, monkeypatch, kind):
+    """With the zoo's kernel loaded, inference reads each cached expert in place on it (its one-expert module's
+    forward, one slot of weight 1 per token), the path the in-memory experts' eager calls take: the same logits and
+    greedy tokens as the model in memory, bit for bit, and no expert computed by its per-expert formula. Without
+    the kernel, and with gradients on, the per-expert formula serves (the previous test's reference)."""
+    if not kernels.load():
+        pytest.skip(f"the zoo's kernel is not available here ({kernels.unavailable_reason()})")
+    folder = saved["dense"] if kind == "dense" else saved_int4_int8
+    ref = zoo.load(folder).eval()
+    off = zoo.offload(folder, cache_experts=3)
+    formula = []
+    kinds = {type(off.model.layers[0].mlp.experts.fetch(e)) for e in range(4)}
+    for cls in kinds:
+        real = cls.expert
+        monkeypatch.setattr(cls, "expert", lambda self, e, x, real=real: formula.append(e) or real(self, e, x))
+    ids, mask = padded_batch()
+    assert torch.equal(off(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits)
+    assert torch.equal(greedy(off, ids[:1], 6, compile=False), greedy(ref, ids[:1], 6, compile=False))
+    assert formula == []
+    with torch.enable_grad():
+        off(input_ids=ids[:1, :3])
+    assert formula  # training: the per-expert formula (the kernel has no gradients)
+    formula.clear()
+    with kernels.turned_off():
+        off(input_ids=ids[:1, :3])
+    assert formula
+
+
 @torch.no_grad()
 def test_evicted_memory_is_reused_only_when_nothing_holds_it(saved):
     ref = zoo.load(saved["dense"]).eval().model.layers[0].mlp.experts

@@ -153,12 +153,24 @@ def use_kernel(hidden: torch.Tensor, routing, num_experts: int, *stored: torch.T
     elif torch.compiler.is_compiling():
         few = routing.indices.shape[0] <= kernels.MAX_TOKENS
     else:
-        chosen = routing.indices[routing.indices < num_experts]
         limit = pairs if pairs is not None else kernels.PAIRS_PER_EXPERT[kernels.eager_pairs_key(hidden, *stored,
                                                                                                   packed=packed)]
-        few = chosen.numel() <= limit * max(1, len(chosen.unique()))
+        chosen, selected = chosen_pairs(routing.indices, num_experts)
+        few = chosen <= limit * max(1, selected)
     return few and hidden.dtype in (torch.float32, torch.bfloat16) and all(
         t.device.type == "cpu" and t.is_contiguous() for t in stored)
+
+
+def chosen_pairs(indices: torch.Tensor, num_experts: int) -> tuple[int, int]:
+    """How many (token, slot) pairs chose a real expert (empty slots: ``num_experts`` and up), and how many experts
+    they chose. A decode step's or a short prompt's few indices are counted on the host (one small copy), where a
+    mask, an index and ``unique`` took ~0.1 ms a call in a profile of the 304M model's 16-token prompt."""
+    flat = indices.reshape(-1)
+    if flat.numel() <= 1024:
+        chosen = [e for e in flat.tolist() if 0 <= e < num_experts]
+        return len(chosen), len(set(chosen))
+    counts = torch.bincount(flat.clamp(0, num_experts), minlength=num_experts + 1)[:num_experts]
+    return int(counts.sum()), int(counts.count_nonzero())
 
 
 def naive_experts(module, hidden: torch.Tensor, routing) -> torch.Tensor:
@@ -250,6 +262,10 @@ class SwiGLUExperts(Experts):
         # the selected experts in place, where it is loaded. Otherwise compiled code gathers the selected experts'
         # weights (static shapes, no host sync) and eager code sorts the pairs by expert: slicing experts by Python
         # index reads weights in place, where the gather would copy whole expert matrices.
+        if not torch.compiler.is_compiling() and not torch.is_grad_enabled() and hidden.device.type == "cpu":
+            # eager inference too: without the kernel a CPU without native bf16 products widened each selected
+            # expert to fp32 per call (304M model, bf16, eager decode 24 tok/s against transformers' eager 44)
+            kernels.load()
         if use_kernel(hidden, routing, self.num_experts, self.gate_up_proj, self.down_proj):
             return self._forward_kernel(hidden, routing)
         if torch.compiler.is_compiling() and tokens * k <= self.num_experts:

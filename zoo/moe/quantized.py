@@ -22,7 +22,7 @@ from transformers.activations import ACT2FN
 
 from zoo.moe import kernels
 from zoo.moe.dispatch import gather_rows, run_sorted
-from zoo.moe.experts import MLPExperts, SwiGLUExperts, use_kernel
+from zoo.moe.experts import MLPExperts, SwiGLUExperts, chosen_pairs, use_kernel
 from zoo.moe.init import refuse_missing
 from zoo.moe.in_place import PREFILL_ROWS, TILE_ROWS, kernel_linear, lowbit_experts
 from zoo.moe.packing import dequantize, int4pack, pack, unpack  # dequantize: the reference, named here too
@@ -385,8 +385,8 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
                 and hidden.dtype in (torch.float32, torch.bfloat16)
                 and all(t.is_contiguous() for st in stacks for t in st[:4])):
             return False
-        chosen = routing.indices[routing.indices < self.num_experts]
-        return chosen.numel() <= limit * max(1, len(chosen.unique()))
+        chosen, selected = chosen_pairs(routing.indices, self.num_experts)
+        return chosen <= limit * max(1, selected)
 
     def _forward_in_place(self, hidden, routing):
         """The routed tokens through the zoo's kernel (``zoo::moe_gemv``, every width read in its stored form)

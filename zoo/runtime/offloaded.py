@@ -5,13 +5,13 @@ picks it, and a small cache shared by all layers keeps the recently used ones (e
 A zoo checkpoint stores a layer's experts fused along a first, expert dimension (``gate_up_proj [E, 2I, H]``; the
 quantized kind one stack per bit width, ``gate_up_int4 [n4, 2I, H/2]``), so one expert is one contiguous row of
 each tensor: it is read by its byte range alone, into a one-expert module of the stored kind, whose own
-``expert(0, x)`` then computes exactly what the in-memory module's ``expert(e, x)`` computes. The host decides
+``expert(0, x)`` then computes exactly what the in-memory module's ``expert(e, x)`` computes (and inference reads
+it on the zoo's kernel where the in-memory experts' call would: ``OffloadedExperts.on_kernel``). The host decides
 what to read from the router's indices, so these experts run eagerly (``torch.compiler.disable``): a compiled
 step cannot hold a cache on the host.
 """
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import threading
@@ -23,8 +23,9 @@ from zoo.moe import kernels
 from zoo.io import finite
 from zoo.io.checkpoint import DTYPES, CheckpointError, file_key, shard_header
 from zoo.moe.dispatch import run_sorted
-from zoo.moe.experts import Experts
+from zoo.moe.experts import Experts, SwiGLUExperts, use_kernel
 from zoo.moe.quantized import QuantizedExperts
+from zoo.moe.routing import Routing
 
 READERS = ("pread", "mmap", "in-place")  # in-place: no reads at all; the experts are the memory-mapped file
 
@@ -402,6 +403,28 @@ def check_offloadable(stored: Experts) -> None:
                              f"expert ({', '.join(odd + extra)}): it cannot be read one expert at a time")
 
 
+def blank_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of an empty (meta) module for a load to fill: every container attribute its own, one level down
+    (parameters, buffers, hooks, option lists), submodules copied alike; values inside them (the meta tensors a load
+    replaces, options) shared. ``copy.deepcopy`` walked every object of the module: ~0.6 ms a miss on the 304M
+    model's int4 experts, about as long as reading one of them."""
+    new = object.__new__(type(module))
+    new.__dict__ = {k: v.copy() if isinstance(v, (dict, list, set)) else v for k, v in module.__dict__.items()}
+    new._modules = {name: None if m is None else blank_copy(m) for name, m in module._modules.items()}
+    return new
+
+
+def run_on_kernel(module: Experts, x: torch.Tensor) -> torch.Tensor:
+    """A cached one-expert module on its tokens ``x`` read in place on ``zoo::moe_gemv`` (one slot of weight 1 a
+    token): the kernel branch of its kind's forward, without that forward's own choice of path (the layer's call makes
+    it, as the in-memory experts' does: ``OffloadedExperts.on_kernel``)."""
+    one = Routing(x.new_ones(len(x), 1), x.new_zeros(len(x), 1, dtype=torch.long))
+    if isinstance(module, QuantizedExperts):
+        return kernels.expert_block(x, one.indices, one.weights, module._kernel_stacks(), 1, module.glu,
+                                    module.gate_up_proj_bias, module.down_proj_bias)
+    return module._forward_kernel(x, one)
+
+
 class OffloadedExperts(Experts):
     """The experts of one layer, read from the checkpoint when routed (see the module docstring). ``stored``: the
     layer's experts module on the meta device (its kind, options and tensor names); ``keys``: each of its tensors'
@@ -425,6 +448,11 @@ class OffloadedExperts(Experts):
         self._empty: dict[str, Experts] = {}  # one-expert modules on meta, by options: copied, not rebuilt, per miss
         self._checked: set[int] = set()  # experts whose bytes were found finite
         self._bytes: dict[int, int] = {}  # expert -> bytes a read of it takes
+        kind = type(stored).forward
+        on_kernel = kind is SwiGLUExperts.forward or (kind is QuantizedExperts.forward and set(stored.widths) <= {4, 8})
+        # the stored stacks' dtypes (empty tensors), which the in-memory kind's choice of path reads (on_kernel)
+        self._stacks_like = [torch.empty(0, dtype=t.dtype) for t in stored.state_dict().values() if t.dim() >= 3] \
+            if on_kernel else None
 
     def options(self) -> dict:
         raise NotOffloadable("an offloaded model cannot be saved or re-laid out: its experts live in the checkpoint "
@@ -453,7 +481,7 @@ class OffloadedExperts(Experts):
         """Expert e as a one-expert module of the stored kind, and the bytes read (``cache.get``'s loader)."""
         _, rows = one_expert_plan(self.stored, e)
         # a copy of the empty module: building one checks its options (~1 ms, most of a small expert's miss)
-        module = copy.deepcopy(self.empty(e))
+        module = blank_copy(self.empty(e))
         tensors = {name: self.reader.row(self.keys[name], row, self.cache.take) if isinstance(self.keys[name], str)
                    else torch.cat([self.reader.whole(k.format(e=row)) for k in self.keys[name]])[None]
                    for name, row in rows.items()}
@@ -490,12 +518,26 @@ class OffloadedExperts(Experts):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self.fetch(e).expert(0, x)
 
+    def on_kernel(self, hidden: torch.Tensor, routing) -> bool:
+        """Whether this call's routed experts are read in place on the zoo's kernel: the choice the in-memory kind
+        makes for the same call (``use_kernel``: inference, the kernel loaded, few pairs per selected expert, from its
+        stacks' dtypes), for dense gated experts and int8 / int4 ones (2/3-bit ones would build an int4 working copy
+        beside each cached expert, memory the cache does not count). Per expert, ``expert(0, x)`` widened a bf16 expert
+        to fp32 or dequantised an int4 one on every call: the 304M model decoded ~5 tokens a second offloaded on an
+        AVX2 processor, 0.03-0.07x of the same experts in memory."""
+        return self._stacks_like is not None and use_kernel(hidden, routing, self.num_experts, *self._stacks_like,
+                                                            packed=self._quantized)
+
     @torch.compiler.disable
     def forward(self, hidden: torch.Tensor, routing) -> torch.Tensor:
         # the in-memory kinds' eager path (the sorted dispatch), each routed expert fetched once per call
-        if self._quantized:
-            kernels.load()  # as QuantizedExperts.forward: prefill dequantises int4 with the zoo's kernel
+        if self._quantized or not torch.is_grad_enabled():
+            kernels.load()  # as the in-memory kinds' forwards: inference on the kernel (on_kernel), int4 prefill
+        expert = self.expert_on_kernel if self.on_kernel(hidden, routing) else self.expert
         prefetcher = self.cache.prefetcher
         if prefetcher is not None:  # the same dispatch, with reads ahead on the reader thread
-            return prefetcher.run(self, hidden, routing)
-        return run_sorted(hidden, routing.indices, routing.weights, self.num_experts, self.expert)
+            return prefetcher.run(self, hidden, routing, expert)
+        return run_sorted(hidden, routing.indices, routing.weights, self.num_experts, expert)
+
+    def expert_on_kernel(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return run_on_kernel(self.fetch(e), x)

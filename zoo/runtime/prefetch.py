@@ -70,9 +70,9 @@ class Prefetcher:
         with self._wake:
             self._wake.wait_for(lambda: self._state.stop or not (self._jobs or self._state.busy))
 
-    def run(self, experts, hidden: torch.Tensor, routing) -> torch.Tensor:
-        """``run_sorted`` over ``experts`` (an ``OffloadedExperts``), with the reads described in the module
-        docstring queued first."""
+    def run(self, experts, hidden: torch.Tensor, routing, expert=None) -> torch.Tensor:
+        """``run_sorted`` over ``experts`` (an ``OffloadedExperts``) with ``expert(e, x)`` (``experts.expert`` if
+        None), with the reads described in the module docstring queued first."""
         layer, count, cache = experts.layer, experts.num_experts, self.cache
         chosen = sorted({e for e in routing.indices.reshape(-1).tolist() if 0 <= e < count})
         self._score(layer, chosen)
@@ -99,7 +99,7 @@ class Prefetcher:
             self._jobs.extend(jobs)
             self._wake.notify_all()
         try:
-            return run_sorted(hidden, routing.indices, routing.weights, count, experts.expert)
+            return run_sorted(hidden, routing.indices, routing.weights, count, expert or experts.expert)
         finally:
             with cache.lock:
                 cache.pinned = set()
