@@ -653,7 +653,7 @@ def test_chosen_pairs_counted_on_the_host_and_in_torch_alike(size):
             assert chosen_pairs(case, num_experts) == (real.numel(), len(real.unique()))
 
 
-def test_eager_inference_loads_the_kernel_and_training_does_not(tmp_path):
+def test_eager_inference_loads_the_kernel_and_training_does_not():
     """Dense experts' first eager call without gradients loads the zoo's kernel (so a few tokens read the selected
     experts in place, as the quantized kinds' calls do), in a fresh process; a call with gradients loads nothing."""
     import subprocess

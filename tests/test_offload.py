@@ -64,10 +64,11 @@ def saved_int4_int8(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["dense", "packed"])
 @torch.no_grad()
 def test_cached_experts_run_on_the_kernel_as_the_experts_in_memory_do(saved, saved_int4_int8, monkeypatch, kind):
-    """With the zoo's kernel loaded, inference reads each cached expert in place on it (its one-expert module's
-    forward, one slot of weight 1 per token), the path the in-memory experts' eager calls take: the same logits and
-    greedy tokens as the model in memory, bit for bit, and no expert computed by its per-expert formula. Without
-    the kernel, and with gradients on, the per-expert formula serves (the previous test's reference)."""
+    """With the zoo's kernel loaded, inference reads each cached expert in place on it (its kind's kernel branch, one
+    slot of weight 1 per token), chosen for the layer's call as the in-memory experts' eager call chooses: the same
+    logits and greedy tokens as the model in memory, bit for bit, and no expert computed by its per-expert formula
+    (in either model). With gradients on, and with the kernel turned off, the per-expert formula serves (the previous
+    test's reference)."""
     if not kernels.load():
         pytest.skip(f"the zoo's kernel is not available here ({kernels.unavailable_reason()})")
     folder = saved["dense"] if kind == "dense" else saved_int4_int8
