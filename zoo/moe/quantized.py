@@ -369,9 +369,14 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
         if (use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True,
                        pairs=self._eager_pairs(hidden, stacks))
                 or self._prefill_on_int8_dots(hidden, routing, stacks)):
-            return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self.glu,
-                                        self.gate_up_proj_bias, self.down_proj_bias)
+            return self._forward_kernel(hidden, routing, stacks)
         return self._forward_sorted(hidden, routing)
+
+    def _forward_kernel(self, hidden, routing, stacks=None):
+        """The routed tokens on ``zoo::moe_gemv``, every width read from its kernel stack (``_kernel_stacks``)."""
+        stacks = self._kernel_stacks() if stacks is None else stacks
+        return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self.glu,
+                                    self.gate_up_proj_bias, self.down_proj_bias)
 
     def _prefill_on_int8_dots(self, hidden, routing, stacks) -> bool:
         """Whether int4 or int8 experts' prefill runs on the kernel with 8-bit inputs (``kernels.int8_inputs(True)``,
@@ -395,8 +400,7 @@ class QuantizedExperts(PackedStacks, SwiGLUExperts):
         stacks = self._kernel_stacks()
         if use_kernel(hidden, routing, self.num_experts, *(t for st in stacks for t in st[:4]), packed=True,
                       any_count=self._reads_stored_codes()):
-            return kernels.expert_block(hidden, routing.indices, routing.weights, stacks, self.num_experts, self.glu,
-                                        self.gate_up_proj_bias, self.down_proj_bias)
+            return self._forward_kernel(hidden, routing, stacks)
         return lowbit_experts(*self.in_place_args(hidden, routing))
 
     def in_place_args(self, hidden, routing) -> tuple:

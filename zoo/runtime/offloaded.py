@@ -418,11 +418,7 @@ def run_on_kernel(module: Experts, x: torch.Tensor) -> torch.Tensor:
     """A cached one-expert module on its tokens ``x`` read in place on ``zoo::moe_gemv`` (one slot of weight 1 a
     token): the kernel branch of its kind's forward, without that forward's own choice of path (the layer's call makes
     it, as the in-memory experts' does: ``OffloadedExperts.on_kernel``)."""
-    one = Routing(x.new_ones(len(x), 1), x.new_zeros(len(x), 1, dtype=torch.long))
-    if isinstance(module, QuantizedExperts):
-        return kernels.expert_block(x, one.indices, one.weights, module._kernel_stacks(), 1, module.glu,
-                                    module.gate_up_proj_bias, module.down_proj_bias)
-    return module._forward_kernel(x, one)
+    return module._forward_kernel(x, Routing(x.new_ones(len(x), 1), x.new_zeros(len(x), 1, dtype=torch.long)))
 
 
 class OffloadedExperts(Experts):
