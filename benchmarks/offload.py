@@ -6,7 +6,7 @@ weights. One table, one run.
     python benchmarks/offload.py --smoke          # tiny shapes, seconds
     python benchmarks/offload.py --llama-cpp-path /tmp/llamacpp4   # where llama_cpp is importable from
     python benchmarks/offload.py --repeats 3      # each zoo row in 3 fresh processes (the noise the verdict uses)
-    python benchmarks/offload.py --eager-only --storage bf16   # the eager rows only (prefetch on/off), a few minutes
+    python benchmarks/offload.py --eager-only --storage bf16   # the eager rows only (no compiled step, no llama.cpp), minutes
 
 The run records its verdict in docs/claims/offload.json (``--no-record``: print only; a ``--smoke`` run never
 records) under the claims' one rule (``zoo.evaluation.claims.judge``): the memory part compares the offloaded model with a 25%
@@ -20,7 +20,9 @@ premise, experts stored compressed so that a miss reads fewer bytes). Every row 
 its peak RSS (VmHWM) is its own; "start" is the child's RSS after its imports, before the model. Rows:
 the checkpoint in memory (``zoo.load``), offloaded with a cache of 50% and 25% of the experts (all layers
 together), each also with the reader thread on (``prefetch=True``: it reads the routed experts the cache lacks and
-those the next layer's router picks for this layer's input while the layer computes), and llama.cpp with mmap (its
+those the next layer's router picks for this layer's input while the layer computes) and in place within the same
+budget (``reader="in-place", cache_experts=...``: the experts computed where they lie in the mapped file, the least
+recently used beyond the budget given back to the system, no copies), and llama.cpp with mmap (its
 default) on the GGUF of the same weights (bf16; the zoo's int4 codes as Q4_1). The zoo rows decode eagerly (``zoo.runtime.decode.greedy(..., compile=False)``: the offloaded experts cannot run
 inside a compiled step); llama.cpp runs its own C++ loop.
 
@@ -73,13 +75,13 @@ def worker(spec: dict) -> dict:
     if spec["engine"] == "memory":
         model = zoo.load(spec["folder"]).eval()
     elif spec["engine"] == "in-place":
-        model = zoo.offload(spec["folder"], reader="in-place")
+        model = zoo.offload(spec["folder"], reader="in-place", cache_experts=spec.get("cache_experts"))
     else:
         model = zoo.offload(spec["folder"], cache_experts=spec["cache_experts"], prefetch=spec.get("prefetch", False))
     load_s = time.perf_counter() - t
     ids = torch.tensor([spec["prompt"]])
     n, compiled = spec["new_tokens"], spec.get("compiled", False)
-    cache = cache_of(model) if spec["engine"] == "offload" else None
+    cache = cache_of(model) if spec["engine"] == "offload" or spec.get("cache_experts") is not None else None
     with torch.no_grad():
         greedy(model, ids, 1, compile=compiled)  # warm-up: fills the cache, compiles both lengths' steps
         out = greedy(model, ids, n, compile=compiled)
@@ -192,7 +194,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2, help="fresh processes per zoo row (at least 2: the noise)")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--eager-only", action="store_true", help="only the eager rows (in memory, offloaded with and "
-                    "without prefetch); never records")
+                    "without prefetch, in place within a budget); never records")
     ap.add_argument("--storage", choices=("bf16", "int4", "both"), default="both", help="which experts' rows to run")
     args = ap.parse_args(argv)
     if args.repeats < 2:
@@ -225,6 +227,8 @@ def main(argv=None):
                     specs.append({"label": f"offload{'+prefetch' if prefetch else ''}, cache {share:.0%} "
                                            f"({round(total * share)}/{total})", "engine": "offload",
                                   "cache_experts": round(total * share), "prefetch": prefetch, **common})
+                specs.append({"label": f"in place, budget {share:.0%} ({round(total * share)}/{total})",
+                              "engine": "in-place", "cache_experts": round(total * share), **common})
             if not args.eager_only:
                 specs += [{"label": "in memory, compiled", "engine": "memory", "compiled": True, **common},
                           {"label": "in place (mapped), compiled", "engine": "in-place", "compiled": True, **common}]
@@ -265,7 +269,8 @@ def main(argv=None):
               f"{held:>8} {r['load_s']:6.1f} {hit:>8} {miss:>10} {read:>11} {rate:>8} {guess:>9} {same:>11}")
     print("(start: the process's RSS after its imports; anon MB: its anonymous memory at the end (RSS less the pages\n"
           " of memory-mapped files, which the kernel can drop and read again); cache MB: the most the expert cache held; hits, misses and MB\n"
-          " read per decode token: a full run's counts minus its 1-token run's (the prefill), over the new tokens;\n"
+          " read per decode token: a full run's counts minus its 1-token run's (the prefill), over the new tokens (in\n"
+          " place: the bytes of the experts faulted in again);\n"
           " vs mem: decode tok/s over the median of the in-memory eager rows of the same storage; hit rate: the\n"
           " cache's hits over lookups in decode (a read ahead the decode later asks for is a hit); predictor: of the\n"
           " experts each layer's router chose in decode, the share the previous layer's prediction named (prefetch);\n"

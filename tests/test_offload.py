@@ -308,9 +308,79 @@ def test_in_place_experts_are_the_mapped_file(saved, kind):
     assert shard.read_bytes() == before
 
 
-def test_in_place_refuses_what_it_cannot_map(saved, tmp_path):
-    with pytest.raises(ValueError, match="keeps no cache of its own"):
+def _present(t: torch.Tensor, row: int) -> list[bool]:
+    """Whether each whole page inside row ``row`` of ``t`` is mapped in this process (/proc/self/pagemap, bit 63)."""
+    size, page = t.nbytes // t.shape[0], 4096
+    begin = -(-(t.data_ptr() + row * size) // page)
+    end = (t.data_ptr() + (row + 1) * size) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(begin * 8)
+        words = f.read((end - begin) * 8)
+    return [bool(int.from_bytes(words[i:i + 8], "little") >> 63) for i in range(0, len(words), 8)]
+
+
+@pytest.fixture(scope="module")
+def saved_wide(tmp_path_factory):
+    """A tiny fp32 Mixtral checkpoint whose experts' rows span hundreds of pages (intermediate size 2048): wide
+    enough that the pages the system maps around a fault (up to 15 beside it) cannot fill a row."""
+    from transformers import MixtralForCausalLM
+
+    from tests.tiny import tiny_config
+
+    torch.manual_seed(3)
+    config = tiny_config("mixtral")
+    config.intermediate_size = 2048
+    model = MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    out = tmp_path_factory.mktemp("wide")
+    zoo.convert(model).save_pretrained(out)
+    return out
+
+
+@pytest.mark.skipif(not __import__("os").access("/proc/self/pagemap", __import__("os").R_OK),
+                    reason="reads /proc/self/pagemap")
+@pytest.mark.parametrize("kind,budget", [("wide", {"cache_experts": 3}), ("wide", {"cache_experts": 0}),
+                                         ("packed", {"cache_bytes": 20_000})])
+@torch.no_grad()
+def test_in_place_within_a_budget_keeps_the_pages_of_the_cached_experts_alone(saved, saved_wide, kind, budget):
+    """reader='in-place' with a budget: the in-memory model's logits and greedy tokens, the routed experts looked up
+    in the cache, and after a call the cached experts' pages mapped in this process and every other expert's given
+    back (to be faulted in again when routed: at most the 15 pages a fault maps beside it stay at each end of a
+    row); the compiled step refused in one line."""
+    path = saved_wide if kind == "wide" else saved[kind]
+    ref = zoo.load(path).eval()
+    model = zoo.offload(path, reader="in-place", **budget)
+    ids, mask = padded_batch()
+    for _ in range(2):  # the second call faults in again what the first gave back
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits,
+                           ref(input_ids=ids, attention_mask=mask).logits)
+    cache = cache_of(model)
+    stats = cache.stats()
+    assert stats["misses"] > 0 and stats["hits"] + stats["misses"] > 8
+    assert stats["resident_bytes"] <= (budget.get("cache_bytes") or float("inf"))
+    assert stats["cached_experts"] <= (budget.get("cache_experts", 8)) and stats["evictions"] > 0 or not stats["hits"]
+    if kind == "wide":
+        for i, layer in enumerate(model.model.layers):
+            for e in range(4):
+                for t in layer.mlp.experts.state_dict().values():
+                    pages = _present(t, e)
+                    assert len(pages) >= 127, len(pages)
+                    if (i, e) in cache.entries:
+                        assert all(pages), (i, e)
+                    else:
+                        assert sum(pages) <= 30, (i, e, sum(pages))
+    assert torch.equal(greedy(model, ids[:1], 5, compile=False), greedy(ref, ids[:1], 5, compile=False))
+    with pytest.raises(ValueError, match="held to a budget are looked up on the host"):
+        greedy(model, ids[:1], 2)
+
+
+def test_in_place_refuses_what_it_cannot_map(saved, tmp_path, monkeypatch):
+    monkeypatch.setattr("zoo.runtime.offloading.can_release", lambda: False)
+    with pytest.raises(ValueError, match="madvise"):
         zoo.offload(saved["dense"], reader="in-place", cache_experts=2)
+    monkeypatch.undo()
     apart = tmp_path / "apart"
     tiny_native("mixtral", seed=2).save_pretrained(apart)
     with pytest.raises(NotOffloadable, match="stores each expert's matrices apart"):

@@ -146,7 +146,8 @@ def test_a_folder_rewritten_in_this_process_is_read_anew(tmp_path):
     assert zoo.load(tmp_path / "b").model.embed_tokens.weight.shape[0] == 256
 
 
-def test_offload_refuses_nan_experts_like_load(clean, tmp_path):
+@pytest.mark.parametrize("options", [{}, {"reader": "in-place", "cache_experts": 2}])
+def test_offload_refuses_nan_experts_like_load(clean, tmp_path, options):
     folder = copy(clean[0], tmp_path / "m")
     state = load_file(folder / "model.safetensors")
     key = next(k for k in state if k.endswith("experts.gate_up_proj"))
@@ -154,17 +155,20 @@ def test_offload_refuses_nan_experts_like_load(clean, tmp_path):
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="NaN"):
         zoo.load(folder)
-    off = zoo.offload(folder)  # (opening reads no expert)
+    with pytest.raises(NotOffloadable, match="NaN or inf in the experts of layer 0"):
+        zoo.offload(folder, reader="in-place")  # (in place without a budget: every expert checked as it opens)
+    off = zoo.offload(folder, **options)  # (opening reads no expert)
     with pytest.raises(NotOffloadable, match="NaN or inf in expert 1 of layer 0"):
         with torch.no_grad():
             for _ in range(8):  # until the router picks expert 1 of layer 0
                 off(input_ids=torch.randint(3, 128, (4, 16)))
 
 
+@pytest.mark.parametrize("reader", ["pread", "in-place"])
 @pytest.mark.parametrize("change", ["truncate", "rewrite"])
-def test_offload_refuses_a_shard_changed_after_opening(clean, tmp_path, change):
+def test_offload_refuses_a_shard_changed_after_opening(clean, tmp_path, change, reader):
     folder = copy(clean[0], tmp_path / "m")
-    off = zoo.offload(folder, cache_experts=0)
+    off = zoo.offload(folder, cache_experts=0, reader=reader)  # (in place: every expert's pages given back)
     shard = folder / "model.safetensors"
     data = shard.read_bytes()
     if change == "truncate":

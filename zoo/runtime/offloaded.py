@@ -12,6 +12,7 @@ step cannot hold a cache on the host.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import threading
@@ -189,6 +190,8 @@ class ExpertCache:
         if key in self._unused:
             self._unused.discard(key)
             self.prefetch_wasted += 1
+        if hasattr(module, "release"):  # an expert used where it lies in the mapped file: its pages given back
+            module.release()
         held = module.state_dict().values() if isinstance(module, torch.nn.Module) else []
         storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in held}.values())
         del held
@@ -271,6 +274,7 @@ class ShardReader:
         self.files, self.reader = files, reader  # tensor name -> shard file
         self._fds: dict[str, int] = {}
         self._handles: dict = {}
+        self._maps: dict[str, mmap.mmap] = {}  # shard file -> its copy-on-write map (``mapped``)
         self._info: dict[str, tuple] = {}
         self._opened: dict[str, tuple] = {}  # shard file -> its file_key when first read
 
@@ -292,6 +296,10 @@ class ShardReader:
         if self._opened.setdefault(file, now) != now:
             raise NotOffloadable(f"{file} has changed since the model was opened (rewritten or replaced): its experts "
                                  "cannot be read; reopen it with zoo.offload")
+
+    def check(self, key: str) -> None:
+        """NotOffloadable unless the shard holding ``key`` is still the file it was when first read."""
+        self._unchanged(self.files[key])
 
     def info(self, key: str) -> tuple[torch.dtype, tuple, int, int]:
         """(dtype, shape, data offset, bytes) of a stored tensor (its shard's header parsed once)."""
@@ -331,17 +339,32 @@ class ShardReader:
         return self._pread(key, offset, nbytes).view(dtype).view(shape)
 
     def mapped(self, key: str) -> torch.Tensor:
-        """The whole stored tensor as a view of the file's memory map: nothing is read until used, and the
-        operating system's page cache keeps (and drops) its pages. Copy-on-write: a write to it changes this
+        """The whole stored tensor as a view of the file's memory map (one map a shard): nothing is read until used,
+        and the operating system's page cache keeps (and drops) its pages. Copy-on-write: a write to it changes this
         process's copy of that page, never the file."""
-        import numpy as np
-
         self._unchanged(self.files[key])
         dtype, shape, offset, nbytes = self.info(key)
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        pages = np.memmap(self.files[key], dtype=np.uint8, mode="c", offset=offset, shape=(nbytes,))
-        return torch.from_numpy(pages).view(dtype).view(shape)
+        file = self.files[key]
+        if file not in self._maps:
+            with open(file, "rb") as f:
+                self._maps.setdefault(file, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+        return torch.frombuffer(self._maps[file], dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
+
+    def release_row(self, key: str, index: int) -> int:
+        """Gives back this process's pages of row ``index`` of a ``mapped`` tensor (the whole pages inside its bytes:
+        a page it shares with a neighbouring row stays): ``MADV_DONTNEED``, after which a read of them faults them in
+        again from the file (from the page cache, or the disk once the system has dropped them). A write made to
+        them is lost. Returns the bytes given back."""
+        dtype, shape, offset, nbytes = self.info(key)
+        size = self.row_bytes(key)
+        begin = -(-(offset + index * size) // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (offset + (index + 1) * size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end <= begin:
+            return 0
+        self._maps[self.files[key]].madvise(mmap.MADV_DONTNEED, begin, end - begin)
+        return end - begin
 
     def _handle(self, file: str):
         from safetensors import safe_open

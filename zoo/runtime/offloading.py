@@ -22,6 +22,7 @@ from zoo.io.checkpoint import Checkpoint, CheckpointError
 from zoo.moe.quantized import QuantizedExperts
 from zoo.runtime.offloaded import (READERS, ExpertCache, NotOffloadable, OffloadedExperts, ShardReader, check_offloadable,
                                one_expert_plan)
+from zoo.runtime.mapped import can_release, keep_within
 from zoo.components.options import suggest
 from zoo.moe.layout import layer_prefix
 
@@ -42,10 +43,9 @@ def _check_options(cache_experts, cache_bytes, reader, prefetch=False):
         raise ValueError(f"cache_experts must be a whole number >= 0 or None, got {cache_experts!r}")
     if reader not in READERS:
         raise ValueError(f"unknown reader {reader!r}{suggest(str(reader), READERS)} (choose from {', '.join(READERS)})")
-    if reader == "in-place" and (cache_experts is not None or cache_bytes is not None):
-        raise ValueError("reader='in-place' keeps no cache of its own (the experts are the memory-mapped checkpoint; "
-                         "the operating system's page cache holds what was read): leave out cache_experts and "
-                         "cache_bytes")
+    if reader == "in-place" and (cache_experts is not None or cache_bytes is not None) and not can_release():
+        raise ValueError("reader='in-place' with cache_experts or cache_bytes gives back evicted experts' pages with "
+                         "madvise(MADV_DONTNEED), which this system lacks: leave out the budget, or use reader='pread'")
     if cache_bytes is None:
         return cache_experts, None
     size = parse_bytes(cache_bytes)
@@ -61,11 +61,13 @@ def offload(path, cache_experts: int | None = None, cache_bytes=None, reader: st
     ``cache_experts``: how many experts (over all layers) the cache keeps; ``cache_bytes`` (``"512MB"`` or a number):
     how many bytes they may take. Either, both, or neither (no limit: every expert is read once, on first use).
     ``reader``: ``"pread"`` (plain reads, the default) or ``"mmap"`` (safetensors' memory map), both into the cache;
-    or ``"in-place"``: no cache and no reads of the zoo's own, each layer's expert tensors are views of the
-    memory-mapped checkpoint (as llama.cpp maps a GGUF file), computed where they lie, by the experts' own module
-    (so the compiled decode step and the zoo's kernel run on them); the page cache holds what was touched and the
-    operating system drops it under memory pressure. It needs each layer's experts stored as fused tensors in the
-    model's dtype (a zoo checkpoint). The cache is
+    or ``"in-place"``: no reads of the zoo's own, each layer's expert tensors are views of the memory-mapped
+    checkpoint (as llama.cpp maps a GGUF file), computed where they lie, by the experts' own module (so the zoo's
+    kernel runs on them); the page cache holds what was touched and the operating system drops it under memory
+    pressure. Without a budget every touched page stays in the process and the compiled decode step runs on them;
+    with ``cache_experts`` / ``cache_bytes`` the least recently routed experts beyond it have their pages given back,
+    to be faulted in again when routed (``zoo.runtime.mapped``: no copies; eager decode). It needs each layer's
+    experts stored as fused tensors in the model's dtype (a zoo checkpoint). The cache is
     ``zoo.runtime.offloading.cache_of(model)``: hits, misses, bytes read. ``prefetch=True`` (the cache modes): one
     background thread reads, while a layer computes, its routed experts the cache lacks and those the next layer's
     router picks for this layer's input (``zoo.runtime.prefetch``; same tokens; ``cache_of(model).close()`` stops it,
@@ -92,11 +94,12 @@ def offload(path, cache_experts: int | None = None, cache_bytes=None, reader: st
     if cache_bytes is not None and cache_experts != 0 and cache_bytes < largest:
         raise ValueError(f"cache_bytes={cache_bytes} cannot hold one expert ({largest} bytes); give at least that, "
                          "or cache_experts=0 for no cache")
+    cache = ExpertCache(cache_experts, cache_bytes)
     if reader == "in-place":
         _check_mappable(ckpt, files, blocks, keys)
-        place = lambda experts, i: _mapped(experts, i, keys[i], files)  # noqa: E731
+        budget = cache_experts is not None or cache_bytes is not None
+        place = lambda experts, i: _mapped(experts, i, keys[i], files, cache if budget else None)  # noqa: E731
     else:
-        cache = ExpertCache(cache_experts, cache_bytes)
         place = lambda experts, i: OffloadedExperts(experts, i, keys[i], files, cache)  # noqa: E731
     for i, layer in enumerate(ckpt.layers):
         if i in blocks:
@@ -125,11 +128,13 @@ def _start_prefetch(cache: ExpertCache, blocks: dict) -> None:
 
 
 def cache_of(model) -> ExpertCache:
-    """The expert cache of a model from ``zoo.offload`` (one for all its layers)."""
+    """The expert cache of a model from ``zoo.offload`` (one for all its layers; in place, the budget's)."""
     for module in model.modules():
         if isinstance(module, OffloadedExperts):
             return module.cache
-    raise ValueError("this model has no offloaded experts (open it with zoo.offload)")
+        if getattr(module, "mapped_cache", None) is not None:
+            return module.mapped_cache
+    raise ValueError("this model has no offloaded experts, or none held to a budget (open it with zoo.offload)")
 
 
 def _moe_blocks(ckpt) -> dict:
@@ -222,10 +227,11 @@ def _check_mappable(ckpt, files: ShardReader, blocks: dict, keys: dict) -> None:
                                      "it cannot be used in place; save the model in its dtype or use reader='pread'")
 
 
-def _mapped(stored, i: int, keys: dict, files: ShardReader):
-    """Layer i's experts module of the stored kind whose tensors are views of the memory-mapped checkpoint."""
+def _mapped(stored, i: int, keys: dict, files: ShardReader, cache: ExpertCache | None):
+    """Layer i's experts module of the stored kind whose tensors are views of the memory-mapped checkpoint (held to
+    ``cache``'s budget when there is one)."""
     tensors = {name: files.mapped(keys[name]) for name in stored.state_dict()}
-    bad = finite.non_finite(tensors.items()) if finite.enabled() else []
+    bad = finite.non_finite(tensors.items()) if finite.enabled() and cache is None else []  # (budget: on first use)
     if bad:
         raise NotOffloadable(f"NaN or inf in the experts of layer {i} ({', '.join(bad)}): the checkpoint is corrupt")
     experts = copy.deepcopy(stored)  # (on meta: the kind and its options, nothing allocated)
@@ -233,6 +239,8 @@ def _mapped(stored, i: int, keys: dict, files: ShardReader):
     if isinstance(experts, QuantizedExperts):  # its index tables, which a load never fills (not saved)
         experts.register_buffer("width_of", torch.tensor(experts.bits), persistent=False)
         experts.register_buffer("slot_of", torch.tensor(experts.slot), persistent=False)
+    if cache is not None:
+        keep_within(experts, i, keys, files, cache)
     return experts
 
 
