@@ -22,9 +22,11 @@ the checkpoint in memory (``zoo.load``), offloaded with a cache of 50% and 25% o
 together), each also with the reader thread on (``prefetch=True``: it reads the routed experts the cache lacks and
 those the next layer's router picks for this layer's input while the layer computes) and in place within the same
 budget (``reader="in-place", cache_experts=...``: the experts computed where they lie in the mapped file, the least
-recently used beyond the budget given back to the system, no copies), and llama.cpp with mmap (its
-default) on the GGUF of the same weights (bf16; the zoo's int4 codes as Q4_1). The zoo rows decode eagerly (``zoo.runtime.decode.greedy(..., compile=False)``: the offloaded experts cannot run
-inside a compiled step); llama.cpp runs its own C++ loop.
+recently used beyond the budget given back to the system, no copies; eager, and with the compiled step), and
+llama.cpp with mmap (its default) on the GGUF of the same weights (bf16; the zoo's int4 codes as Q4_1). The zoo rows
+decode eagerly (``zoo.runtime.decode.greedy(..., compile=False)``: the cache modes' experts cannot run inside a
+compiled step) but those marked compiled (``greedy``'s default step, compiled ahead of time); llama.cpp runs its own
+C++ loop.
 
 Decode tok/s = (new tokens - 1) / (time of a full run - time of a 1-token run), after one warm-up run, median of
 two pairs. Hits and misses count the timed runs (the warm-up's cold misses excluded).
@@ -232,6 +234,9 @@ def main(argv=None):
             if not args.eager_only:
                 specs += [{"label": "in memory, compiled", "engine": "memory", "compiled": True, **common},
                           {"label": "in place (mapped), compiled", "engine": "in-place", "compiled": True, **common}]
+                specs += [{"label": f"in place, budget {share:.0%} ({round(total * share)}/{total}), compiled",
+                           "engine": "in-place", "cache_experts": round(total * share), "compiled": True, **common}
+                          for share in (0.5, 0.25)]
             if gguf is not None and not args.eager_only:
                 specs.append({"label": "llama.cpp mmap" + (" (Q4_1)" if storage == "int4" else ""),
                               "engine": "llama.cpp", "gguf": str(gguf), **common})

@@ -321,8 +321,7 @@ def _present(t: torch.Tensor, row: int) -> list[bool]:
 
 @pytest.fixture(scope="module")
 def saved_wide(tmp_path_factory):
-    """A tiny fp32 Mixtral checkpoint whose experts' rows span hundreds of pages (intermediate size 2048): wide
-    enough that the pages the system maps around a fault (up to 15 beside it) cannot fill a row."""
+    """A tiny fp32 Mixtral checkpoint whose experts' rows span hundreds of pages (intermediate size 2048)."""
     from transformers import MixtralForCausalLM
 
     from tests.tiny import tiny_config
@@ -346,9 +345,8 @@ def saved_wide(tmp_path_factory):
 @torch.no_grad()
 def test_in_place_within_a_budget_keeps_the_pages_of_the_cached_experts_alone(saved, saved_wide, kind, budget):
     """reader='in-place' with a budget: the in-memory model's logits and greedy tokens, the routed experts looked up
-    in the cache, and after a call the cached experts' pages mapped in this process and every other expert's given
-    back (to be faulted in again when routed: at most the 15 pages a fault maps beside it stay at each end of a
-    row); the compiled step refused in one line."""
+    in the cache, and after a call about the budget's share of the experts' pages mapped in this process, the others
+    given back (to be faulted in again when routed); the compiled step looks them up too (``zoo::mapped_lookup``)."""
     path = saved_wide if kind == "wide" else saved[kind]
     ref = zoo.load(path).eval()
     model = zoo.offload(path, reader="in-place", **budget)
@@ -362,18 +360,31 @@ def test_in_place_within_a_budget_keeps_the_pages_of_the_cached_experts_alone(sa
     assert stats["resident_bytes"] <= (budget.get("cache_bytes") or float("inf"))
     assert stats["cached_experts"] <= (budget.get("cache_experts", 8)) and stats["evictions"] > 0 or not stats["hits"]
     if kind == "wide":
-        for i, layer in enumerate(model.model.layers):
-            for e in range(4):
-                for t in layer.mlp.experts.state_dict().values():
-                    pages = _present(t, e)
-                    assert len(pages) >= 127, len(pages)
-                    if (i, e) in cache.entries:
-                        assert all(pages), (i, e)
-                    else:
-                        assert sum(pages) <= 30, (i, e, sum(pages))
-    assert torch.equal(greedy(model, ids[:1], 5, compile=False), greedy(ref, ids[:1], 5, compile=False))
-    with pytest.raises(ValueError, match="held to a budget are looked up on the host"):
-        greedy(model, ids[:1], 2)
+        _pages_of_the_cached_experts_alone(model, cache)
+    eager = greedy(ref, ids[:1], 5, compile=False)
+    assert torch.equal(greedy(model, ids[:1], 5, compile=False), eager)
+    if kind == "wide" and budget["cache_experts"]:  # the compiled step keeps the books too: same tokens, as few pages
+        torch._dynamo.reset()
+        looked = cache.hits + cache.misses
+        assert torch.equal(greedy(model, ids[:1], 5, ahead_of_time=False), eager)
+        assert cache.hits + cache.misses - looked >= 2 * 2 * 4, cache.stats()  # 2 layers, 2 experts, 4+ steps
+        _pages_of_the_cached_experts_alone(model, cache)
+
+
+def _pages_of_the_cached_experts_alone(model, cache) -> None:
+    """Within the budget, the expert rows' pages mapped in this process: the system maps a file's pages a folio at a
+    time (on ext4, large folios that reach into neighbouring rows) and a release unmaps whole folios, so the count is
+    not the cached rows' exactly; it stays near the budget's share, where nothing given back would leave every
+    routed row mapped. A release itself unmaps every page of its row, and a read maps them again."""
+    rows = [(t, e) for layer in model.model.layers for t in layer.mlp.experts.state_dict().values() for e in range(4)]
+    share = sum(sum(_present(t, e)) for t, e in rows) / sum(len(_present(t, e)) for t, e in rows)
+    assert share <= (cache.max_experts or 0) / 8 + 0.3, share
+    layer, e = next(iter(cache.entries), (0, 0))
+    experts = model.model.layers[layer].mlp.experts
+    experts.mapped_books.entries[e].release()
+    assert not any(p for t in experts.state_dict().values() for p in _present(t, e))
+    float(experts.state_dict()["gate_up_proj"][e].sum())
+    assert all(_present(experts.state_dict()["gate_up_proj"], e))
 
 
 def test_in_place_refuses_what_it_cannot_map(saved, tmp_path, monkeypatch):

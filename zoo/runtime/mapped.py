@@ -7,17 +7,21 @@ touched page stays in the process. With one, the layer's routed experts are look
 ``ExpertCache`` before each call, as the cache modes look them up, and the least recently used experts of all
 layers beyond the budget are evicted: their pages are given back (``ShardReader.release_row``), to be faulted in
 again when routed. A miss costs page faults where the cache modes copy the expert into memory of their own (the
-304M model on an AVX2 processor, 50% of the experts, eager decode: ~0.8x of in memory at bf16 against the copying
-cache's ~0.6x; benchmarks/offload.py).
+304M model on an AVX2 processor, 50% of the experts, eager decode: 0.86-0.92 of the in-memory speed at bf16 against
+the copying cache's 0.61-0.66; benchmarks/offload.py). The lookups are an operation of their own
+(``zoo::mapped_lookup``), so the compiled decode step keeps the budget too.
 """
 from __future__ import annotations
 
+import copy
+import itertools
 import mmap
+import weakref
+
+import torch
 
 from zoo.io import finite
 from zoo.runtime.offloaded import ExpertCache, NotOffloadable, ShardReader, one_expert_plan
-
-EAGER_ONLY = "in-place experts held to a budget are looked up on the host (the router's choice decides)"
 
 
 def can_release() -> bool:
@@ -39,46 +43,100 @@ class MappedExpert:
             self.reader.release_row(key, row)
 
 
+class LayerBooks:
+    """One layer's experts within the budget: their cache entries, sizes, and which were checked. ``lookup`` runs
+    before the layer's experts compute (``zoo::mapped_lookup``), ``settle`` after."""
+
+    _count = itertools.count()
+
+    def __init__(self, experts, layer: int, keys: dict[str, str], reader: ShardReader, cache: ExpertCache):
+        self.layer, self.reader, self.cache, self.num_experts = layer, reader, cache, experts.num_experts
+        self.tensors = experts.state_dict()
+        self.plans = {e: one_expert_plan(experts, e)[1] for e in range(experts.num_experts)}
+        self.entries = {e: MappedExpert(reader, [(keys[name], row) for name, row in rows.items()])
+                        for e, rows in self.plans.items()}
+        self.sizes = {e: sum(reader.row_bytes(key) for key, _ in entry.rows) for e, entry in self.entries.items()}
+        self.checked: set[int] = set()
+        self.used: list[int] = []  # the experts of the call in flight
+        self.key = next(self._count)
+        _BOOKS[self.key] = self
+
+    def __deepcopy__(self, memo):
+        """A copy of the model keeps books of its own (registered apart) over its copied cache: empty, as a copied
+        cache is (``ExpertCache.__deepcopy__``)."""
+        new = memo[id(self)] = object.__new__(type(self))
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items() if k != "tensors"})
+        new.tensors, new.key = {}, next(self._count)
+        _BOOKS[new.key] = new
+        return new
+
+    def _miss(self, e: int):
+        for key, _ in self.entries[e].rows:  # (a file cut short under its map would fault with SIGBUS on the read)
+            self.reader.check(key)
+        if e not in self.checked and finite.enabled() and self.tensors:
+            bad = finite.non_finite((name, self.tensors[name][row:row + 1]) for name, row in self.plans[e].items())
+            if bad:
+                raise NotOffloadable(f"NaN or inf in expert {e} of layer {self.layer} ({', '.join(bad)}): the "
+                                     "checkpoint is corrupt")
+        self.checked.add(e)
+        return self.entries[e], self.sizes[e]
+
+    def lookup(self, indices: torch.Tensor) -> None:
+        """The call's routed experts looked up in the cache (misses read nothing; evictions give pages back), after
+        the previous call's settled if it was not (a compiled step settles each call at the layer's next one)."""
+        self.settle()
+        self.used = [e for e in indices.unique().tolist() if e < self.num_experts]  # (E: an empty slot)
+        with self.cache.lock:
+            self.cache.pinned.update((self.layer, e) for e in self.used)  # none of this call's evicts another
+        for e in self.used:
+            self.cache.get((self.layer, e), lambda e=e: self._miss(e), self.sizes[e])
+
+    def settle(self) -> None:
+        """After the call: the pages of its experts the cache did not keep (a budget smaller than one call's
+        experts, or 0) given back."""
+        for e in self.used:
+            if (self.layer, e) not in self.cache.entries:
+                self.entries[e].release()
+        self.used = []
+
+
+_BOOKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # LayerBooks.key -> books (the model holds them)
+
+
+# An operation the compiler cannot see into, so that the budget holds in the compiled decode step as in eager
+# calls: the step keeps it (it writes ``ledger``), and runs it after the previous layer's experts (the routing it
+# reads depends on their output).
+@torch.library.custom_op("zoo::mapped_lookup", mutates_args=("ledger",), device_types="cpu")
+def mapped_lookup(indices: torch.Tensor, ledger: torch.Tensor, books: int) -> None:
+    _BOOKS[books].lookup(indices)
+
+
+@mapped_lookup.register_fake
+def _(indices, ledger, books):
+    return None
+
+
+def _before(module, args, kwargs):
+    routing = args[1] if len(args) > 1 else kwargs["routing"]
+    torch.ops.zoo.mapped_lookup(routing.indices, module.mapped_ledger, module.mapped_books.key)
+
+
+def _after(module, args, kwargs, output):
+    # eager calls settle at once; a compiled step leaves it to the layer's next lookup: an operation reading the
+    # experts' output here would make the step round it to the model's dtype before the residual add, where the
+    # step without a budget adds it unrounded (other tokens after ~25 on the 304M model)
+    if not torch.compiler.is_compiling():
+        module.mapped_books.settle()
+
+
 def keep_within(experts, layer: int, keys: dict[str, str], reader: ShardReader, cache: ExpertCache) -> None:
     """Holds layer ``layer``'s mapped ``experts`` (views of ``reader``'s maps; ``keys``: each of its tensors' name in
     the checkpoint) to ``cache``'s budget: hooks on its calls look up the routed experts before it runs (evicting
-    others beyond the budget) and give back, after it ran, the pages of those the cache did not keep (a budget
-    smaller than one call's experts, or 0). An expert's rows are checked for NaN and inf on its first miss (at
-    open they would all be read: the whole model resident at once). Such a model decodes eagerly
-    (``eager_only_reason``)."""
-    tensors = experts.state_dict()
-    plans = {e: one_expert_plan(experts, e)[1] for e in range(experts.num_experts)}
-    entries = {e: MappedExpert(reader, [(keys[name], row) for name, row in rows.items()]) for e, rows in plans.items()}
-    sizes = {e: sum(reader.row_bytes(key) for key, _ in entry.rows) for e, entry in entries.items()}
-    checked: set[int] = set()
-    used: list[int] = []  # the experts of the call in flight
-
-    def miss(e: int):
-        for key, _ in entries[e].rows:  # (a file cut short under its map would fault with SIGBUS on the read)
-            reader.check(key)
-        if e not in checked and finite.enabled():
-            bad = finite.non_finite((name, tensors[name][row:row + 1]) for name, row in plans[e].items())
-            if bad:
-                raise NotOffloadable(f"NaN or inf in expert {e} of layer {layer} ({', '.join(bad)}): the checkpoint "
-                                     "is corrupt")
-        checked.add(e)
-        return entries[e], sizes[e]
-
-    def before(module, args, kwargs):
-        routing = args[1] if len(args) > 1 else kwargs["routing"]
-        used[:] = [e for e in routing.indices.unique().tolist() if e < experts.num_experts]  # (E: an empty slot)
-        with cache.lock:
-            cache.pinned.update((layer, e) for e in used)  # none of this call's evicts another
-        for e in used:
-            cache.get((layer, e), lambda e=e: miss(e), sizes[e])
-
-    def after(module, args, kwargs, output):
-        for e in used:
-            if (layer, e) not in cache.entries:
-                entries[e].release()
-        used.clear()
-
-    experts.eager_only_reason = EAGER_ONLY
+    others beyond the budget) and give back, after it ran, the pages of those the cache did not keep. An expert's
+    rows are checked for NaN and inf on its first miss (at open they would all be read: the whole model resident
+    at once)."""
+    experts.mapped_books = LayerBooks(experts, layer, keys, reader, cache)
     experts.mapped_cache = cache  # (``zoo.runtime.offloading.cache_of``)
-    experts.register_forward_pre_hook(before, with_kwargs=True)
-    experts.register_forward_hook(after, with_kwargs=True)
+    experts.register_buffer("mapped_ledger", torch.zeros(1, dtype=torch.uint8), persistent=False)
+    experts.register_forward_pre_hook(_before, with_kwargs=True)
+    experts.register_forward_hook(_after, with_kwargs=True)

@@ -64,10 +64,10 @@ def offload(path, cache_experts: int | None = None, cache_bytes=None, reader: st
     or ``"in-place"``: no reads of the zoo's own, each layer's expert tensors are views of the memory-mapped
     checkpoint (as llama.cpp maps a GGUF file), computed where they lie, by the experts' own module (so the zoo's
     kernel runs on them); the page cache holds what was touched and the operating system drops it under memory
-    pressure. Without a budget every touched page stays in the process and the compiled decode step runs on them;
-    with ``cache_experts`` / ``cache_bytes`` the least recently routed experts beyond it have their pages given back,
-    to be faulted in again when routed (``zoo.runtime.mapped``: no copies; eager decode). It needs each layer's
-    experts stored as fused tensors in the model's dtype (a zoo checkpoint). The cache is
+    pressure. Without a budget every touched page stays in the process; with ``cache_experts`` / ``cache_bytes``
+    the least recently routed experts beyond it have their pages given back, to be faulted in again when routed
+    (``zoo.runtime.mapped``: no copies; the compiled step keeps the budget too). It needs each layer's experts
+    stored as fused tensors in the model's dtype (a zoo checkpoint). The cache is
     ``zoo.runtime.offloading.cache_of(model)``: hits, misses, bytes read. ``prefetch=True`` (the cache modes): one
     background thread reads, while a layer computes, its routed experts the cache lacks and those the next layer's
     router picks for this layer's input (``zoo.runtime.prefetch``; same tokens; ``cache_of(model).close()`` stops it,
