@@ -152,6 +152,25 @@ def test_storages_judged_free_also_after_a_failed_fullgraph_compile():
 
 
 @torch.no_grad()
+def test_a_deep_copy_of_an_in_place_model_within_a_budget_runs_on_its_own(saved):
+    """copy.deepcopy of an in-place model held to a budget: its experts become copies in memory (a deep copy copies
+    the tensors), with books and a cache of their own; it gives the same logits after the original is gone."""
+    import copy
+    import gc
+
+    ids, mask = padded_batch()
+    off = zoo.offload(saved["dense"], reader="in-place", cache_experts=1)
+    want = off(input_ids=ids, attention_mask=mask).logits
+    twin = copy.deepcopy(off)
+    mine = cache_of(twin)
+    assert mine is not cache_of(off) and mine.max_experts == 1 and not mine.entries
+    del off
+    gc.collect()
+    assert torch.equal(twin(input_ids=ids, attention_mask=mask).logits, want)
+    assert mine.misses > 0 and len(mine.entries) == 1
+
+
+@torch.no_grad()
 def test_a_deep_copy_reads_on_its_own(saved, tmp_path):
     """copy.deepcopy of an offloaded model (with a reader thread): the same logits, a cache of its own with the same
     budget (empty, no thread), file descriptors of its own (the original closed and gone, the copy still reads),

@@ -356,14 +356,15 @@ class ShardReader:
         """Gives back this process's pages of row ``index`` of a ``mapped`` tensor (the whole pages inside its bytes:
         a page it shares with a neighbouring row stays): ``MADV_DONTNEED``, after which a read of them faults them in
         again from the file (from the page cache, or the disk once the system has dropped them). A write made to
-        them is lost. Returns the bytes given back."""
+        them is lost. Returns the bytes given back (none where this reader maps nothing of the shard: a copy's)."""
         dtype, shape, offset, nbytes = self.info(key)
         size = self.row_bytes(key)
         begin = -(-(offset + index * size) // mmap.PAGESIZE) * mmap.PAGESIZE
         end = (offset + (index + 1) * size) // mmap.PAGESIZE * mmap.PAGESIZE
-        if end <= begin:
+        pages = self._maps.get(self.files[key])
+        if end <= begin or pages is None:
             return 0
-        self._maps[self.files[key]].madvise(mmap.MADV_DONTNEED, begin, end - begin)
+        pages.madvise(mmap.MADV_DONTNEED, begin, end - begin)
         return end - begin
 
     def _handle(self, file: str):
