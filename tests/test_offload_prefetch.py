@@ -208,8 +208,9 @@ def test_bad_prefetch_options_are_refused_before_anything_is_read(saved, tmp_pat
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="prefetch must be True or False"):
             zoo.offload(tmp_path / "nothing here", prefetch=bad)  # refused before the path is looked at
-    with pytest.raises(ValueError, match="reader='in-place' keeps none"):
-        zoo.offload(saved["dense"], reader="in-place", prefetch=True)
+    for budget in ({}, {"cache_experts": 2}):
+        with pytest.raises(ValueError, match="reader='in-place' reads none"):
+            zoo.offload(saved["dense"], reader="in-place", prefetch=True, **budget)
     with pytest.raises(ValueError, match="cache_experts=0 keeps none"):
         zoo.offload(saved["dense"], cache_experts=0, prefetch=True)
     threads = threading.active_count()

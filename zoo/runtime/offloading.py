@@ -33,8 +33,9 @@ def _check_options(cache_experts, cache_bytes, reader, prefetch=False):
     if not isinstance(prefetch, bool):
         raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
     if prefetch and reader == "in-place":
-        raise ValueError("prefetch=True reads experts ahead into the cache, and reader='in-place' keeps none (the "
-                         "operating system reads the mapped file): leave out prefetch or use reader='pread'")
+        raise ValueError("prefetch=True reads experts ahead into the cache's memory, and reader='in-place' reads none "
+                         "into memory of its own (the operating system reads the mapped file): leave out prefetch or "
+                         "use reader='pread'")
     if prefetch and cache_experts == 0:
         raise ValueError("prefetch=True reads experts ahead into the cache, and cache_experts=0 keeps none: give the "
                          "cache room (cache_experts >= 1) or leave out prefetch")
