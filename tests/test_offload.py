@@ -394,11 +394,16 @@ def _pages_of_the_cached_experts_alone(model, cache) -> None:
     """Within the budget, the expert rows' pages mapped in this process: the system maps a file's pages a folio at a
     time (on ext4, large folios that reach into neighbouring rows) and a release unmaps whole folios, so the count is
     not the cached rows' exactly; it stays near the budget's share, where nothing given back would leave every
-    routed row mapped. A release itself unmaps every page of its row, and a read maps them again."""
+    routed row mapped. Clearing the cache gives its experts' pages back; a release unmaps every page of its row, and
+    a read maps them again."""
     rows = [(t, e) for layer in model.model.layers for t in layer.mlp.experts.state_dict().values() for e in range(4)]
     share = sum(sum(_present(t, e)) for t, e in rows) / sum(len(_present(t, e)) for t, e in rows)
     assert share <= (cache.max_experts or 0) / 8 + 0.3, share
-    layer, e = next(iter(cache.entries), (0, 0))
+    held = list(cache.entries)
+    cache.clear()  # gives the cached experts' pages back too
+    for layer, e in held:
+        assert not any(p for t in model.model.layers[layer].mlp.experts.state_dict().values() for p in _present(t, e))
+    layer, e = held[0] if held else (0, 0)
     experts = model.model.layers[layer].mlp.experts
     experts.mapped_books.entries[e].release()
     assert not any(p for t in experts.state_dict().values() for p in _present(t, e))

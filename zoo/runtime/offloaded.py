@@ -210,7 +210,11 @@ class ExpertCache:
                 spare.setdefault(buf.numel(), []).append(buf)
 
     def clear(self) -> None:
+        """Drops every cached expert (an expert used in place gives its pages back, as an eviction does)."""
         with self.lock:
+            for module, _ in self.entries.values():
+                if hasattr(module, "release"):
+                    module.release()
             self.entries.clear()
             self._ahead.clear()
             self._unused.clear()
