@@ -135,8 +135,7 @@ def keep_within(experts, layer: int, keys: dict[str, str], reader: ShardReader, 
     others beyond the budget) and give back, after it ran, the pages of those the cache did not keep. An expert's
     rows are checked for NaN and inf on its first miss (at open they would all be read: the whole model resident
     at once)."""
-    experts.mapped_books = LayerBooks(experts, layer, keys, reader, cache)
-    experts.mapped_cache = cache  # (``zoo.runtime.offloading.cache_of``)
+    experts.mapped_books = LayerBooks(experts, layer, keys, reader, cache)  # (its cache: ``cache_of``'s)
     experts.register_buffer("mapped_ledger", torch.zeros(1, dtype=torch.uint8), persistent=False)
     experts.register_forward_pre_hook(_before, with_kwargs=True)
     experts.register_forward_hook(_after, with_kwargs=True)

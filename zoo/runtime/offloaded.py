@@ -190,8 +190,7 @@ class ExpertCache:
         if key in self._unused:
             self._unused.discard(key)
             self.prefetch_wasted += 1
-        if hasattr(module, "release"):  # an expert used where it lies in the mapped file: its pages given back
-            module.release()
+        _release_mapped(module)
         held = module.state_dict().values() if isinstance(module, torch.nn.Module) else []
         storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in held}.values())
         del held
@@ -213,8 +212,7 @@ class ExpertCache:
         """Drops every cached expert (an expert used in place gives its pages back, as an eviction does)."""
         with self.lock:
             for module, _ in self.entries.values():
-                if hasattr(module, "release"):
-                    module.release()
+                _release_mapped(module)
             self.entries.clear()
             self._ahead.clear()
             self._unused.clear()
@@ -247,6 +245,13 @@ class ExpertCache:
                        prefetch_errors=self.prefetch_errors,
                        predictor_hit_rate=self.predicted_right / self.predicted_of if self.predicted_of else None)
         return out
+
+
+def _release_mapped(entry) -> None:
+    """An entry dropped from the cache: an expert used where it lies in the mapped file (``zoo.runtime.mapped``)
+    gives its pages back; a module read into memory of its own is freed by its last reference going."""
+    if hasattr(entry, "release"):
+        entry.release()
 
 
 def _only_held_here(storage) -> bool:

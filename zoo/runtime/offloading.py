@@ -133,8 +133,8 @@ def cache_of(model) -> ExpertCache:
     for module in model.modules():
         if isinstance(module, OffloadedExperts):
             return module.cache
-        if getattr(module, "mapped_cache", None) is not None:
-            return module.mapped_cache
+        if getattr(module, "mapped_books", None) is not None:
+            return module.mapped_books.cache
     raise ValueError("this model has no offloaded experts, or none held to a budget (open it with zoo.offload)")
 
 
