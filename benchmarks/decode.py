@@ -29,13 +29,13 @@ from zoo.moe import kernels
 from zoo.runtime.decode import greedy, timed_generate, timed_greedy
 
 
-def mixtral_shaped(smoke: bool) -> MixtralForCausalLM:
+def mixtral_shaped(smoke: bool, layers: int = 4) -> MixtralForCausalLM:
     """The random model of issue #6 (hidden 1024, intermediate 2816, 8 experts top-2, 4 layers, 16/4 heads,
-    vocab 8192, 304M parameters), seeded; a miniature of it with --smoke."""
+    vocab 8192, 304M parameters), seeded; a miniature of it with --smoke; ``layers``: deeper, the same layers."""
     size = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                 vocab_size=8192) if smoke else dict(hidden_size=1024, intermediate_size=2816,
                                                     num_attention_heads=16, num_key_value_heads=4, vocab_size=8192)
-    cfg = MixtralConfig(**size, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
+    cfg = MixtralConfig(**size, num_hidden_layers=layers, num_local_experts=8, num_experts_per_tok=2,
                         max_position_embeddings=4096, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = MixtralForCausalLM(cfg).eval()

@@ -162,14 +162,14 @@ def llama_cpp_available(path: str | None) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ the parent
-def write_checkpoints(out: Path, smoke: bool, gguf: bool) -> dict:
-    """{storage: (zoo folder, GGUF file or None)} for bf16 and int4 experts of one random model."""
+def write_checkpoints(out: Path, smoke: bool, gguf: bool, layers: int = 4) -> dict:
+    """{storage: (zoo folder, GGUF file or None)} for bf16 and int4 experts of one random model (``layers`` deep)."""
     import copy
 
     import zoo
     from decode import mixtral_shaped
 
-    base = zoo.convert(mixtral_shaped(smoke)).eval()
+    base = zoo.convert(mixtral_shaped(smoke, layers)).eval()
     int4 = zoo.apply(copy.deepcopy(base), "quantize", bits=4)
     tokenizer = zoo.load_tokenizer("zoo-tiny-moe")
     folders = {}

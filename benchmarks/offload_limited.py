@@ -17,8 +17,9 @@ alike for every row.
 Rows, per storage (bf16 experts, the zoo's int4 codes; llama.cpp's GGUF of the same weights, Q4_1 for int4):
 llama.cpp's mmap, the zoo in place with no budget and within a 25% budget, unconstrained and then at their engine's
 limit (the budgeted row at the zoo's); and llama.cpp at the zoo's limit (one absolute amount of memory for both
-engines). The zoo decodes eagerly (``greedy(..., compile=False)``: a compile's own memory would count against the
-limit); tok/s as in ``benchmarks/offload.py``, whose ``--worker`` runs each row.
+engines). The zoo decodes eagerly (``greedy(..., compile=False)``), or with its compiled step (``--compiled``: the
+compile's own memory then counts against the limit too); tok/s as in ``benchmarks/offload.py``, whose ``--worker``
+runs each row.
 
 Needs Linux, root (drop_caches) and a memory cgroup this process may create children in (cgroup v1, or v2 with the
 memory controller enabled for children); says which is missing otherwise. Drops the whole system's page cache once
@@ -150,6 +151,9 @@ def main(argv=None):
     ap.add_argument("--llama-cpp-path", default="/tmp/llamacpp4", help="a folder to import llama_cpp from ('' none)")
     ap.add_argument("--repeats", type=int, default=2, help="fresh processes per limited row")
     ap.add_argument("--storage", choices=("bf16", "int4", "both"), default="both")
+    ap.add_argument("--layers", type=int, default=4, help="the model's depth (4: the 304M model; 16: 2.1 GB of bf16 "
+                    "experts, 4x the zoo's own memory)")
+    ap.add_argument("--compiled", action="store_true", help="the zoo's rows with its compiled step")
     ap.add_argument("--rule", choices=("charge", "rss"), default="charge", help="an engine's peak memory: what its "
                     "cgroup was charged (RSS, page cache read, kernel memory) or its peak RSS (VmHWM)")
     args = ap.parse_args(argv)
@@ -169,7 +173,7 @@ def main(argv=None):
     prompt = torch.randint(3, 8192, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     rows = []
     with tempfile.TemporaryDirectory(prefix="zoo-offload-limited-") as tmp:
-        stores = write_checkpoints(Path(tmp), args.smoke, gguf=True)
+        stores = write_checkpoints(Path(tmp), args.smoke, gguf=True, layers=args.layers)
         for storage, (folder, gguf) in stores.items():
             if args.storage not in ("both", storage):
                 continue
@@ -177,11 +181,12 @@ def main(argv=None):
             total = sum(entry["num_experts"] for entry in json.loads((folder / "config.json").read_text())["zoo_layout"]
                         if entry)
             common = {"folder": str(folder), "threads": args.threads, "prompt": prompt, "new_tokens": args.new_tokens}
+            step = {"compiled": args.compiled}
             budget = round(total * CACHED_SHARE)
             engines = {"llama.cpp mmap": {"engine": "llama.cpp", "gguf": str(gguf), **common},
-                       "zoo in place": {"engine": "in-place", **common},
+                       "zoo in place": {"engine": "in-place", **step, **common},
                        f"zoo in place, budget {CACHED_SHARE:.0%} ({budget}/{total})":
-                           {"engine": "in-place", "cache_experts": budget, **common}}
+                           {"engine": "in-place", "cache_experts": budget, **step, **common}}
             peaks = {}
             for name, spec in engines.items():
                 r = run_row({**spec, "label": name}, args.llama_cpp_path, None)
@@ -205,8 +210,8 @@ def main(argv=None):
 
 def report(rows: list[dict], args) -> None:
     print(f"\n{args.new_tokens} greedy tokens after a {args.prompt}-token prompt, batch 1, {args.threads} threads; "
-          f"{'mixtral-smoke' if args.smoke else 'Mixtral-shaped 304M (4 layers x 8 experts, top-2)'}; every row a "
-          "fresh process; the zoo eager")
+          f"{'mixtral-smoke' if args.smoke else 'Mixtral-shaped'}, {args.layers} layers x 8 experts, top-2; "
+          f"every row a fresh process; the zoo {'compiled' if args.compiled else 'eager'}")
     head = (f"{'experts':8} {'engine':34} {'limit MB':>8} {'rule':>9} {'decode tok/s':>12} {'peak RSS MB':>11} "
             f"{'cgroup peak MB':>14} {'limit hits':>10} {'same tokens':>11}")
     print(head + "\n" + "-" * len(head))

@@ -327,6 +327,31 @@ def test_in_place_experts_are_the_mapped_file(saved, kind):
     assert shard.read_bytes() == before
 
 
+def _vm_flags(path) -> list[list[str]]:
+    """The VmFlags of each of this process's memory maps of ``path`` (/proc/self/smaps)."""
+    flags, inside = [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                inside = line.rstrip().endswith(str(path))
+            elif inside and head and head[0] == "VmFlags:":
+                flags.append(head[1:])
+    return flags
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="a system with transparent huge pages (/proc/self/smaps names the advice)")
+def test_in_place_maps_ask_for_huge_pages(saved):
+    """The shard's map asks for 2 MB pages (MADV_HUGEPAGE: VmFlags 'hg'), so that experts faulted in from the disk
+    map, and are given back, 2 MB at a time."""
+    shard = (saved["dense"] / "model.safetensors").resolve()
+    model = zoo.offload(saved["dense"], reader="in-place", cache_experts=2)
+    flags = _vm_flags(shard)
+    assert flags and all("hg" in f for f in flags), flags
+    del model
+
+
 def _present(t: torch.Tensor, row: int) -> list[bool]:
     """Whether each whole page inside row ``row`` of ``t`` is mapped in this process (/proc/self/pagemap, bit 63)."""
     size, page = t.nbytes // t.shape[0], 4096

@@ -2,6 +2,7 @@
 refuses the same broken checkpoints with an error naming the file, never a number it cannot vouch for."""
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -165,7 +166,7 @@ def test_offload_refuses_nan_experts_like_load(clean, tmp_path, options):
 
 
 @pytest.mark.parametrize("reader", ["pread", "in-place"])
-@pytest.mark.parametrize("change", ["truncate", "rewrite"])
+@pytest.mark.parametrize("change", ["truncate", "rewrite", "replace"])
 def test_offload_refuses_a_shard_changed_after_opening(clean, tmp_path, change, reader):
     folder = copy(clean[0], tmp_path / "m")
     off = zoo.offload(folder, cache_experts=0, reader=reader)  # (in place: every expert's pages given back)
@@ -173,6 +174,9 @@ def test_offload_refuses_a_shard_changed_after_opening(clean, tmp_path, change, 
     data = shard.read_bytes()
     if change == "truncate":
         os.truncate(shard, len(data) - 4096)
+    elif change == "replace":  # another file of the same bytes, size and modification time: only the inode differs
+        shutil.copy2(shard, folder / "other")
+        os.replace(folder / "other", shard)
     else:  # same size, zeros over the last experts' bytes, a later modification time
         with open(shard, "r+b") as f:
             f.seek(len(data) - 4096)
