@@ -124,7 +124,8 @@ def run_row(spec: dict, llama_path: str | None, limit: int | None) -> dict:
         usage = group.peak_and_failures()
     if proc.returncode != 0:
         killed = proc.returncode == -9 or "MemoryError" in proc.stderr
-        return {"failed": "killed: out of memory" if killed else proc.stderr.strip().splitlines()[-1][:80]}
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        return {"failed": "killed: out of memory" if killed else last[:80]}
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     row["cgroup_peak_mb"], row["reclaim_failures"] = usage[0] / MB, usage[1]
     return row

@@ -426,7 +426,7 @@ def _huge_pages(pages: mmap.mmap) -> None:
 def _identity(file: str) -> tuple:
     """The file's device, inode, size and modification time: a rewrite, truncation or replacement (a symbolic link
     pointed elsewhere too: ``stat`` follows it) changes it. One ``stat``, where ``file_key`` also resolves the path
-    (~25 us against ~2): checked on every miss of an expert used in place."""
+    (~16 us against ~3): checked on every miss of an expert used in place."""
     st = os.stat(file)
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
