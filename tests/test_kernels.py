@@ -574,7 +574,14 @@ def test_2_3bit_experts_read_their_stored_codes_where_listed(int8_inputs, monkey
     got = experts(x, r)
     assert widths == [bits] * 2 and not experts._kernel_cache
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-    torch.testing.assert_close(got, experts(x, r), rtol=1e-5, atol=1e-5)
+    # against an eager call on the kernel (the AVX-512 sets' eager limit for packed codes, 4 pairs per expert, would
+    # send these tokens to the exact dequantised product instead of the 8-bit inputs)
+    with pytest.MonkeyPatch.context() as limits:
+        limits.setattr(kernels, "PAIRS_PER_EXPERT", dict.fromkeys(kernels.PAIRS_PER_EXPERT, 10**6))
+        limits.setattr(kernels, "STORED_PAIRS_AVX2", dict.fromkeys(kernels.STORED_PAIRS_AVX2, 10**6))
+        widths.clear()
+        torch.testing.assert_close(got, experts(x, r), rtol=1e-5, atol=1e-5)
+        assert widths == [bits] * 2
     # eager prompts to the kernel's limit for stored codes (kernels.stored_pairs), then dequantised from the codes: no
     # copy at any length, and past the limit the copy's own dequantised product
     limit = kernels.stored_pairs(bits) or kernels.PAIRS_PER_EXPERT["packed-avx2" if kernels.isa() == "avx2" else "packed"]
