@@ -202,6 +202,8 @@ def make_files(folder: Path, smoke: bool, source: Path | None, llama: bool) -> t
 
     if source is None or not (source / "convert_hf_to_gguf.py").is_file():
         skipped.append("llama.cpp's own files: pass --llama-cpp-source (a llama.cpp tree with convert_hf_to_gguf.py)")
+    elif importlib.util.find_spec("sentencepiece") is None:
+        skipped.append("llama.cpp's own files: sentencepiece is not importable (its converter needs a tokenizer)")
     else:
         own = folder / "for-llama-cpp"
         own.mkdir()
