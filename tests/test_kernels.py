@@ -111,6 +111,51 @@ def test_many_pairs_through_tiles(isa, bits, K, N):
                                    rtol=1e-2, atol=1e-3)
 
 
+def _zen5() -> bool:
+    """An AMD processor of family 0x1A (Zen 5) with the avx512-bf16 set: where int8 tiles serve from 2 pairs."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "AuthenticAMD" in info and "\ncpu family\t: 26\n" in info and kernels.best_isa() == "avx512-bf16"
+
+
+@pytest.mark.parametrize("K", [64, 1024])
+def test_int8_tiles_from_few_pairs(isa, K):
+    """int8_tile_pairs: int8 blocks on bf16 inputs through a tile from as few pairs as asked (on avx512-bf16; the
+    rows kernels elsewhere): the reference's result whichever path serves, for inputs shared by the slots and per
+    slot, and each expert on the path its pairs choose, seen on a sum whose fp32 result depends on the order it is
+    added in (2^24, ones, -2^24: the rows kernel's lanes keep some ones, the tile's running sum loses them). The
+    default is the processor's (2 on AMD Zen 5, the kernel's rule elsewhere); bad values are refused."""
+    assert kernels.int8_tile_pairs() == (2 if _zen5() else 0)
+    S, N, T, k = 4, 128, 6, 2
+    w, s = stack(8, S, N, K)
+    idx = torch.stack([torch.arange(T) % S, (torch.arange(T) + 1) % S], 1)  # experts 0..3: 3 / 4 / 3 / 2 pairs
+    pairs_of = torch.bincount(idx.flatten(), minlength=S)[idx]  # [T, k]: the pairs of each pair's expert
+    ones = torch.ones(S, N, K, dtype=torch.int8), torch.ones(S, N, dtype=torch.bfloat16)
+    order = torch.ones(T, K, dtype=torch.bfloat16)
+    order[:, 0], order[:, -1] = 2.0 ** 24, -2.0 ** 24
+    try:
+        for x in (torch.randn(T, K).bfloat16(), torch.randn(T, k, K).bfloat16()):
+            want = kernels.moe_gemv_reference(x, idx, w, s, 8).float()
+            for pairs in (0, 2, 3, 4):
+                kernels.int8_tile_pairs(pairs)
+                torch.testing.assert_close(kernels.moe_gemv(x, idx, w, s, 8).float(), want, rtol=1e-2, atol=1e-3)
+        kernels.int8_tile_pairs(0)
+        rows = kernels.moe_gemv(order, idx, *ones, 8)[..., 0]
+        for pairs in (2, 3, 4):
+            kernels.int8_tile_pairs(pairs)
+            tiled = kernels.isa() == "avx512-bf16" and K % 32 == 0
+            moved = kernels.moe_gemv(order, idx, *ones, 8)[..., 0] != rows
+            assert torch.equal(moved, (pairs_of >= pairs) & tiled), (pairs, moved)
+    finally:
+        kernels.int8_tile_pairs(-2)
+    assert kernels.int8_tile_pairs() == (2 if _zen5() else 0)
+    for bad in (-3, True, "2", 1.5):
+        with pytest.raises(ValueError, match="int8_tile_pairs"):
+            kernels.int8_tile_pairs(bad)
+
+
 @pytest.mark.parametrize("K", [64, 2048])
 @pytest.mark.parametrize("N", [128, 160])
 def test_many_pairs_on_int4_blocks(isa, K, N):

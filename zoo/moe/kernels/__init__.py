@@ -424,6 +424,20 @@ def subnormal_codes(on: Optional[bool] = None) -> bool:
     return bool(torch.ops.zoo.moe_gemv_subnormal_codes(-1 if on is None else int(on)))
 
 
+def int8_tile_pairs(pairs: Optional[int] = None) -> int:
+    """From how many (token, input) pairs a block of int8 rows on bf16 inputs is multiplied through a tile of bf16
+    pairs (several inputs per weight load) rather than row by row; 0: the kernel's rule for bf16 and int8 rows (from
+    16 pairs, from 8 where they pass L1). The default is the processor's: from 2 pairs on AMD Zen 5, where tiles beat
+    the rows from there (the 304M model with every matrix int8, 16-token prefill 1.52x; measurements beside
+    ``int8_tile_from`` in ``moe_gemv.cpp``), the rule elsewhere. ``int8_tile_pairs(n)`` sets it (tests,
+    measurements); ``-2`` restores the default. The two paths sum the same products in another order."""
+    if pairs is not None and (isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < -2):
+        raise ValueError(f"int8_tile_pairs takes a count of pairs, 0 (the rule) or -2 (the default), got {pairs!r}")
+    if not load():
+        return 0
+    return int(torch.ops.zoo.moe_gemv_int8_tile_pairs(-1 if pairs is None else pairs))
+
+
 def int8_inputs_on() -> bool:
     """``int8_inputs()`` without calling into the library (safe inside compiled code, which guards on it)."""
     return _state["int8_inputs"] and ready()

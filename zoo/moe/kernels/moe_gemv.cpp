@@ -26,6 +26,7 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define ZOO_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -100,6 +101,7 @@ struct Problem {
   float* Y;                // outputs [T * k, N]
   const int64_t* in_rows;  // per (token, slot) pair, grouped by the stack slot it reads: its input row of X
   const int64_t* out_rows; // and its output row of Y
+  int int8_tile_from = 0;  // int8 blocks on bf16 inputs take a tile from this many pairs (0: tile_serves' rule)
 };
 
 // The largest |x[k]| of a row and whether it holds a NaN or an infinity, four lanes at a time (a running sum of
@@ -392,7 +394,40 @@ static bool subnormal_codes_on() {
 #endif
 }
 
+// The processor's family (cpuid leaf 1, the extended family added), for the rules measured on one family alone
+static int processor_family() {
+#ifdef ZOO_X86
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+  const int base = (a >> 8) & 0xf;
+  return base == 0xf ? base + int((a >> 20) & 0xff) : base;
+#else
+  return 0;
+#endif
+}
+
+// int8 blocks on bf16 inputs take a tile (run_on_tile) from this many pairs where measured to beat the rows kernel
+// earlier than tile_serves' rule: AMD Zen 5 (family 0x1A; 512-bit datapaths). There, the 304M model's 8 int8 experts,
+// 2 threads, tile against rows: [5632, 1024] 1.14x at 2 pairs, 1.24x at 4, 1.41x at 8; [1024, 2816] 0.92x at 2, 1.03x
+// at 4; the model with every matrix int8, prefill interleaved, tiles from 2 / 3 / 4 / 8 pairs against the rule:
+// 8 tokens 1.44 / 1.29 / 1.21 / 1.03x, 16: 1.52 / 1.42 / 1.34 / 1.13x, 32: 1.44 / 1.38 / 1.35 / 1.19x, 64: 1.11 /
+// 1.10 / 1.08 / 0.98x. 0: the rule (-1: not decided yet)
+static std::atomic<int> g_int8_tile_from{-1};
+static int int8_tile_from() {
+  if (g_int8_tile_from < 0) g_int8_tile_from = processor_family() == 0x1A && detect_isa() == 3 ? 2 : 0;
+  return g_int8_tile_from;
+}
+
 #ifndef ZOO_KERNELS_STANDALONE
+// -1: the pairs from which int8 blocks take a tile (0: tile_serves' rule); 0: that rule; n >= 1: from n pairs; -2:
+// the processor's default again
+int64_t moe_gemv_int8_tile_pairs(int64_t want) {
+  TORCH_CHECK(want >= -2 && want <= 1 << 20, "moe_gemv_int8_tile_pairs takes -2, -1 or a count, got ", want);
+  if (want >= 0) g_int8_tile_from = int(want);
+  if (want == -2) g_int8_tile_from = -1;
+  return int8_tile_from();
+}
+
 // -1: whether the codes are read as subnormals (measured on first use); 0 / 1: turn it off / on; 2: measure again
 int64_t moe_gemv_subnormal_codes(int64_t want) {
   TORCH_CHECK(want >= -1 && want <= 2, "moe_gemv_subnormal_codes takes -1, 0, 1 or 2, got ", want);
@@ -615,6 +650,7 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
              int8_dot && !q_as_float ? xqs.data() : nullptr, xw.empty() ? nullptr : xw.data(),
              subnormals ? subnormal_x.data() : nullptr, subnormals ? unscale.data() : nullptr, Yp, in_rows.data(),
              out_rows.data()};
+  pb.int8_tile_from = int8_tile_from();
   run_all(pb, items);
   for (size_t i = 0; q_as_float && i < out_rows.size(); ++i)
     for (int64_t n = 0; n < N; ++n) Yp[out_rows[i] * N + n] *= xqs[in_rows[i]];
@@ -775,6 +811,7 @@ TORCH_LIBRARY_FRAGMENT(zoo, m) {
   m.def("moe_gemv_isa(int want) -> int");
   m.def("moe_gemv_int8_inputs(int want) -> int");
   m.def("moe_gemv_subnormal_codes(int want) -> int");
+  m.def("moe_gemv_int8_tile_pairs(int want) -> int");
   m.def("dequantize_int4(Tensor weight, Tensor scale, int group_size, ScalarType dtype) -> Tensor");
   m.def("dequantize_packed(Tensor weight, Tensor scale, int bits, int group_size, ScalarType dtype) -> Tensor");
   m.def("lowbit_gemm(Tensor x, Tensor weight, Tensor scale, int bits, int group_size) -> Tensor");
@@ -791,5 +828,6 @@ TORCH_LIBRARY_IMPL(zoo, CompositeExplicitAutograd, m) {
   m.impl("moe_gemv_isa", &zoo_kernels::moe_gemv_isa);
   m.impl("moe_gemv_int8_inputs", &zoo_kernels::moe_gemv_int8_inputs);
   m.impl("moe_gemv_subnormal_codes", &zoo_kernels::moe_gemv_subnormal_codes);
+  m.impl("moe_gemv_int8_tile_pairs", &zoo_kernels::moe_gemv_int8_tile_pairs);
 }
 #endif

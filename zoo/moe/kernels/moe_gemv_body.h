@@ -1566,7 +1566,9 @@ static inline bool tile_serves(int np, int64_t K) { return np >= 16 || (np >= 8 
 // kernels load each input once per weight vector and sum each row's lanes at its end. int8: the codes are exact in
 // bf16 and the row scales multiply the fp32 sums, as rows_int8_bf16 computes. Whether it served the item.
 static bool run_on_tile(const Problem& pb, const Item& it, const int64_t* in_row, const int64_t* out_row) {
-  if (!pb.XB || pb.XQ || !tile_serves(it.np, pb.K) || it.r1 - it.r0 != 64 || pb.K % 32 != 0 ||
+  const bool serves = pb.kind == Kind::int8 && pb.int8_tile_from > 0 ? it.np >= pb.int8_tile_from
+                                                                       : tile_serves(it.np, pb.K);
+  if (!pb.XB || pb.XQ || !serves || it.r1 - it.r0 != 64 || pb.K % 32 != 0 ||
       (pb.kind != Kind::bf16 && pb.kind != Kind::int8))
     return false;
   thread_local std::vector<uint32_t> tile;
