@@ -553,9 +553,12 @@ def test_8bit_inputs_prefill_uses_the_kernel(int8_inputs, monkeypatch, bits):
     vnni = kernels.isa() == "avx512-bf16"
     limit = "INT4_DOT_PAIRS" if bits == 4 else "INT8_DOT_PAIRS" if vnni else "INT8_DOT_PAIRS_AVX2"
     assert kernels.int8_dot_limit("experts", bits, torch.float32) == getattr(kernels, limit)
-    # pairs per expert on average past the few-token limit (packed: 4; avx2's 64) and within the 8-bit-input one
-    T = 20 if vnni else 160
-    assert kernels.PAIRS_PER_EXPERT["packed" if vnni else "packed-avx2"] < T * 2 // 4 <= getattr(kernels, limit)
+    # pairs per expert on average past the few-token limit (packed: 4; avx2's 64; Zen 5's int4 16) and within the
+    # 8-bit-input one
+    stored = next(iter(experts.state_dict().values()))  # int8 weights or int4 codes
+    few = kernels.PAIRS_PER_EXPERT[kernels.eager_pairs_key(torch.zeros(1, 64), stored, packed=True)]
+    T = 2 * few + 4
+    assert few < T * 2 // 4 <= getattr(kernels, limit)
     x, r = torch.randn(T, 64), Routing(torch.rand(T, 2), routing(T, 2, 4, seed=5))
     calls = kernel_calls(monkeypatch)
     got = experts(x, r)
@@ -629,7 +632,8 @@ def test_2_3bit_experts_read_their_stored_codes_where_listed(int8_inputs, monkey
         assert widths == [bits] * 2
     # eager prompts to the kernel's limit for stored codes (kernels.stored_pairs), then dequantised from the codes: no
     # copy at any length, and past the limit the copy's own dequantised product
-    limit = kernels.stored_pairs(bits) or kernels.PAIRS_PER_EXPERT["packed-avx2" if kernels.isa() == "avx2" else "packed"]
+    limit = kernels.stored_pairs(bits) or kernels.PAIRS_PER_EXPERT[
+        kernels.eager_pairs_key(torch.zeros(1, 64), torch.zeros(1, 1, dtype=torch.uint8), packed=True)]
     for T in (2 * limit, 2 * limit + 2):  # 2 slots over 4 experts, all chosen: T / 2 pairs per expert on average
         x, r = torch.randn(T, 64), Routing(torch.rand(T, 2), routing(T, 2, 4, seed=T))
         widths.clear()
@@ -853,7 +857,8 @@ def test_eager_inference_on_few_tokens_uses_the_kernel(kind, isa, monkeypatch):
     avx2 = isa == "avx2"
     packed = "packed-avx2" if avx2 else "packed"
     key = {"bf16": "bf16" if dots else ("bf16-avx2" if avx2 else 16), "fp32": 16,
-           "int8": "int8" if dots else ("int8-avx2" if avx2 else packed), "int4": packed}[kind]
+           "int8": "int8" if dots else ("int8-avx2" if avx2 else packed),
+           "int4": "packed-zen5" if isa == "avx512-bf16" and kernels.zen5() else packed}[kind]
     limit = kernels.PAIRS_PER_EXPERT[key] * 4 // 2  # tokens at k=2, E=4
     calls = kernel_calls(monkeypatch)
     for T, uses in ((1, True), (limit, True), (limit + 1, False)):
@@ -1016,7 +1021,8 @@ def test_stored_codes_switch_keeps_no_working_copy(monkeypatch, bits, mlp):
     dequantised, real_dq = [], kernels.dequantize_packed
     monkeypatch.setattr(kernels, "dequantize_packed", lambda *a, **k: dequantised.append(a[2]) or real_dq(*a, **k))
     kernels.stored_codes(True)
-    limit = kernels.stored_pairs(bits) or kernels.PAIRS_PER_EXPERT["packed-avx2" if kernels.isa() == "avx2" else "packed"]
+    limit = kernels.stored_pairs(bits) or kernels.PAIRS_PER_EXPERT[
+        kernels.eager_pairs_key(torch.zeros(1, 64), torch.zeros(1, 1, dtype=torch.uint8), packed=True)]
     kernels.stored_codes(False)
     calls = {}
     for T in (5, 2 * limit, 2 * limit + 2):  # 2 slots over 4 experts (all chosen): T / 2 pairs per expert on average

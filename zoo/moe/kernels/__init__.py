@@ -57,7 +57,8 @@ MAX_TOKENS = 8  # a compiled step serves at most this many tokens from the kerne
 # against 16 at 64 / 128 / 256 tokens (16 / 32 / 64 pairs per expert) 1.83 / 2.31 / 1.19x, at 512 tokens the
 # kernel 0.94x (so 64); 3-bit experts 1.51 / 1.58 / 1.11x, 2-bit 1.17 / 1.67x at 64 / 128 tokens; int8 experts
 # limit 64 against 32 at 128 / 256 tokens 1.21 / 1.74x, 128 against 64 at 512 tokens 1.06x
-PAIRS_PER_EXPERT = {16: 8, "bf16": 24, "int8": 16, "packed": 4, "packed-avx2": 64, "bf16-avx2": 64, "int8-avx2": 128}
+PAIRS_PER_EXPERT = {16: 8, "bf16": 24, "int8": 16, "packed": 4, "packed-avx2": 64, "bf16-avx2": 64, "int8-avx2": 128,
+                    "packed-zen5": 16}
 # With 8-bit inputs (int8_inputs(True)) int4 experts take the kernel up to this many pairs per selected expert on
 # average, a prompt's prefill too (zoo.moe.quantized): its int8 dot products beat dequantising for a dense matmul
 # there (one [5632, 1024] expert, 2 threads: 2.6x at 16 rows, 1.4x at 128 and 256, 0.86x at 512; the 304M model's
@@ -67,6 +68,13 @@ INT4_DOT_PAIRS = 128
 # (the 304M model's 8 int8 experts [5632 | 1024], top-2, bf16, 2 threads, against torch's int8 matmuls: 2.2x at 12
 # pairs, 1.5x at 16, 1.0x at 20, 0.95x at 24 and 32)
 INT8_DOT_PAIRS = 16
+# Measured apart on AMD Zen 5 (family 0x1A: 512-bit datapaths) with the avx512-bf16 set, where the rules above were
+# measured on another AVX-512 processor. "packed-zen5": exact int4 experts (and 2/3-bit ones on their int4 copies)
+# take the kernel up to 16 pairs per expert, not 4: the 304M model's prefill, interleaved, limit 8 / 16 / 32 against
+# 4, int4 experts: 16 tokens 1.24 / 1.28 / 1.29x, 32: 1.09 / 1.22 / 1.23x, 64: 1.01 / 1.03 / 1.04x, 128: 1.01 /
+# 1.03 / 0.88x (every matrix int4: 1.46 / 1.51 / 1.52x at 16 tokens, the same beyond). ZEN5_INT8_TILE_PAIRS: int8
+# blocks on bf16 inputs take the kernel's tiles from 2 pairs (int8_tile_pairs)
+ZEN5_INT8_TILE_PAIRS = 2
 # On the avx2 set, where torch's int8 product is slow (no VNNI) and the exact alternative is the widened dense
 # matmul, int8 experts take the kernel with 8-bit inputs further: the 304M model's prefill (int8 everywhere, 2 threads,
 # AMD EPYC Zen 3, interleaved) 2.1x the exact path at 4-8 pairs per expert, 2.3x at 16, 2.0x at 32; against the
@@ -310,7 +318,27 @@ def load() -> bool:
         if _state["reason"] is not None and os.environ.get("ZOO_KERNELS", "1") != "0":
             warnings.warn(f"zoo's CPU expert kernel is not available ({_state['reason']}); decode uses torch's "
                           "kernels", stacklevel=2)
+        if _state["reason"] is None:
+            torch.ops.zoo.moe_gemv_int8_tile_pairs(_default_int8_tile_pairs())
     return _state["reason"] is None
+
+
+@functools.lru_cache(maxsize=None)
+def zen5() -> bool:
+    """Whether this is an AMD processor of family 0x1A (Zen 5), whose limits were measured apart (``ZEN5_*``,
+    ``PAIRS_PER_EXPERT["packed-zen5"]``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    fields = dict(line.split(":", 1) for line in head.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "26"
+
+
+def _default_int8_tile_pairs() -> int:
+    return ZEN5_INT8_TILE_PAIRS if zen5() and best_isa() == "avx512-bf16" else 0
 
 
 def bf16_dot_products(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -333,7 +361,9 @@ def eager_pairs_key(x: torch.Tensor, *weights: torch.Tensor, packed: bool = Fals
         return "int8"
     if int8 and avx2 and not int8_inputs_on():
         return "int8-avx2"
-    return "packed-avx2" if avx2 else "packed"
+    if avx2:
+        return "packed-avx2"
+    return "packed-zen5" if not int8 and isa() == "avx512-bf16" and zen5() else "packed"
 
 
 def ready() -> bool:
@@ -427,15 +457,16 @@ def subnormal_codes(on: Optional[bool] = None) -> bool:
 def int8_tile_pairs(pairs: Optional[int] = None) -> int:
     """From how many (token, input) pairs a block of int8 rows on bf16 inputs is multiplied through a tile of bf16
     pairs (several inputs per weight load) rather than row by row; 0: the kernel's rule for bf16 and int8 rows (from
-    16 pairs, from 8 where they pass L1). The default is the processor's: from 2 pairs on AMD Zen 5, where tiles beat
-    the rows from there (the 304M model with every matrix int8, 16-token prefill 1.52x; measurements beside
-    ``int8_tile_from`` in ``moe_gemv.cpp``), the rule elsewhere. ``int8_tile_pairs(n)`` sets it (tests,
-    measurements); ``-2`` restores the default. The two paths sum the same products in another order."""
+    16 pairs, from 8 where they pass L1). The default is the processor's: from 2 pairs on AMD Zen 5
+    (``ZEN5_INT8_TILE_PAIRS``), where tiles beat the rows from there (the 304M model with every matrix int8, prefill
+    interleaved, 1.48x at 16 tokens, 1.42x at 32, 1.13x at 64), the rule elsewhere. ``int8_tile_pairs(n)`` sets it
+    (tests, measurements); ``-2`` restores the default. The two paths sum the same products in another order."""
     if pairs is not None and (isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < -2):
         raise ValueError(f"int8_tile_pairs takes a count of pairs, 0 (the rule) or -2 (the default), got {pairs!r}")
     if not load():
         return 0
-    return int(torch.ops.zoo.moe_gemv_int8_tile_pairs(-1 if pairs is None else pairs))
+    want = -1 if pairs is None else _default_int8_tile_pairs() if pairs == -2 else pairs
+    return int(torch.ops.zoo.moe_gemv_int8_tile_pairs(want))
 
 
 def int8_inputs_on() -> bool:

@@ -26,7 +26,6 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define ZOO_X86 1
-#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -394,38 +393,16 @@ static bool subnormal_codes_on() {
 #endif
 }
 
-// The processor's family (cpuid leaf 1, the extended family added), for the rules measured on one family alone
-static int processor_family() {
-#ifdef ZOO_X86
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-  const int base = (a >> 8) & 0xf;
-  return base == 0xf ? base + int((a >> 20) & 0xff) : base;
-#else
-  return 0;
-#endif
-}
-
-// int8 blocks on bf16 inputs take a tile (run_on_tile) from this many pairs where measured to beat the rows kernel
-// earlier than tile_serves' rule: AMD Zen 5 (family 0x1A; 512-bit datapaths). There, the 304M model's 8 int8 experts,
-// 2 threads, tile against rows: [5632, 1024] 1.14x at 2 pairs, 1.24x at 4, 1.41x at 8; [1024, 2816] 0.92x at 2, 1.03x
-// at 4; the model with every matrix int8, prefill interleaved, tiles from 2 / 3 / 4 / 8 pairs against the rule:
-// 8 tokens 1.44 / 1.29 / 1.21 / 1.03x, 16: 1.52 / 1.42 / 1.34 / 1.13x, 32: 1.44 / 1.38 / 1.35 / 1.19x, 64: 1.11 /
-// 1.10 / 1.08 / 0.98x. 0: the rule (-1: not decided yet)
-static std::atomic<int> g_int8_tile_from{-1};
-static int int8_tile_from() {
-  if (g_int8_tile_from < 0) g_int8_tile_from = processor_family() == 0x1A && detect_isa() == 3 ? 2 : 0;
-  return g_int8_tile_from;
-}
+// int8 blocks on bf16 inputs take a tile (run_on_tile) from this many pairs; 0: tile_serves' rule. Set by the
+// Python side for the processors measured otherwise (zoo.moe.kernels.int8_tile_pairs)
+static std::atomic<int> g_int8_tile_from{0};
 
 #ifndef ZOO_KERNELS_STANDALONE
-// -1: the pairs from which int8 blocks take a tile (0: tile_serves' rule); 0: that rule; n >= 1: from n pairs; -2:
-// the processor's default again
+// -1: the pairs from which int8 blocks take a tile (0: tile_serves' rule); 0: that rule; n >= 1: from n pairs
 int64_t moe_gemv_int8_tile_pairs(int64_t want) {
-  TORCH_CHECK(want >= -2 && want <= 1 << 20, "moe_gemv_int8_tile_pairs takes -2, -1 or a count, got ", want);
+  TORCH_CHECK(want >= -1 && want <= 1 << 20, "moe_gemv_int8_tile_pairs takes -1 or a count, got ", want);
   if (want >= 0) g_int8_tile_from = int(want);
-  if (want == -2) g_int8_tile_from = -1;
-  return int8_tile_from();
+  return g_int8_tile_from;
 }
 
 // -1: whether the codes are read as subnormals (measured on first use); 0 / 1: turn it off / on; 2: measure again
@@ -650,7 +627,7 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
              int8_dot && !q_as_float ? xqs.data() : nullptr, xw.empty() ? nullptr : xw.data(),
              subnormals ? subnormal_x.data() : nullptr, subnormals ? unscale.data() : nullptr, Yp, in_rows.data(),
              out_rows.data()};
-  pb.int8_tile_from = int8_tile_from();
+  pb.int8_tile_from = g_int8_tile_from;
   run_all(pb, items);
   for (size_t i = 0; q_as_float && i < out_rows.size(); ++i)
     for (int64_t n = 0; n < N; ++n) Yp[out_rows[i] * N + n] *= xqs[in_rows[i]];
