@@ -156,6 +156,45 @@ def test_int8_tiles_from_few_pairs(isa, K):
             kernels.int8_tile_pairs(bad)
 
 
+@pytest.mark.parametrize("K", [64, 100, 1024])
+def test_int8_wide_rows_for_one_input(isa, K):
+    """int8_wide_rows: one-input int8 rows (decode) on an AVX-512 set widen 16 codes a step (the avx512 set's rows)
+    or two halves of 8 (the 256-bit code): the reference's result either way, bf16 and fp32 inputs, widths that are not
+    a multiple of 16; the path seen on a sum whose fp32 result depends on the order (2^24, ones, -2^24: each path's
+    lanes lose the ones added beside 2^24, every 64th input on 16 lanes, every 32nd on 8). Several pairs per expert
+    stay where they were; sets without AVX-512 ignore it. The default is the processor's (on for AMD Zen 5); bad
+    values are refused."""
+    default = kernels.int8_wide_rows()
+    assert default == (_zen5() or (kernels.zen5() and kernels.best_isa() == "avx512"))
+    S, N = 4, 96
+    w, s = stack(8, S, N, K)
+    one = torch.tensor([[0, 2]])  # one token: each expert one pair
+    ones = torch.ones(S, N, K, dtype=torch.int8), torch.ones(S, N, dtype=torch.bfloat16)
+    order = torch.ones(1, K)
+    order[0, 0], order[0, -1] = 2.0 ** 24, -2.0 ** 24
+    try:
+        for x in (torch.randn(1, K).bfloat16(), torch.randn(1, K), torch.randn(3, K).bfloat16()):
+            idx = one if len(x) == 1 else torch.tensor([[0, 1], [0, 1], [0, 2]])
+            want = kernels.moe_gemv_reference(x, idx, w, s, 8).float()
+            for on in (False, True):
+                assert kernels.int8_wide_rows(on) is on
+                torch.testing.assert_close(kernels.moe_gemv(x, idx, w, s, 8).float(), want, rtol=1e-2, atol=1e-3)
+        sums = {}
+        for on in (False, True):
+            kernels.int8_wide_rows(on)
+            sums[on] = (kernels.moe_gemv(order, one, *ones, 8).float(),
+                        kernels.moe_gemv(order.expand(3, K), torch.tensor([[0, 1]] * 3), *ones, 8).float())
+        wide = kernels.isa() in ("avx512", "avx512-bf16") and K >= 64
+        assert torch.equal(sums[True][0], sums[False][0]) is not wide, sums
+        assert torch.equal(sums[True][1], sums[False][1])  # three pairs an expert: not one input
+    finally:
+        kernels.int8_wide_rows(default)
+    assert kernels.int8_wide_rows() == default
+    for bad in (1, "on", 0.5):
+        with pytest.raises(ValueError, match="int8_wide_rows"):
+            kernels.int8_wide_rows(bad)
+
+
 @pytest.mark.parametrize("K", [64, 2048])
 @pytest.mark.parametrize("N", [128, 160])
 def test_many_pairs_on_int4_blocks(isa, K, N):

@@ -73,8 +73,11 @@ INT8_DOT_PAIRS = 16
 # take the kernel up to 16 pairs per expert, not 4: the 304M model's prefill, interleaved, limit 8 / 16 / 32 against
 # 4, int4 experts: 16 tokens 1.24 / 1.28 / 1.29x, 32: 1.09 / 1.22 / 1.23x, 64: 1.01 / 1.03 / 1.04x, 128: 1.01 /
 # 1.03 / 0.88x (every matrix int4: 1.46 / 1.51 / 1.52x at 16 tokens, the same beyond). ZEN5_INT8_TILE_PAIRS: int8
-# blocks on bf16 inputs take the kernel's tiles from 2 pairs (int8_tile_pairs)
+# blocks on bf16 inputs take the kernel's tiles from 2 pairs (int8_tile_pairs). ZEN5_INT8_WIDE_ROWS: one-input int8
+# rows (decode) widen 16 lanes rather than two 8-lane halves (int8_wide_rows): [5632, 1024] experts from memory, 2
+# threads, interleaved, at ~57 GB/s of read bandwidth 0.95 of it against 0.78
 ZEN5_INT8_TILE_PAIRS = 2
+ZEN5_INT8_WIDE_ROWS = True
 # On the avx2 set, where torch's int8 product is slow (no VNNI) and the exact alternative is the widened dense
 # matmul, int8 experts take the kernel with 8-bit inputs further: the 304M model's prefill (int8 everywhere, 2 threads,
 # AMD EPYC Zen 3, interleaved) 2.1x the exact path at 4-8 pairs per expert, 2.3x at 16, 2.0x at 32; against the
@@ -320,6 +323,7 @@ def load() -> bool:
                           "kernels", stacklevel=2)
         if _state["reason"] is None:
             torch.ops.zoo.moe_gemv_int8_tile_pairs(_default_int8_tile_pairs())
+            torch.ops.zoo.moe_gemv_int8_wide_rows(int(_default_int8_wide_rows()))
     return _state["reason"] is None
 
 
@@ -339,6 +343,10 @@ def zen5() -> bool:
 
 def _default_int8_tile_pairs() -> int:
     return ZEN5_INT8_TILE_PAIRS if zen5() and best_isa() == "avx512-bf16" else 0
+
+
+def _default_int8_wide_rows() -> bool:
+    return ZEN5_INT8_WIDE_ROWS and zen5() and best_isa() in ("avx512", "avx512-bf16")
 
 
 def bf16_dot_products(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -467,6 +475,19 @@ def int8_tile_pairs(pairs: Optional[int] = None) -> int:
         return 0
     want = -1 if pairs is None else _default_int8_tile_pairs() if pairs == -2 else pairs
     return int(torch.ops.zoo.moe_gemv_int8_tile_pairs(want))
+
+
+def int8_wide_rows(on: Optional[bool] = None) -> bool:
+    """Whether int8 rows of one input (decode, exact inputs) on an AVX-512 set widen 16 codes a step (the avx512
+    set's rows, asking for the weights ~8 KB ahead) rather than two halves of 8 on the 256-bit code. The default is
+    the processor's: on for AMD Zen 5 (``ZEN5_INT8_WIDE_ROWS``), whose 512-bit units are whole, off elsewhere (on
+    AMD Zen 4 the 256-bit code read 1.6x faster). ``int8_wide_rows(True)`` / ``(False)`` forces it (tests,
+    measurements); ``None`` asks. The two sum the same exact products in another order."""
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"int8_wide_rows takes True, False or None, got {on!r}")
+    if not load():
+        return False
+    return bool(torch.ops.zoo.moe_gemv_int8_wide_rows(-1 if on is None else int(on)))
 
 
 def int8_inputs_on() -> bool:

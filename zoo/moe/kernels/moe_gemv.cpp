@@ -397,7 +397,18 @@ static bool subnormal_codes_on() {
 // Python side for the processors measured otherwise (zoo.moe.kernels.int8_tile_pairs)
 static std::atomic<int> g_int8_tile_from{0};
 
+// int8 rows of one input (decode) on the avx512 set's 16 lanes rather than the 256-bit code, on AVX-512 processors.
+// Set by the Python side where measured faster (zoo.moe.kernels.int8_wide_rows)
+static std::atomic<bool> g_int8_wide_rows{false};
+
 #ifndef ZOO_KERNELS_STANDALONE
+// -1: whether one-input int8 rows take 16 lanes; 0 / 1: off / on
+int64_t moe_gemv_int8_wide_rows(int64_t want) {
+  TORCH_CHECK(want >= -1 && want <= 1, "moe_gemv_int8_wide_rows takes -1, 0 or 1, got ", want);
+  if (want >= 0) g_int8_wide_rows = want == 1;
+  return g_int8_wide_rows;
+}
+
 // -1: the pairs from which int8 blocks take a tile (0: tile_serves' rule); 0: that rule; n >= 1: from n pairs
 int64_t moe_gemv_int8_tile_pairs(int64_t want) {
   TORCH_CHECK(want >= -1 && want <= 1 << 20, "moe_gemv_int8_tile_pairs takes -1 or a count, got ", want);
@@ -432,15 +443,14 @@ static void run_all(const Problem& pb, const std::vector<Item>& items) {
   if (pb.kind == Kind::int8 && !pb.XQ && g_isa >= 2) {
     // with bf16 inputs, items of several inputs take bf16 dot products (measured 1.5-1.7x the 256-bit code at 4-8
     // inputs); one input stays on the 256-bit code, which reads at the machine's bandwidth already
-    std::vector<Item> several;
+    // (or, where int8_wide_rows is on, the avx512 set's 16 lanes: AMD Zen 5, whose 512-bit units are whole)
+    std::vector<Item> several, one, rest;
     for (const Item& it : items)
-      if (pb.XB && it.np > 1) several.push_back(it);
-    if (several.empty()) return avx2::run_items(pb, items);
-    std::vector<Item> one;
-    for (const Item& it : items)
-      if (it.np == 1) one.push_back(it);
-    avx512bf16::run_items(pb, several);
-    return avx2::run_items(pb, one);
+      (pb.XB && it.np > 1 ? several : it.np == 1 && g_int8_wide_rows ? one : rest).push_back(it);
+    if (!several.empty()) avx512bf16::run_items(pb, several);
+    if (!one.empty()) avx512::run_items(pb, one);
+    if (!rest.empty()) avx2::run_items(pb, rest);
+    return;
   }
 #endif
   switch (g_isa) {
@@ -789,6 +799,7 @@ TORCH_LIBRARY_FRAGMENT(zoo, m) {
   m.def("moe_gemv_int8_inputs(int want) -> int");
   m.def("moe_gemv_subnormal_codes(int want) -> int");
   m.def("moe_gemv_int8_tile_pairs(int want) -> int");
+  m.def("moe_gemv_int8_wide_rows(int want) -> int");
   m.def("dequantize_int4(Tensor weight, Tensor scale, int group_size, ScalarType dtype) -> Tensor");
   m.def("dequantize_packed(Tensor weight, Tensor scale, int bits, int group_size, ScalarType dtype) -> Tensor");
   m.def("lowbit_gemm(Tensor x, Tensor weight, Tensor scale, int bits, int group_size) -> Tensor");
@@ -806,5 +817,6 @@ TORCH_LIBRARY_IMPL(zoo, CompositeExplicitAutograd, m) {
   m.impl("moe_gemv_int8_inputs", &zoo_kernels::moe_gemv_int8_inputs);
   m.impl("moe_gemv_subnormal_codes", &zoo_kernels::moe_gemv_subnormal_codes);
   m.impl("moe_gemv_int8_tile_pairs", &zoo_kernels::moe_gemv_int8_tile_pairs);
+  m.impl("moe_gemv_int8_wide_rows", &zoo_kernels::moe_gemv_int8_wide_rows);
 }
 #endif
