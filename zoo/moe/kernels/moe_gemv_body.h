@@ -235,13 +235,17 @@ static float round_to_8_bits(const float* x, int64_t K, int offset, uint8_t* q) 
 
 // int8 weights times 8-bit inputs (stored q + 128, unsigned, as vpdpbusd takes them): 64 products a step summed
 // exactly in int32 lanes; a second vpdpbusd with ones sums the row's weights, to take off the 128 * sum(w) the
-// offset adds: y = (sum((q + 128) w) - 128 sum(w)) * input scale * row scale.
+// offset adds: y = (sum((q + 128) w) - 128 sum(w)) * input scale * row scale. AMD Zen 5, [5632, 1024] / [1024, 2816]
+// experts from memory, interleaved, one input, the rows ~8 KB ahead asked for against none: one thread 1.13 / 1.05x,
+// two at ~40 GB/s 1.03 / 0.96x (4 KB: 1.08 / 1.06x, 1.06 / 0.98x)
 template <int NP>
 static void rows_int8_dot(const int8_t* w, const Scales& sc, int64_t K, int64_t r0, int64_t r1,
                           const uint8_t* const* xs, const float* xscale, float* const* ys) {
   const __m512i ones = _mm512_set1_epi8(1);
+  const int64_t ahead = (8192 + K - 1) / K;  // rows: one or two inputs ask for the weights ~8 KB ahead
   for (int64_t r = r0; r < r1; ++r) {
     const int8_t* wr = w + r * K;
+    if constexpr (NP <= 2) prefetch_bytes(wr + ahead * K, K);
     __m512i a[NP], s = _mm512_setzero_si512();
     for (int p = 0; p < NP; ++p) a[p] = _mm512_setzero_si512();
     int64_t k = 0;
