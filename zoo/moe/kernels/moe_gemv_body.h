@@ -796,8 +796,13 @@ static void rows_packed16(const uint8_t* w, const Scales& sc, int64_t K, int64_t
   const vw8 base8 = BITS == 2 ? vw8{0, 0, 0, 0, 0, 0, 0, 0} : vw8{0, 0, 0, 0, 12, 12, 12, 12};
   RowScales rs;
   row_scales<NP>(sc, G, r0, r1, sxs, rs);
+  // one or two inputs ask for the row ~8 KB ahead: AMD Zen 5, [5632, 1024] / [1024, 2816] experts from memory,
+  // interleaved, 2 threads: 3-bit 2.3 / 2.2x (0.42 / 0.56 of the machine's read bandwidth at 43-53 GB/s), 2-bit 1.15
+  // / 1.15x; one thread 2.4 / 2.4x and 1.14 / 1.18x (2 KB ahead: about the same). (The rows were waiting on memory.)
+  const int64_t row_bytes = K * BITS / 8, ahead = (8192 + row_bytes - 1) / row_bytes;  // rows
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* wp = w + r * (K * BITS / 8);
+    if constexpr (NP <= 2) prefetch_bytes(wp + ahead * row_bytes, row_bytes);
     __m512 acc[A][NP];
     vf8 acc8[NP];
     for (int p = 0; p < NP; ++p) {
