@@ -519,7 +519,9 @@ def packed_stack_with_codes(bits, g, N=48, K=192):
 def test_packed_rows_every_group_layout(isa, bits, g, T):
     """2/3-bit rows on float inputs, against the dequantised reference within fp32 rounding: groups of whole chunk
     pairs (the 16-lane path's steps), groups ending in an odd chunk (96), single-chunk groups (32); 1..8 inputs on
-    one expert (the kernel's accumulator layouts differ by count), an input per slot, fp32 and bf16 scales."""
+    one expert (the kernel's accumulator layouts differ by count), an input per slot, fp32 and bf16 scales. bf16
+    inputs too (on avx512-bf16 the codes' own kernel on bf16 dot products, whose last step of a row reads only its
+    own bytes): within the outputs' bf16 rounding of the reference on the same inputs in fp32."""
     w, sz, _ = packed_stack_with_codes(bits, g)
     slot_of = torch.tensor([0, 2, 1, -1])
     idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.arange(T) % 3 + 1, torch.full((T,), 4)], 1)
@@ -529,6 +531,11 @@ def test_packed_rows_every_group_layout(isa, bits, g, T):
         for scale in (sz, sz.float()):
             got = kernels.moe_gemv(x, idx, w, scale, bits, g, slot_of)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        xb = x.bfloat16()
+        want = kernels.moe_gemv_reference(xb.float(), idx, w, sz, bits, g, slot_of)
+        got = kernels.moe_gemv(xb, idx, w, sz, bits, g, slot_of)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-4 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("bits", [2, 3])
@@ -1117,3 +1124,32 @@ def test_compiled_greedy_reads_linear_layers_with_the_kernel(monkeypatch):
     assert (1, 128, 64) in calls  # the LM head, as a one-expert stack, traced into the compiled step
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_packed_rows_read_nothing_past_the_stack(isa, bits):
+    """2/3-bit rows whose stack ends where the process's memory does (the next page unreadable, as past the end of a
+    mapped checkpoint): the last row's last step reads its own bytes only, on every set and for bf16 and fp32
+    inputs (a read past them would end the process), and the result is the reference's."""
+    import ctypes
+    import mmap
+
+    w, sz, _ = packed_stack_with_codes(bits, 32, N=16, K=64)
+    page = mmap.PAGESIZE
+    raw = w.flatten().view(torch.uint8)
+    area = mmap.mmap(-1, 2 * page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    assert libc.mprotect(ctypes.c_void_p(base + page), page, 0) == 0  # PROT_NONE
+    try:
+        held = torch.frombuffer(area, dtype=torch.uint8, count=raw.numel(), offset=page - raw.numel())
+        held.copy_(raw)
+        at_the_end = held.view(w.dtype).view(w.shape)
+        idx = torch.tensor([[2, 0]])
+        for x in (torch.randn(1, 64).bfloat16(), torch.randn(1, 64)):
+            got = kernels.moe_gemv(x, idx, at_the_end, sz, bits, 32)
+            torch.testing.assert_close(got.float(), kernels.moe_gemv(x, idx, w, sz, bits, 32).float(), rtol=0, atol=0)
+    finally:
+        libc.mprotect(ctypes.c_void_p(base + page), page, mmap.PROT_READ | mmap.PROT_WRITE)
+        del held, at_the_end
+        area.close()

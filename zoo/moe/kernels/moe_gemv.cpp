@@ -521,9 +521,9 @@ struct Call {
 static void moe_gemv_rows(const Call& c, float* Yp) {
   const auto& [kind, bits, group_size, T, k, K, N, per_slot, x, f32, idx, slot_map, w, expert_bytes, sc] = c;
   const int64_t rows = per_slot ? T * k : T, E = int64_t(slot_map.size());
-  // bf16 weights, int8 weights and int4 codes times bf16 inputs on bf16 dot products: the inputs are read as they
-  // are (int4 also needs them in fp32, for the per-group sums and the tail rows; int8 for one-input items)
-  const bool bf16_dot = g_isa == 3 && (kind == Kind::bf16 || kind == Kind::int4 || kind == Kind::int8) && !f32;
+  // bf16 weights, int8 weights and int4 / 3-bit codes times bf16 inputs on bf16 dot products: the inputs are read as
+  // they are (codes also need them in fp32, for the per-group sums and the tail rows; int8 for one-input items)
+  const bool bf16_dot = g_isa == 3 && !f32 && kind != Kind::f32 && kind != Kind::int2;
   // 8-bit inputs: q = round(x / s) in [-127, 127] with s = max|x| / 127 per row, for vpdpbusd's signed operand
   // (2/3/4-bit codes are its unsigned one) or stored q + 128 as its unsigned operand (int8 weights are the signed
   // one; AVX2 takes q as it is, rows_int8_dot there). AVX2 has no 8-bit kernel for 2-bit rows outside steps of 256:

@@ -843,6 +843,92 @@ static void rows_packed16(const uint8_t* w, const Scales& sc, int64_t K, int64_t
 }
 #endif
 
+#ifdef ZOO_BF16_DOT
+// 2- or 3-bit codes times bf16 inputs on vdpbf16ps, in the inputs' own order: a step's 32 codes (4 BITS bytes) are
+// 32 bf16 words, code k + i in word i. Each 128-bit lane takes 8 codes, whose BITS bytes start at byte BITS l of a
+// 16-byte load broadcast to the four lanes; vpshufb puts the two bytes around code i's bits in word i, a per-word
+// shift brings the code down and vpermw looks it up as bf16 (it reads an index's low 5 bits: the table repeats the
+// 2^BITS codes). Codes and bf16 inputs are exact in bf16, their products in fp32: the same products as
+// rows_packed16's, per group summed, times the scale, plus the zero terms (row_scales) at the end.
+template <int BITS>
+struct PackedBf16 {
+  __m512i pick, shift, table;
+  PackedBf16() {
+    alignas(64) uint8_t pk[64];
+    alignas(64) uint16_t sh[32], tb[32];
+    for (int l = 0; l < 4; ++l)
+      for (int j = 0; j < 8; ++j) {
+        pk[16 * l + 2 * j] = uint8_t(BITS * l + BITS * j / 8);
+        pk[16 * l + 2 * j + 1] = uint8_t(BITS * l + BITS * j / 8 + 1);
+        sh[8 * l + j] = uint16_t(BITS * j % 8);
+      }
+    for (int i = 0; i < 32; ++i) {  // small integers: their bf16 is the top half of their fp32
+      const float f = float(i & ((1 << BITS) - 1));
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      tb[i] = uint16_t(u >> 16);
+    }
+    pick = _mm512_load_si512(pk), shift = _mm512_load_si512(sh), table = _mm512_load_si512(tb);
+  }
+  // the 32 codes at b; whole: 16 bytes from b may be read (else only the step's 4 BITS)
+  __m512bh words(const uint8_t* b, bool whole) const {
+    const __m128i v = whole ? _mm_loadu_si128((const __m128i*)b) : _mm_maskz_loadu_epi8(__mmask16((1 << (4 * BITS)) - 1), b);
+    const __m512i q = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(v), pick);
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(q, shift), table);
+  }
+};
+
+template <int NP, int BITS>
+static void rows_packed_bf16(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                             const uint16_t* const* xb, const float* const* sxs, float* const* ys) {
+  const PackedBf16<BITS> pb;
+  const int64_t R = r1 - r0, G = K / g, row_bytes = K * BITS / 8, ahead = (8192 + row_bytes - 1) / row_bytes;
+  RowScales rs;
+  row_scales<NP>(sc, G, r0, r1, sxs, rs);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wp = w + r * row_bytes;
+    if constexpr (NP <= 2) prefetch_bytes(wp + ahead * row_bytes, row_bytes);
+    // two sums per input and group, two per input across groups (alternate groups): no add waits on the one before
+    // (each indexed by constants only, so that they stay in registers)
+    __m512 acc0[NP], acc1[NP];
+    for (int p = 0; p < NP; ++p) acc0[p] = acc1[p] = _mm512_setzero_ps();
+    const float* scale = rs.s + (r - r0);
+    // a group's steps at b (its codes) and k (its first input); WHOLE: every step may read 16 bytes
+    auto group = [&](const uint8_t* b, int64_t k, float s, __m512* acc, auto whole) {
+      __m512 ga0[NP], ga1[NP];
+      for (int p = 0; p < NP; ++p) ga0[p] = ga1[p] = _mm512_setzero_ps();
+      const uint8_t* end = b + g * BITS / 8;
+      for (; b + 8 * BITS <= end; b += 8 * BITS, k += 64) {
+        const __m512bh q0 = pb.words(b, whole || b + 16 <= wp + row_bytes);
+        const __m512bh q1 = pb.words(b + 4 * BITS, whole || b + 4 * BITS + 16 <= wp + row_bytes);
+        for (int p = 0; p < NP; ++p) {
+          ga0[p] = _mm512_dpbf16_ps(ga0[p], q0, (__m512bh)_mm512_loadu_si512(xb[p] + k));
+          ga1[p] = _mm512_dpbf16_ps(ga1[p], q1, (__m512bh)_mm512_loadu_si512(xb[p] + k + 32));
+        }
+      }
+      if (b < end) {  // an odd last step (groups of 32 inputs, 96, ...)
+        const __m512bh q = pb.words(b, whole || b + 16 <= wp + row_bytes);
+        for (int p = 0; p < NP; ++p) ga0[p] = _mm512_dpbf16_ps(ga0[p], q, (__m512bh)_mm512_loadu_si512(xb[p] + k));
+      }
+      const __m512 sv = _mm512_set1_ps(s);
+      for (int p = 0; p < NP; ++p) acc[p] = _mm512_fmadd_ps(_mm512_add_ps(ga0[p], ga1[p]), sv, acc[p]);
+    };
+    // the groups before the last read 16 bytes at each step unchecked: a step's own 4 BITS bytes and the last
+    // group's (8 at least, g >= 32) follow it in the row; the last one or two groups check
+    const int64_t group_bytes = g * BITS / 8;
+    int64_t gi = 0;
+    const uint8_t* b = wp;
+    for (; gi + 2 < G; gi += 2, b += 2 * group_bytes) {
+      group(b, gi * g, scale[gi * R], acc0, std::true_type{});
+      group(b + group_bytes, (gi + 1) * g, scale[(gi + 1) * R], acc1, std::true_type{});
+    }
+    for (; gi < G; ++gi, b += group_bytes) group(b, gi * g, scale[gi * R], acc0, std::false_type{});
+    for (int p = 0; p < NP; ++p)
+      ys[p][r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[p], acc1[p])) + rs.zt[p * R + r - r0];
+  }
+}
+#endif
+
 #ifdef ZOO_VNNI
 // 2- or 3-bit codes times 8-bit inputs q (signed; x ~ q * input scale) on vpdpbusd, the codes (0..7) the unsigned
 // operand: a chunk pair's 64 codes expanded to 64 bytes in registers, one vpdpbusd per input, exact int32 dots per
@@ -1554,6 +1640,14 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
           }
 #endif
         }
+        break;
+      }
+#endif
+#ifdef ZOO_BF16_DOT
+      if (pb.XB && pb.kind == Kind::int3) {  // (2-bit rows: rows_packed16 measured 1.07x this kernel)
+        const uint16_t* xbs[8];
+        for (int p = 0; p < np; ++p) xbs[p] = pb.XB + in_row[p] * pb.K;
+        ZOO_NP((rows_packed_bf16<NP, 3>(w, sc, pb.K, pb.g, it.r0, it.r1, xbs, sxs, ys)));
         break;
       }
 #endif
