@@ -112,7 +112,9 @@ LINEAR_ROWS_AVX2 = {4: 64, 8: 128}
 # bf16), 2 threads, AMD EPYC Zen 3, the two forms taking turns, both decode steps compiled ahead of time, stored
 # against copy: 2-bit with 8-bit inputs decode 1.02x, prefill at 16 / 128 tokens 1.06 / 1.20x, the same tokens, and
 # no copy (which takes 2x the 2-bit codes' memory); 2-bit exact decode 0.90x (prefill 0.78 / 0.71x), 3-bit with 8-bit
-# inputs 0.88x (0.81 / 0.63x), 3-bit exact 0.75x (0.80 / 0.70x). Not measured on the AVX-512 sets: the copy serves.
+# inputs 0.88x (0.81 / 0.63x), 3-bit exact 0.75x (0.80 / 0.70x). On AMD Zen 5 (avx512-bf16, with stored 3-bit codes on
+# bf16 dot products): decode 2-bit exact / 8-bit inputs 0.74 / 0.93x, 3-bit 0.77 / 0.47x; prefill at 16 tokens 0.56 /
+# 1.02x and 0.74 / 0.58x, at 128-512 tokens 0.38-0.73x (each expert dequantised per call): the copy serves there.
 # With STORED_PAIRS_AVX2 (another run): 2-bit with 8-bit inputs prefill at 256 / 512 tokens 1.21 / 1.52x. 3-bit with
 # 8-bit inputs after its rows took 6 inputs and more as bytes (rows_int3_bytes): decode 0.90x, prefill at 16 / 128 /
 # 256 / 512 tokens 0.89 / 0.90 / 0.85 / 0.94x (0.75 / 0.67 / 0.80 / 1.04x before, the limit then 64): still the copy.
