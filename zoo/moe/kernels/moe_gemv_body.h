@@ -849,7 +849,7 @@ static void rows_packed16(const uint8_t* w, const Scales& sc, int64_t K, int64_t
 // 16-byte load broadcast to the four lanes; vpshufb puts the two bytes around code i's bits in word i, a per-word
 // shift brings the code down and vpermw looks it up as bf16 (it reads an index's low 5 bits: the table repeats the
 // 2^BITS codes). Codes and bf16 inputs are exact in bf16, their products in fp32: the same products as
-// rows_packed16's, per group summed, times the scale, plus the zero terms (row_scales) at the end.
+// rows_packed16's, per group summed, times the scale, plus the zero terms (row_scales) at the end. Used for 3 bits.
 template <int BITS>
 struct PackedBf16 {
   __m512i pick, shift, table;
@@ -872,7 +872,8 @@ struct PackedBf16 {
   }
   // the 32 codes at b; whole: 16 bytes from b may be read (else only the step's 4 BITS)
   __m512bh words(const uint8_t* b, bool whole) const {
-    const __m128i v = whole ? _mm_loadu_si128((const __m128i*)b) : _mm_maskz_loadu_epi8(__mmask16((1 << (4 * BITS)) - 1), b);
+    const __m128i v = whole ? _mm_loadu_si128((const __m128i*)b)
+                            : _mm_maskz_loadu_epi8(__mmask16((1 << (4 * BITS)) - 1), b);
     const __m512i q = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(v), pick);
     return (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(q, shift), table);
   }
@@ -1644,7 +1645,7 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
       }
 #endif
 #ifdef ZOO_BF16_DOT
-      if (pb.XB && pb.kind == Kind::int3) {  // (2-bit rows: rows_packed16 measured 1.07x this kernel)
+      if (pb.XB && pb.kind == Kind::int3) {  // (2-bit rows stay on rows_packed16: this kernel ran 0.93-1.00x it)
         const uint16_t* xbs[8];
         for (int p = 0; p < np; ++p) xbs[p] = pb.XB + in_row[p] * pb.K;
         ZOO_NP((rows_packed_bf16<NP, 3>(w, sc, pb.K, pb.g, it.r0, it.r1, xbs, sxs, ys)));
