@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from zoo.moe import kernels
+from zoo.moe.packing import pack
 from zoo.moe.quantized import quantize_grouped, quantize_int8
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"kernel unavailable: {kernels.unavailable_reason()}")
@@ -536,6 +537,40 @@ def test_packed_rows_every_group_layout(isa, bits, g, T):
         got = kernels.moe_gemv(xb, idx, w, sz, bits, g, slot_of)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("g,K", [(32, 1024), (64, 1280), (64, 512), (128, 768), (256, 512), (512, 1024)])
+@pytest.mark.parametrize("N", [64, 80, 70])
+@pytest.mark.parametrize("T", [1, 2, 3, 8])
+def test_2bit_bf16_inputs_256_a_step(isa, g, K, N, T):
+    """2 bits times bf16 inputs, K a multiple of 256 and g dividing 256 or a multiple of it: on avx512-bf16 the codes'
+    bf16 dot-product kernel, 256 codes a step (rows_int2_bf16: 8, 4, 2, 1 groups a step, groups of several steps;
+    each row's scales put together by 16 x 16 blocks and one by one: items of 64, 16 and 6 rows), 1..8 inputs on one
+    expert and an input per slot: within the outputs' bf16 rounding of the reference on the same inputs in fp32.
+    The path seen on a sum whose fp32 result depends on the order (2^100 at code 0, -2^100 at code 16, ones, every
+    weight 1): its lanes 0 and 1 (codes 16 l..16 l + 15 of each step) hold them to the row's last add, which loses
+    every one (0); the float kernel loses fewer."""
+    w, sz, _ = packed_stack_with_codes(2, g, N, K)
+    slot_of = torch.tensor([0, 2, 1, -1])
+    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.arange(T) % 3 + 1, torch.full((T,), 4)], 1)
+    gen = torch.Generator().manual_seed(T + N)
+    for x in (torch.randn(T, K, generator=gen), torch.randn(T, 3, K, generator=gen)):
+        xb = x.bfloat16()
+        want = kernels.moe_gemv_reference(xb.float(), idx, w, sz, 2, g, slot_of)
+        got = kernels.moe_gemv(xb, idx, w, sz, 2, g, slot_of)
+        torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-4 * float(want.abs().max()))
+    ones = torch.stack([pack(torch.ones(N, K, dtype=torch.int32), 2)] * 3)
+    one_eight = torch.zeros_like(sz)
+    one_eight[..., 0], one_eight[..., 1] = 1, 8  # w = (code - 8) * 1 + 8 = 1
+    order = torch.ones(1, K)
+    order[0, 0], order[0, 16] = 2.0 ** 100, -2.0 ** 100
+    lost = kernels.moe_gemv(order.bfloat16(), torch.tensor([[0, 2]]), ones, one_eight, 2, g).float()
+    kept = kernels.moe_gemv(order, torch.tensor([[0, 2]]), ones, one_eight, 2, g)
+    assert bool((kept > 0).all()), kept
+    if isa == "avx512-bf16":
+        assert bool((lost == 0).all()), lost
+    else:  # the float kernel on both
+        assert torch.equal(lost, kept.bfloat16().float())
 
 
 @pytest.mark.parametrize("bits", [2, 3])
@@ -1126,15 +1161,16 @@ def test_compiled_greedy_reads_linear_layers_with_the_kernel(monkeypatch):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
 
 
-@pytest.mark.parametrize("bits", [2, 3])
-def test_packed_rows_read_nothing_past_the_stack(isa, bits):
+@pytest.mark.parametrize("bits,K", [(2, 64), (3, 64), (2, 256)])
+def test_packed_rows_read_nothing_past_the_stack(isa, bits, K):
     """2/3-bit rows whose stack ends where the process's memory does (the next page unreadable, as past the end of a
     mapped checkpoint): the last row's last step reads its own bytes only, on every set and for bf16 and fp32
-    inputs (a read past them would end the process), and the result is the reference's."""
+    inputs (a read past them would end the process; 2 bits at K = 256: a step of 256 codes), and the result is the
+    reference's."""
     import ctypes
     import mmap
 
-    w, sz, _ = packed_stack_with_codes(bits, 32, N=16, K=64)
+    w, sz, _ = packed_stack_with_codes(bits, 32, N=16, K=K)
     page = mmap.PAGESIZE
     raw = w.flatten().view(torch.uint8)
     area = mmap.mmap(-1, 2 * page)
@@ -1146,7 +1182,7 @@ def test_packed_rows_read_nothing_past_the_stack(isa, bits):
         held.copy_(raw)
         at_the_end = held.view(w.dtype).view(w.shape)
         idx = torch.tensor([[2, 0]])
-        for x in (torch.randn(1, 64).bfloat16(), torch.randn(1, 64)):
+        for x in (torch.randn(1, K).bfloat16(), torch.randn(1, K)):
             got = kernels.moe_gemv(x, idx, at_the_end, sz, bits, 32)
             torch.testing.assert_close(got.float(), kernels.moe_gemv(x, idx, w, sz, bits, 32).float(), rtol=0, atol=0)
     finally:

@@ -521,9 +521,11 @@ struct Call {
 static void moe_gemv_rows(const Call& c, float* Yp) {
   const auto& [kind, bits, group_size, T, k, K, N, per_slot, x, f32, idx, slot_map, w, expert_bytes, sc] = c;
   const int64_t rows = per_slot ? T * k : T, E = int64_t(slot_map.size());
-  // bf16 weights, int8 weights and int4 / 3-bit codes times bf16 inputs on bf16 dot products: the inputs are read as
-  // they are (codes also need them in fp32, for the per-group sums and the tail rows; int8 for one-input items)
-  const bool bf16_dot = g_isa == 3 && !f32 && kind != Kind::f32 && kind != Kind::int2;
+  // bf16 weights, int8 weights, int4 / 3-bit codes and 2-bit codes in steps of 256 times bf16 inputs on bf16 dot
+  // products: the inputs are read as they are, 2-bit codes' permuted (codes also need them in fp32, for the
+  // per-group sums and the tail rows; int8 for one-input items)
+  const bool bf16_dot = g_isa == 3 && !f32 && kind != Kind::f32 &&
+                        (kind != Kind::int2 || int2_steps_of_256(K, group_size));
   // 8-bit inputs: q = round(x / s) in [-127, 127] with s = max|x| / 127 per row, for vpdpbusd's signed operand
   // (2/3/4-bit codes are its unsigned one) or stored q + 128 as its unsigned operand (int8 weights are the signed
   // one; AVX2 takes q as it is, rows_int8_dot there). AVX2 has no 8-bit kernel for 2-bit rows outside steps of 256:
@@ -553,6 +555,16 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
     for (int64_t i = 0; i < rows * K; ++i) qf[i] = float(int8_t(xq[i]));
     Xp = qf.data();
   }
+  std::vector<uint16_t> xb_permuted;
+  if (bf16_dot && kind == Kind::int2 && !int8_dot) {
+    // layout 4 (rows_int2_bf16): per 256 inputs, pass j's 32 words, word w <- input 8 w + j
+    xb_permuted.resize(rows * K);
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k0 = 0; k0 < K; k0 += 256)
+        for (int j = 0; j < 8; ++j)
+          for (int i = 0; i < 32; ++i) xb_permuted[r * K + k0 + 32 * j + i] = xb[r * K + k0 + 8 * i + j];
+  }
   std::vector<uint8_t> xq_permuted;
   std::vector<int16_t> xw;
   if (kind == Kind::int3 && int8_dot && g_isa == 1) {  // (and XQ in layout 2 below, for rows_int3_bytes)
@@ -572,7 +584,7 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
       for (int64_t r = 0; r < rows; ++r)
         permute_for_packed(xq.data() + r * K, xq_permuted.data() + r * K, K, group_size, int(bits), 2);
     }
-  } else if (kind == Kind::int2 || kind == Kind::int3) {
+  } else if ((kind == Kind::int2 || kind == Kind::int3) && !bf16_dot) {  // (bf16 dot products read XB)
     permuted.resize(rows * K);
     const int layout = g_isa >= 2 ? 1 : 0;  // the AVX-512 sets read 16 lanes
     for (int64_t r = 0; r < rows; ++r)
@@ -632,7 +644,8 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
   for (int64_t p : unread) std::memset(Yp + p * N, 0, N * sizeof(float));
   Problem pb{kind, w, expert_bytes, sc, N, K, group_size,
              permuted.empty() ? Xp : permuted.data(), sums.empty() ? nullptr : sums.data(),
-             bf16_dot ? static_cast<const uint16_t*>(x) : nullptr,
+             xb_permuted.empty() ? (bf16_dot && kind != Kind::int2 ? static_cast<const uint16_t*>(x) : nullptr)
+                                 : xb_permuted.data(),
              int8_dot && !q_as_float ? (xq_permuted.empty() ? xq.data() : xq_permuted.data()) : nullptr,
              int8_dot && !q_as_float ? xqs.data() : nullptr, xw.empty() ? nullptr : xw.data(),
              subnormals ? subnormal_x.data() : nullptr, subnormals ? unscale.data() : nullptr, Yp, in_rows.data(),

@@ -943,7 +943,8 @@ static void rows_packed_bf16(const uint8_t* w, const Scales& sc, int64_t K, int6
 // 2 bits: the 16 bytes broadcast to the four 128-bit lanes, lane s shifted by 2 s: byte 16 s + j = code 4 j + s.
 // 3 bits: 128-bit lane l takes codes 16 l..16 l+15 (bytes 6 l..6 l+5): each 16-bit lane gathers the two bytes
 // around one code (a byte shuffle) and shifts it down (vpsrlvw); byte 2 i of lane l = code 16 l + i, byte 2 i + 1
-// = code 16 l + 8 + i.
+// = code 16 l + 8 + i. One or two inputs ask for the row ~8 KB ahead (AMD Zen 5, interleaved, [5632, 1024] /
+// [1024, 2816] experts, g = 64, 3 bits: 2.5 / 2.2x on two threads, 2.6 / 2.6x on one: the rows had waited on memory).
 template <int BITS>
 static inline __m512i codes_as_bytes(const uint8_t* b, bool pair) {
   if (BITS == 2) {
@@ -975,8 +976,10 @@ static void rows_packed_dot(const uint8_t* w, const Scales& sc, int64_t K, int64
   const bool odd = g % 64 != 0;
   RowScales rs;
   row_scales<NP>(sc, G, r0, r1, sxs, rs);
+  const int64_t ahead = rows_ahead(K * BITS / 8);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* wp = w + r * (K * BITS / 8);
+    if constexpr (NP <= 2) prefetch_bytes(wp + ahead * (K * BITS / 8), K * BITS / 8);
     __m512 acc0[NP], acc1[NP];  // two chains, alternating groups (a group of 64 is one vpdpbusd: the FMA would wait)
     for (int p = 0; p < NP; ++p) acc0[p] = acc1[p] = _mm512_setzero_ps();
     int64_t k = 0;
@@ -1031,23 +1034,12 @@ static void rows_packed_dot(const uint8_t* w, const Scales& sc, int64_t K, int64
 }
 #endif
 
-#ifdef ZOO_VNNI
-// 2-bit codes times 8-bit inputs, 256 codes (64 bytes, one load) a step: byte i holds codes 4 i + j at bits 2 j, so
-// pass j takes (bytes >> 2 j) & 3 against the inputs q[4 i + j] (layout 3), four vpdpbusd into one int32 vector whose
-// lane l sums codes 16 l..16 l + 15 of the step, all of one group (g divides 256 or 256 divides g); the step's sums
-// are scaled per lane (each lane its group's scale) into the fp32 accumulator. Against rows_packed_dot: one unpack
-// load per 256 codes instead of four broadcasts, and one scaling per 256 codes instead of one per group of 64.
-template <int NP>
-static void rows_int2_dot256(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
-                             const int8_t* const* xs, const float* const* sxs, const float* xscale,
-                             float* const* ys) {
-  const int64_t R = r1 - r0, G = K / g;
-  RowScales rs;
-  row_scales<NP>(sc, G, r0, r1, sxs, rs);
-  // each row's group scales together (row_scales keeps them per group): 16 x 16 blocks transposed in registers,
-  // the rest one by one
+#ifdef ZOO_BF16_DOT
+// Each row's group scales together (row_scales keeps them per group, R apart): 16 x 16 blocks transposed in
+// registers, the rest one by one. For the kernels that scale each lane of a 256-code step by its own group's scale.
+static const float* scales_by_row16(const RowScales& rs, int64_t R, int64_t G) {
   thread_local std::vector<float> own;
-  own.resize(R * G + 16);
+  own.resize(R * G + 16);  // (+16: a step reads 16 scales from its first group, past the last row's end)
   const int64_t R16 = R / 16 * 16, G16 = G / 16 * 16;
   for (int64_t i0 = 0; i0 < R16; i0 += 16)
     for (int64_t g0 = 0; g0 < G16; g0 += 16) {
@@ -1058,16 +1050,95 @@ static void rows_int2_dot256(const uint8_t* w, const Scales& sc, int64_t K, int6
     }
   for (int64_t i = 0; i < R; ++i)
     for (int64_t gi = i < R16 ? G16 : 0; gi < G; ++gi) own[i * G + gi] = rs.s[gi * R + i];
-  thread_local std::vector<int32_t> first;  // each step's first group
+  return own.data();
+}
+
+// The 256-code steps' groups (g divides 256 or 256 divides g): each step's first, and lane l's counted from it
+// (lane l sums codes 16 l..16 l + 15 of the step)
+static const int32_t* step_first_groups(int64_t K, int64_t g) {
+  thread_local std::vector<int32_t> first;
   first.resize(K / 256);
   for (int64_t k = 0; k < K; k += 256) first[k / 256] = int32_t(k / g);
-  alignas(64) int32_t lane_group[16];  // lane l's group, counted from the step's first
+  return first.data();
+}
+static inline __m512i step_lane_groups(int64_t g) {
+  alignas(64) int32_t lane_group[16];
   for (int l = 0; l < 16; ++l) lane_group[l] = int32_t(g <= 256 ? 16 * l / g : 0);
-  const __m512i groups = _mm512_load_si512(lane_group);
-  const __m512i three = _mm512_set1_epi8(3);
+  return _mm512_load_si512(lane_group);
+}
+
+// 2-bit codes times bf16 inputs on vdpbf16ps, 256 codes (64 bytes, one load) a step, as rows_int2_dot256 takes them:
+// 16-bit word w holds codes 8 w + j at bits 2 j, so pass j shifts the words right by 2 j and looks the low 5 bits up
+// as bf16 (vpermw: the table repeats the 4 codes), against the inputs q[8 w + j] (layout 4: pass j's 32 words, word
+// w <- input 8 w + j). Three instructions per 32 codes, no shuffle; lane l of the step's fp32 sums holds codes
+// 16 l..16 l + 15, all of one group, scaled per lane into the accumulator; the zero terms (row_scales) at the end.
+// Codes and bf16 inputs are exact in bf16, their products in fp32: the products rows_packed16 sums.
+template <int NP>
+static void rows_int2_bf16(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                           const uint16_t* const* xb, const float* const* sxs, float* const* ys) {
+  const int64_t R = r1 - r0, G = K / g, row_bytes = K / 4, ahead = rows_ahead(row_bytes);
+  RowScales rs;
+  row_scales<NP>(sc, G, r0, r1, sxs, rs);
+  const float* own = scales_by_row16(rs, R, G);
+  const int32_t* first = step_first_groups(K, g);
+  alignas(64) uint16_t tb[32];
+  for (int i = 0; i < 32; ++i) {  // small integers: their bf16 is the top half of their fp32
+    const float f = float(i & 3);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    tb[i] = uint16_t(u >> 16);
+  }
+  const __m512i table = _mm512_load_si512(tb), groups = step_lane_groups(g);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wp = w + r * row_bytes;
+    if constexpr (NP <= 2) prefetch_bytes(wp + ahead * row_bytes, row_bytes);
+    const float* srow = own + (r - r0) * G;
+    __m512 acc[NP];
+    for (int p = 0; p < NP; ++p) acc[p] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 256, wp += 64) {
+      const __m512i v = _mm512_loadu_si512(wp);
+      __m512 d0[NP], d1[NP];  // passes 0..3 and 4..7: two chains
+      for (int p = 0; p < NP; ++p) d0[p] = d1[p] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512bh q0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 2 * j), table);
+        const __m512bh q1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 2 * j + 8), table);
+        for (int p = 0; p < NP; ++p) {
+          d0[p] = _mm512_dpbf16_ps(d0[p], q0, (__m512bh)_mm512_loadu_si512(xb[p] + k + 32 * j));
+          d1[p] = _mm512_dpbf16_ps(d1[p], q1, (__m512bh)_mm512_loadu_si512(xb[p] + k + 32 * j + 128));
+        }
+      }
+      const __m512 vs = _mm512_permutexvar_ps(groups, _mm512_loadu_ps(srow + first[k >> 8]));
+      for (int p = 0; p < NP; ++p) acc[p] = _mm512_fmadd_ps(_mm512_add_ps(d0[p], d1[p]), vs, acc[p]);
+    }
+    for (int p = 0; p < NP; ++p) ys[p][r] = _mm512_reduce_add_ps(acc[p]) + rs.zt[p * R + r - r0];
+  }
+}
+#endif
+
+#ifdef ZOO_VNNI
+// 2-bit codes times 8-bit inputs, 256 codes (64 bytes, one load) a step: byte i holds codes 4 i + j at bits 2 j, so
+// pass j takes (bytes >> 2 j) & 3 against the inputs q[4 i + j] (layout 3), four vpdpbusd into one int32 vector whose
+// lane l sums codes 16 l..16 l + 15 of the step, all of one group (g divides 256 or 256 divides g); the step's sums
+// are scaled per lane (each lane its group's scale) into the fp32 accumulator. Against rows_packed_dot: one unpack
+// load per 256 codes instead of four broadcasts, and one scaling per 256 codes instead of one per group of 64. One or
+// two inputs ask for the row ~8 KB ahead (AMD Zen 5, interleaved, [5632, 1024] / [1024, 2816] experts, g = 64: 1.29
+// / 1.04x on two threads, 1.29 / 1.12x on one).
+template <int NP>
+static void rows_int2_dot256(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                             const int8_t* const* xs, const float* const* sxs, const float* xscale,
+                             float* const* ys) {
+  const int64_t R = r1 - r0, G = K / g;
+  RowScales rs;
+  row_scales<NP>(sc, G, r0, r1, sxs, rs);
+  const float* own = scales_by_row16(rs, R, G);
+  const int32_t* first = step_first_groups(K, g);
+  const __m512i groups = step_lane_groups(g), three = _mm512_set1_epi8(3);
+  const int64_t ahead = rows_ahead(K / 4);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* wp = w + r * (K / 4);
-    const float* srow = own.data() + (r - r0) * G;
+    if constexpr (NP <= 2) prefetch_bytes(wp + ahead * (K / 4), K / 4);
+    const float* srow = own + (r - r0) * G;
     __m512 acc[NP];
     for (int p = 0; p < NP; ++p) acc[p] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 256, wp += 64) {
@@ -1649,10 +1720,14 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
       }
 #endif
 #ifdef ZOO_BF16_DOT
-      if (pb.XB && pb.kind == Kind::int3) {  // (2-bit rows stay on rows_packed16: this kernel ran 0.93-1.00x it)
+      if (pb.XB) {  // 2 bits: in steps of 256 only (moe_gemv_rows)
         const uint16_t* xbs[8];
         for (int p = 0; p < np; ++p) xbs[p] = pb.XB + in_row[p] * pb.K;
-        ZOO_NP((rows_packed_bf16<NP, 3>(w, sc, pb.K, pb.g, it.r0, it.r1, xbs, sxs, ys)));
+        if (pb.kind == Kind::int2) {
+          ZOO_NP((rows_int2_bf16<NP>(w, sc, pb.K, pb.g, it.r0, it.r1, xbs, sxs, ys)));
+        } else {
+          ZOO_NP((rows_packed_bf16<NP, 3>(w, sc, pb.K, pb.g, it.r0, it.r1, xbs, sxs, ys)));
+        }
         break;
       }
 #endif
