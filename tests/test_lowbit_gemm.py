@@ -1,7 +1,7 @@
-"""zoo::lowbit_gemm (zoo/moe/kernels/lowbit_gemm.h): prefill on int8 / int4 weights through tiles widened in the
-cache, against the naive reference (the dequantised weight's fp32 matmul), for every row count around the kernel's
-steps, group sizes, scale dtypes; its refusals; and the prefill paths that take it (quantized experts and linear
-layers on bf16 inputs) against the path they replace."""
+"""zoo::lowbit_gemm (zoo/moe/kernels/lowbit_gemm.h): prefill on int8 / int4 / 2/3-bit weights through tiles widened
+in the cache, against the naive reference (the dequantised weight's fp32 matmul), for every row count around the
+kernel's steps, group sizes, scale dtypes; its refusals; and the prefill paths that take it (quantized experts and
+linear layers on bf16 inputs) against the path they replace."""
 import pytest
 import torch
 
@@ -20,18 +20,18 @@ def weight(bits, N, K, g=64, seed=0, scale_dtype=torch.float32):
         q, s = quantize_int8(w)[:2]
         s = s.to(scale_dtype)
         return q, s, q.float() * s.float()[:, None]
-    q, s = quantize_grouped(w, g, 4)[:2]
+    q, s = quantize_grouped(w, g, bits)[:2]
     s = s.to(scale_dtype)
-    return q, s, dequantize(4, q, s, (N, K), g).float()
+    return q, s, dequantize(bits, q, s, (N, K), g).float()
 
 
 def reference(x, dense):
     """What the kernel computes: bf16 inputs times the weight as bf16 pairs multiply (int4: the dequantised weight
-    rounded to bf16, as the dense path rounds it; int8: the codes, exact), summed in fp32."""
+    rounded to bf16, as the dense path rounds it, 2/3 bits too; int8: the codes, exact), summed in fp32."""
     return x.float() @ dense.t()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
 @pytest.mark.parametrize("M", [1, 5, 6, 7, 13, 64])
 @torch.no_grad()
 def test_matches_reference(bits, M):
@@ -40,7 +40,7 @@ def test_matches_reference(bits, M):
     x = torch.randn(M, K).bfloat16()
     got = kernels.lowbit_gemm(x, q, s, bits, 64)
     assert got.dtype == torch.bfloat16 and got.shape == (M, N)
-    want = reference(x, dense.bfloat16().float() if bits == 4 else q.float()) * (s.float()[:, None].t()
+    want = reference(x, dense.bfloat16().float() if bits != 8 else q.float()) * (s.float()[:, None].t()
                                                                               if bits == 8 else 1)
     # one rounding of the fp32 sum to bf16 (sums of 256 products differ only in order)
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-3)
@@ -59,6 +59,50 @@ def test_int4_groups_and_scale_dtypes_equal_the_dense_path(g, scale_dtype):
                                rtol=2 ** -8, atol=1e-3)
 
 
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("g", [32, 64, 96, 128])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_packed_codes_groups_and_scale_dtypes_equal_the_dense_path(bits, g, scale_dtype):
+    """2/3-bit codes packed along each row (3 bits: 32 codes in 12 bytes), groups of one and several 32-code steps:
+    the tile holds the weights dequantize_packed makes in bf16 (each row's table per group), so the product equals
+    the dense path's up to the order of the fp32 sums; the rows past the first block too (N = 192)."""
+    K = 384 if g == 128 else 576
+    q, s, _ = weight(bits, 192, K, g, seed=bits, scale_dtype=scale_dtype)
+    x = torch.randn(13, K).bfloat16()
+    dense = kernels.dequantize_packed(q, s, bits, g, torch.bfloat16)
+    torch.testing.assert_close(kernels.lowbit_gemm(x, q, s, bits, g).float(), reference(x, dense.float()),
+                               rtol=2 ** -8, atol=1e-3)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@torch.no_grad()
+def test_packed_codes_read_nothing_past_the_matrix(bits):
+    """Codes whose matrix ends where the process's memory does (the next page unreadable, as past the end of a
+    mapped checkpoint): the last row's last 32 codes read their own bytes only (a read past them would end the
+    process), and the product is the one in ordinary memory."""
+    import ctypes
+    import mmap
+
+    q, s, _ = weight(bits, 64, 128, 32)
+    page = mmap.PAGESIZE
+    raw = q.flatten()
+    area = mmap.mmap(-1, 2 * page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    assert libc.mprotect(ctypes.c_void_p(base + page), page, 0) == 0  # PROT_NONE
+    try:
+        held = torch.frombuffer(area, dtype=torch.uint8, count=raw.numel(), offset=page - raw.numel())
+        held.copy_(raw)
+        at_the_end = held.view(q.shape)
+        x = torch.randn(3, 128).bfloat16()
+        assert torch.equal(kernels.lowbit_gemm(x, at_the_end, s, bits, 32), kernels.lowbit_gemm(x, q, s, bits, 32))
+    finally:
+        libc.mprotect(ctypes.c_void_p(base + page), page, mmap.PROT_READ | mmap.PROT_WRITE)
+        del held, at_the_end
+        area.close()
+
+
 @torch.no_grad()
 def test_int8_scales_multiply_the_fp32_sums():
     q, s, _ = weight(8, 64, 96, scale_dtype=torch.bfloat16)
@@ -73,7 +117,8 @@ def test_refuses_bad_input_and_other_sets():
     x = torch.randn(2, 128).bfloat16()
     for args, match in [((x.float(), q8, s8, 8, 0), "bfloat16"), ((x, q8[:48], s8[:48], 8, 0), "divisible by 64"),
                         ((x, q4, s4, 4, 48), "group_size"), ((x, q8, s8[:32], 8, 0), "scales"),
-                        ((x, q4, s4, 3, 64), "bits"), ((x[:, :96], q8, s8, 8, 0), "bfloat16 \\[M, K\\]")]:
+                        ((x, q4, s4, 5, 64), "bits must be"), ((x, q4[:, :63], s4, 3, 64), "packed codes"),
+                        ((x[:, :96], q8, s8, 8, 0), "bfloat16 \\[M, K\\]")]:
         with pytest.raises(RuntimeError, match=match):
             kernels.lowbit_gemm(*args)
     before = kernels.isa()
@@ -93,17 +138,20 @@ def test_fits_only_where_it_serves():
         assert kernels.lowbit_gemm_fits(x, q, 8, 0) and kernels.lowbit_gemm_fits(x, q, 4, 64)
         assert not kernels.lowbit_gemm_fits(x.float(), q, 8, 0)  # fp32 inputs: the dense path keeps them exact
         assert not kernels.lowbit_gemm_fits(x, q[:32], 8, 0)
-        assert not kernels.lowbit_gemm_fits(x, q, 4, 48) and not kernels.lowbit_gemm_fits(x, q, 3, 64)
+        assert kernels.lowbit_gemm_fits(x, q, 3, 64) and kernels.lowbit_gemm_fits(x, q, 2, 32)
+        assert not kernels.lowbit_gemm_fits(x, q, 4, 48) and not kernels.lowbit_gemm_fits(x, q, 3, 48)
+        assert not kernels.lowbit_gemm_fits(x, q, 5, 64)
         with kernels.turned_off():
             assert not kernels.lowbit_gemm_fits(x, q, 8, 0)
     assert not kernels.lowbit_gemm_fits(x, q, 8, 0)  # autograd on
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
 @torch.no_grad()
 def test_quantized_experts_prefill_takes_it_and_matches_the_dense_path(bits, monkeypatch):
     """A bf16 prompt through quantized experts (past the few-token kernel) goes through lowbit_gemm, and gives the
-    dense path's output (the dequantised bf16 weight's matmul) within bf16 rounding."""
+    dense path's output (the dequantised bf16 weight's matmul) within bf16 rounding; 2/3-bit experts read as stored
+    (stored_codes) too, on their own codes."""
     from zoo.moe import Routing
     from zoo.moe.experts import SwiGLUExperts
     from zoo.moe.quantized import QuantizedExperts
@@ -119,8 +167,12 @@ def test_quantized_experts_prefill_takes_it_and_matches_the_dense_path(bits, mon
     r = Routing(torch.rand(T, 2), idx)
     calls = []
     real = kernels.lowbit_gemm
-    monkeypatch.setattr(kernels, "lowbit_gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(kernels, "lowbit_gemm", lambda *a: calls.append((a[0].shape[0], a[3])) or real(*a))
+    if bits in (2, 3):
+        monkeypatch.setitem(kernels._state, "stored_codes", True)
     got = experts(x, r)
+    assert {b for _, b in calls} == {bits}  # 2/3 bits: their own codes, not the int4 copy
+    calls = [n for n, _ in calls]
     assert calls and sum(calls) == 2 * T * 2  # every (token, slot) pair through gate_up, then down
     monkeypatch.setattr(kernels, "lowbit_gemm_fits", lambda *a: False)
     before = experts(x, r)

@@ -23,21 +23,27 @@ from zoo.moe.experts import ACTIVATIONS
 PREFILL_ROWS = 16  # from this many rows, an int8 weight converted to the activations' dtype multiplies faster
 # from this many bf16 rows, kernels.lowbit_gemm's tiles beat torch's int8 / int4 kernels (one [5632, 1024] matrix,
 # 2 threads: int4 0.64 against 0.68 ms at 8 rows, 0.70 against 1.00 at 12; int8 1.04 against 1.08 at 12, 0.96
-# against 0.84 at 8); below it torch's low-bit kernels, and for a few tokens zoo::moe_gemv, serve
-TILE_ROWS = {8: 12, 4: 8}
+# against 0.84 at 8); below it torch's low-bit kernels, and for a few tokens zoo::moe_gemv, serve. 2/3-bit codes read
+# as stored take the tiles from one row: against dequantize_packed and a bf16 matmul 7.2 / 6.7 / 3.6x (2 bits) and
+# 8.9 / 8.5 / 3.4x (3 bits) at 1 / 4 / 32 rows (the same matrix, g = 64, AMD Zen 5, interleaved)
+TILE_ROWS = {8: 12, 4: 8, 3: 1, 2: 1}
 
 
 def kernel_linear(x, q, scale, bits: int, group_size: int) -> torch.Tensor:
-    """x [n, K] @ W.T on torch's kernel for an int8 or int4-packed W (no autograd; a 2/3-bit W read as stored is
-    dequantised). Many rows of int8 (prefill): the weight converted to x's dtype and torch's dense matmul, which is
-    compute-efficient where the int8 kernel is not (256-token prefill on the 304M benchmark model: 347 -> 1016 tok/s;
-    bf16 1350)."""
+    """x [n, K] @ W.T on torch's kernel for an int8 or int4-packed W (no autograd; a 2/3-bit W read as stored goes
+    through lowbit_gemm's tiles on bf16 inputs, else is dequantised). Many rows of int8 (prefill): the weight
+    converted to x's dtype and torch's dense matmul, which is compute-efficient where the int8 kernel is not
+    (256-token prefill on the 304M benchmark model: 347 -> 1016 tok/s; bf16 1350)."""
     from zoo.moe.packing import dequantize, torch_packs_int4_alike
 
     if x.device.type != "cpu" or bits in (2, 3):
         # these packed kernels are CPU int4/int8 ones: elsewhere, and for 2/3-bit codes read as stored (no int4 working
         # copy: kernels.reads_stored_codes), the dequantized weight's matmul (on the CPU dequantised by the zoo's kernel)
         xd, = at_matmul_dtype(x)
+        if (x.shape[0] >= TILE_ROWS[bits] and q.is_contiguous() and scale.is_contiguous()
+                and kernels.lowbit_gemm_fits(x, q, bits, group_size)):
+            # bf16 inputs: each block of the codes dequantised into a tile in the cache and multiplied there
+            return kernels.lowbit_gemm(x.contiguous(), q, scale, bits, group_size)
         if x.device.type == "cpu" and kernels.ready() and q.is_contiguous() and scale.is_contiguous():
             w = kernels.dequantize_packed(q, scale, bits, group_size, xd.dtype)
         else:

@@ -280,7 +280,8 @@ def _fake_lowbit_gemm(x, weight, scale, bits, group_size):
 def lowbit_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int = 64
                 ) -> torch.Tensor:
     """``x @ W.T`` for bf16 inputs ``x [M, K]`` (many rows: prefill) and ``W [N, K]`` stored as int8 rows with
-    scales ``[N]`` (``bits=8``) or in torch's CPU int4 pack with ``(scale, zero)`` pairs ``[K/g, N, 2]`` (4): each
+    scales ``[N]`` (``bits=8``), or in torch's CPU int4 pack (4) or as 2/3-bit codes packed along each row (2, 3)
+    with ``(scale, zero)`` pairs ``[K/g, N, 2]``: each
     64-row block turned into bf16 in a tile that stays in the cache and multiplied there on bf16 dot products. The
     sums a bf16 matmul on the dequantised weight makes, without that weight's bf16 copy in memory (int8's scales
     multiply the fp32 sums: rounded once). Needs the ``avx512-bf16`` set and N divisible by 64
@@ -290,9 +291,10 @@ def lowbit_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bits
 
 def lowbit_gemm_fits(x: torch.Tensor, weight: torch.Tensor, bits: int, group_size: int) -> bool:
     """Whether ``lowbit_gemm`` serves this call: the kernels loaded on the set with bf16 dot products, bf16 inputs on
-    the CPU, no autograd, whole 64-row blocks, inputs a multiple of 32 (int4: groups of a multiple of 32)."""
+    the CPU, no autograd, whole 64-row blocks, inputs a multiple of 32 (int4, 3, 2 bits: groups of a multiple of
+    32)."""
     K = x.shape[-1]
-    return (bits in (8, 4) and ready() and not torch.compiler.is_compiling() and x.dtype == torch.bfloat16
+    return (bits in (8, 4, 3, 2) and ready() and not torch.compiler.is_compiling() and x.dtype == torch.bfloat16
             and x.device.type == "cpu" and not torch.is_grad_enabled() and weight.shape[0] % 64 == 0 and K % 32 == 0
             and (bits == 8 or (group_size % 32 == 0 and K % group_size == 0)) and isa() == "avx512-bf16")
 

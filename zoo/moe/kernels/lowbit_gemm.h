@@ -1,5 +1,6 @@
-// Prefill on int8 / int4 weights without a dequantised copy in memory: zoo::lowbit_gemm, y = x @ W.T for many rows of
-// bf16 inputs x [M, K] and one matrix stored as int8 rows with a scale per row, or in torch's CPU int4 pack. The dense
+// Prefill on int8 / int4 / 2/3-bit weights without a dequantised copy in memory: zoo::lowbit_gemm, y = x @ W.T for
+// many rows of bf16 inputs x [M, K] and one matrix stored as int8 rows with a scale per row, in torch's CPU int4 pack
+// or as 2/3-bit codes packed along each row (zoo.moe.packing). The dense
 // path (the weight converted to bf16, then a bf16 matmul) writes the whole bf16 weight to memory and reads it back,
 // 2x (int8) or 4x (int4) the stored bytes twice; here each block of 64 output rows is turned into a tile that stays
 // in the cache (K/2 x 64 pairs of bf16: 128 KB at K = 1024) and every input row is multiplied by it there, with
@@ -10,7 +11,8 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")
 namespace gemm_bf16 {
 
-// bits 8: w int8 [N, K], sc one scale per row; 4: torch's int4 pack, sc (scale, zero) per group
+// bits 8: w int8 [N, K], sc one scale per row; 4: torch's int4 pack, 2 / 3: codes packed densely along each row;
+// sc (scale, zero) per group
 static void lowbit_gemm(const uint16_t* x, int64_t M, const void* w, int bits, const Scales& sc, int64_t N, int64_t K,
                         int64_t g, uint16_t* y) {
   at::parallel_for(0, N / 64, 1, [&](int64_t begin, int64_t end) {
@@ -20,8 +22,12 @@ static void lowbit_gemm(const uint16_t* x, int64_t M, const void* w, int bits, c
       if (bits == 8) {
         int8_tile(static_cast<const int8_t*>(w) + b * 64 * K, K, tile.data());
         for (int n = 0; n < 64; ++n) rs[n] = sc.at(b * 64 + n);
-      } else {
+      } else if (bits == 4) {
         dequant_tile(static_cast<const uint8_t*>(w) + b * 64 * K / 2, sc, K, g, b * 64, tile.data());
+      } else if (bits == 3) {
+        packed_tile<3>(static_cast<const uint8_t*>(w) + b * 64 * K * 3 / 8, sc, K, g, b * 64, tile.data());
+      } else {
+        packed_tile<2>(static_cast<const uint8_t*>(w) + b * 64 * K / 4, sc, K, g, b * 64, tile.data());
       }
       const uint16_t* xs[TOKENS];
       uint16_t* ys[TOKENS];
@@ -39,17 +45,19 @@ static void lowbit_gemm(const uint16_t* x, int64_t M, const void* w, int bits, c
 #endif  // ZOO_X86
 
 // zoo::lowbit_gemm: x [M, K] bf16 @ W.T -> [M, N] bf16, W [N, K] stored as int8 rows with scales [N] (bits 8), or
-// in torch's int4 pack with (scale, zero) pairs [K/g, N, 2] (bits 4). Only where the set in use has bf16 dot products
-// and N is a multiple of 64 (zoo.moe.in_place asks first).
+// in torch's int4 pack (bits 4) or 2/3-bit codes packed along each row (bits 2, 3) with (scale, zero) pairs
+// [K/g, N, 2]. Only where the set in use has bf16 dot products and N is a multiple of 64 (zoo.moe.in_place asks
+// first).
 at::Tensor lowbit_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, int64_t bits,
                        int64_t group_size) {
   TORCH_CHECK(g_isa == 3, "lowbit_gemm needs bf16 dot products (the avx512-bf16 set); the set in use is ", g_isa);
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 3 || bits == 2, "bits must be 8, 4, 3 or 2, got ", bits);
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
-              bits == 8 ? "weight must be a contiguous int8 [N, K]"
-                        : "weight must be a contiguous uint8 [N, K/2] int4 pack");
-  const int64_t N = weight.size(0), K = weight.size(1) * (bits == 8 ? 1 : 2), M = x.size(0);
+                  weight.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && weight.size(1) * 8 % bits == 0,
+              bits == 8   ? "weight must be a contiguous int8 [N, K]"
+              : bits == 4 ? "weight must be a contiguous uint8 [N, K/2] int4 pack"
+                          : "weight must be a contiguous uint8 [N, K * bits / 8] of packed codes");
+  const int64_t N = weight.size(0), K = weight.size(1) * 8 / bits, M = x.size(0);
   TORCH_CHECK(N % 64 == 0 && K % 32 == 0, "N must be divisible by 64 and K by 32");
   TORCH_CHECK(bits == 8 || (group_size >= 32 && group_size % 32 == 0 && K % group_size == 0),
               "group_size must be a multiple of 32 dividing K");
@@ -57,7 +65,7 @@ at::Tensor lowbit_gemm(const at::Tensor& x, const at::Tensor& weight, const at::
               "x must be contiguous bfloat16 [M, K]");
   TORCH_CHECK(scale.is_contiguous() && scale.numel() == (bits == 8 ? N : K / group_size * N * 2) &&
                   (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16),
-              "scales must be contiguous float32/bfloat16: [N] (8 bits), [K/g, N, 2] (4 bits)");
+              "scales must be contiguous float32/bfloat16: [N] (8 bits), [K/g, N, 2] (4, 3, 2 bits)");
   const Scales sc = Scales::of(scale, N);
   at::Tensor y = at::empty({M, N}, x.options());
 #ifdef ZOO_X86

@@ -91,6 +91,50 @@ static void int8_tile(const int8_t* blk, int64_t K, uint32_t* tile) {
     }
 }
 
+// One 64-row block of 2- or 3-bit codes packed densely along each row (zoo.moe.packing) dequantised into the tile:
+// per group, each row's 2^BITS weights w = q s + (z - 8 s) rounded to bf16 as dequant_tile rounds them, a table of
+// 32 words (the 2^BITS repeated); then per row 32 codes (4 BITS bytes) at a time, their bytes broadcast to the
+// 128-bit lanes, vpshufb putting the two bytes around code i in word i, a per-word shift bringing it down and
+// vpermw looking it up in the row's table (it reads the low 5 bits): the row's 32 weights in order, so pairs
+// (k + 2j, k + 2j + 1) in 32-bit words, transposed as int8_tile's. Loads are masked to the 32 codes' own bytes (a
+// row may end the allocation).
+template <int BITS>
+static void packed_tile(const uint8_t* blk, const Scales& sc, int64_t K, int64_t g, int64_t n0, uint32_t* tile) {
+  const int64_t row_bytes = K * BITS / 8;
+  alignas(64) uint8_t pk[64];
+  alignas(64) uint16_t sh[32];
+  for (int l = 0; l < 4; ++l)  // 128-bit lane l: codes 8 l..8 l + 7, from byte BITS l on
+    for (int j = 0; j < 8; ++j) {
+      pk[16 * l + 2 * j] = uint8_t(BITS * l + BITS * j / 8);
+      pk[16 * l + 2 * j + 1] = uint8_t(BITS * l + BITS * j / 8 + 1);
+      sh[8 * l + j] = uint16_t(BITS * j % 8);
+    }
+  const __m512i pick = _mm512_load_si512(pk), shift = _mm512_load_si512(sh);
+  const __m512 codes = _mm512_cvtepi32_ps(
+      _mm512_and_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                       _mm512_set1_epi32((1 << BITS) - 1)));  // lane i: code i % 2^BITS
+  const __mmask16 chunk = __mmask16((1u << (4 * BITS)) - 1);
+  __m512i tables[64];  // the block's rows' weights in the current group
+  for (int64_t k = 0; k < K; k += 32) {
+    if (k % g == 0)
+      for (int n = 0; n < 64; ++n) {
+        const float sv = sc.scale(k / g, n0 + n);
+        const __m512 w = _mm512_fmadd_ps(codes, _mm512_set1_ps(sv), _mm512_set1_ps(sc.zero(k / g, n0 + n) - 8 * sv));
+        tables[n] = (__m512i)_mm512_cvtne2ps_pbh(w, w);
+      }
+    for (int c = 0; c < 4; ++c) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int n = 16 * c + i;
+        const __m512i v = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8(chunk, blk + n * row_bytes + k * BITS / 8));
+        r[i] = _mm512_permutexvar_epi16(_mm512_srlv_epi16(_mm512_shuffle_epi8(v, pick), shift), tables[n]);
+      }
+      transpose16(r);  // r[j]: the pair j of rows 16c..16c+15
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(tile + (k / 2 + j) * 64 + 16 * c, r[j]);
+    }
+  }
+}
+
 // One 64-row block of bf16 rows [64, K] as the tile: each row's pair (k, k + 1) is already one 32-bit word, so the
 // tile is the block's words transposed, 16 rows x 16 words at a time
 static void bf16_tile(const uint16_t* blk, int64_t K, uint32_t* tile) {
