@@ -668,12 +668,12 @@ def test_2_3bit_experts_read_their_stored_codes_where_listed(int8_inputs, monkey
     the kernel their stored codes: no int4 working copy is built, the kernel is called with their own width, and the
     outputs are the copy's (the same integer dots per group, summed in another order); elsewhere the copy serves. A
     compiled step past kernels.MAX_TOKENS tokens takes the kernel on the stored codes too (torch's int4 path would
-    need the copy). The shipped table: 2-bit with 8-bit inputs on avx2 only (exact inputs: the copy)."""
+    need the copy). The shipped table: 2-bit with 8-bit inputs on avx2 and avx512-bf16 (exact inputs: the copy)."""
     from zoo.moe import Routing
     from zoo.moe.experts import MLPExperts, SwiGLUExperts
     from zoo.moe.quantized import QuantizedExperts, QuantizedMLPExperts
 
-    assert kernels.reads_stored_codes(bits) == (kernels.isa() == "avx2" and bits == 2)
+    assert kernels.reads_stored_codes(bits) == (kernels.isa() in ("avx2", "avx512-bf16") and bits == 2)
     kernels.int8_inputs(False)
     assert not kernels.reads_stored_codes(bits)
     kernels.int8_inputs(True)

@@ -118,7 +118,12 @@ LINEAR_ROWS_AVX2 = {4: 64, 8: 128}
 # With STORED_PAIRS_AVX2 (another run): 2-bit with 8-bit inputs prefill at 256 / 512 tokens 1.21 / 1.52x. 3-bit with
 # 8-bit inputs after its rows took 6 inputs and more as bytes (rows_int3_bytes): decode 0.90x, prefill at 16 / 128 /
 # 256 / 512 tokens 0.89 / 0.90 / 0.85 / 0.94x (0.75 / 0.67 / 0.80 / 1.04x before, the limit then 64): still the copy.
-STORED_CODES = {"avx2": {(2, True)}}
+# Zen 5 again, after 2-bit rows on bf16 dot products (rows_int2_bf16), the VNNI rows' prefetch and the stored codes'
+# own lowbit_gemm tiles (past the kernel's limit; each expert had been dequantised per call), three runs: 2-bit with
+# 8-bit inputs decode 1.13 / 1.18 / 1.18x, prefill at 16 tokens 1.01 / 0.98 / 1.07x, at 128 / 256 / 512 tokens
+# 0.93-0.96 / 0.97 / 0.97-0.99x, the same tokens, and no copy: listed; 2-bit exact decode 0.96 / 1.11 / 1.10x but
+# prefill at 16 tokens 0.79-0.92x, 3-bit exact 0.76-0.89x, 3-bit with 8-bit inputs 0.78-0.92x: the copy serves.
+STORED_CODES = {"avx2": {(2, True)}, "avx512-bf16": {(2, True)}}
 
 
 # Eager calls on 2/3-bit codes read as stored (reads_stored_codes) on the avx2 set: (bits, 8-bit inputs) -> the most
@@ -437,8 +442,8 @@ def stored_codes(on: Optional[bool] = None) -> bool:
     """Whether 2/3-bit experts are multiplied in their stored form on every call: by the kernel (decode, short
     prompts), dequantised per call past it (long prompts), never through the int4 working copy they otherwise keep.
     Memory first: the copy takes twice the 2-bit codes' memory and 4/3 of the 3-bit ones'; the speeds are
-    ``benchmarks/stored_codes.py``'s (faster only for 2-bit with 8-bit inputs on the avx2 set, which ``STORED_CODES``
-    reads so anyway; elsewhere 0.6-1.05x the copy).
+    ``benchmarks/stored_codes.py``'s (faster only for 2-bit with 8-bit inputs, on the avx2 and avx512-bf16 sets,
+    which ``STORED_CODES`` reads so anyway; elsewhere 0.6-1.1x the copy).
     ``stored_codes(True)`` / ``(False)`` turns it on / off (on: ValueError where the kernels are unavailable: torch's
     int4 kernels need the copy); off by default. It applies to copies not yet built: set it before the model runs."""
     if on is not None and not isinstance(on, bool):
