@@ -1072,7 +1072,7 @@ static inline __m512i step_lane_groups(int64_t g) {
 
 // 2-bit codes times bf16 inputs on vdpbf16ps, 256 codes (64 bytes, one load) a step, as rows_int2_dot256 takes them:
 // 16-bit word w holds codes 8 w + j at bits 2 j, so pass j shifts the words right by 2 j and looks the low 5 bits up
-// as bf16 (vpermw: the table repeats the 4 codes), against the inputs q[8 w + j] (layout 4: pass j's 32 words, word
+// as bf16 (vpermw: the table repeats the 4 codes), against the inputs x[8 w + j] (layout 4: pass j's 32 words, word
 // w <- input 8 w + j). Three instructions per 32 codes, no shuffle; lane l of the step's fp32 sums holds codes
 // 16 l..16 l + 15, all of one group, scaled per lane into the accumulator; the zero terms (row_scales) at the end.
 // Codes and bf16 inputs are exact in bf16, their products in fp32: the products rows_packed16 sums.
