@@ -32,6 +32,34 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def at_unreadable_page():
+    """A function copying a tensor so that its bytes end where the process's readable memory does (the next page
+    PROT_NONE, as past the end of a mapped checkpoint): a kernel that reads past them ends the process. Returns the
+    copy, of the tensor's dtype and shape. The pages are readable again after the test."""
+    import ctypes
+    import mmap
+
+    import torch
+
+    libc, page, areas = ctypes.CDLL(None, use_errno=True), mmap.PAGESIZE, []
+
+    def place(t):
+        raw = t.contiguous().flatten().view(torch.uint8)
+        n = -(-raw.numel() // page) * page
+        area = mmap.mmap(-1, n + page)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+        assert libc.mprotect(ctypes.c_void_p(base + n), page, 0) == 0  # PROT_NONE
+        areas.append((area, base + n))
+        held = torch.frombuffer(area, dtype=torch.uint8, count=raw.numel(), offset=n - raw.numel())
+        held.copy_(raw)
+        return held.view(t.dtype).view(t.shape)
+
+    yield place
+    for _, guard in areas:  # (each map is unmapped once nothing views it)
+        libc.mprotect(ctypes.c_void_p(guard), page, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
 # pytest-xdist hands whole files to its workers in collection order (with --no-loadscope-reorder, which the
 # Makefile passes: by default it orders files by their number of tests, which put the two-minute claim scripts'
 # file of ~20 tests last, run alone by one worker while the other idled): the files that take a minute or more go

@@ -1162,30 +1162,14 @@ def test_compiled_greedy_reads_linear_layers_with_the_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("bits,K", [(2, 64), (3, 64), (2, 256)])
-def test_packed_rows_read_nothing_past_the_stack(isa, bits, K):
+def test_packed_rows_read_nothing_past_the_stack(isa, at_unreadable_page, bits, K):
     """2/3-bit rows whose stack ends where the process's memory does (the next page unreadable, as past the end of a
     mapped checkpoint): the last row's last step reads its own bytes only, on every set and for bf16 and fp32
     inputs (a read past them would end the process; 2 bits at K = 256: a step of 256 codes), and the result is the
     reference's."""
-    import ctypes
-    import mmap
-
     w, sz, _ = packed_stack_with_codes(bits, 32, N=16, K=K)
-    page = mmap.PAGESIZE
-    raw = w.flatten().view(torch.uint8)
-    area = mmap.mmap(-1, 2 * page)
-    libc = ctypes.CDLL(None, use_errno=True)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(area))
-    assert libc.mprotect(ctypes.c_void_p(base + page), page, 0) == 0  # PROT_NONE
-    try:
-        held = torch.frombuffer(area, dtype=torch.uint8, count=raw.numel(), offset=page - raw.numel())
-        held.copy_(raw)
-        at_the_end = held.view(w.dtype).view(w.shape)
-        idx = torch.tensor([[2, 0]])
-        for x in (torch.randn(1, K).bfloat16(), torch.randn(1, K)):
-            got = kernels.moe_gemv(x, idx, at_the_end, sz, bits, 32)
-            torch.testing.assert_close(got.float(), kernels.moe_gemv(x, idx, w, sz, bits, 32).float(), rtol=0, atol=0)
-    finally:
-        libc.mprotect(ctypes.c_void_p(base + page), page, mmap.PROT_READ | mmap.PROT_WRITE)
-        del held, at_the_end
-        area.close()
+    at_the_end = at_unreadable_page(w)
+    idx = torch.tensor([[2, 0]])
+    for x in (torch.randn(1, K).bfloat16(), torch.randn(1, K)):
+        got = kernels.moe_gemv(x, idx, at_the_end, sz, bits, 32)
+        torch.testing.assert_close(got.float(), kernels.moe_gemv(x, idx, w, sz, bits, 32).float(), rtol=0, atol=0)

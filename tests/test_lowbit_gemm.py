@@ -77,30 +77,14 @@ def test_packed_codes_groups_and_scale_dtypes_equal_the_dense_path(bits, g, scal
 
 @pytest.mark.parametrize("bits", [2, 3])
 @torch.no_grad()
-def test_packed_codes_read_nothing_past_the_matrix(bits):
+def test_packed_codes_read_nothing_past_the_matrix(at_unreadable_page, bits):
     """Codes whose matrix ends where the process's memory does (the next page unreadable, as past the end of a
     mapped checkpoint): the last row's last 32 codes read their own bytes only (a read past them would end the
     process), and the product is the one in ordinary memory."""
-    import ctypes
-    import mmap
-
     q, s, _ = weight(bits, 64, 128, 32)
-    page = mmap.PAGESIZE
-    raw = q.flatten()
-    area = mmap.mmap(-1, 2 * page)
-    libc = ctypes.CDLL(None, use_errno=True)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(area))
-    assert libc.mprotect(ctypes.c_void_p(base + page), page, 0) == 0  # PROT_NONE
-    try:
-        held = torch.frombuffer(area, dtype=torch.uint8, count=raw.numel(), offset=page - raw.numel())
-        held.copy_(raw)
-        at_the_end = held.view(q.shape)
-        x = torch.randn(3, 128).bfloat16()
-        assert torch.equal(kernels.lowbit_gemm(x, at_the_end, s, bits, 32), kernels.lowbit_gemm(x, q, s, bits, 32))
-    finally:
-        libc.mprotect(ctypes.c_void_p(base + page), page, mmap.PROT_READ | mmap.PROT_WRITE)
-        del held, at_the_end
-        area.close()
+    x = torch.randn(3, 128).bfloat16()
+    at_the_end = at_unreadable_page(q)
+    assert torch.equal(kernels.lowbit_gemm(x, at_the_end, s, bits, 32), kernels.lowbit_gemm(x, q, s, bits, 32))
 
 
 @torch.no_grad()
