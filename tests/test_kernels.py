@@ -708,11 +708,15 @@ def test_2_3bit_experts_read_their_stored_codes_where_listed(int8_inputs, monkey
     with pytest.MonkeyPatch.context() as limits:
         limits.setattr(kernels, "PAIRS_PER_EXPERT", dict.fromkeys(kernels.PAIRS_PER_EXPERT, 10**6))
         limits.setattr(kernels, "STORED_PAIRS_AVX2", dict.fromkeys(kernels.STORED_PAIRS_AVX2, 10**6))
+        limits.setattr(kernels, "STORED_PAIRS_ZEN5", dict.fromkeys(kernels.STORED_PAIRS_ZEN5, 10**6))
         widths.clear()
         torch.testing.assert_close(got, experts(x, r), rtol=1e-5, atol=1e-5)
         assert widths == [bits] * 2
-    # eager prompts to the kernel's limit for stored codes (kernels.stored_pairs), then dequantised from the codes: no
-    # copy at any length, and past the limit the copy's own dequantised product
+    # eager prompts to the kernel's limit for stored codes (kernels.stored_pairs: measured on avx2 and Zen 5's
+    # avx512-bf16), then dequantised from the codes: no copy at any length, and past the limit the copy's own
+    # dequantised product
+    table = {"avx2": kernels.STORED_PAIRS_AVX2, "avx512-bf16": kernels.STORED_PAIRS_ZEN5 if kernels.zen5() else {}}
+    assert kernels.stored_pairs(bits) == table.get(kernels.isa(), {}).get((bits, True))
     limit = kernels.stored_pairs(bits) or kernels.PAIRS_PER_EXPERT[
         kernels.eager_pairs_key(torch.zeros(1, 64), torch.zeros(1, 1, dtype=torch.uint8), packed=True)]
     for T in (2 * limit, 2 * limit + 2):  # 2 slots over 4 experts, all chosen: T / 2 pairs per expert on average
@@ -721,7 +725,11 @@ def test_2_3bit_experts_read_their_stored_codes_where_listed(int8_inputs, monkey
         got = experts(x, r)
         assert widths == ([bits] * 2 if T == 2 * limit else []) and not experts._kernel_cache
     monkeypatch.setattr(kernels, "STORED_CODES", {})
-    torch.testing.assert_close(got, experts(x, r), rtol=1e-5, atol=1e-5)
+    with pytest.MonkeyPatch.context() as limits:  # the copy's kernels left out: its dequantised product
+        limits.setattr(kernels, "PAIRS_PER_EXPERT", dict.fromkeys(kernels.PAIRS_PER_EXPERT, 0))
+        limits.setattr(kernels, "INT4_DOT_PAIRS", 0)
+        limits.setattr(kernels, "INT4_DOT_PAIRS_BF16", 0)
+        torch.testing.assert_close(got, experts(x, r), rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()

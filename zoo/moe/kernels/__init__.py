@@ -135,13 +135,27 @@ STORED_CODES = {"avx2": {(2, True)}, "avx512-bf16": {(2, True)}}
 # 0.98 / 0.84x; 3-bit since its rows take 6 inputs and more as bytes (two runs) 1.38-1.44 / 1.13-1.21 / 0.94-0.96x
 # at 64 / 128 / 256 pairs
 STORED_PAIRS_AVX2 = {(2, False): 32, (3, False): 32, (2, True): 256, (3, True): 128}
+# The same on AMD Zen 5 (the avx512-bf16 set), where past the limit the codes go through lowbit_gemm's tiles: 8
+# experts [5632, 1024], g = 64, 2 threads, the kernel against the tiles (each expert's rows apart), interleaved: exact
+# 2-bit 2.07 / 1.28 / 0.96 / 0.68x at 2 / 4 / 8 / 16 pairs, exact 3-bit 1.96 / 1.65 / 1.05 / 0.66x; 8-bit inputs
+# 2-bit 2.23 / 1.51 / 1.04 / 0.99 / 0.83x at 4 / 8 / 16 / 32 / 64 pairs, 3-bit 2.07 / 1.06 / 0.63x at 2 / 4 / 8. In
+# the 304M model's prefill (the pairs uneven over the experts), against the limit of 16 they had (PAIRS_PER_EXPERT's
+# "packed-zen5"), interleaved: exact 2-bit at 8 0.86 / 0.91 / 1.06x at 32 / 48 / 64 tokens (so 16 stays), exact
+# 3-bit at 8 0.93 / 1.07 / 1.17x, so 10: 1.01 / 1.06 / 1.06 / 1.17x at 32 / 40 / 48 / 64 tokens; 3-bit x int8 at 4
+# 1.17 / 1.35 / 1.36 / 1.44x
+STORED_PAIRS_ZEN5 = {(2, False): 16, (3, False): 10, (2, True): 16, (3, True): 4}
 
 
 def stored_pairs(bits: int) -> Optional[int]:
     """An eager call's kernel limit (pairs per selected expert) for ``bits``-wide codes read as stored, where measured
-    (``STORED_PAIRS_AVX2``); None elsewhere (``PAIRS_PER_EXPERT``'s)."""
-    listed = reads_stored_codes(bits) and _state["isa"] == "avx2"
-    return STORED_PAIRS_AVX2.get((bits, _state["int8_inputs"])) if listed else None
+    (``STORED_PAIRS_AVX2``, ``STORED_PAIRS_ZEN5``); None elsewhere (``PAIRS_PER_EXPERT``'s)."""
+    if not reads_stored_codes(bits):
+        return None
+    if _state["isa"] == "avx2":
+        return STORED_PAIRS_AVX2.get((bits, _state["int8_inputs"]))
+    if _state["isa"] == "avx512-bf16" and zen5():
+        return STORED_PAIRS_ZEN5.get((bits, _state["int8_inputs"]))
+    return None
 
 
 def reads_stored_codes(bits: int) -> bool:
