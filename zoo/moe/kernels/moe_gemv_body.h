@@ -1084,14 +1084,7 @@ static void rows_int2_bf16(const uint8_t* w, const Scales& sc, int64_t K, int64_
   row_scales<NP>(sc, G, r0, r1, sxs, rs);
   const float* own = scales_by_row16(rs, R, G);
   const int32_t* first = step_first_groups(K, g);
-  alignas(64) uint16_t tb[32];
-  for (int i = 0; i < 32; ++i) {  // small integers: their bf16 is the top half of their fp32
-    const float f = float(i & 3);
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    tb[i] = uint16_t(u >> 16);
-  }
-  const __m512i table = _mm512_load_si512(tb), groups = step_lane_groups(g);
+  const __m512i table = PackedBf16<2>().table, groups = step_lane_groups(g);  // the codes 0..3 as bf16, repeated
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* wp = w + r * row_bytes;
     if constexpr (NP <= 2) prefetch_bytes(wp + ahead * row_bytes, row_bytes);
