@@ -1038,76 +1038,132 @@ static void rows_packed_dot(const uint8_t* w, const Scales& sc, int64_t K, int64
 #endif
 
 #ifdef ZOO_BF16_DOT
-// Each row's group scales together (row_scales keeps them per group, R apart): 16 x 16 blocks transposed in
-// registers, the rest one by one. For the kernels that scale each lane of a 256-code step by its own group's scale.
-static const float* scales_by_row16(const RowScales& rs, int64_t R, int64_t G) {
-  thread_local std::vector<float> own;
-  own.resize(R * G + 16);  // (+16: a step reads 16 scales from its first group, past the last row's end)
-  const int64_t R16 = R / 16 * 16, G16 = G / 16 * 16;
-  for (int64_t i0 = 0; i0 < R16; i0 += 16)
-    for (int64_t g0 = 0; g0 < G16; g0 += 16) {
-      __m512i b[16];
-      for (int j = 0; j < 16; ++j) b[j] = _mm512_loadu_si512(rs.s + (g0 + j) * R + i0);
-      gemm_bf16::transpose16(b);  // b[i]: row i0 + i's scales of groups g0..g0 + 15
-      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(own.data() + (i0 + i) * G + g0, b[i]);
+// 16 rows' step sums as sums per group, each a vector of the 16 rows (lane i: row i): D[i] is row i's 16 lanes (lane
+// l: codes 16 l..16 l + 15 of the step), L lanes a group (L = g / 16, or 16 where g >= 256), out[m]: the step's group
+// m. Adjacent lanes are added across row pairs (E[i] lane 4 q + 2 h + m: row 2 i + h, lanes 4 q + 2 m and + 1), then
+// across row quadruples (F lane 4 q + t: row 4 i + t, lanes 4 q..4 q + 3; L = 2 keeps m apart), then the 128-bit
+// quarters transposed (quarter q of F[0..3]: rows 0..15 of lanes 4 q..4 q + 3).
+static inline void quarters(const __m512 F[4], __m512 Q[4]) {
+  const __m512 a0 = _mm512_shuffle_f32x4(F[0], F[1], 0x44), a1 = _mm512_shuffle_f32x4(F[0], F[1], 0xEE);
+  const __m512 a2 = _mm512_shuffle_f32x4(F[2], F[3], 0x44), a3 = _mm512_shuffle_f32x4(F[2], F[3], 0xEE);
+  Q[0] = _mm512_shuffle_f32x4(a0, a2, 0x88), Q[1] = _mm512_shuffle_f32x4(a0, a2, 0xDD);
+  Q[2] = _mm512_shuffle_f32x4(a1, a3, 0x88), Q[3] = _mm512_shuffle_f32x4(a1, a3, 0xDD);
+}
+template <bool INT>  // int32 lanes (kept in __m512 for the shuffles) or fp32
+static inline __m512 add(__m512 a, __m512 b) {
+  if constexpr (INT) return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  return _mm512_add_ps(a, b);
+}
+template <int L, bool INT = false>
+static inline void step_group_sums(const __m512 D[16], __m512* out) {
+  __m512 E[8];
+  for (int i = 0; i < 8; ++i)
+    E[i] = add<INT>(_mm512_shuffle_ps(D[2 * i], D[2 * i + 1], 0x88), _mm512_shuffle_ps(D[2 * i], D[2 * i + 1], 0xDD));
+  if constexpr (L == 2) {
+    __m512 F0[4], F1[4], Q0[4], Q1[4];
+    for (int i = 0; i < 4; ++i)
+      F0[i] = _mm512_shuffle_ps(E[2 * i], E[2 * i + 1], 0x88), F1[i] = _mm512_shuffle_ps(E[2 * i], E[2 * i + 1], 0xDD);
+    quarters(F0, Q0), quarters(F1, Q1);
+    for (int q = 0; q < 4; ++q) out[2 * q] = Q0[q], out[2 * q + 1] = Q1[q];
+  } else {
+    __m512 F[4], Q[4];
+    for (int i = 0; i < 4; ++i)
+      F[i] = add<INT>(_mm512_shuffle_ps(E[2 * i], E[2 * i + 1], 0x88), _mm512_shuffle_ps(E[2 * i], E[2 * i + 1], 0xDD));
+    quarters(F, Q);
+    if constexpr (L == 4) for (int q = 0; q < 4; ++q) out[q] = Q[q];
+    if constexpr (L == 8) out[0] = add<INT>(Q[0], Q[1]), out[1] = add<INT>(Q[2], Q[3]);
+    if constexpr (L == 16) out[0] = add<INT>(add<INT>(Q[0], Q[1]), add<INT>(Q[2], Q[3]));
+  }
+}
+
+// Group gi's (scale, z - 8 s) for rows r..r + rows - 1, rows <= 16 (the stored [K/g, N, 2] layout: one run of pairs;
+// lanes past them read as zeros)
+static inline void scale_pairs16(const Scales& sc, int64_t gi, int64_t r, int64_t rows, __m512& s, __m512& zm) {
+  const __mmask16 m = __mmask16((1u << rows) - 1);
+  __m512 z;
+  if (sc.bf16) {
+    const __m512i u = _mm512_maskz_loadu_epi32(m, static_cast<const uint16_t*>(sc.ptr) + (gi * sc.N + r) * 2);
+    s = (__m512)_mm512_slli_epi32(u, 16), z = (__m512)_mm512_and_si512(u, _mm512_set1_epi32(int32_t(0xffff0000u)));
+  } else {
+    const float* pr = static_cast<const float*>(sc.ptr) + (gi * sc.N + r) * 2;
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const uint32_t two = rows == 16 ? ~0u : (1u << 2 * rows) - 1;  // each row's two words
+    const __m512 a = _mm512_maskz_loadu_ps(__mmask16(two), pr), b = _mm512_maskz_loadu_ps(__mmask16(two >> 16), pr + 16);
+    s = _mm512_permutex2var_ps(a, even, b);
+    z = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+  }
+  zm = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);  // z - 8 s, as row_scales rounds it
+}
+
+// 2-bit codes times bf16 inputs on vdpbf16ps, 256 codes (64 bytes, one load) a step: 16-bit word w holds codes
+// 8 w + j at bits 2 j, so pass j shifts the words right by 2 j and looks the low 5 bits up as bf16 (vpermw: the table
+// repeats the 4 codes), against the inputs x[8 w + j] (layout 4: pass j's 32 words, word w <- input 8 w + j); lane l
+// of a step's fp32 sums holds codes 16 l..16 l + 15, all of one group (g divides 256 or 256 divides g). Codes and bf16
+// inputs are exact in bf16, their products in fp32: the products rows_packed16 sums.
+// 16 rows at a time (an item's last block may hold fewer), one input after the other: a step's 16 rows' lane sums
+// become per-group sums of the 16 rows (step_group_sums), each times its group's 16 scales as stored, the zero terms
+// beside them, so the scales need no preparation per item and the rows no reduction each. The first input asks for
+// the block ahead one line beside each line it reads, codes and scales. AMD Zen 5, [5632, 1024] / [1024, 2816]
+// experts, g = 64, 2 threads, interleaved against a row at a time with each row's scales gathered first (row_scales
+// and a 16 x 16 transposition, a third of an item's time): one input 1.43 / 1.55x, two 1.13 / 1.48x, four 1.58 /
+// 1.47x, eight 0.97 / 1.41x. The block's lines asked for all at once came too late (its loads waited on memory:
+// 1.30 / 1.08x).
+template <int NP, int L>
+static void rows_int2_bf16_lanes(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                                 const uint16_t* const* xb, const float* const* sxs, float* const* ys) {
+  const int64_t row_bytes = K / 4, pair_bytes = sc.bf16 ? 4 : 8;
+  const int64_t ahead = 16 * ((rows_ahead(row_bytes) + 15) / 16);  // rows: whole blocks, ~8 KB or more
+  const __m512i table = PackedBf16<2>().table;  // the codes 0..3 as bf16, repeated
+  for (int64_t rb = r0; rb < r1; rb += 16) {
+    const int64_t rows = std::min<int64_t>(16, r1 - rb);
+    const __mmask16 mask = __mmask16((1u << rows) - 1);
+    const uint8_t *wb = w + rb * row_bytes, *wf = wb + ahead * row_bytes;
+    const char* sf = static_cast<const char*>(sc.ptr) + (rb + ahead) * pair_bytes;
+    for (int p = 0; p < NP; ++p) {
+      __m512 acc = _mm512_setzero_ps(), zacc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 256) {
+        __m512bh x[8];
+        for (int j = 0; j < 8; ++j) x[j] = (__m512bh)_mm512_loadu_si512(xb[p] + k + 32 * (j & 3) + 128 * (j >> 2));
+        __m512 D[16];
+        for (int i = 0; i < 16; ++i) {
+          if (i >= rows) {  // (rows past the item's end: zeros)
+            D[i] = _mm512_setzero_ps();
+            continue;
+          }
+          const __m512i v = _mm512_loadu_si512(wb + i * row_bytes + k / 4);
+          if (p == 0) __builtin_prefetch(wf + i * row_bytes + k / 4);
+          __m512 d0 = _mm512_setzero_ps(), d1 = _mm512_setzero_ps();
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) {
+            d0 = _mm512_dpbf16_ps(d0, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 2 * j), table), x[j]);
+            d1 = _mm512_dpbf16_ps(d1, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 2 * j + 8), table),
+                                  x[4 + j]);
+          }
+          D[i] = _mm512_add_ps(d0, d1);
+        }
+        __m512 sums[16 / L];
+        step_group_sums<L>(D, sums);
+        for (int m = 0; m < 16 / L; ++m) {
+          const int64_t gi = (k + 16 * L * m) / g;
+          __m512 s, zm;
+          scale_pairs16(sc, gi, rb, rows, s, zm);
+          if (p == 0) prefetch_bytes(sf + gi * sc.N * pair_bytes, 16 * pair_bytes);
+          acc = _mm512_fmadd_ps(s, sums[m], acc);
+          if (L < 16 || k % g == 0) zacc = _mm512_fmadd_ps(zm, _mm512_set1_ps(sxs[p][gi]), zacc);  // once a group
+        }
+      }
+      _mm512_mask_storeu_ps(ys[p] + rb, mask, _mm512_add_ps(acc, zacc));
     }
-  for (int64_t i = 0; i < R; ++i)
-    for (int64_t gi = i < R16 ? G16 : 0; gi < G; ++gi) own[i * G + gi] = rs.s[gi * R + i];
-  return own.data();
+  }
 }
-
-// The 256-code steps' groups (g divides 256 or 256 divides g): each step's first, and lane l's counted from it
-// (lane l sums codes 16 l..16 l + 15 of the step)
-static const int32_t* step_first_groups(int64_t K, int64_t g) {
-  thread_local std::vector<int32_t> first;
-  first.resize(K / 256);
-  for (int64_t k = 0; k < K; k += 256) first[k / 256] = int32_t(k / g);
-  return first.data();
-}
-static inline __m512i step_lane_groups(int64_t g) {
-  alignas(64) int32_t lane_group[16];
-  for (int l = 0; l < 16; ++l) lane_group[l] = int32_t(g <= 256 ? 16 * l / g : 0);
-  return _mm512_load_si512(lane_group);
-}
-
-// 2-bit codes times bf16 inputs on vdpbf16ps, 256 codes (64 bytes, one load) a step, as rows_int2_dot256 takes them:
-// 16-bit word w holds codes 8 w + j at bits 2 j, so pass j shifts the words right by 2 j and looks the low 5 bits up
-// as bf16 (vpermw: the table repeats the 4 codes), against the inputs x[8 w + j] (layout 4: pass j's 32 words, word
-// w <- input 8 w + j). Three instructions per 32 codes, no shuffle; lane l of the step's fp32 sums holds codes
-// 16 l..16 l + 15, all of one group, scaled per lane into the accumulator; the zero terms (row_scales) at the end.
-// Codes and bf16 inputs are exact in bf16, their products in fp32: the products rows_packed16 sums.
 template <int NP>
 static void rows_int2_bf16(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
                            const uint16_t* const* xb, const float* const* sxs, float* const* ys) {
-  const int64_t R = r1 - r0, G = K / g, row_bytes = K / 4, ahead = rows_ahead(row_bytes);
-  RowScales rs;
-  row_scales<NP>(sc, G, r0, r1, sxs, rs);
-  const float* own = scales_by_row16(rs, R, G);
-  const int32_t* first = step_first_groups(K, g);
-  const __m512i table = PackedBf16<2>().table, groups = step_lane_groups(g);  // the codes 0..3 as bf16, repeated
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* wp = w + r * row_bytes;
-    if constexpr (NP <= 2) prefetch_bytes(wp + ahead * row_bytes, row_bytes);
-    const float* srow = own + (r - r0) * G;
-    __m512 acc[NP];
-    for (int p = 0; p < NP; ++p) acc[p] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 256, wp += 64) {
-      const __m512i v = _mm512_loadu_si512(wp);
-      __m512 d0[NP], d1[NP];  // passes 0..3 and 4..7: two chains
-      for (int p = 0; p < NP; ++p) d0[p] = d1[p] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m512bh q0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 2 * j), table);
-        const __m512bh q1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 2 * j + 8), table);
-        for (int p = 0; p < NP; ++p) {
-          d0[p] = _mm512_dpbf16_ps(d0[p], q0, (__m512bh)_mm512_loadu_si512(xb[p] + k + 32 * j));
-          d1[p] = _mm512_dpbf16_ps(d1[p], q1, (__m512bh)_mm512_loadu_si512(xb[p] + k + 32 * j + 128));
-        }
-      }
-      const __m512 vs = _mm512_permutexvar_ps(groups, _mm512_loadu_ps(srow + first[k >> 8]));
-      for (int p = 0; p < NP; ++p) acc[p] = _mm512_fmadd_ps(_mm512_add_ps(d0[p], d1[p]), vs, acc[p]);
-    }
-    for (int p = 0; p < NP; ++p) ys[p][r] = _mm512_reduce_add_ps(acc[p]) + rs.zt[p * R + r - r0];
+  switch (g >= 256 ? 16 : g / 16) {  // lanes a group (g divides 256 or 256 divides g)
+    case 2: return rows_int2_bf16_lanes<NP, 2>(w, sc, K, g, r0, r1, xb, sxs, ys);
+    case 4: return rows_int2_bf16_lanes<NP, 4>(w, sc, K, g, r0, r1, xb, sxs, ys);
+    case 8: return rows_int2_bf16_lanes<NP, 8>(w, sc, K, g, r0, r1, xb, sxs, ys);
+    default: return rows_int2_bf16_lanes<NP, 16>(w, sc, K, g, r0, r1, xb, sxs, ys);
   }
 }
 #endif
@@ -1115,44 +1171,65 @@ static void rows_int2_bf16(const uint8_t* w, const Scales& sc, int64_t K, int64_
 #ifdef ZOO_VNNI
 // 2-bit codes times 8-bit inputs, 256 codes (64 bytes, one load) a step: byte i holds codes 4 i + j at bits 2 j, so
 // pass j takes (bytes >> 2 j) & 3 against the inputs q[4 i + j] (layout 3), four vpdpbusd into one int32 vector whose
-// lane l sums codes 16 l..16 l + 15 of the step, all of one group (g divides 256 or 256 divides g); the step's sums
-// are scaled per lane (each lane its group's scale) into the fp32 accumulator. Against rows_packed_dot: one unpack
-// load per 256 codes instead of four broadcasts, and one scaling per 256 codes instead of one per group of 64. One or
-// two inputs ask for the row ~8 KB ahead (AMD Zen 5, interleaved, [5632, 1024] / [1024, 2816] experts, g = 64: 1.29
-// / 1.04x on two threads, 1.29 / 1.12x on one).
+// lane l sums codes 16 l..16 l + 15 of the step, all of one group (g divides 256 or 256 divides g). 16 rows at a
+// time as rows_int2_bf16 (the lane sums added into group sums in int32, exact, then scaled). Against a row at a time
+// with each row's scales gathered first, as there: one input 1.21 / 1.50x, two 1.32 / 1.36x, four 1.40 / 1.06x.
+template <int NP, int L>
+static void rows_int2_dot256_lanes(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                                   const int8_t* const* xs, const float* const* sxs, const float* xscale,
+                                   float* const* ys) {
+  const int64_t row_bytes = K / 4, pair_bytes = sc.bf16 ? 4 : 8;
+  const int64_t ahead = 16 * ((rows_ahead(row_bytes) + 15) / 16);  // rows: whole blocks, ~8 KB or more
+  const __m512i three = _mm512_set1_epi8(3), top = _mm512_set1_epi8(0x3f);
+  for (int64_t rb = r0; rb < r1; rb += 16) {
+    const int64_t rows = std::min<int64_t>(16, r1 - rb);
+    const uint8_t *wb = w + rb * row_bytes, *wf = wb + ahead * row_bytes;
+    const char* sf = static_cast<const char*>(sc.ptr) + (rb + ahead) * pair_bytes;
+    for (int p = 0; p < NP; ++p) {
+      __m512 acc = _mm512_setzero_ps(), zacc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 256) {
+        const int8_t* xk = xs[p] + k;
+        const __m512i x0 = _mm512_loadu_si512(xk), x1 = _mm512_loadu_si512(xk + 64);
+        const __m512i x2 = _mm512_loadu_si512(xk + 128), x3 = _mm512_loadu_si512(xk + 192);
+        __m512 D[16];
+        for (int i = 0; i < 16; ++i) {
+          if (i >= rows) {  // (rows past the item's end: zeros)
+            D[i] = _mm512_setzero_ps();
+            continue;
+          }
+          const __m512i v = _mm512_loadu_si512(wb + i * row_bytes + k / 4);
+          if (p == 0) __builtin_prefetch(wf + i * row_bytes + k / 4);
+          __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, three), x0);
+          d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 2), three), x1);
+          d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 4), three), x2);
+          d = _mm512_dpbusd_epi32(d, _mm512_srli_epi16(_mm512_andnot_si512(top, v), 6), x3);  // each byte's top 2 bits
+          D[i] = _mm512_castsi512_ps(d);
+        }
+        __m512 sums[16 / L];
+        step_group_sums<L, true>(D, sums);
+        for (int m = 0; m < 16 / L; ++m) {
+          const int64_t gi = (k + 16 * L * m) / g;
+          __m512 s, zm;
+          scale_pairs16(sc, gi, rb, rows, s, zm);
+          if (p == 0) prefetch_bytes(sf + gi * sc.N * pair_bytes, 16 * pair_bytes);
+          acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_castps_si512(sums[m])), acc);
+          if (L < 16 || k % g == 0) zacc = _mm512_fmadd_ps(zm, _mm512_set1_ps(sxs[p][gi]), zacc);  // once a group
+        }
+      }
+      _mm512_mask_storeu_ps(ys[p] + rb, __mmask16((1u << rows) - 1),
+                            _mm512_mul_ps(_mm512_add_ps(acc, zacc), _mm512_set1_ps(xscale[p])));
+    }
+  }
+}
 template <int NP>
 static void rows_int2_dot256(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
                              const int8_t* const* xs, const float* const* sxs, const float* xscale,
                              float* const* ys) {
-  const int64_t R = r1 - r0, G = K / g;
-  RowScales rs;
-  row_scales<NP>(sc, G, r0, r1, sxs, rs);
-  const float* own = scales_by_row16(rs, R, G);
-  const int32_t* first = step_first_groups(K, g);
-  const __m512i groups = step_lane_groups(g), three = _mm512_set1_epi8(3);
-  const int64_t ahead = rows_ahead(K / 4);
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* wp = w + r * (K / 4);
-    if constexpr (NP <= 2) prefetch_bytes(wp + ahead * (K / 4), K / 4);
-    const float* srow = own + (r - r0) * G;
-    __m512 acc[NP];
-    for (int p = 0; p < NP; ++p) acc[p] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 256, wp += 64) {
-      const __m512i v = _mm512_loadu_si512(wp);
-      const __m512i c0 = _mm512_and_si512(v, three), c1 = _mm512_and_si512(_mm512_srli_epi16(v, 2), three);
-      const __m512i c2 = _mm512_and_si512(_mm512_srli_epi16(v, 4), three), c3 = _mm512_srli_epi16(
-          _mm512_andnot_si512(_mm512_set1_epi8(0x3f), v), 6);  // the top two bits of each byte
-      const __m512 vs = _mm512_permutexvar_ps(groups, _mm512_loadu_ps(srow + first[k >> 8]));
-      for (int p = 0; p < NP; ++p) {
-        const int8_t* x = xs[p] + k;
-        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, _mm512_loadu_si512(x));
-        d = _mm512_dpbusd_epi32(d, c1, _mm512_loadu_si512(x + 64));
-        d = _mm512_dpbusd_epi32(d, c2, _mm512_loadu_si512(x + 128));
-        d = _mm512_dpbusd_epi32(d, c3, _mm512_loadu_si512(x + 192));
-        acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), vs, acc[p]);
-      }
-    }
-    for (int p = 0; p < NP; ++p) ys[p][r] = (_mm512_reduce_add_ps(acc[p]) + rs.zt[p * R + r - r0]) * xscale[p];
+  switch (g >= 256 ? 16 : g / 16) {  // lanes a group (g divides 256 or 256 divides g)
+    case 2: return rows_int2_dot256_lanes<NP, 2>(w, sc, K, g, r0, r1, xs, sxs, xscale, ys);
+    case 4: return rows_int2_dot256_lanes<NP, 4>(w, sc, K, g, r0, r1, xs, sxs, xscale, ys);
+    case 8: return rows_int2_dot256_lanes<NP, 8>(w, sc, K, g, r0, r1, xs, sxs, xscale, ys);
+    default: return rows_int2_dot256_lanes<NP, 16>(w, sc, K, g, r0, r1, xs, sxs, xscale, ys);
   }
 }
 #endif
