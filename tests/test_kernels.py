@@ -669,14 +669,15 @@ def test_2_3bit_experts_read_their_stored_codes_where_listed(int8_inputs, monkey
     the kernel their stored codes: no int4 working copy is built, the kernel is called with their own width, and the
     outputs are the copy's (the same integer dots per group, summed in another order); elsewhere the copy serves. A
     compiled step past kernels.MAX_TOKENS tokens takes the kernel on the stored codes too (torch's int4 path would
-    need the copy). The shipped table: 2-bit with 8-bit inputs on avx2 and avx512-bf16 (exact inputs: the copy)."""
+    need the copy). The shipped table: 2-bit with 8-bit inputs on avx2 (exact inputs: the copy), 2-bit with either
+    inputs on avx512-bf16."""
     from zoo.moe import Routing
     from zoo.moe.experts import MLPExperts, SwiGLUExperts
     from zoo.moe.quantized import QuantizedExperts, QuantizedMLPExperts
 
     assert kernels.reads_stored_codes(bits) == (kernels.isa() in ("avx2", "avx512-bf16") and bits == 2)
     kernels.int8_inputs(False)
-    assert not kernels.reads_stored_codes(bits)
+    assert kernels.reads_stored_codes(bits) == (kernels.isa() == "avx512-bf16" and bits == 2)
     kernels.int8_inputs(True)
     torch.manual_seed(0)
     dense = (MLPExperts if mlp else SwiGLUExperts)(4, 64, 96)
@@ -1100,6 +1101,7 @@ def test_stored_codes_switch_keeps_no_working_copy(monkeypatch, bits, mlp):
     assert kernels.stored_codes() is False
     with pytest.raises(ValueError, match="True, False or None"):
         kernels.stored_codes(1)
+    monkeypatch.setattr(kernels, "STORED_CODES", {})  # nothing listed: the switch alone decides
     torch.manual_seed(0)
     dense = (MLPExperts if mlp else SwiGLUExperts)(4, 64, 96)
     with torch.no_grad():

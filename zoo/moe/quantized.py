@@ -273,8 +273,8 @@ class PackedStacks:
         first, second = self.shapes  # the projection into the intermediate channels, then down
         # 2/3-bit experts read their int4 working copy where that is faster (an AVX-512 machine read 2/3-bit codes at
         # ~2.3 GB/s of packed bytes, fewer weights per second than int4's ~11 GB/s), their own codes where
-        # kernels.STORED_CODES measured those as fast or faster (2-bit with 8-bit inputs on the avx2 and avx512-bf16
-        # sets), or every width with kernels.stored_codes(True): no copy
+        # kernels.STORED_CODES measured those as fast or faster (2-bit with 8-bit inputs on the avx2 set, 2-bit on
+        # the avx512-bf16 set), or every width with kernels.stored_codes(True): no copy
         maps, groups = self.slot_maps(), (self.groups[first], self.groups[second])
         return [self.read_stack(first, b)[:2] + self.read_stack(second, b) + (groups, maps[b]) for b in self.widths]
 

@@ -123,7 +123,11 @@ LINEAR_ROWS_AVX2 = {4: 64, 8: 128}
 # 8-bit inputs decode 1.13 / 1.18 / 1.18x, prefill at 16 tokens 1.01 / 0.98 / 1.07x, at 128 / 256 / 512 tokens
 # 0.93-0.96 / 0.97 / 0.97-0.99x, the same tokens, and no copy: listed; 2-bit exact decode 0.96 / 1.11 / 1.10x but
 # prefill at 16 tokens 0.79-0.92x, 3-bit exact 0.76-0.89x, 3-bit with 8-bit inputs 0.78-0.92x: the copy serves.
-STORED_CODES = {"avx2": {(2, True)}, "avx512-bf16": {(2, True)}}
+# Zen 5, after the AVX-512 2-bit rows went 16 rows at a time (scaled by the stored scales directly, the block ahead
+# asked for line by line), three runs: 2-bit exact decode 1.20 / 1.22 / 1.17x, prefill at 16 tokens 0.96 / 1.01 /
+# 0.98x, at 128-512 tokens 0.94-1.01x, the same tokens, half the memory: listed too; 2-bit with 8-bit inputs decode
+# 1.25 / 1.27 / 1.23x, at 16 tokens 1.10-1.14x; 3-bit exact decode 0.76-0.89x, with 8-bit inputs 0.74-0.90x.
+STORED_CODES = {"avx2": {(2, True)}, "avx512-bf16": {(2, True), (2, False)}}
 
 
 # Eager calls on 2/3-bit codes read as stored (reads_stored_codes) on the avx2 set: (bits, 8-bit inputs) -> the most
