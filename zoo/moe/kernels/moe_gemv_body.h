@@ -72,13 +72,15 @@ static void rows_dense(const W* w, const Scales& sc, int64_t K, int64_t r0, int6
   // (8 KB ahead: 1.05-1.12x in three runs, 0.98-1.00x in three later ones)
   // int8 rows on 16 lanes (one input on AMD Zen 5, int8_wide_rows) ask for the row ~8 KB ahead instead: [5632, 1024]
   // / [1024, 2816] experts from memory, interleaved, one thread 0.95 / 0.98 of the machine's read bandwidth against
-  // 0.79 / 0.86 without (two rows ahead 0.86; two threads at ~40 GB/s: 1.06 / 1.12 against 1.00 / 1.07)
+  // 0.79 / 0.86 without (two rows ahead 0.86; two threads at ~40 GB/s: 1.06 / 1.12 against 1.00 / 1.07); a line a step
+  // (beside the line read) rather than the row's lines at its start: 1.00 / 1.07x on two threads, 1.03 / 1.05x on
+  // one (int8 x int8 rows, rows_int8_dot: 0.98-1.04x, kept as they were)
   constexpr bool wide_int8 = L == 16 && sizeof(W) == 1;
   constexpr bool prefetch = (kPrefetch || wide_int8) && NP <= 2 && sizeof(W) <= 2;
   const int64_t ahead = wide_int8 ? rows_ahead(K) : 2;  // rows
   for (int64_t r = r0; r < r1; ++r) {
     const W* wr = w + r * K;
-    if constexpr (prefetch) prefetch_bytes(wr + ahead * K, K * int64_t(sizeof(W)));
+    if constexpr (prefetch && !wide_int8) prefetch_bytes(wr + ahead * K, K * int64_t(sizeof(W)));
     vf a[U][NP];
     for (int u = 0; u < U; ++u)
       for (int p = 0; p < NP; ++p) a[u][p] = vf{};
@@ -86,6 +88,7 @@ static void rows_dense(const W* w, const Scales& sc, int64_t K, int64_t r0, int6
     for (; k + U * L <= K; k += U * L) {
       vf wu[U];
       for (int u = 0; u < U; ++u) wu[u] = widen(wr + k + u * L);
+      if constexpr (prefetch && wide_int8) __builtin_prefetch(wr + k + ahead * K);  // a line a step
       for (int p = 0; p < NP; ++p)
         for (int u = 0; u < U; ++u) a[u][p] += wu[u] * load<vf>(xs[p] + k + u * L);
     }
@@ -395,7 +398,8 @@ static void rows_int8_bf16(const int8_t* w, const Scales& sc, int64_t K, int64_t
 // against 47 for the former form (byte widening, four lookups and four unpacks a pair, one set of sums); [5632,
 // 1024] / [1024, 2816] experts from memory, 2 threads, interleaved, 1.09 / 1.10x. With one or two inputs each
 // group asks for the codes 8 KB ahead: 1.11 / 1.13x more (0.97 / 0.86 of the machine's read bandwidth at 52-62
-// GB/s against 0.88 / 0.75; 4 KB 1.07 / 1.06x, 16 KB 1.07 / 1.09x)
+// GB/s against 0.88 / 0.75; 4 KB 1.07 / 1.06x, 16 KB 1.07 / 1.09x); a line ahead beside each line read rather than a
+// group's lines at its start: 1.04-1.08x more (one and two threads; 16 KB ahead the same)
 template <int NP>
 static void block_int4_bf16(const uint8_t* blk, const Scales& sc, int64_t K, int64_t g, int64_t n0,
                             const uint16_t* const* xb, const float* const* sxs, float* const* ys) {
@@ -425,11 +429,11 @@ static void block_int4_bf16(const uint8_t* blk, const Scales& sc, int64_t K, int
     for (int u = 0; u < U; ++u)
       for (int p = 0; p < NP; ++p)
         for (int c = 0; c < 4; ++c) ga[u][p][c] = _mm512_setzero_ps();
-    if constexpr (NP <= 2) prefetch_bytes(blk + gi * g * 32 + kAheadBytes, g * 32);  // a group's codes ahead
     for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += 2 * U) {
       for (int u = 0; u < U; ++u) {
         const int64_t k = k0 + 2 * u;
         const __m512i both = _mm512_loadu_si512(blk + k * 32);
+        if constexpr (NP <= 2) __builtin_prefetch(blk + k * 32 + kAheadBytes);  // the codes ~8 KB ahead
         __m512bh w[4];
         for (int h = 0; h < 2; ++h) {
           const __m512i q = _mm512_permutexvar_epi16(places[h], both);
