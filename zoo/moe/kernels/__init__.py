@@ -146,8 +146,11 @@ STORED_PAIRS_AVX2 = {(2, False): 32, (3, False): 32, (2, True): 256, (3, True): 
 # the 304M model's prefill (the pairs uneven over the experts), against the limit of 16 they had (PAIRS_PER_EXPERT's
 # "packed-zen5"), interleaved: exact 2-bit at 8 0.86 / 0.91 / 1.06x at 32 / 48 / 64 tokens (so 16 stays), exact
 # 3-bit at 8 0.93 / 1.07 / 1.17x, so 10: 1.01 / 1.06 / 1.06 / 1.17x at 32 / 40 / 48 / 64 tokens; 3-bit x int8 at 4
-# 1.17 / 1.35 / 1.36 / 1.44x
-STORED_PAIRS_ZEN5 = {(2, False): 16, (3, False): 10, (2, True): 16, (3, True): 4}
+# 1.17 / 1.35 / 1.36 / 1.44x. After the 2-bit rows went 16 rows at a time: kernel against tiles, exact 2-bit 1.23 /
+# 0.87 / 0.64x at 8 / 16 / 32 pairs, 2-bit x int8 1.89 / 1.19 / 0.93 / 0.75x at 8 / 16 / 32 / 64; in the model's
+# prefill, 24 against 16: exact 1.00 / 1.00 / 0.84 / 0.79x at 48 / 64 / 80 / 96 tokens (16 stays), x int8 1.01 / 1.00
+# / 1.14 / 1.11x, so 24 (32 against 24: 1.00 / 1.05 / 0.98x at 96 / 112 / 128 tokens)
+STORED_PAIRS_ZEN5 = {(2, False): 16, (3, False): 10, (2, True): 24, (3, True): 4}
 
 
 def stored_pairs(bits: int) -> Optional[int]:
