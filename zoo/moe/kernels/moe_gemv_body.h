@@ -386,6 +386,25 @@ static void rows_int8_bf16(const int8_t* w, const Scales& sc, int64_t K, int64_t
 #endif
 
 #ifdef ZOO_BF16_DOT
+// Group gi's (scale, z - 8 s) for rows r..r + rows - 1, rows <= 16 (the stored [K/g, N, 2] layout: one run of pairs;
+// lanes past them read as zeros)
+static inline void scale_pairs16(const Scales& sc, int64_t gi, int64_t r, int64_t rows, __m512& s, __m512& zm) {
+  const __mmask16 m = __mmask16((1u << rows) - 1);
+  __m512 z;
+  if (sc.bf16) {
+    const __m512i u = _mm512_maskz_loadu_epi32(m, static_cast<const uint16_t*>(sc.ptr) + (gi * sc.N + r) * 2);
+    s = (__m512)_mm512_slli_epi32(u, 16), z = (__m512)_mm512_and_si512(u, _mm512_set1_epi32(int32_t(0xffff0000u)));
+  } else {
+    const float* pr = static_cast<const float*>(sc.ptr) + (gi * sc.N + r) * 2;
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const uint32_t two = rows == 16 ? ~0u : (1u << 2 * rows) - 1;  // each row's two words
+    const __m512 a = _mm512_maskz_loadu_ps(__mmask16(two), pr), b = _mm512_maskz_loadu_ps(__mmask16(two >> 16), pr + 16);
+    s = _mm512_permutex2var_ps(a, even, b);
+    z = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+  }
+  zm = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);  // z - 8 s, as row_scales rounds it
+}
+
 // int4 codes times bf16 inputs on vdpbf16ps, one block of 64 rows as block_int4 reads it: codes 0..15 and bf16
 // inputs are exact in bf16 and their products exact in fp32, so this sums what block_int4 sums (in another order)
 // with half the multiply-adds and no widening to fp32. Per pair (k, k + 1), one 64-byte load holds the 64 rows'
@@ -449,12 +468,10 @@ static void block_int4_bf16(const uint8_t* blk, const Scales& sc, int64_t K, int
       }
     }
     for (int c = 0; c < 4; ++c) {  // rows 16 c .. 16 c + 15
-      alignas(64) float sv[16], zv[16];
-      for (int i = 0; i < 16; ++i) {
-        sv[i] = sc.scale(gi, n0 + 16 * c + i);
-        zv[i] = sc.zero(gi, n0 + 16 * c + i) - 8 * sv[i];
-      }
-      const __m512 s = _mm512_load_ps(sv), zm = _mm512_load_ps(zv);
+      __m512 s, zm;
+      // 16 rows' scales in one load (against one at a time, interleaved: [5632, 1024] 0.95-1.11x, [1024, 2816]
+      // 1.26-1.74x, its groups' scales 4 KB apart)
+      scale_pairs16(sc, gi, n0 + 16 * c, 16, s, zm);
       for (int p = 0; p < NP; ++p) {
         __m512 rows = ga[0][p][c];
         for (int u = 1; u < U; ++u) rows = _mm512_add_ps(rows, ga[u][p][c]);
@@ -1080,54 +1097,32 @@ static inline void step_group_sums(const __m512 D[16], __m512* out) {
   }
 }
 
-// Group gi's (scale, z - 8 s) for rows r..r + rows - 1, rows <= 16 (the stored [K/g, N, 2] layout: one run of pairs;
-// lanes past them read as zeros)
-static inline void scale_pairs16(const Scales& sc, int64_t gi, int64_t r, int64_t rows, __m512& s, __m512& zm) {
-  const __mmask16 m = __mmask16((1u << rows) - 1);
-  __m512 z;
-  if (sc.bf16) {
-    const __m512i u = _mm512_maskz_loadu_epi32(m, static_cast<const uint16_t*>(sc.ptr) + (gi * sc.N + r) * 2);
-    s = (__m512)_mm512_slli_epi32(u, 16), z = (__m512)_mm512_and_si512(u, _mm512_set1_epi32(int32_t(0xffff0000u)));
-  } else {
-    const float* pr = static_cast<const float*>(sc.ptr) + (gi * sc.N + r) * 2;
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const uint32_t two = rows == 16 ? ~0u : (1u << 2 * rows) - 1;  // each row's two words
-    const __m512 a = _mm512_maskz_loadu_ps(__mmask16(two), pr), b = _mm512_maskz_loadu_ps(__mmask16(two >> 16), pr + 16);
-    s = _mm512_permutex2var_ps(a, even, b);
-    z = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
-  }
-  zm = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);  // z - 8 s, as row_scales rounds it
-}
-
-// 2-bit codes times bf16 inputs on vdpbf16ps, 256 codes (64 bytes, one load) a step: 16-bit word w holds codes
-// 8 w + j at bits 2 j, so pass j shifts the words right by 2 j and looks the low 5 bits up as bf16 (vpermw: the table
-// repeats the 4 codes), against the inputs x[8 w + j] (layout 4: pass j's 32 words, word w <- input 8 w + j); lane l
-// of a step's fp32 sums holds codes 16 l..16 l + 15, all of one group (g divides 256 or 256 divides g). Codes and bf16
-// inputs are exact in bf16, their products in fp32: the products rows_packed16 sums.
-// 16 rows at a time (an item's last block may hold fewer), one input after the other: a step's 16 rows' lane sums
-// become per-group sums of the 16 rows (step_group_sums), each times its group's 16 scales as stored, the zero terms
-// beside them, so the scales need no preparation per item and the rows no reduction each. The first input asks for
-// the block ahead one line beside each line it reads, codes and scales. AMD Zen 5, [5632, 1024] / [1024, 2816]
-// experts, g = 64, 2 threads, interleaved against a row at a time with each row's scales gathered first (row_scales
-// and a 16 x 16 transposition, a third of an item's time): one input 1.43 / 1.55x, two 1.13 / 1.48x, four 1.58 /
-// 1.47x, eight 0.97 / 1.41x. The block's lines asked for all at once came too late (its loads waited on memory:
-// 1.30 / 1.08x).
-template <int NP, int L>
-static void rows_int2_bf16_lanes(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
-                                 const uint16_t* const* xb, const float* const* sxs, float* const* ys) {
+// The 2-bit rows on AVX-512 (bf16 and 8-bit inputs), 16 rows at a time (an item's last block may hold fewer), one
+// input after the other, 256 codes (64 bytes, one load) a step: step_inputs(p, k) gives input p's vectors for the
+// step at k, row_dots(v, x) a row's 16 lane sums from its step's 64 code bytes v and those inputs (fp32, or int32
+// where INT), lane l holding codes 16 l..16 l + 15, all of one group (g divides 256 or 256 divides g). The 16 rows'
+// lane sums become per-group sums of the 16 rows (step_group_sums), each times its group's 16 scales as stored, the
+// zero terms beside them, so the scales need no preparation per item and the rows no reduction each; the outputs
+// come times out_scale[p] where given (8-bit inputs' scales). The first input asks for the block ahead one line
+// beside each line it reads, codes and scales. AMD Zen 5, [5632, 1024] / [1024, 2816] experts, g = 64, 2 threads,
+// interleaved against a row at a time with each row's scales gathered first (row_scales and a 16 x 16
+// transposition, a third of an item's time): bf16 inputs, one 1.43 / 1.55x, two 1.13 / 1.48x, four 1.58 / 1.47x,
+// eight 0.97 / 1.41x; 8-bit inputs, one 1.21 / 1.50x, two 1.32 / 1.36x, four 1.40 / 1.06x. The block's lines asked
+// for all at once came too late (its loads waited on memory: 1.30 / 1.08x).
+template <int NP, int L, bool INT, class StepInputs, class RowDots>
+static void int2_row_blocks(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                            const float* const* sxs, const float* out_scale, float* const* ys, StepInputs step_inputs,
+                            RowDots row_dots) {
   const int64_t row_bytes = K / 4, pair_bytes = sc.bf16 ? 4 : 8;
   const int64_t ahead = 16 * ((rows_ahead(row_bytes) + 15) / 16);  // rows: whole blocks, ~8 KB or more
-  const __m512i table = PackedBf16<2>().table;  // the codes 0..3 as bf16, repeated
   for (int64_t rb = r0; rb < r1; rb += 16) {
     const int64_t rows = std::min<int64_t>(16, r1 - rb);
-    const __mmask16 mask = __mmask16((1u << rows) - 1);
     const uint8_t *wb = w + rb * row_bytes, *wf = wb + ahead * row_bytes;
     const char* sf = static_cast<const char*>(sc.ptr) + (rb + ahead) * pair_bytes;
     for (int p = 0; p < NP; ++p) {
       __m512 acc = _mm512_setzero_ps(), zacc = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += 256) {
-        __m512bh x[8];
-        for (int j = 0; j < 8; ++j) x[j] = (__m512bh)_mm512_loadu_si512(xb[p] + k + 32 * (j & 3) + 128 * (j >> 2));
+        const auto x = step_inputs(p, k);
         __m512 D[16];
         for (int i = 0; i < 16; ++i) {
           if (i >= rows) {  // (rows past the item's end: zeros)
@@ -1136,105 +1131,91 @@ static void rows_int2_bf16_lanes(const uint8_t* w, const Scales& sc, int64_t K, 
           }
           const __m512i v = _mm512_loadu_si512(wb + i * row_bytes + k / 4);
           if (p == 0) __builtin_prefetch(wf + i * row_bytes + k / 4);
-          __m512 d0 = _mm512_setzero_ps(), d1 = _mm512_setzero_ps();
-#pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j) {
-            d0 = _mm512_dpbf16_ps(d0, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 2 * j), table), x[j]);
-            d1 = _mm512_dpbf16_ps(d1, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 2 * j + 8), table),
-                                  x[4 + j]);
-          }
-          D[i] = _mm512_add_ps(d0, d1);
+          D[i] = row_dots(v, x);
         }
         __m512 sums[16 / L];
-        step_group_sums<L>(D, sums);
+        step_group_sums<L, INT>(D, sums);
         for (int m = 0; m < 16 / L; ++m) {
           const int64_t gi = (k + 16 * L * m) / g;
           __m512 s, zm;
           scale_pairs16(sc, gi, rb, rows, s, zm);
           if (p == 0) prefetch_bytes(sf + gi * sc.N * pair_bytes, 16 * pair_bytes);
-          acc = _mm512_fmadd_ps(s, sums[m], acc);
+          acc = _mm512_fmadd_ps(s, INT ? _mm512_cvtepi32_ps(_mm512_castps_si512(sums[m])) : sums[m], acc);
           if (L < 16 || k % g == 0) zacc = _mm512_fmadd_ps(zm, _mm512_set1_ps(sxs[p][gi]), zacc);  // once a group
         }
       }
-      _mm512_mask_storeu_ps(ys[p] + rb, mask, _mm512_add_ps(acc, zacc));
+      const __m512 y = _mm512_add_ps(acc, zacc);
+      _mm512_mask_storeu_ps(ys[p] + rb, __mmask16((1u << rows) - 1),
+                            out_scale ? _mm512_mul_ps(y, _mm512_set1_ps(out_scale[p])) : y);
     }
   }
 }
+template <int NP, bool INT, class StepInputs, class RowDots>
+static void int2_rows(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                      const float* const* sxs, const float* out_scale, float* const* ys, StepInputs step_inputs,
+                      RowDots row_dots) {
+  switch (g >= 256 ? 16 : g / 16) {  // lanes a group (g divides 256 or 256 divides g)
+    case 2: return int2_row_blocks<NP, 2, INT>(w, sc, K, g, r0, r1, sxs, out_scale, ys, step_inputs, row_dots);
+    case 4: return int2_row_blocks<NP, 4, INT>(w, sc, K, g, r0, r1, sxs, out_scale, ys, step_inputs, row_dots);
+    case 8: return int2_row_blocks<NP, 8, INT>(w, sc, K, g, r0, r1, sxs, out_scale, ys, step_inputs, row_dots);
+    default: return int2_row_blocks<NP, 16, INT>(w, sc, K, g, r0, r1, sxs, out_scale, ys, step_inputs, row_dots);
+  }
+}
+// 2-bit codes times bf16 inputs on vdpbf16ps: 16-bit word w of a step holds codes 8 w + j at bits 2 j, so pass j
+// shifts the words right by 2 j and looks the low 5 bits up as bf16 (vpermw: the table repeats the 4 codes), against
+// the inputs x[8 w + j] (layout 4: pass j's 32 words, word w <- input 8 w + j). Codes and bf16 inputs are exact in
+// bf16, their products in fp32: the products rows_packed16 sums.
+struct Bf16Step {
+  __m512bh x[8];
+};
 template <int NP>
 static void rows_int2_bf16(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
                            const uint16_t* const* xb, const float* const* sxs, float* const* ys) {
-  switch (g >= 256 ? 16 : g / 16) {  // lanes a group (g divides 256 or 256 divides g)
-    case 2: return rows_int2_bf16_lanes<NP, 2>(w, sc, K, g, r0, r1, xb, sxs, ys);
-    case 4: return rows_int2_bf16_lanes<NP, 4>(w, sc, K, g, r0, r1, xb, sxs, ys);
-    case 8: return rows_int2_bf16_lanes<NP, 8>(w, sc, K, g, r0, r1, xb, sxs, ys);
-    default: return rows_int2_bf16_lanes<NP, 16>(w, sc, K, g, r0, r1, xb, sxs, ys);
-  }
+  const __m512i table = PackedBf16<2>().table;  // the codes 0..3 as bf16, repeated
+  auto step_inputs = [&](int p, int64_t k) {
+    Bf16Step st;
+    for (int j = 0; j < 8; ++j) st.x[j] = (__m512bh)_mm512_loadu_si512(xb[p] + k + 32 * (j & 3) + 128 * (j >> 2));
+    return st;
+  };
+  auto row_dots = [&](__m512i v, const Bf16Step& st) {
+    __m512 d0 = _mm512_setzero_ps(), d1 = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      d0 = _mm512_dpbf16_ps(d0, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 2 * j), table), st.x[j]);
+      d1 = _mm512_dpbf16_ps(d1, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 2 * j + 8), table),
+                            st.x[4 + j]);
+    }
+    return _mm512_add_ps(d0, d1);
+  };
+  int2_rows<NP, false>(w, sc, K, g, r0, r1, sxs, nullptr, ys, step_inputs, row_dots);
 }
 #endif
 
 #ifdef ZOO_VNNI
-// 2-bit codes times 8-bit inputs, 256 codes (64 bytes, one load) a step: byte i holds codes 4 i + j at bits 2 j, so
-// pass j takes (bytes >> 2 j) & 3 against the inputs q[4 i + j] (layout 3), four vpdpbusd into one int32 vector whose
-// lane l sums codes 16 l..16 l + 15 of the step, all of one group (g divides 256 or 256 divides g). 16 rows at a
-// time as rows_int2_bf16 (the lane sums added into group sums in int32, exact, then scaled). Against a row at a time
-// with each row's scales gathered first, as there: one input 1.21 / 1.50x, two 1.32 / 1.36x, four 1.40 / 1.06x.
-template <int NP, int L>
-static void rows_int2_dot256_lanes(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
-                                   const int8_t* const* xs, const float* const* sxs, const float* xscale,
-                                   float* const* ys) {
-  const int64_t row_bytes = K / 4, pair_bytes = sc.bf16 ? 4 : 8;
-  const int64_t ahead = 16 * ((rows_ahead(row_bytes) + 15) / 16);  // rows: whole blocks, ~8 KB or more
-  const __m512i three = _mm512_set1_epi8(3), top = _mm512_set1_epi8(0x3f);
-  for (int64_t rb = r0; rb < r1; rb += 16) {
-    const int64_t rows = std::min<int64_t>(16, r1 - rb);
-    const uint8_t *wb = w + rb * row_bytes, *wf = wb + ahead * row_bytes;
-    const char* sf = static_cast<const char*>(sc.ptr) + (rb + ahead) * pair_bytes;
-    for (int p = 0; p < NP; ++p) {
-      __m512 acc = _mm512_setzero_ps(), zacc = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; k += 256) {
-        const int8_t* xk = xs[p] + k;
-        const __m512i x0 = _mm512_loadu_si512(xk), x1 = _mm512_loadu_si512(xk + 64);
-        const __m512i x2 = _mm512_loadu_si512(xk + 128), x3 = _mm512_loadu_si512(xk + 192);
-        __m512 D[16];
-        for (int i = 0; i < 16; ++i) {
-          if (i >= rows) {  // (rows past the item's end: zeros)
-            D[i] = _mm512_setzero_ps();
-            continue;
-          }
-          const __m512i v = _mm512_loadu_si512(wb + i * row_bytes + k / 4);
-          if (p == 0) __builtin_prefetch(wf + i * row_bytes + k / 4);
-          __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, three), x0);
-          d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 2), three), x1);
-          d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 4), three), x2);
-          d = _mm512_dpbusd_epi32(d, _mm512_srli_epi16(_mm512_andnot_si512(top, v), 6), x3);  // each byte's top 2 bits
-          D[i] = _mm512_castsi512_ps(d);
-        }
-        __m512 sums[16 / L];
-        step_group_sums<L, true>(D, sums);
-        for (int m = 0; m < 16 / L; ++m) {
-          const int64_t gi = (k + 16 * L * m) / g;
-          __m512 s, zm;
-          scale_pairs16(sc, gi, rb, rows, s, zm);
-          if (p == 0) prefetch_bytes(sf + gi * sc.N * pair_bytes, 16 * pair_bytes);
-          acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_castps_si512(sums[m])), acc);
-          if (L < 16 || k % g == 0) zacc = _mm512_fmadd_ps(zm, _mm512_set1_ps(sxs[p][gi]), zacc);  // once a group
-        }
-      }
-      _mm512_mask_storeu_ps(ys[p] + rb, __mmask16((1u << rows) - 1),
-                            _mm512_mul_ps(_mm512_add_ps(acc, zacc), _mm512_set1_ps(xscale[p])));
-    }
-  }
-}
+// 2-bit codes times 8-bit inputs: byte i of a step holds codes 4 i + j at bits 2 j, so pass j takes (bytes >> 2 j) & 3
+// against the inputs q[4 i + j] (layout 3), four vpdpbusd into one int32 vector (int2_row_blocks adds the lane sums
+// into group sums in int32, exact, then scales them).
+struct Int8Step {
+  __m512i x[4];
+};
 template <int NP>
 static void rows_int2_dot256(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
                              const int8_t* const* xs, const float* const* sxs, const float* xscale,
                              float* const* ys) {
-  switch (g >= 256 ? 16 : g / 16) {  // lanes a group (g divides 256 or 256 divides g)
-    case 2: return rows_int2_dot256_lanes<NP, 2>(w, sc, K, g, r0, r1, xs, sxs, xscale, ys);
-    case 4: return rows_int2_dot256_lanes<NP, 4>(w, sc, K, g, r0, r1, xs, sxs, xscale, ys);
-    case 8: return rows_int2_dot256_lanes<NP, 8>(w, sc, K, g, r0, r1, xs, sxs, xscale, ys);
-    default: return rows_int2_dot256_lanes<NP, 16>(w, sc, K, g, r0, r1, xs, sxs, xscale, ys);
-  }
+  const __m512i three = _mm512_set1_epi8(3), top = _mm512_set1_epi8(0x3f);
+  auto step_inputs = [&](int p, int64_t k) {
+    Int8Step st;
+    for (int j = 0; j < 4; ++j) st.x[j] = _mm512_loadu_si512(xs[p] + k + 64 * j);
+    return st;
+  };
+  auto row_dots = [&](__m512i v, const Int8Step& st) {
+    __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, three), st.x[0]);
+    d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 2), three), st.x[1]);
+    d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 4), three), st.x[2]);
+    d = _mm512_dpbusd_epi32(d, _mm512_srli_epi16(_mm512_andnot_si512(top, v), 6), st.x[3]);  // each byte's top 2 bits
+    return _mm512_castsi512_ps(d);
+  };
+  int2_rows<NP, true>(w, sc, K, g, r0, r1, sxs, xscale, ys, step_inputs, row_dots);
 }
 #endif
 
