@@ -126,7 +126,9 @@ LINEAR_ROWS_AVX2 = {4: 64, 8: 128}
 # Zen 5, after the AVX-512 2-bit rows went 16 rows at a time (scaled by the stored scales directly, the block ahead
 # asked for line by line), three runs: 2-bit exact decode 1.20 / 1.22 / 1.17x, prefill at 16 tokens 0.96 / 1.01 /
 # 0.98x, at 128-512 tokens 0.94-1.01x, the same tokens, half the memory: listed too; 2-bit with 8-bit inputs decode
-# 1.25 / 1.27 / 1.23x, at 16 tokens 1.10-1.14x; 3-bit exact decode 0.76-0.89x, with 8-bit inputs 0.74-0.90x.
+# 1.25 / 1.27 / 1.23x, at 16 tokens 1.10-1.14x; 3-bit exact decode 0.76-0.89x, with 8-bit inputs 0.74-0.90x. After
+# the int4 blocks (the copy) loaded 16 rows' scales at once, two runs: exact 2-bit decode 1.04 / 1.23x, prefill
+# 0.93-1.01x; 2-bit x int8 decode 1.17 / 1.23x, prefill 0.94-1.02x.
 STORED_CODES = {"avx2": {(2, True)}, "avx512-bf16": {(2, True), (2, False)}}
 
 
