@@ -606,6 +606,72 @@ def test_packed_8bit_inputs_odd_rows_and_one_chunk_rows(int8_inputs, bits, g, K,
     assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g, N, K), bits, g, T)
 
 
+@pytest.fixture(params=[True, False], ids=["vbmi", "no-vbmi"])
+def avx512_bf16_vbmi(request):
+    """The avx512-bf16 set with VBMI's 3-bit kernels (rows_int3_vbmi) and without them (the kernels processors
+    lacking VBMI run); skipped where the processor lacks either."""
+    if kernels.best_isa() != "avx512-bf16":
+        pytest.skip("this processor lacks the avx512-bf16 set")
+    if request.param and not kernels.vbmi_supported():
+        pytest.skip("this processor lacks AVX512-VBMI")
+    before = kernels.isa(), kernels.vbmi()
+    kernels.isa("avx512-bf16")
+    kernels.vbmi(request.param)
+    yield request.param
+    kernels.int8_inputs(False)
+    kernels.isa(before[0])
+    kernels.vbmi(before[1])
+
+
+@pytest.mark.parametrize("g,K,N", [(64, 1024, 70), (128, 768, 64), (192, 768, 6), (256, 512, 67), (64, 192, 5)])
+@pytest.mark.parametrize("T", [1, 2, 5, 8])
+def test_3bit_rows_with_and_without_vbmi(avx512_bf16_vbmi, g, K, N, T):
+    """3-bit rows on avx512-bf16, groups a multiple of 64 (one step of 64 codes a group, two, three, four; an odd
+    count of groups; items of 64 rows and short ones), with VBMI (rows_int3_vbmi) and without: bf16 inputs within
+    the outputs' bf16 rounding of the reference, an input per slot too; 8-bit inputs (their order there, layout 2
+    without) the integer reference's result."""
+    w, sz, codes = packed_stack_with_codes(3, g, N, K)
+    slot_of = torch.tensor([0, 2, 1, -1])
+    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.arange(T) % 3 + 1, torch.full((T,), 4)], 1)
+    gen = torch.Generator().manual_seed(T + g)
+    for x in (torch.randn(T, K, generator=gen), torch.randn(T, 3, K, generator=gen)):
+        xb = x.bfloat16()
+        want = kernels.moe_gemv_reference(xb.float(), idx, w, sz, 3, g, slot_of)
+        got = kernels.moe_gemv(xb, idx, w, sz, 3, g, slot_of)
+        torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-4 * float(want.abs().max()))
+    kernels.int8_inputs(True)
+    assert_8bit_inputs_exact(w, sz, codes, 3, g, T)
+
+
+def test_3bit_vbmi_rows_read_codes_as_one_plus_an_eighth():
+    """The path seen, and what it costs: with VBMI a bf16 input's group sum is sum(x (1 + q/8)), the sum of the
+    inputs taken off afterwards (scale 8 s, zero term z - 16 s), so its fp32 rounding is that of sums of 8 s sum|x|
+    where the table's kernel rounds sums of s sum|x q|. One input of 2^24 on code 0 beside 63 ones on code 1 (s = 1,
+    z = 8: w = q): the table's kernel sums 63 exactly (code 0 drops the large input); the VBMI kernel's sums reach
+    2^27 (an fp32 unit there: 16) and the result is off by their rounding, under 2^-17 of them."""
+    if kernels.best_isa() != "avx512-bf16" or not kernels.vbmi_supported():
+        pytest.skip("this processor lacks the avx512-bf16 set with AVX512-VBMI")
+    codes = torch.ones(1, 1, 64, dtype=torch.int32)
+    codes[..., 0] = 0
+    w = pack(codes[0], 3)[None]
+    sz = torch.tensor([[[[1.0, 8.0]]]])  # [S, K/g, N, (scale, zero)]
+    x = torch.ones(1, 64, dtype=torch.bfloat16)
+    x[0, 0] = 2.0 ** 24
+    idx = torch.zeros(1, 1, dtype=torch.long)
+    before = kernels.isa(), kernels.vbmi()
+    try:
+        kernels.isa("avx512-bf16")
+        kernels.vbmi(False)
+        table = float(kernels.moe_gemv(x, idx, w, sz, 3, 64).float())
+        kernels.vbmi(True)
+        ones = float(kernels.moe_gemv(x, idx, w, sz, 3, 64).float())
+    finally:
+        kernels.isa(before[0])
+        kernels.vbmi(before[1])
+    assert table == 63
+    assert ones != 63 and abs(ones - 63) < 2 ** 10
+
+
 @pytest.mark.parametrize("g,K", [(32, 1024), (64, 1280), (64, 512), (128, 768)])
 @pytest.mark.parametrize("N", [64, 80, 72, 70])
 def test_2bit_8bit_inputs_256_a_step_every_block_of_scales(int8_inputs, g, K, N):
@@ -1172,15 +1238,19 @@ def test_compiled_greedy_reads_linear_layers_with_the_kernel(monkeypatch):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
 
 
-@pytest.mark.parametrize("bits,K", [(2, 64), (3, 64), (2, 256)])
-def test_packed_rows_read_nothing_past_the_stack(isa, at_unreadable_page, bits, K):
+@pytest.mark.parametrize("bits,K,g", [(2, 64, 32), (3, 64, 32), (2, 256, 32), (3, 128, 64), (3, 192, 64)])
+def test_packed_rows_read_nothing_past_the_stack(isa, at_unreadable_page, bits, K, g):
     """2/3-bit rows whose stack ends where the process's memory does (the next page unreadable, as past the end of a
     mapped checkpoint): the last row's last step reads its own bytes only, on every set and for bf16 and fp32
-    inputs (a read past them would end the process; 2 bits at K = 256: a step of 256 codes), and the result is the
-    reference's."""
-    w, sz, _ = packed_stack_with_codes(bits, 32, N=16, K=K)
+    inputs, and 8-bit ones where the set has them (a read past them would end the process; 2 bits at K = 256: a
+    step of 256 codes; 3 bits in groups of 64: VBMI's steps of 64 codes, where the processor has it), and the
+    result is the reference's."""
+    w, sz, _ = packed_stack_with_codes(bits, g, N=16, K=K)
     at_the_end = at_unreadable_page(w)
     idx = torch.tensor([[2, 0]])
-    for x in (torch.randn(1, K).bfloat16(), torch.randn(1, K)):
-        got = kernels.moe_gemv(x, idx, at_the_end, sz, bits, 32)
-        torch.testing.assert_close(got.float(), kernels.moe_gemv(x, idx, w, sz, bits, 32).float(), rtol=0, atol=0)
+    for int8 in (False, True) if isa in kernels.INT8_DOT_ISAS else (False,):
+        kernels.int8_inputs(int8)
+        for x in (torch.randn(1, K).bfloat16(), torch.randn(1, K)):
+            got = kernels.moe_gemv(x, idx, at_the_end, sz, bits, g)
+            torch.testing.assert_close(got.float(), kernels.moe_gemv(x, idx, w, sz, bits, g).float(), rtol=0, atol=0)
+    kernels.int8_inputs(False)

@@ -522,6 +522,28 @@ def int8_wide_rows(on: Optional[bool] = None) -> bool:
     return bool(torch.ops.zoo.moe_gemv_int8_wide_rows(-1 if on is None else int(on)))
 
 
+def vbmi(on: Optional[bool] = None) -> bool:
+    """Whether 3-bit rows on the avx512-bf16 set (groups a multiple of 64) take VBMI's byte permutes where the
+    processor has them (Ice Lake, AMD Zen 4 and later): ``rows_int3_vbmi``, 64 codes a step in three instructions
+    (``vpermb``, ``vpmultishiftqb``, then ``vpternlogd`` for bf16 inputs or a mask for 8-bit ones) where the others
+    look each 32 codes up in a table. On by default there. ``vbmi(False)`` takes the kernels processors without VBMI
+    run (tests, measurements); ``vbmi(True)`` is refused where the processor lacks it; ``None`` asks. With bf16
+    inputs each code is read as 1 + q/8, so a group's sum carries the sum of its inputs, taken off afterwards: the
+    same result up to fp32 rounding of that larger sum."""
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"vbmi takes True, False or None, got {on!r}")
+    if not load():
+        return False
+    if on and not vbmi_supported():
+        raise ValueError("vbmi(True): this processor lacks AVX512-VBMI")
+    return bool(torch.ops.zoo.moe_gemv_vbmi(-1 if on is None else int(on)))
+
+
+def vbmi_supported() -> bool:
+    """Whether this processor has AVX512-VBMI (False where the kernel is unavailable)."""
+    return load() and bool(torch.ops.zoo.moe_gemv_vbmi(-2))
+
+
 def int8_inputs_on() -> bool:
     """``int8_inputs()`` without calling into the library (safe inside compiled code, which guards on it)."""
     return _state["int8_inputs"] and ready()

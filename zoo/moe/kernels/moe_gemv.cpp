@@ -101,6 +101,7 @@ struct Problem {
   const int64_t* in_rows;  // per (token, slot) pair, grouped by the stack slot it reads: its input row of X
   const int64_t* out_rows; // and its output row of Y
   int int8_tile_from = 0;  // int8 blocks on bf16 inputs take a tile from this many pairs (0: tile_serves' rule)
+  bool int3_vbmi = false;  // 3-bit rows read by rows_int3_vbmi (XB in its layout 5, XQ in order)
 };
 
 // The largest |x[k]| of a row and whether it holds a NaN or an infinity, four lanes at a time (a running sum of
@@ -397,6 +398,18 @@ static bool subnormal_codes_on() {
 // Python side for the processors measured otherwise (zoo.moe.kernels.int8_tile_pairs)
 static std::atomic<int> g_int8_tile_from{0};
 
+// 3-bit rows on bf16 dot products through VBMI's byte permutes (rows_int3_vbmi) where the processor has them;
+// moe_gemv_vbmi turns it off (tests of the other kernel) and on again
+static bool detect_vbmi() {
+#ifdef ZOO_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
+static std::atomic<bool> g_vbmi{detect_vbmi()};
+
 // int8 rows of one input (decode) on the avx512 set's 16 lanes rather than the 256-bit code, on AVX-512 processors.
 // Set by the Python side where measured faster (zoo.moe.kernels.int8_wide_rows)
 static std::atomic<bool> g_int8_wide_rows{false};
@@ -407,6 +420,16 @@ int64_t moe_gemv_int8_wide_rows(int64_t want) {
   TORCH_CHECK(want >= -1 && want <= 1, "moe_gemv_int8_wide_rows takes -1, 0 or 1, got ", want);
   if (want >= 0) g_int8_wide_rows = want == 1;
   return g_int8_wide_rows;
+}
+
+// -1: whether the AVX-512 sets use VBMI where it has a kernel; 0 / 1: off / on (refused where the processor lacks
+// it); -2: whether the processor has it
+int64_t moe_gemv_vbmi(int64_t want) {
+  TORCH_CHECK(want >= -2 && want <= 1, "moe_gemv_vbmi takes -2, -1, 0 or 1, got ", want);
+  if (want == -2) return detect_vbmi();
+  TORCH_CHECK(want != 1 || detect_vbmi(), "moe_gemv_vbmi: this processor does not support AVX512-VBMI");
+  if (want >= 0) g_vbmi = want == 1;
+  return g_vbmi;
 }
 
 // -1: the pairs from which int8 blocks take a tile (0: tile_serves' rule); 0: that rule; n >= 1: from n pairs
@@ -565,6 +588,16 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
         for (int j = 0; j < 8; ++j)
           for (int i = 0; i < 32; ++i) xb_permuted[r * K + k0 + 32 * j + i] = xb[r * K + k0 + 8 * i + j];
   }
+  // 3-bit rows on VBMI (rows_int3_vbmi): bf16 inputs in layout 5, 8-bit ones in their order
+  const bool int3_vbmi = g_isa == 3 && kind == Kind::int3 && (bf16_dot || int8_dot) && g_vbmi && group_size % 64 == 0;
+  if (int3_vbmi && !int8_dot) {
+    // layout 5 (rows_int3_vbmi): per 64 inputs, word 4 m + j <- input 8 m + j, word 32 + 4 m + j <- 8 m + 4 + j
+    xb_permuted.resize(rows * K);
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k0 = r * K; k0 < (r + 1) * K; k0 += 64)
+        for (int i = 0; i < 64; ++i) xb_permuted[k0 + i] = xb[k0 + 8 * (i % 32 / 4) + 4 * (i / 32) + i % 4];
+  }
   std::vector<uint8_t> xq_permuted;
   std::vector<int16_t> xw;
   if (kind == Kind::int3 && int8_dot && g_isa == 1) {  // (and XQ in layout 2 below, for rows_int3_bytes)
@@ -572,7 +605,7 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t k = 0; k < K; ++k) xw[r * K + k] = int16_t(int8_t(xq[r * K + k]) * (1 << (7 - (3 * k & 7))));
   }
-  if ((kind == Kind::int2 || kind == Kind::int3) && int8_dot && !q_as_float) {
+  if ((kind == Kind::int2 || (kind == Kind::int3 && !int3_vbmi)) && int8_dot && !q_as_float) {
     xq_permuted.resize(rows * K);
     if (kind == Kind::int2 && int2_steps_of_256(K, group_size)) {
       // layout 3 (rows_int2_dot256): per 256 inputs, pass j's 64 bytes, byte i <- input 4 i + j
@@ -584,7 +617,7 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
       for (int64_t r = 0; r < rows; ++r)
         permute_for_packed(xq.data() + r * K, xq_permuted.data() + r * K, K, group_size, int(bits), 2);
     }
-  } else if ((kind == Kind::int2 || kind == Kind::int3) && !bf16_dot) {  // (bf16 dot products read XB)
+  } else if ((kind == Kind::int2 || kind == Kind::int3) && !bf16_dot && !int3_vbmi) {  // (bf16 dot products read XB)
     permuted.resize(rows * K);
     const int layout = g_isa >= 2 ? 1 : 0;  // the AVX-512 sets read 16 lanes
     for (int64_t r = 0; r < rows; ++r)
@@ -651,6 +684,7 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
              subnormals ? subnormal_x.data() : nullptr, subnormals ? unscale.data() : nullptr, Yp, in_rows.data(),
              out_rows.data()};
   pb.int8_tile_from = g_int8_tile_from;
+  pb.int3_vbmi = int3_vbmi;
   run_all(pb, items);
   for (size_t i = 0; q_as_float && i < out_rows.size(); ++i)
     for (int64_t n = 0; n < N; ++n) Yp[out_rows[i] * N + n] *= xqs[in_rows[i]];
@@ -810,6 +844,7 @@ TORCH_LIBRARY_FRAGMENT(zoo, m) {
         "Tensor? slot_of) -> Tensor");
   m.def("moe_gemv_isa(int want) -> int");
   m.def("moe_gemv_int8_inputs(int want) -> int");
+  m.def("moe_gemv_vbmi(int want) -> int");
   m.def("moe_gemv_subnormal_codes(int want) -> int");
   m.def("moe_gemv_int8_tile_pairs(int want) -> int");
   m.def("moe_gemv_int8_wide_rows(int want) -> int");
@@ -828,6 +863,7 @@ TORCH_LIBRARY_IMPL(zoo, CPU, m) {
 TORCH_LIBRARY_IMPL(zoo, CompositeExplicitAutograd, m) {
   m.impl("moe_gemv_isa", &zoo_kernels::moe_gemv_isa);
   m.impl("moe_gemv_int8_inputs", &zoo_kernels::moe_gemv_int8_inputs);
+  m.impl("moe_gemv_vbmi", &zoo_kernels::moe_gemv_vbmi);
   m.impl("moe_gemv_subnormal_codes", &zoo_kernels::moe_gemv_subnormal_codes);
   m.impl("moe_gemv_int8_tile_pairs", &zoo_kernels::moe_gemv_int8_tile_pairs);
   m.impl("moe_gemv_int8_wide_rows", &zoo_kernels::moe_gemv_int8_wide_rows);

@@ -663,7 +663,8 @@ struct RowScales {
   float zt[8 * 64];
 };
 template <int NP>
-static void row_scales(const Scales& sc, int64_t G, int64_t r0, int64_t r1, const float* const* sxs, RowScales& out) {
+static void row_scales(const Scales& sc, int64_t G, int64_t r0, int64_t r1, const float* const* sxs, RowScales& out,
+                       float eights = 8.f) {
   const int64_t R = r1 - r0;
   thread_local std::vector<float> buf;
   buf.resize(2 * G * R + 16);
@@ -679,11 +680,11 @@ static void row_scales(const Scales& sc, int64_t G, int64_t r0, int64_t r1, cons
         float sv, zv;
         std::memcpy(&sv, &lo, 4);
         std::memcpy(&zv, &hi, 4);
-        sg[i] = sv, zg[i] = zv - 8 * sv;
+        sg[i] = sv, zg[i] = zv - eights * sv;
       }
     } else {
       const float* pr = static_cast<const float*>(sc.ptr) + (gi * sc.N + r0) * 2;
-      for (int64_t i = 0; i < R; ++i) sg[i] = pr[2 * i], zg[i] = pr[2 * i + 1] - 8 * pr[2 * i];
+      for (int64_t i = 0; i < R; ++i) sg[i] = pr[2 * i], zg[i] = pr[2 * i + 1] - eights * pr[2 * i];
     }
   }
   // the next item's scales (the rows after these, most often this thread's next item), asked for now, to come from
@@ -956,6 +957,114 @@ static void rows_packed_bf16(const uint8_t* w, const Scales& sc, int64_t K, int6
       ys[p][r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[p], acc1[p])) + rs.zt[p * R + r - r0];
   }
 }
+
+// 3-bit codes on VBMI (Ice Lake, Zen 4 and later; function-level targets, called only where the processor has
+// it), 64 codes (24 bytes) a step: vpermb puts codes 8 m..8 m + 7 (bytes 3 m..3 m + 2) in qword m, and
+// vpmultishiftqb takes each code where it is wanted, three instructions for 64 codes, no table.
+//  - times bf16 inputs (vdpbf16ps): code 8 m + j (first vector) and 8 m + 4 + j (second) to bits 4..6 of word
+//    4 m + j's low byte, vpternlogd keeping those three bits under 0x3F80: the bf16 1 + q/8, exact. A group's dot
+//    is then sum(x) + sum(x q) / 8, so it is scaled by 8 s and the zero terms take z - 16 s for z - 8 s (the same
+//    sums of the group's inputs). The inputs come permuted to the words' order (layout 5: per 64 inputs, word
+//    4 m + j <- input 8 m + j, word 32 + 4 m + j <- input 8 m + 4 + j).
+//  - times 8-bit inputs (vpdpbusd): code 8 m + j to byte 8 m + j, masked to its 3 bits: the inputs in their order.
+// Groups a multiple of 64.
+#define ZOO_VBMI __attribute__((target("avx512vbmi")))
+struct Int3Vbmi {
+  __m512i window, first, second, bytes, keep, one;
+  ZOO_VBMI Int3Vbmi() {
+    alignas(64) uint8_t wi[64], a[64], b[64], c[64];
+    for (int m = 0; m < 8; ++m)
+      for (int j = 0; j < 8; ++j) {
+        wi[8 * m + j] = uint8_t(3 * m + j);
+        a[8 * m + j] = uint8_t((3 * (j / 2) - 4) & 63);  // (the high bytes' fields are cleared anyway)
+        b[8 * m + j] = uint8_t((3 * (j / 2 + 4) - 4) & 63);
+        c[8 * m + j] = uint8_t(3 * j);
+      }
+    window = _mm512_load_si512(wi), first = _mm512_load_si512(a), second = _mm512_load_si512(b);
+    bytes = _mm512_load_si512(c), keep = _mm512_set1_epi16(0x70), one = _mm512_set1_epi16(0x3F80);
+  }
+  // the step's codes at b, qword m holding codes 8 m..; whole: 32 bytes from b may be read (else only the 24)
+  ZOO_VBMI inline __m512i codes(const uint8_t* b, bool whole) const {
+    const __m256i v = whole ? _mm256_loadu_si256((const __m256i*)b) : _mm256_maskz_loadu_epi8(0xffffff, b);
+    return _mm512_permutexvar_epi8(window, _mm512_castsi256_si512(v));
+  }
+  ZOO_VBMI inline __m512bh words(__m512i c, bool second_half) const {
+    return (__m512bh)_mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(second_half ? second : first, c), keep,
+                                               one, 0xEA);  // (a & keep) | one
+  }
+  ZOO_VBMI inline __m512i as_bytes(__m512i c) const {
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(bytes, c), _mm512_set1_epi8(7));
+  }
+};
+
+// one group's steps into acc (scale s): b its codes, k its first input; STEPS its steps of 64 (0: g / 64, at run
+// time); LAST: the row's last group, whose last step reads its 24 bytes only. Q8: 8-bit inputs (int8_t), else bf16.
+template <int NP, int STEPS, bool LAST, bool Q8>
+ZOO_VBMI static inline __attribute__((always_inline)) void int3_vbmi_group(
+    const Int3Vbmi& v, const uint8_t* b, int64_t k, int64_t g, float s, const void* const* xs, __m512* acc) {
+  __m512 ga[NP];    // one chain per input (two spill at 8 inputs)
+  __m512i gi32[NP];
+  for (int p = 0; p < NP; ++p) ga[p] = _mm512_setzero_ps(), gi32[p] = _mm512_setzero_si512();
+  const int64_t steps = STEPS ? STEPS : g / 64;
+#pragma GCC unroll 2
+  for (int64_t i = 0; i < steps; ++i, b += 24) {
+    const __m512i c = v.codes(b, !LAST || i + 1 < steps);
+    if constexpr (Q8) {
+      const __m512i q = v.as_bytes(c);
+      for (int p = 0; p < NP; ++p)
+        gi32[p] = _mm512_dpbusd_epi32(gi32[p], q, _mm512_loadu_si512(static_cast<const int8_t*>(xs[p]) + k + 64 * i));
+    } else {
+      const __m512bh q0 = v.words(c, false), q1 = v.words(c, true);
+      for (int p = 0; p < NP; ++p) {
+        const uint16_t* x = static_cast<const uint16_t*>(xs[p]) + k + 64 * i;
+        ga[p] = _mm512_dpbf16_ps(ga[p], q0, (__m512bh)_mm512_loadu_si512(x));
+        ga[p] = _mm512_dpbf16_ps(ga[p], q1, (__m512bh)_mm512_loadu_si512(x + 32));
+      }
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(Q8 ? s : 8 * s);
+  for (int p = 0; p < NP; ++p) acc[p] = _mm512_fmadd_ps(Q8 ? _mm512_cvtepi32_ps(gi32[p]) : ga[p], sv, acc[p]);
+}
+
+template <int NP, int STEPS, bool Q8>
+ZOO_VBMI static void rows_int3_vbmi_steps(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0,
+                                         int64_t r1, const void* const* xs, const float* const* sxs,
+                                         const float* xscale, float* const* ys) {
+  const Int3Vbmi v;
+  const int64_t R = r1 - r0, G = K / g, row_bytes = K * 3 / 8, group_bytes = g * 3 / 8, ahead = rows_ahead(row_bytes);
+  RowScales rs;
+  row_scales<NP>(sc, G, r0, r1, sxs, rs, Q8 ? 8.f : 16.f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wp = w + r * row_bytes;
+    if constexpr (NP <= 2) prefetch_bytes(wp + ahead * row_bytes, row_bytes);
+    __m512 acc0[NP], acc1[NP];  // alternate groups: no FMA waits on the one before
+    for (int p = 0; p < NP; ++p) acc0[p] = acc1[p] = _mm512_setzero_ps();
+    const float* scale = rs.s + (r - r0);
+    int64_t gi = 0;
+    for (; gi + 3 <= G; gi += 2) {
+      int3_vbmi_group<NP, STEPS, false, Q8>(v, wp + gi * group_bytes, gi * g, g, scale[gi * R], xs, acc0);
+      int3_vbmi_group<NP, STEPS, false, Q8>(v, wp + (gi + 1) * group_bytes, (gi + 1) * g, g, scale[(gi + 1) * R],
+                                            xs, acc1);
+    }
+    if (gi + 2 == G)
+      int3_vbmi_group<NP, STEPS, false, Q8>(v, wp + gi * group_bytes, gi * g, g, scale[gi * R], xs, acc1), ++gi;
+    int3_vbmi_group<NP, STEPS, true, Q8>(v, wp + gi * group_bytes, gi * g, g, scale[gi * R], xs, acc0);
+    for (int p = 0; p < NP; ++p) {
+      const float y = _mm512_reduce_add_ps(_mm512_add_ps(acc0[p], acc1[p])) + rs.zt[p * R + r - r0];
+      ys[p][r] = Q8 ? y * xscale[p] : y;
+    }
+  }
+}
+
+// xs: bf16 inputs in layout 5, or (Q8) 8-bit ones in their order with their scales xscale
+template <int NP, bool Q8>
+static void rows_int3_vbmi(const uint8_t* w, const Scales& sc, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                           const void* const* xs, const float* const* sxs, const float* xscale, float* const* ys) {
+  if (g == 64) return rows_int3_vbmi_steps<NP, 1, Q8>(w, sc, K, g, r0, r1, xs, sxs, xscale, ys);
+  if (g == 128) return rows_int3_vbmi_steps<NP, 2, Q8>(w, sc, K, g, r0, r1, xs, sxs, xscale, ys);
+  rows_int3_vbmi_steps<NP, 0, Q8>(w, sc, K, g, r0, r1, xs, sxs, xscale, ys);
+}
+#undef ZOO_VBMI
 #endif
 
 #ifdef ZOO_VNNI
@@ -1761,6 +1870,9 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
 #ifdef ZOO_VNNI
         } else if (pb.kind == Kind::int2) {
           ZOO_NP((rows_packed_dot<NP, 2>(w, sc, pb.K, pb.g, it.r0, it.r1, xqs, sxs, scales, ys)));
+        } else if (pb.int3_vbmi) {
+          ZOO_NP((rows_int3_vbmi<NP, true>(w, sc, pb.K, pb.g, it.r0, it.r1, (const void* const*)xqs, sxs, scales,
+                                           ys)));
         } else {
           ZOO_NP((rows_packed_dot<NP, 3>(w, sc, pb.K, pb.g, it.r0, it.r1, xqs, sxs, scales, ys)));
 #else
@@ -1784,7 +1896,12 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
         if (pb.kind == Kind::int2) {
           ZOO_NP((rows_int2_bf16<NP>(w, sc, pb.K, pb.g, it.r0, it.r1, xbs, sxs, ys)));
         } else {
-          ZOO_NP((rows_packed_bf16<NP, 3>(w, sc, pb.K, pb.g, it.r0, it.r1, xbs, sxs, ys)));
+          if (pb.int3_vbmi) {
+            ZOO_NP((rows_int3_vbmi<NP, false>(w, sc, pb.K, pb.g, it.r0, it.r1, (const void* const*)xbs, sxs,
+                                              nullptr, ys)));
+          } else {
+            ZOO_NP((rows_packed_bf16<NP, 3>(w, sc, pb.K, pb.g, it.r0, it.r1, xbs, sxs, ys)));
+          }
         }
         break;
       }
