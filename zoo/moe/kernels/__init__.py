@@ -151,8 +151,12 @@ STORED_PAIRS_AVX2 = {(2, False): 32, (3, False): 32, (2, True): 256, (3, True): 
 # 1.17 / 1.35 / 1.36 / 1.44x. After the 2-bit rows went 16 rows at a time: kernel against tiles, exact 2-bit 1.23 /
 # 0.87 / 0.64x at 8 / 16 / 32 pairs, 2-bit x int8 1.89 / 1.19 / 0.93 / 0.75x at 8 / 16 / 32 / 64; in the model's
 # prefill, 24 against 16: exact 1.00 / 1.00 / 0.84 / 0.79x at 48 / 64 / 80 / 96 tokens (16 stays), x int8 1.01 / 1.00
-# / 1.14 / 1.11x, so 24 (32 against 24: 1.00 / 1.05 / 0.98x at 96 / 112 / 128 tokens)
-STORED_PAIRS_ZEN5 = {(2, False): 16, (3, False): 10, (2, True): 24, (3, True): 4}
+# / 1.14 / 1.11x, so 24 (32 against 24: 1.00 / 1.05 / 0.98x at 96 / 112 / 128 tokens). After the 3-bit rows took
+# VBMI (rows_int3_vbmi): kernel against tiles, 3-bit x int8 3.11 / 2.03 / 1.31 / 0.95 / 0.70x at 2 / 4 / 8 / 16 / 32
+# pairs, exact 3-bit 1.83 / 0.96 / 0.75x at 4 / 8 / 16; in the model's prefill, 3-bit x int8 at 12 against 4: 1.85 /
+# 1.35 / 1.13 / 1.01x at 16 / 32 / 48 / 64 tokens, 16 against 12: 1.17 / 1.17 / 1.01 / 0.99x at 48 / 64 / 80 / 96, 24
+# against 16: 0.98-1.01x at 64-128, so 16; exact 3-bit at 14 against 10: 0.98-1.02x at 16-64 tokens (10 stays)
+STORED_PAIRS_ZEN5 = {(2, False): 16, (3, False): 10, (2, True): 24, (3, True): 16}
 
 
 def stored_pairs(bits: int) -> Optional[int]:
