@@ -128,7 +128,9 @@ LINEAR_ROWS_AVX2 = {4: 64, 8: 128}
 # 0.98x, at 128-512 tokens 0.94-1.01x, the same tokens, half the memory: listed too; 2-bit with 8-bit inputs decode
 # 1.25 / 1.27 / 1.23x, at 16 tokens 1.10-1.14x; 3-bit exact decode 0.76-0.89x, with 8-bit inputs 0.74-0.90x. After
 # the int4 blocks (the copy) loaded 16 rows' scales at once, two runs: exact 2-bit decode 1.04 / 1.23x, prefill
-# 0.93-1.01x; 2-bit x int8 decode 1.17 / 1.23x, prefill 0.94-1.02x.
+# 0.93-1.01x; 2-bit x int8 decode 1.17 / 1.23x, prefill 0.94-1.02x. After the 3-bit rows took VBMI (rows_int3_vbmi)
+# and their 8-bit-input limit went to 16 pairs, two runs: 3-bit with 8-bit inputs decode 1.07 / 1.12x, prefill at 16
+# tokens 0.93 / 0.95x, at 128-512 0.89-0.97x; exact 3-bit decode 0.98 / 1.05x, prefill 0.82-0.93x: the copy serves.
 STORED_CODES = {"avx2": {(2, True)}, "avx512-bf16": {(2, True), (2, False)}}
 
 
@@ -469,8 +471,8 @@ def stored_codes(on: Optional[bool] = None) -> bool:
     """Whether 2/3-bit experts are multiplied in their stored form on every call: by the kernel (decode, short
     prompts), dequantised per call past it (long prompts), never through the int4 working copy they otherwise keep.
     Memory first: the copy takes twice the 2-bit codes' memory and 4/3 of the 3-bit ones'; the speeds are
-    ``benchmarks/stored_codes.py``'s (faster only for 2-bit with 8-bit inputs, on the avx2 and avx512-bf16 sets,
-    which ``STORED_CODES`` reads so anyway; elsewhere 0.6-1.1x the copy).
+    ``benchmarks/stored_codes.py``'s (at or above the copy where ``STORED_CODES`` lists them, which read so anyway:
+    2-bit on the avx512-bf16 set, 2-bit with 8-bit inputs on avx2; elsewhere 0.6-1.1x the copy, prefill the slower).
     ``stored_codes(True)`` / ``(False)`` turns it on / off (on: ValueError where the kernels are unavailable: torch's
     int4 kernels need the copy); off by default. It applies to copies not yet built: set it before the model runs."""
     if on is not None and not isinstance(on, bool):
