@@ -623,6 +623,32 @@ def avx512_bf16_vbmi(request):
     kernels.vbmi(before[1])
 
 
+def test_vbmi_switch_is_checked_and_follows_the_environment():
+    """vbmi(): a non-bool refused; True refused in one line where the processor lacks VBMI, else it and False take
+    effect; ZOO_KERNEL_VBMI=0 starts a process with it off (on by default where the processor has it)."""
+    with pytest.raises(ValueError, match="True, False or None"):
+        kernels.vbmi(1)
+    before = kernels.vbmi()
+    try:
+        assert kernels.vbmi(False) is False and kernels.vbmi() is False
+        if kernels.vbmi_supported():
+            assert kernels.vbmi(True) is True and kernels.vbmi() is True
+        else:
+            with pytest.raises(ValueError, match="lacks AVX512-VBMI"):
+                kernels.vbmi(True)
+    finally:
+        kernels.vbmi(before)
+    code = "from zoo.moe import kernels; print(kernels.load(), kernels.vbmi(), kernels.vbmi_supported())"
+    for value in ("0", None):
+        env = {k: v for k, v in os.environ.items() if k != "ZOO_KERNEL_VBMI"}
+        if value is not None:
+            env["ZOO_KERNEL_VBMI"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        loaded, on, supported = out.stdout.split()
+        assert loaded == "True", out.stderr
+        assert on == ("False" if value == "0" else supported)
+
+
 @pytest.mark.parametrize("g,K,N", [(64, 1024, 70), (128, 768, 64), (192, 768, 6), (256, 512, 67), (64, 192, 5)])
 @pytest.mark.parametrize("T", [1, 2, 5, 8])
 def test_3bit_rows_with_and_without_vbmi(avx512_bf16_vbmi, g, K, N, T):
@@ -915,6 +941,7 @@ def test_environment_forces_an_instruction_set(monkeypatch):
     ({"ZOO_KERNEL_ISA": "avx-512"}, "ZOO_KERNEL_ISA='avx-512' is not an instruction set of zoo's kernel; did you mean"),
     ({"ZOO_KERNEL_INT8_INPUTS": "yes"}, "ZOO_KERNEL_INT8_INPUTS='yes': use 1"),
     ({"ZOO_KERNEL_STORED_CODES": "on"}, "ZOO_KERNEL_STORED_CODES='on': use 1"),
+    ({"ZOO_KERNEL_VBMI": "no"}, "ZOO_KERNEL_VBMI='no': use 1"),
     ({"ZOO_KERNELS": "0"}, "zoo's CPU kernels are not available: turned off by ZOO_KERNELS=0")])
 def test_kernels_command_says_why_not_in_one_line(monkeypatch, env, message):
     """``moe-zoo kernels`` where the kernels cannot load (a fresh load: the process's own stays as it was): exit 1

@@ -10,7 +10,8 @@ variable ``ZOO_KERNEL_ISA`` forces one (``portable`` runs anywhere: SSE2 on x86-
 (or ``ZOO_KERNEL_INT8_INPUTS=1``) multiplies int8 weights and 2/3/4-bit codes by inputs rounded to 8 bits on int8
 dot products (VNNI), an option: faster, and less exact. ``stored_codes(True)`` (or ``ZOO_KERNEL_STORED_CODES=1``)
 multiplies 2/3-bit experts in their stored form on every call, where they otherwise keep an int4 working copy
-(memory first: the copy takes twice the 2-bit codes' memory).
+(memory first: the copy takes twice the 2-bit codes' memory). ``ZOO_KERNEL_VBMI=0`` (or ``vbmi(False)``) keeps 3-bit
+rows off VBMI's byte permutes, which they take by default where the processor has them.
 Where the library cannot be built (no C++ compiler, or ``ZOO_KERNELS=0``), the zoo keeps torch's path and
 ``unavailable_reason()`` says why.
 """
@@ -217,9 +218,9 @@ def _forced_isa() -> Optional[str]:
     return want
 
 
-def _asked(variable: str, meaning: str) -> bool:
-    """Whether the switch ``variable`` is on ("1") or off ("0", unset); another value is an error."""
-    value = os.environ.get(variable, "0").strip()
+def _asked(variable: str, meaning: str, default: str = "0") -> bool:
+    """Whether the switch ``variable`` is on ("1") or off ("0"; unset: ``default``); another value is an error."""
+    value = os.environ.get(variable, default).strip()
     if value not in ("0", "1"):
         raise ValueError(f"{variable}={value!r}: use 1 ({meaning}) or 0")
     return value == "1"
@@ -239,6 +240,7 @@ def _build() -> Optional[str]:
     forced = _forced_isa()  # a misspelt name is refused before anything is built
     int8 = _asked("ZOO_KERNEL_INT8_INPUTS", "8-bit inputs on int8 dot products")
     stored = _asked("ZOO_KERNEL_STORED_CODES", "2/3-bit experts multiplied in their stored form, no working copy")
+    vbmi_on = _asked("ZOO_KERNEL_VBMI", "3-bit rows on VBMI where the processor has it", default="1")
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (c++ or $CXX) on PATH"
     # cpp_extension runs ninja from PATH; a venv's ninja (the pip package) sits beside its interpreter
@@ -273,6 +275,8 @@ def _build() -> Optional[str]:
         torch.ops.zoo.moe_gemv_int8_inputs(1)
         _state["int8_inputs"] = True
     _state["stored_codes"] = stored
+    if not vbmi_on:
+        torch.ops.zoo.moe_gemv_vbmi(0)
     torch.library.register_fake("zoo::moe_gemv")(_fake_moe_gemv)
     torch.library.register_fake("zoo::dequantize_int4")(_fake_dequantize_int4)
     torch.library.register_fake("zoo::dequantize_packed")(_fake_dequantize_packed)
@@ -533,7 +537,8 @@ def vbmi(on: Optional[bool] = None) -> bool:
     processor has them (Ice Lake, AMD Zen 4 and later): ``rows_int3_vbmi``, 64 codes a step in three instructions
     (``vpermb``, ``vpmultishiftqb``, then ``vpternlogd`` for bf16 inputs or a mask for 8-bit ones) where the others
     look each 32 codes up in a table. On by default there. ``vbmi(False)`` takes the kernels processors without VBMI
-    run (tests, measurements); ``vbmi(True)`` is refused where the processor lacks it; ``None`` asks. With bf16
+    run (tests, measurements; ``ZOO_KERNEL_VBMI=0`` for a process); ``vbmi(True)`` is refused where the processor
+    lacks it; ``None`` asks. With bf16
     inputs each code is read as 1 + q/8, so a group's sum carries the sum of its inputs, taken off afterwards: the
     same result up to fp32 rounding of that larger sum."""
     if on is not None and not isinstance(on, bool):
