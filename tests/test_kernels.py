@@ -506,6 +506,20 @@ def assert_8bit_inputs_exact(w, sz, codes, bits, g, T, k=3):
 
 
 
+def assert_bf16_inputs_close(w, sz, bits, g, T, seed):
+    """2/3-bit codes times bf16 inputs (a token's, and one per slot; slots on experts 0, 1..3 in turn, and an empty
+    one) within the outputs' bf16 rounding of the reference on the same inputs in fp32."""
+    K = w.shape[-1] * 8 // bits
+    slot_of = torch.tensor([0, 2, 1, -1])
+    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.arange(T) % 3 + 1, torch.full((T,), 4)], 1)
+    gen = torch.Generator().manual_seed(seed)
+    for x in (torch.randn(T, K, generator=gen), torch.randn(T, 3, K, generator=gen)):
+        xb = x.bfloat16()
+        want = kernels.moe_gemv_reference(xb.float(), idx, w, sz, bits, g, slot_of)
+        got = kernels.moe_gemv(xb, idx, w, sz, bits, g, slot_of)
+        torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-4 * float(want.abs().max()))
+
+
 @functools.lru_cache
 def packed_stack_with_codes(bits, g, N=48, K=192):
     """3 experts [N, K] in the dense 2/3-bit pack: (weight, bf16 (scale, zero) pairs, codes)."""
@@ -551,14 +565,7 @@ def test_2bit_bf16_inputs_256_a_step(isa, g, K, N, T):
     and 1 (codes 0..15 and 16..31) absorb their 30 ones and cancel when the lanes are first added, the other ones all
     count (K - 32); the float kernel gives another sum."""
     w, sz, _ = packed_stack_with_codes(2, g, N, K)
-    slot_of = torch.tensor([0, 2, 1, -1])
-    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.arange(T) % 3 + 1, torch.full((T,), 4)], 1)
-    gen = torch.Generator().manual_seed(T + N)
-    for x in (torch.randn(T, K, generator=gen), torch.randn(T, 3, K, generator=gen)):
-        xb = x.bfloat16()
-        want = kernels.moe_gemv_reference(xb.float(), idx, w, sz, 2, g, slot_of)
-        got = kernels.moe_gemv(xb, idx, w, sz, 2, g, slot_of)
-        torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-4 * float(want.abs().max()))
+    assert_bf16_inputs_close(w, sz, 2, g, T, seed=T + N)
     ones = torch.stack([pack(torch.ones(N, K, dtype=torch.int32), 2)] * 3)
     one_eight = torch.zeros_like(sz)
     one_eight[..., 0], one_eight[..., 1] = 1, 8  # w = (code - 8) * 1 + 8 = 1
@@ -657,14 +664,7 @@ def test_3bit_rows_with_and_without_vbmi(avx512_bf16_vbmi, g, K, N, T):
     the outputs' bf16 rounding of the reference, an input per slot too; 8-bit inputs (their order there, layout 2
     without) the integer reference's result."""
     w, sz, codes = packed_stack_with_codes(3, g, N, K)
-    slot_of = torch.tensor([0, 2, 1, -1])
-    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.arange(T) % 3 + 1, torch.full((T,), 4)], 1)
-    gen = torch.Generator().manual_seed(T + g)
-    for x in (torch.randn(T, K, generator=gen), torch.randn(T, 3, K, generator=gen)):
-        xb = x.bfloat16()
-        want = kernels.moe_gemv_reference(xb.float(), idx, w, sz, 3, g, slot_of)
-        got = kernels.moe_gemv(xb, idx, w, sz, 3, g, slot_of)
-        torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-4 * float(want.abs().max()))
+    assert_bf16_inputs_close(w, sz, 3, g, T, seed=T + g)
     kernels.int8_inputs(True)
     assert_8bit_inputs_exact(w, sz, codes, 3, g, T)
 
