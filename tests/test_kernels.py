@@ -632,11 +632,20 @@ def avx512_bf16_vbmi(request):
 
 def test_vbmi_switch_is_checked_and_follows_the_environment():
     """vbmi(): a non-bool refused; True refused in one line where the processor lacks VBMI, else it and False take
-    effect; ZOO_KERNEL_VBMI=0 starts a process with it off (on by default where the processor has it)."""
+    effect (``moe-zoo kernels`` says so on avx512-bf16); ZOO_KERNEL_VBMI=0 starts a process with it off (on by
+    default where the processor has it)."""
+    from click.testing import CliRunner
+
+    from zoo.cli import cli
+
     with pytest.raises(ValueError, match="True, False or None"):
         kernels.vbmi(1)
     before = kernels.vbmi()
     try:
+        for on in (False, True) if kernels.vbmi_supported() else (False,):
+            kernels.vbmi(on)
+            said = CliRunner().invoke(cli, ["kernels"]).output.strip()
+            assert said.endswith("; 3-bit rows on VBMI") == (on and kernels.isa() == "avx512-bf16"), said
         assert kernels.vbmi(False) is False and kernels.vbmi() is False
         if kernels.vbmi_supported():
             assert kernels.vbmi(True) is True and kernels.vbmi() is True

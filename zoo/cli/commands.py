@@ -129,7 +129,8 @@ def kernels():
     click.echo(f"zoo's CPU kernels are ready: instruction set {k.isa()} (the best this processor has: "
                f"{k.best_isa()}); 8-bit inputs {'on' if k.int8_inputs_on() else 'off'}; 2/3-bit experts on their "
                f"stored codes {'always' if k.stored_codes() else 'where measured as fast'}"
-               + ("; exact inputs' codes read as subnormals" if k.isa() == "avx2" and k.subnormal_codes() else ""))
+               + ("; exact inputs' codes read as subnormals" if k.isa() == "avx2" and k.subnormal_codes() else "")
+               + ("; 3-bit rows on VBMI" if k.isa() == "avx512-bf16" and k.vbmi() else ""))
 
 
 def _memory_size(ctx, param, value):
