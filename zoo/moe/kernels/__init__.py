@@ -131,7 +131,7 @@ LINEAR_ROWS_AVX2 = {4: 64, 8: 128}
 # the int4 blocks (the copy) loaded 16 rows' scales at once, two runs: exact 2-bit decode 1.04 / 1.23x, prefill
 # 0.93-1.01x; 2-bit x int8 decode 1.17 / 1.23x, prefill 0.94-1.02x. After the 3-bit rows took VBMI (rows_int3_vbmi)
 # and their 8-bit-input limit went to 16 pairs, two runs: 3-bit with 8-bit inputs decode 1.07 / 1.12x, prefill at 16
-# tokens 0.93 / 0.95x, at 128-512 0.89-0.97x; exact 3-bit decode 0.98 / 1.05x, prefill 0.82-0.93x: the copy serves.
+# tokens 0.93 / 0.95x, at 128-512 0.89-0.99x; exact 3-bit decode 0.98 / 1.05x, prefill 0.82-0.97x: the copy serves.
 STORED_CODES = {"avx2": {(2, True)}, "avx512-bf16": {(2, True), (2, False)}}
 
 
