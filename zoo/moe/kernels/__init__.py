@@ -534,9 +534,9 @@ def int8_wide_rows(on: Optional[bool] = None) -> bool:
 
 def vbmi(on: Optional[bool] = None) -> bool:
     """Whether 3-bit rows on the avx512-bf16 set (groups a multiple of 64) take VBMI's byte permutes where the
-    processor has them (Ice Lake, AMD Zen 4 and later): ``rows_int3_vbmi``, 64 codes a step in three instructions
-    (``vpermb``, ``vpmultishiftqb``, then ``vpternlogd`` for bf16 inputs or a mask for 8-bit ones) where the others
-    look each 32 codes up in a table. On by default there. ``vbmi(False)`` takes the kernels processors without VBMI
+    processor has them (Ice Lake, AMD Zen 4 and later): ``rows_int3_vbmi``, 64 codes a step placed by ``vpermb`` and
+    ``vpmultishiftqb`` (then ``vpternlogd`` for bf16 inputs, a mask for 8-bit ones), where the others look each 32
+    codes up in a table. On by default there. ``vbmi(False)`` takes the kernels processors without VBMI
     run (tests, measurements; ``ZOO_KERNEL_VBMI=0`` for a process); ``vbmi(True)`` is refused where the processor
     lacks it; ``None`` asks. With bf16
     inputs each code is read as 1 + q/8, so a group's sum carries the sum of its inputs, taken off afterwards: the

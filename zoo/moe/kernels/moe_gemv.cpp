@@ -398,7 +398,7 @@ static bool subnormal_codes_on() {
 // Python side for the processors measured otherwise (zoo.moe.kernels.int8_tile_pairs)
 static std::atomic<int> g_int8_tile_from{0};
 
-// 3-bit rows on bf16 dot products through VBMI's byte permutes (rows_int3_vbmi) where the processor has them;
+// 3-bit rows (bf16 and 8-bit inputs) through VBMI's byte permutes (rows_int3_vbmi) where the processor has them;
 // moe_gemv_vbmi turns it off (tests of the other kernel) and on again
 static bool detect_vbmi() {
 #ifdef ZOO_X86

@@ -960,7 +960,8 @@ static void rows_packed_bf16(const uint8_t* w, const Scales& sc, int64_t K, int6
 
 // 3-bit codes on VBMI (Ice Lake, Zen 4 and later; function-level targets, called only where the processor has
 // it), 64 codes (24 bytes) a step: vpermb puts codes 8 m..8 m + 7 (bytes 3 m..3 m + 2) in qword m, and
-// vpmultishiftqb takes each code where it is wanted, three instructions for 64 codes, no table.
+// vpmultishiftqb takes each code where it is wanted, no table: five instructions for 64 codes on bf16 inputs where
+// the table's kernel spends six, three on 8-bit inputs where codes_as_bytes spends eight.
 //  - times bf16 inputs (vdpbf16ps): code 8 m + j (first vector) and 8 m + 4 + j (second) to bits 4..6 of word
 //    4 m + j's low byte, vpternlogd keeping those three bits under 0x3F80: the bf16 1 + q/8, exact. A group's dot
 //    is then sum(x) + sum(x q) / 8, so it is scaled by 8 s and the zero terms take z - 16 s for z - 8 s (the same
