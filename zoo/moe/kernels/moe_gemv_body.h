@@ -656,15 +656,16 @@ static inline vw8 packed_words(const uint8_t* b) {
 // The scales of an item's rows [r0, r1) (at most 64), read once per item along the rows, as floats
 // [K/g][r1 - r0] (s[gi * R + i] for row r0 + i): the stored [K/g, N, 2] layout puts a row's groups 4 N or 8 N
 // bytes apart, and with N a multiple of 512 or 1024 all of them fall in one L1 set (8 ways), so a row-by-row read
-// missed L1 on every group past the eighth. The zero terms, sum over groups of (z - 8 s) * (sum of the group's
-// inputs), go here too, for all rows at once: zt[p * R + i] (vectorised over the rows; the groups in order).
+// missed L1 on every group past the eighth. The zero terms, sum over groups of (z - zero_offset s) * (sum of the
+// group's inputs), go here too, for all rows at once: zt[p * R + i] (vectorised over the rows; the groups in order).
+// zero_offset is 8 (w = (q - 8) s + z), or 16 where a kernel reads each code as 1 + q/8 (rows_int3_vbmi).
 struct RowScales {
   const float* s;
   float zt[8 * 64];
 };
 template <int NP>
 static void row_scales(const Scales& sc, int64_t G, int64_t r0, int64_t r1, const float* const* sxs, RowScales& out,
-                       float eights = 8.f) {
+                       float zero_offset = 8.f) {
   const int64_t R = r1 - r0;
   thread_local std::vector<float> buf;
   buf.resize(2 * G * R + 16);
@@ -680,11 +681,11 @@ static void row_scales(const Scales& sc, int64_t G, int64_t r0, int64_t r1, cons
         float sv, zv;
         std::memcpy(&sv, &lo, 4);
         std::memcpy(&zv, &hi, 4);
-        sg[i] = sv, zg[i] = zv - eights * sv;
+        sg[i] = sv, zg[i] = zv - zero_offset * sv;
       }
     } else {
       const float* pr = static_cast<const float*>(sc.ptr) + (gi * sc.N + r0) * 2;
-      for (int64_t i = 0; i < R; ++i) sg[i] = pr[2 * i], zg[i] = pr[2 * i + 1] - eights * pr[2 * i];
+      for (int64_t i = 0; i < R; ++i) sg[i] = pr[2 * i], zg[i] = pr[2 * i + 1] - zero_offset * pr[2 * i];
     }
   }
   // the next item's scales (the rows after these, most often this thread's next item), asked for now, to come from
