@@ -1,4 +1,6 @@
 """zoo.offload: experts read from the checkpoint when routed, through an LRU cache, against the model in memory."""
+import warnings
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -417,6 +419,29 @@ def test_in_place_within_a_budget_keeps_the_pages_of_the_cached_experts_alone(sa
         assert torch.equal(greedy(model, ids[:1], 5, ahead_of_time=False), eager)
         assert cache.hits + cache.misses - looked >= 2 * 2 * 4, cache.stats()  # 2 layers, 2 experts, 4+ steps
         _pages_of_the_cached_experts_alone(model, cache)
+        looked = cache.hits + cache.misses  # and the step compiled ahead of time (the lookup an opaque call in it)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert torch.equal(greedy(model, ids[:1], 5), eager)
+        assert not [w for w in caught if "ahead of time" in str(w.message)]
+        assert cache.hits + cache.misses - looked >= 2 * 2 * 4, cache.stats()
+
+
+@torch.no_grad()
+def test_in_place_lookup_takes_each_routed_expert_once_and_skips_empty_slots(saved_wide):
+    """``zoo::mapped_lookup`` on routing indices with repeats and the empty slot (E, as capacity routers leave it):
+    each real expert looked up once, in order; a call with nothing new is all hits, one with no real expert looks up
+    nothing."""
+    model = zoo.offload(saved_wide, reader="in-place", cache_experts=3)
+    experts = model.model.layers[1].mlp.experts
+    books, cache, E = experts.mapped_books, cache_of(model), experts.num_experts
+    torch.ops.zoo.mapped_lookup(torch.tensor([[2, 2], [E, 0], [2, E]]), experts.mapped_ledger, books.key)
+    assert books.used == [0, 2] and cache.misses == 2 and cache.hits == 0
+    assert list(cache.entries) == [(1, 0), (1, 2)]
+    torch.ops.zoo.mapped_lookup(torch.tensor([[E, E], [0, 2]]), experts.mapped_ledger, books.key)
+    assert books.used == [0, 2] and cache.misses == 2 and cache.hits == 2
+    torch.ops.zoo.mapped_lookup(torch.tensor([[E]]), experts.mapped_ledger, books.key)
+    assert books.used == [] and cache.misses == 2 and cache.hits == 2
 
 
 def _pages_of_the_cached_experts_alone(model, cache) -> None:

@@ -85,7 +85,8 @@ class LayerBooks:
         """The call's routed experts looked up in the cache (misses read nothing; evictions give pages back), after
         the previous call's settled if it was not (a compiled step settles each call at the layer's next one)."""
         self.settle()
-        self.used = [e for e in indices.unique().tolist() if e < self.num_experts]  # (E: an empty slot)
+        # a set of the listed indices, not ``unique()``: one decode step's 2-8 indices in 0.2 us against 4.6
+        self.used = sorted(e for e in set(indices.view(-1).tolist()) if e < self.num_experts)  # (E: an empty slot)
         with self.cache.lock:
             self.cache.pinned.update((self.layer, e) for e in self.used)  # none of this call's evicts another
         for e in self.used:
@@ -105,13 +106,21 @@ _BOOKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # LayerBook
 
 # An operation the compiler cannot see into, so that the budget holds in the compiled decode step as in eager
 # calls: the step keeps it (it writes ``ledger``), and runs it after the previous layer's experts (the routing it
-# reads depends on their output).
-@torch.library.custom_op("zoo::mapped_lookup", mutates_args=("ledger",), device_types="cpu")
+# reads depends on their output). Defined on a ``Library`` with a CPU kernel alone rather than with ``custom_op``,
+# whose Python wrappers (autograd, version counters) cost ~8 us a call where this one costs ~1.4: a call per layer
+# and token, inside the compiled step too.
+_LIBRARY = torch.library.Library("zoo", "FRAGMENT")
+_LIBRARY.define("mapped_lookup(Tensor indices, Tensor(a!) ledger, int books) -> ()")
+
+
 def mapped_lookup(indices: torch.Tensor, ledger: torch.Tensor, books: int) -> None:
     _BOOKS[books].lookup(indices)
 
 
-@mapped_lookup.register_fake
+_LIBRARY.impl("mapped_lookup", mapped_lookup, "CPU")
+
+
+@torch.library.register_fake("zoo::mapped_lookup")
 def _(indices, ledger, books):
     return None
 
