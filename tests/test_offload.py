@@ -444,6 +444,41 @@ def test_in_place_lookup_takes_each_routed_expert_once_and_skips_empty_slots(sav
     assert books.used == [] and cache.misses == 2 and cache.hits == 2
 
 
+@pytest.mark.skipif(not __import__("os").access("/proc/self/pagemap", __import__("os").R_OK),
+                    reason="reads /proc/self/pagemap")
+def test_release_gives_back_whole_huge_pieces_within_the_tensor_alone(saved_wide):
+    """A released row's range is widened to the 2 MB pieces it touches, never past its tensor's own pages: the
+    bytes just outside the tensor (the shard's header, other tensors) stay mapped, every page of the row goes, and
+    a neighbouring row in the same 2 MB piece goes with it."""
+    model = zoo.offload(saved_wide, reader="in-place", cache_experts=3)
+    books = model.model.layers[0].mlp.experts.mapped_books
+    reader = books.reader
+    for e in (0, books.num_experts - 1):  # the tensor's first and last rows: its edges
+        for key, row in books.entries[e].rows:
+            dtype, shape, offset, nbytes = reader.info(key)
+            pages = reader._maps[reader.files[key]]
+            base = torch.frombuffer(pages, dtype=torch.uint8, count=1).data_ptr()
+            size = nbytes // shape[0]
+            outside = [a for a in (offset - 1, offset + nbytes) if 0 <= a < len(pages)]
+            for a in [*outside, *range(offset, offset + nbytes, 4096)]:
+                pages[a]  # fault the tensor and its surroundings in
+            given = reader.release_row(key, row)
+            lo, hi = offset + row * size, offset + (row + 1) * size
+            assert given >= (hi // 4096 - -(-lo // 4096)) * 4096 and given % 4096 == 0
+            assert not any(_mapped_at(base + a) for a in range(-(-lo // 4096) * 4096, hi // 4096 * 4096, 4096))
+            assert all(_mapped_at(base + a) for a in outside), (key, row)
+            other = row + 1 if row == 0 else row - 1  # the neighbouring row's pages within the same 2 MB piece
+            near = [a for a in range(offset + other * size, offset + (other + 1) * size, 4096)
+                    if a // (1 << 21) == (lo if row else hi - 1) // (1 << 21) and offset <= a // 4096 * 4096]
+            assert not any(_mapped_at(base + a // 4096 * 4096) for a in near[1:-1])
+
+
+def _mapped_at(address: int) -> bool:
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(address // 4096 * 8)
+        return bool(int.from_bytes(f.read(8), "little") >> 63)
+
+
 def _pages_of_the_cached_experts_alone(model, cache) -> None:
     """Within the budget, the expert rows' pages mapped in this process: the system maps a file's pages a folio at a
     time (on ext4, large folios that reach into neighbouring rows) and a release unmaps whole folios, so the count is
