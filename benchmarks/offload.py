@@ -17,7 +17,8 @@ not built, so they are not claimed; its prefetch (``prefetch=True``) is shown be
 
 The checkpoint is written twice: bf16 experts, and the zoo's packed int4 experts (``quantize``, bits=4: FloE's
 premise, experts stored compressed so that a miss reads fewer bytes). Every row runs in a fresh child process, so
-its peak RSS (VmHWM) is its own; "start" is the child's RSS after its imports, before the model. Rows:
+its peak RSS (VmHWM) is its own; "start" is the child's RSS after its imports, before the model; its file is
+dropped from the page cache first, so its warm-up reads it as a model streamed from disk is read. Rows:
 the checkpoint in memory (``zoo.load``), offloaded with a cache of 50% and 25% of the experts (all layers
 together), each also with the reader thread on (``prefetch=True``: it reads the routed experts the cache lacks and
 those the next layer's router picks for this layer's input while the layer computes) and in place within the same
@@ -142,6 +143,8 @@ def llama_worker(spec: dict) -> dict:
 
 
 def run_child(spec: dict, llama_path: str | None) -> dict:
+    for file in ([spec["gguf"]] if spec["engine"] == "llama.cpp" else Path(spec["folder"]).glob("*.safetensors")):
+        out_of_page_cache(file)
     env = dict(os.environ)
     if spec["engine"] == "llama.cpp" and llama_path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (llama_path, env.get("PYTHONPATH")) if p)
@@ -150,6 +153,19 @@ def run_child(spec: dict, llama_path: str | None) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"row {spec['label']} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def out_of_page_cache(file) -> None:
+    """Drops a file's pages from the system's page cache (``POSIX_FADV_DONTNEED``; nothing where the system lacks
+    it), so that each row starts as a model streamed from disk does: its warm-up reads the file, and the system's
+    readahead, not the checkpoint's writer, decides the size of the pages the file is cached in (2 MB pieces where a
+    map asks for huge pages, as the zoo's in-place map does)."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def llama_cpp_available(path: str | None) -> str | None:
