@@ -361,8 +361,11 @@ def test_in_place_maps_ask_for_huge_pages(saved):
 def _present(t: torch.Tensor, row: int) -> list[bool]:
     """Whether each whole page inside row ``row`` of ``t`` is mapped in this process (/proc/self/pagemap, bit 63)."""
     size, page = t.nbytes // t.shape[0], 4096
-    begin = -(-(t.data_ptr() + row * size) // page)
-    end = (t.data_ptr() + (row + 1) * size) // page
+    return _mapped_pages(-(-(t.data_ptr() + row * size) // page), (t.data_ptr() + (row + 1) * size) // page)
+
+
+def _mapped_pages(begin: int, end: int) -> list[bool]:
+    """Whether each 4 KB page numbered [begin, end) is mapped in this process (/proc/self/pagemap, bit 63)."""
     with open("/proc/self/pagemap", "rb") as f:
         f.seek(begin * 8)
         words = f.read((end - begin) * 8)
@@ -474,9 +477,7 @@ def test_release_gives_back_whole_huge_pieces_within_the_tensor_alone(saved_wide
 
 
 def _mapped_at(address: int) -> bool:
-    with open("/proc/self/pagemap", "rb") as f:
-        f.seek(address // 4096 * 8)
-        return bool(int.from_bytes(f.read(8), "little") >> 63)
+    return _mapped_pages(address // 4096, address // 4096 + 1)[0]
 
 
 def _pages_of_the_cached_experts_alone(model, cache) -> None:
