@@ -332,17 +332,29 @@ def test_in_place_experts_are_the_mapped_file(saved, kind):
     assert shard.read_bytes() == before
 
 
-def _vm_flags(path) -> dict[str, list[str]]:
-    """The VmFlags of each of this process's memory maps of ``path`` (/proc/self/smaps), by address range."""
-    flags, inside = {}, None
+def _smaps(path) -> dict[str, dict[str, list[str]]]:
+    """Each of this process's memory maps of ``path`` (/proc/self/smaps): its fields by address range."""
+    maps, inside = {}, None
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
             if head and "-" in head[0] and not head[0].endswith(":"):
                 inside = head[0] if line.rstrip().endswith(str(path)) else None
-            elif inside and head and head[0] == "VmFlags:":
-                flags[inside] = head[1:]
-    return flags
+                if inside:
+                    maps[inside] = {}
+            elif inside and head:
+                maps[inside][head[0].rstrip(":")] = head[1:]
+    return maps
+
+
+def _vm_flags(path) -> dict[str, list[str]]:
+    """The VmFlags of each of this process's memory maps of ``path``, by address range."""
+    return {span: fields["VmFlags"] for span, fields in _smaps(path).items() if "VmFlags" in fields}
+
+
+def _pmd_mapped(path) -> int:
+    """Bytes of ``path`` this process maps 2 MB at a time (``FilePmdMapped``), over its maps of it."""
+    return sum(int(fields.get("FilePmdMapped", ["0"])[0]) * 1024 for fields in _smaps(path).values())
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
@@ -450,9 +462,10 @@ def test_in_place_lookup_takes_each_routed_expert_once_and_skips_empty_slots(sav
 @pytest.mark.skipif(not __import__("os").access("/proc/self/pagemap", __import__("os").R_OK),
                     reason="reads /proc/self/pagemap")
 def test_release_gives_back_whole_huge_pieces_within_the_tensor_alone(saved_wide):
-    """A released row's range is widened to the 2 MB pieces it touches, never past its tensor's own pages: the
-    bytes just outside the tensor (the shard's header, other tensors) stay mapped, every page of the row goes, and
-    a neighbouring row in the same 2 MB piece goes with it."""
+    """A released row's range is widened to the 2 MB pieces it touches, never past its tensor's own pages: the range
+    given to madvise stops at the tensor's edges (the shard's header and other tensors outside it), every page of the
+    row goes, and a neighbouring row in the same 2 MB piece goes with it. (The bytes outside the tensor stay mapped
+    where its edge pieces are mapped 4 KB at a time; a piece mapped 2 MB at a time the system unmaps whole.)"""
     model = zoo.offload(saved_wide, reader="in-place", cache_experts=3)
     books = model.model.layers[0].mlp.experts.mapped_books
     reader = books.reader
@@ -462,18 +475,118 @@ def test_release_gives_back_whole_huge_pieces_within_the_tensor_alone(saved_wide
             pages = reader._maps[reader.files[key]]
             base = torch.frombuffer(pages, dtype=torch.uint8, count=1).data_ptr()
             size = nbytes // shape[0]
-            outside = [a for a in (offset - 1, offset + nbytes) if 0 <= a < len(pages)]
-            for a in [*outside, *range(offset, offset + nbytes, 4096)]:
-                pages[a]  # fault the tensor and its surroundings in
+            for a in range(offset, offset + nbytes, 4096):
+                pages[a]  # fault the tensor in
+            reader._maps[reader.files[key]] = recording = _RecordingMap(pages)
             given = reader.release_row(key, row)
+            reader._maps[reader.files[key]] = pages
             lo, hi = offset + row * size, offset + (row + 1) * size
-            assert given >= (hi // 4096 - -(-lo // 4096)) * 4096 and given % 4096 == 0
+            [(begin, length)] = recording.ranges
+            assert given == length and length % 4096 == 0 and begin % 4096 == 0
+            assert -(-offset // 4096) * 4096 <= begin <= -(-lo // 4096) * 4096, (key, row)
+            assert hi // 4096 * 4096 <= begin + length <= offset + nbytes, (key, row)
+            assert begin in (lo // (1 << 21) * (1 << 21), -(-offset // 4096) * 4096)  # whole pieces where inside
+            assert begin + length in (-(-hi // (1 << 21)) * (1 << 21), (offset + nbytes) // 4096 * 4096)
             assert not any(_mapped_at(base + a) for a in range(-(-lo // 4096) * 4096, hi // 4096 * 4096, 4096))
-            assert all(_mapped_at(base + a) for a in outside), (key, row)
             other = row + 1 if row == 0 else row - 1  # the neighbouring row's pages within the same 2 MB piece
             near = [a for a in range(offset + other * size, offset + (other + 1) * size, 4096)
                     if a // (1 << 21) == (lo if row else hi - 1) // (1 << 21) and offset <= a // 4096 * 4096]
             assert not any(_mapped_at(base + a // 4096 * 4096) for a in near[1:-1])
+
+
+class _RecordingMap:
+    """A shard's map that records the ranges given back through it."""
+
+    def __init__(self, pages):
+        self.pages, self.ranges = pages, []
+
+    def madvise(self, advice, start, length):
+        self.ranges.append((start, length))
+        self.pages.madvise(advice, start, length)
+
+
+def test_an_experts_first_miss_drops_its_cached_pages_once(saved_wide, monkeypatch):
+    """Within a budget, an expert's first miss drops the page cache's copy of each of its rows, widened to the 2 MB
+    pieces it touches (POSIX_FADV_DONTNEED on the shard), so that it is read again in 2 MB folios; later misses of
+    it and hits drop nothing."""
+    import os
+
+    dropped = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: dropped.append((offset, length, advice)))
+    model = zoo.offload(saved_wide, reader="in-place", cache_experts=2)
+    experts = model.model.layers[0].mlp.experts
+    books = experts.mapped_books
+    lookup = lambda *e: torch.ops.zoo.mapped_lookup(torch.tensor([e]), experts.mapped_ledger, books.key)  # noqa: E731
+    lookup(0, 2)
+    rows = [(books.reader.info(key), row) for e in (0, 2) for key, row in books.entries[e].rows]
+    assert len(dropped) == len(rows) and all(advice == os.POSIX_FADV_DONTNEED for *_, advice in dropped)
+    for ((dtype, shape, offset, nbytes), row), (begin, length, _) in zip(rows, dropped):
+        size = nbytes // shape[0]
+        assert begin % (1 << 21) == 0 and length % (1 << 21) == 0
+        assert begin <= offset + row * size and offset + (row + 1) * size <= begin + length
+        assert offset + row * size - begin < 1 << 21 and begin + length - offset - (row + 1) * size < 1 << 21
+    lookup(0, 2)  # hits
+    lookup(1, 3)  # first misses of 1 and 3, evicting 0 and 2
+    assert len(dropped) == 2 * len(rows)
+    lookup(0, 2)  # misses again: read where they lie
+    assert len(dropped) == 2 * len(rows)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "posix_fadvise") or not __import__("os").path.exists(
+    "/sys/kernel/mm/transparent_hugepage/enabled"), reason="a Linux with transparent huge pages")
+def test_an_expert_written_in_small_pages_maps_2mb_at_a_time_after_its_first_miss(saved_wide, tmp_path, monkeypatch):
+    """A checkpoint just copied lies in the page cache in 4 KB folios, mapped a page at a time; after its first miss
+    within a budget an expert is read from the disk in 2 MB folios and mapped 2 MB at a time (the control: the same
+    copy without the drop maps nothing so)."""
+    import os
+    import shutil
+
+    if not _page_cache_gives_2mb_folios(tmp_path / "probe"):
+        pytest.skip("this system's page cache gives a map no 2 MB folios (file THP, or the filesystem's large folios)")
+    copy = tmp_path / "copy"
+    shutil.copytree(saved_wide, copy)
+    shard = (copy / "model.safetensors").resolve()
+    fd = os.open(shard, os.O_RDONLY)
+    os.fsync(fd)  # written back: pages still dirty would stay where they are
+    os.close(fd)
+
+    def first_miss_maps_2mb(drop: bool) -> int:
+        with monkeypatch.context() as m:
+            if not drop:
+                m.setattr("zoo.runtime.offloaded.ShardReader.uncache_row", lambda self, key, index: None)
+            model = zoo.offload(copy, reader="in-place", cache_experts=2)
+            experts = model.model.layers[0].mlp.experts
+            torch.ops.zoo.mapped_lookup(torch.tensor([[1]]), experts.mapped_ledger, experts.mapped_books.key)
+            float(experts.state_dict()["gate_up_proj"][1].sum())
+            mapped = _pmd_mapped(shard)
+            del model, experts
+            __import__("gc").collect()
+            assert not _smaps(shard)  # unmapped: nothing of it holds the page cache's pages
+            return mapped
+
+    assert first_miss_maps_2mb(drop=False) == 0
+    assert first_miss_maps_2mb(drop=True) >= 1 << 21
+
+
+def _page_cache_gives_2mb_folios(probe) -> bool:
+    """Whether a file read from the disk through a map advised MADV_HUGEPAGE comes as 2 MB folios, mapped whole."""
+    import mmap
+    import os
+
+    probe.write_bytes(bytes(8 << 20))
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        pages = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    try:
+        pages.madvise(mmap.MADV_HUGEPAGE)
+        sum(pages[a] for a in range(0, len(pages), 4096))
+        return _pmd_mapped(probe.resolve()) > 0
+    finally:
+        pages.close()
 
 
 def _mapped_at(address: int) -> bool:

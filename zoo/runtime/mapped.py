@@ -8,7 +8,9 @@ touched page stays in the process. With one, the layer's routed experts are look
 layers beyond the budget are evicted: their pages are given back (``ShardReader.release_row``), to be faulted in
 again when routed. A miss costs page faults where the cache modes copy the expert into memory of their own (the
 304M model on an AVX2 processor, 50% of the experts, eager decode: 0.86-0.92 of the in-memory speed at bf16 against
-the copying cache's 0.61-0.66; benchmarks/offload.py). The lookups are an operation of their own
+the copying cache's 0.61-0.66; benchmarks/offload.py); cheapest where the page cache holds the experts in 2 MB
+folios, mapped and given back whole, so an expert's first miss has its cached pages dropped and read again from
+the disk so (``ShardReader.uncache_row``). The lookups are an operation of their own
 (``zoo::mapped_lookup``), so the compiled decode step keeps the budget too.
 """
 from __future__ import annotations
@@ -71,8 +73,10 @@ class LayerBooks:
         return new
 
     def _miss(self, e: int):
-        for key, _ in self.entries[e].rows:  # (a file cut short under its map would fault with SIGBUS on the read)
+        for key, row in self.entries[e].rows:  # (a file cut short under its map would fault with SIGBUS on the read)
             self.reader.check(key)
+            if e not in self.checked:  # read from the disk once, in 2 MB folios (each later miss maps them whole)
+                self.reader.uncache_row(key, row)
         if e not in self.checked and finite.enabled() and self.tensors:
             bad = finite.non_finite((name, self.tensors[name][row:row + 1]) for name, row in self.plans[e].items())
             if bad:
