@@ -532,6 +532,24 @@ def test_an_experts_first_miss_drops_its_cached_pages_once(saved_wide, monkeypat
     assert len(dropped) == 2 * len(rows)
 
 
+@torch.no_grad()
+def test_a_file_system_refusing_the_drop_reads_the_pages_where_they_are(saved_wide, monkeypatch):
+    """Where the system refuses POSIX_FADV_DONTNEED (an error from the file system), a first miss reads the expert
+    from the page cache as it lies: the in-memory model's logits."""
+    import errno
+    import os
+
+    def refuse(*args):
+        raise OSError(errno.EINVAL, "no advice here")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    ref = zoo.load(saved_wide).eval()
+    model = zoo.offload(saved_wide, reader="in-place", cache_experts=2)
+    ids, mask = padded_batch()
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits)
+    assert cache_of(model).misses > 0
+
+
 @pytest.mark.skipif(not hasattr(__import__("os"), "posix_fadvise") or not __import__("os").path.exists(
     "/sys/kernel/mm/transparent_hugepage/enabled"), reason="a Linux with transparent huge pages")
 def test_an_expert_written_in_small_pages_maps_2mb_at_a_time_after_its_first_miss(saved_wide, tmp_path, monkeypatch):

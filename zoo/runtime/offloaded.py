@@ -398,7 +398,10 @@ class ShardReader:
         size = self.row_bytes(key)
         begin = (offset + index * size) // HUGE_PAGE * HUGE_PAGE
         end = -(-(offset + (index + 1) * size) // HUGE_PAGE) * HUGE_PAGE
-        os.posix_fadvise(self._fd(self.files[key]), begin, end - begin, os.POSIX_FADV_DONTNEED)
+        try:
+            os.posix_fadvise(self._fd(self.files[key]), begin, end - begin, os.POSIX_FADV_DONTNEED)
+        except OSError:  # advice: a file system that takes none reads the pages where they are
+            pass
 
     def _fd(self, file: str) -> int:
         if file not in self._fds:  # (a reader thread may open it at the same time: one descriptor is kept)
