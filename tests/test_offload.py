@@ -505,31 +505,40 @@ class _RecordingMap:
         self.pages.madvise(advice, start, length)
 
 
-def test_an_experts_first_miss_drops_its_cached_pages_once(saved_wide, monkeypatch):
-    """Within a budget, an expert's first miss drops the page cache's copy of each of its rows, widened to the 2 MB
-    pieces it touches (POSIX_FADV_DONTNEED on the shard), so that it is read again in 2 MB folios; later misses of
-    it and hits drop nothing."""
+def test_a_tensors_first_miss_drops_its_cached_pages_once(saved_wide, monkeypatch):
+    """Within a budget, the first miss in a layer drops the page cache's copy of each of its expert tensors, widened
+    to the 2 MB pieces it touches (POSIX_FADV_DONTNEED on the shard), so that its rows are read again in 2 MB
+    folios; later misses in the layer, hits, and misses again drop nothing; another layer's first miss drops its
+    own tensors."""
     import os
 
     dropped = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: dropped.append((offset, length, advice)))
     model = zoo.offload(saved_wide, reader="in-place", cache_experts=2)
-    experts = model.model.layers[0].mlp.experts
-    books = experts.mapped_books
-    lookup = lambda *e: torch.ops.zoo.mapped_lookup(torch.tensor([e]), experts.mapped_ledger, books.key)  # noqa: E731
-    lookup(0, 2)
-    rows = [(books.reader.info(key), row) for e in (0, 2) for key, row in books.entries[e].rows]
-    assert len(dropped) == len(rows) and all(advice == os.POSIX_FADV_DONTNEED for *_, advice in dropped)
-    for ((dtype, shape, offset, nbytes), row), (begin, length, _) in zip(rows, dropped):
-        size = nbytes // shape[0]
-        assert begin % (1 << 21) == 0 and length % (1 << 21) == 0
-        assert begin <= offset + row * size and offset + (row + 1) * size <= begin + length
-        assert offset + row * size - begin < 1 << 21 and begin + length - offset - (row + 1) * size < 1 << 21
-    lookup(0, 2)  # hits
-    lookup(1, 3)  # first misses of 1 and 3, evicting 0 and 2
-    assert len(dropped) == 2 * len(rows)
-    lookup(0, 2)  # misses again: read where they lie
-    assert len(dropped) == 2 * len(rows)
+
+    def lookup(layer, *e):
+        experts = model.model.layers[layer].mlp.experts
+        torch.ops.zoo.mapped_lookup(torch.tensor([e]), experts.mapped_ledger, experts.mapped_books.key)
+
+    def tensors(layer):
+        books = model.model.layers[layer].mlp.experts.mapped_books
+        return [books.reader.info(key) for key in dict.fromkeys(key for key, _ in books.entries[0].rows)]
+
+    def each_covered(tensors, drops):  # each tensor's bytes within its drop, widened to whole 2 MB pieces only
+        assert len(drops) == len(tensors) and all(advice == os.POSIX_FADV_DONTNEED for *_, advice in drops)
+        for (dtype, shape, offset, nbytes), (begin, length, _) in zip(tensors, drops):
+            assert begin % (1 << 21) == 0 and length % (1 << 21) == 0
+            assert begin <= offset and offset + nbytes <= begin + length
+            assert offset - begin < 1 << 21 and begin + length - offset - nbytes < 1 << 21
+
+    lookup(0, 0, 2)
+    each_covered(tensors(0), dropped)
+    lookup(0, 0, 2)  # hits
+    lookup(0, 1, 3)  # first misses of 1 and 3, evicting 0 and 2
+    lookup(0, 0, 2)  # misses again: read where they lie
+    assert len(dropped) == 2
+    lookup(1, 0, 1)
+    each_covered(tensors(1), dropped[2:])
 
 
 @torch.no_grad()
@@ -553,7 +562,7 @@ def test_a_file_system_refusing_the_drop_reads_the_pages_where_they_are(saved_wi
 @pytest.mark.skipif(not hasattr(__import__("os"), "posix_fadvise") or not __import__("os").path.exists(
     "/sys/kernel/mm/transparent_hugepage/enabled"), reason="a Linux with transparent huge pages")
 def test_an_expert_written_in_small_pages_maps_2mb_at_a_time_after_its_first_miss(saved_wide, tmp_path, monkeypatch):
-    """A checkpoint just copied lies in the page cache in 4 KB folios, mapped a page at a time; after its first miss
+    """A checkpoint just copied lies in the page cache in 4 KB folios, mapped a page at a time; after the first miss
     within a budget an expert is read from the disk in 2 MB folios and mapped 2 MB at a time (the control: the same
     copy without the drop maps nothing so)."""
     import os
@@ -571,7 +580,7 @@ def test_an_expert_written_in_small_pages_maps_2mb_at_a_time_after_its_first_mis
     def first_miss_maps_2mb(drop: bool) -> int:
         with monkeypatch.context() as m:
             if not drop:
-                m.setattr("zoo.runtime.offloaded.ShardReader.uncache_row", lambda self, key, index: None)
+                m.setattr("zoo.runtime.offloaded.ShardReader.uncache", lambda self, key: None)
             model = zoo.offload(copy, reader="in-place", cache_experts=2)
             experts = model.model.layers[0].mlp.experts
             torch.ops.zoo.mapped_lookup(torch.tensor([[1]]), experts.mapped_ledger, experts.mapped_books.key)

@@ -9,8 +9,8 @@ layers beyond the budget are evicted: their pages are given back (``ShardReader.
 again when routed. A miss costs page faults where the cache modes copy the expert into memory of their own (the
 304M model on an AVX2 processor, 50% of the experts, eager decode: 0.86-0.92 of the in-memory speed at bf16 against
 the copying cache's 0.61-0.66; benchmarks/offload.py); cheapest where the page cache holds the experts in 2 MB
-folios, mapped and given back whole, so an expert's first miss has its cached pages dropped and read again from
-the disk so (``ShardReader.uncache_row``). The lookups are an operation of their own
+folios, mapped and given back whole, so a tensor's first miss has its cached pages dropped and read again from
+the disk so (``ShardReader.uncache``). The lookups are an operation of their own
 (``zoo::mapped_lookup``), so the compiled decode step keeps the budget too.
 """
 from __future__ import annotations
@@ -59,6 +59,7 @@ class LayerBooks:
                         for e, rows in self.plans.items()}
         self.sizes = {e: sum(reader.row_bytes(key) for key, _ in entry.rows) for e, entry in self.entries.items()}
         self.checked: set[int] = set()
+        self.uncached: set[str] = set()  # tensors whose cached pages were dropped (at their first miss)
         self.used: list[int] = []  # the experts of the call in flight
         self.key = next(self._count)
         _BOOKS[self.key] = self
@@ -73,10 +74,11 @@ class LayerBooks:
         return new
 
     def _miss(self, e: int):
-        for key, row in self.entries[e].rows:  # (a file cut short under its map would fault with SIGBUS on the read)
+        for key, _ in self.entries[e].rows:  # (a file cut short under its map would fault with SIGBUS on the read)
             self.reader.check(key)
-            if e not in self.checked:  # read from the disk once, in 2 MB folios (each later miss maps them whole)
-                self.reader.uncache_row(key, row)
+            if key not in self.uncached:  # read from the disk once, in 2 MB folios (each later miss maps them whole)
+                self.reader.uncache(key)
+                self.uncached.add(key)
         if e not in self.checked and finite.enabled() and self.tensors:
             bad = finite.non_finite((name, self.tensors[name][row:row + 1]) for name, row in self.plans[e].items())
             if bad:

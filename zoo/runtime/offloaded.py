@@ -384,20 +384,18 @@ class ShardReader:
         pages.madvise(mmap.MADV_DONTNEED, begin, end - begin)
         return end - begin
 
-    def uncache_row(self, key: str, index: int) -> None:
-        """Drops the page cache's clean, unmapped pages of row ``index`` of a ``mapped`` tensor, widened to the 2 MB
-        pieces it touches (``POSIX_FADV_DONTNEED``; the file is untouched), so that its next read comes from the
-        disk through the map's ``MADV_HUGEPAGE`` in 2 MB folios, mapped and given back whole. Called on an expert's
-        first miss within a budget: pages cached in 4 KB folios (a file written by ``cp`` or a download and not yet
+    def uncache(self, key: str) -> None:
+        """Drops the page cache's clean, unmapped pages of a ``mapped`` tensor, widened to the 2 MB pieces it
+        touches (``POSIX_FADV_DONTNEED``; the file is untouched), so that its rows are read again from the disk
+        through the map's ``MADV_HUGEPAGE`` in 2 MB folios, mapped and given back whole. Called on a tensor's first
+        miss within a budget: pages cached in 4 KB folios (a file written by ``cp`` or a download and not yet
         dropped) would stay so, and each miss would map them one by one (304M model, 25% budget, compiled: 179-195
         against 266-281 tok/s after the drops, measured). Pages that any process maps, or not yet written back,
         stay where they are; nothing where the system has no such advice."""
         if not hasattr(os, "posix_fadvise"):
             return
         dtype, shape, offset, nbytes = self.info(key)
-        size = self.row_bytes(key)
-        begin = (offset + index * size) // HUGE_PAGE * HUGE_PAGE
-        end = -(-(offset + (index + 1) * size) // HUGE_PAGE) * HUGE_PAGE
+        begin, end = offset // HUGE_PAGE * HUGE_PAGE, -(-(offset + nbytes) // HUGE_PAGE) * HUGE_PAGE
         try:
             os.posix_fadvise(self._fd(self.files[key]), begin, end - begin, os.POSIX_FADV_DONTNEED)
         except OSError:  # advice: a file system that takes none reads the pages where they are
@@ -443,7 +441,7 @@ def _huge_pages(pages: mmap.mmap) -> None:
     as 2 MB folios of the page cache, each mapped (and given back) at one stroke, where 4 KB pages take one entry
     each. An expert given back and routed again (``reader="in-place"`` within a budget) costs ~0.1 ms to map again
     against ~1 ms for 11.5 MB of small pages, measured. Pages already in the page cache keep the size they have
-    (within a budget an expert's first miss drops them: ``ShardReader.uncache_row``). Advice only: nothing where the
+    (within a budget a tensor's first miss drops them: ``ShardReader.uncache``). Advice only: nothing where the
     system has no such pages."""
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
