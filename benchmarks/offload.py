@@ -25,7 +25,8 @@ those the next layer's router picks for this layer's input while the layer compu
 budget (``reader="in-place", cache_experts=...``: the experts computed where they lie in the mapped file, the least
 recently used beyond the budget given back to the system, no copies; eager, and with the compiled step; the 25%
 budget compiled also on a fresh copy of the checkpoint, written back but left in the page cache in the folios the
-copy's writes made, where an expert's first miss drops its pages to read them again in 2 MB folios), and
+copy's writes made, where a layer's first miss drops its expert tensors' pages to read them again in 2 MB
+folios), and
 llama.cpp with mmap (its default) on the GGUF of the same weights (bf16; the zoo's int4 codes as Q4_1). The zoo rows
 decode eagerly (``zoo.runtime.decode.greedy(..., compile=False)``: the cache modes' experts cannot run inside a
 compiled step) but those marked compiled (``greedy``'s default step, compiled ahead of time); llama.cpp runs its own
