@@ -164,18 +164,18 @@ def run_child(spec: dict, llama_path: str | None) -> dict:
 
 
 def just_copied(folder: Path, into: Path) -> str:
-    """A copy of the checkpoint folder written as ``cp`` writes it and written back to the disk, its pages left in
-    the page cache as the writes made them (4 KB folios on ext4): a checkpoint just downloaded or copied."""
+    """A copy of the checkpoint folder written as ``cp`` writes it (through the zoo's atomic saver, which writes each
+    file back to the disk), its pages left in the page cache as the writes made them (4 KB folios on ext4): a
+    checkpoint just downloaded or copied."""
     import shutil
 
+    from zoo.io.atomic import atomic_directory
+
     copy = into / folder.name
-    shutil.copytree(folder, copy)
-    for file in copy.glob("*.safetensors"):
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # written back: the page cache keeps the pages, clean, in the folios the writes made
-        finally:
-            os.close(fd)
+    with atomic_directory(copy) as staging:
+        for file in folder.iterdir():
+            if file.is_file():
+                shutil.copyfile(file, Path(staging) / file.name)
     return str(copy)
 
 
