@@ -1,4 +1,8 @@
 """zoo.offload: experts read from the checkpoint when routed, through an LRU cache, against the model in memory."""
+import gc
+import mmap
+import os
+import shutil
 import warnings
 
 import pytest
@@ -161,7 +165,6 @@ def test_a_deep_copy_of_an_in_place_model_within_a_budget_runs_on_its_own(saved)
     """copy.deepcopy of an in-place model held to a budget: its experts become copies in memory (a deep copy copies
     the tensors), with books and a cache of their own; it gives the same logits after the original is gone."""
     import copy
-    import gc
 
     ids, mask = padded_batch()
     off = zoo.offload(saved["dense"], reader="in-place", cache_experts=1)
@@ -181,9 +184,6 @@ def test_a_deep_copy_reads_on_its_own(saved, tmp_path):
     budget (empty, no thread), file descriptors of its own (the original closed and gone, the copy still reads),
     and a shard changed since the original was opened refused by the copy too."""
     import copy
-    import gc
-    import os
-    import shutil
 
     folder = tmp_path / "model"
     shutil.copytree(saved["packed"], folder)
@@ -263,7 +263,6 @@ def test_lru_order():
 
 
 def test_missing_tensor_fails_with_its_name(saved, tmp_path):
-    import shutil
 
     shutil.copytree(saved["dense"], tmp_path / "m", dirs_exist_ok=True)
     file = tmp_path / "m" / "model.safetensors"
@@ -304,7 +303,7 @@ def _file_spans(path) -> list[tuple[int, int]]:
     return [tuple(int(x, 16) for x in row[0].split("-")) for row in rows]
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
 @pytest.mark.parametrize("kind", ["dense", "packed"])
 @torch.no_grad()
 def test_in_place_experts_are_the_mapped_file(saved, kind):
@@ -357,7 +356,7 @@ def _pmd_mapped(path) -> int:
     return sum(int(fields.get("FilePmdMapped", ["0"])[0]) * 1024 for fields in _smaps(path).values())
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
                     reason="a system with transparent huge pages (/proc/self/smaps names the advice)")
 def test_in_place_maps_ask_for_huge_pages(saved):
     """The shard's map asks for 2 MB pages (MADV_HUGEPAGE: VmFlags 'hg'), so that experts faulted in from the disk
@@ -403,7 +402,7 @@ def saved_wide(tmp_path_factory):
     return out
 
 
-@pytest.mark.skipif(not __import__("os").access("/proc/self/pagemap", __import__("os").R_OK),
+@pytest.mark.skipif(not os.access("/proc/self/pagemap", os.R_OK),
                     reason="reads /proc/self/pagemap")
 @pytest.mark.parametrize("kind,budget", [("wide", {"cache_experts": 3}), ("wide", {"cache_experts": 0}),
                                          ("packed", {"cache_bytes": 20_000})])
@@ -459,7 +458,7 @@ def test_in_place_lookup_takes_each_routed_expert_once_and_skips_empty_slots(sav
     assert books.used == [] and cache.misses == 2 and cache.hits == 2
 
 
-@pytest.mark.skipif(not __import__("os").access("/proc/self/pagemap", __import__("os").R_OK),
+@pytest.mark.skipif(not os.access("/proc/self/pagemap", os.R_OK),
                     reason="reads /proc/self/pagemap")
 def test_release_gives_back_whole_huge_pieces_within_the_tensor_alone(saved_wide):
     """A released row's range is widened to the 2 MB pieces it touches, never past its tensor's own pages: the range
@@ -510,7 +509,6 @@ def test_a_tensors_first_miss_drops_its_cached_pages_once(saved_wide, monkeypatc
     to the 2 MB pieces it touches (POSIX_FADV_DONTNEED on the shard), so that its rows are read again in 2 MB
     folios; later misses in the layer, hits, and misses again drop nothing; another layer's first miss drops its
     own tensors."""
-    import os
 
     dropped = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: dropped.append((offset, length, advice)))
@@ -546,7 +544,6 @@ def test_a_file_system_refusing_the_drop_reads_the_pages_where_they_are(saved_wi
     """Where the system refuses POSIX_FADV_DONTNEED (an error from the file system), a first miss reads the expert
     from the page cache as it lies: the in-memory model's logits."""
     import errno
-    import os
 
     def refuse(*args):
         raise OSError(errno.EINVAL, "no advice here")
@@ -559,14 +556,12 @@ def test_a_file_system_refusing_the_drop_reads_the_pages_where_they_are(saved_wi
     assert cache_of(model).misses > 0
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "posix_fadvise") or not __import__("os").path.exists(
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not os.path.exists(
     "/sys/kernel/mm/transparent_hugepage/enabled"), reason="a Linux with transparent huge pages")
 def test_an_expert_written_in_small_pages_maps_2mb_at_a_time_after_its_first_miss(saved_wide, tmp_path, monkeypatch):
     """A checkpoint just copied lies in the page cache in 4 KB folios, mapped a page at a time; after the first miss
     within a budget an expert is read from the disk in 2 MB folios and mapped 2 MB at a time (the control: the same
     copy without the drop maps nothing so)."""
-    import os
-    import shutil
 
     if not _page_cache_gives_2mb_folios(tmp_path / "probe"):
         pytest.skip("this system's page cache gives a map no 2 MB folios (file THP, or the filesystem's large folios)")
@@ -587,7 +582,7 @@ def test_an_expert_written_in_small_pages_maps_2mb_at_a_time_after_its_first_mis
             float(experts.state_dict()["gate_up_proj"][1].sum())
             mapped = _pmd_mapped(shard)
             del model, experts
-            __import__("gc").collect()
+            gc.collect()
             assert not _smaps(shard)  # unmapped: nothing of it holds the page cache's pages
             return mapped
 
@@ -597,8 +592,6 @@ def test_an_expert_written_in_small_pages_maps_2mb_at_a_time_after_its_first_mis
 
 def _page_cache_gives_2mb_folios(probe) -> bool:
     """Whether a file read from the disk through a map advised MADV_HUGEPAGE comes as 2 MB folios, mapped whole."""
-    import mmap
-    import os
 
     probe.write_bytes(bytes(8 << 20))
     fd = os.open(probe, os.O_RDONLY)
