@@ -24,17 +24,62 @@ from zoo.moe.quantized import quantize_grouped, quantize_int8
 
 def clock(fns, calls: int, repeats: int = 5) -> list:
     """Median seconds per call of each function over ``repeats`` rounds of ``calls`` calls, the functions taking
-    turns within each round (so a slow spell of a noisy machine falls on all of them), after one warm-up call."""
+    turns within each round (so a slow spell of a noisy machine falls on all of them), after one warm-up call. A
+    ``Setting`` is switched on once a round, around its calls."""
     runs = [[] for _ in fns]
     for fn in fns:
         fn(0)
     for _ in range(repeats):
         for fn, times in zip(fns, runs):
-            t = time.perf_counter()
-            for i in range(calls):
-                fn(i)
-            times.append((time.perf_counter() - t) / calls)
+            times.append((fn.round(calls) if isinstance(fn, Setting) else plain_round(fn, calls)) / calls)
     return [statistics.median(times) for times in runs]
+
+
+def plain_round(fn, calls: int) -> float:
+    t = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    return time.perf_counter() - t
+
+
+class Setting:
+    """fn run under the kernel's settings (instruction set, 8-bit inputs), restored after: a call runs one call under
+    them; ``round`` runs ``calls`` calls under them and times those alone. Switched once a call, the settings' calls
+    into the library (~3 us for both, against ~80 us for a 2-bit call) had counted against every row, and twice
+    against the 8-bit-input rows."""
+
+    def __init__(self, fn, isa: str, int8_inputs: bool = False):
+        self.fn, self.isa, self.int8_inputs = fn, isa, int8_inputs
+
+    def _enter(self):
+        before = kernels.isa(), kernels.int8_inputs()
+        try:
+            kernels.isa(self.isa)
+            if self.int8_inputs:
+                kernels.int8_inputs(True)
+        except BaseException:
+            self._exit(before)
+            raise
+        return before
+
+    def _exit(self, before):
+        kernels.int8_inputs(False)
+        kernels.isa(before[0])
+        kernels.int8_inputs(before[1])
+
+    def __call__(self, i):
+        before = self._enter()
+        try:
+            return self.fn(i)
+        finally:
+            self._exit(before)
+
+    def round(self, calls: int) -> float:
+        before = self._enter()
+        try:
+            return plain_round(self.fn, calls)
+        finally:
+            self._exit(before)
 
 
 def read_bandwidth(smoke: bool) -> tuple:
@@ -81,14 +126,7 @@ def cpu_flags() -> str:
 
 def with_isa(name, fn):
     """fn run with the kernel on instruction set ``name``."""
-    def run(i):
-        before = kernels.isa()
-        kernels.isa(name)
-        try:
-            return fn(i)
-        finally:
-            kernels.isa(before)
-    return run
+    return Setting(fn, name)
 
 
 def stacks(S: int, N: int, K: int, group_size: int):
@@ -118,15 +156,9 @@ def torch_row(label, w, s, group_size):
     return None
 
 
-def with_int8_inputs(fn):
-    """fn run with int8 weights / 2/3/4-bit codes times 8-bit inputs (int8 dot products)."""
-    def run(i):
-        kernels.int8_inputs(True)
-        try:
-            return fn(i)
-        finally:
-            kernels.int8_inputs(False)
-    return run
+def with_int8_inputs(isa, fn):
+    """fn run on instruction set ``isa`` with int8 weights / 2/3/4-bit codes times 8-bit inputs (int8 dot products)."""
+    return Setting(fn, isa, int8_inputs=True)
 
 
 def int8_dot_row(isa, label, bits, group_size, x, picks, w, s, calls, per_expert, k, probe, columns):
@@ -134,7 +166,7 @@ def int8_dot_row(isa, label, bits, group_size, x, picks, w, s, calls, per_expert
     plain path and the bandwidth probe, and the error that rounding adds: ||y8 - y|| / ||y|| over the calls'
     outputs."""
     plain = with_isa(isa, lambda i: kernels.moe_gemv(x, picks[i], w, s, bits, group_size))
-    dot = with_isa(isa, with_int8_inputs(lambda i: kernels.moe_gemv(x, picks[i], w, s, bits, group_size)))
+    dot = with_int8_inputs(isa, lambda i: kernels.moe_gemv(x, picks[i], w, s, bits, group_size))
     t_dot, t_plain, t_sum = clock([dot, plain, probe[0]], calls)
     bw = max(probe[1] / t_sum / 1e9, probe[2])
     y, y8 = torch.cat([plain(i).float() for i in range(calls)]), torch.cat([dot(i).float() for i in range(calls)])

@@ -67,3 +67,53 @@ def test_stored_codes_benchmark_smoke():
     assert [r[0].split() for r in rows] == [[b, i] for b in "23" for i in ("exact", "int8")[:1 + dot]], out
     assert all(r[4].strip() in ("yes", "no") for r in rows), out  # tokens compared (bf16: they may differ)
     assert all(float(r[1].split()[0]) > 0 and float(r[1].split()[2]) > 0 for r in rows), out
+
+
+def test_moe_gemv_benchmark_switches_the_kernel_settings_once_a_round_and_restores_them():
+    """moe_gemv.py's rows time the kernel's calls alone: a row's settings (instruction set, 8-bit inputs) are on for
+    each of its calls and switched once a round, not around each call; afterwards, or after a call that raised, the
+    settings are those before."""
+    from zoo.moe import kernels
+
+    if not kernels.load():
+        return
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import moe_gemv
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    isa = kernels.best_isa()
+    dot = isa in kernels.INT8_DOT_ISAS
+    before = kernels.isa("portable"), kernels.int8_inputs()
+    switches, seen = [], []
+    real_isa = kernels.isa
+
+    def counting_isa(want=None):
+        switches.append(want)
+        return real_isa(want)
+
+    def call(i):
+        seen.append((kernels.isa(), kernels.int8_inputs()))
+        if i < 0:
+            raise RuntimeError("planted")
+
+    try:
+        kernels.isa = counting_isa
+        row = moe_gemv.with_int8_inputs(isa, call) if dot else moe_gemv.with_isa(isa, call)
+        assert row.round(5) > 0
+        assert seen == [(isa, dot)] * 5
+        assert [w for w in switches if w is not None] == [isa, "portable"]  # on once, back once
+        assert (real_isa(), kernels.int8_inputs()) == before
+        seen.clear()
+        row(0)
+        assert seen == [(isa, dot)] and (real_isa(), kernels.int8_inputs()) == before
+        try:
+            row(-1)
+        except RuntimeError:
+            pass
+        assert (real_isa(), kernels.int8_inputs()) == before
+        assert moe_gemv.clock([row], 3, repeats=2)[0] > 0 and len(seen) == 2 + 1 + 2 * 3
+    finally:
+        kernels.isa = real_isa
+        kernels.isa(kernels.best_isa())
+        kernels.int8_inputs(False)
