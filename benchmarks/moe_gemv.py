@@ -22,17 +22,33 @@ from zoo.moe.packing import int4unpack, torch_packs_int4_alike
 from zoo.moe.quantized import quantize_grouped, quantize_int8
 
 
-def clock(fns, calls: int, repeats: int = 5) -> list:
+def clock(fns, calls: int, repeats: int = 5, between=None) -> list:
     """Median seconds per call of each function over ``repeats`` rounds of ``calls`` calls, the functions taking
     turns within each round (so a slow spell of a noisy machine falls on all of them), after one warm-up call. A
-    ``Setting`` is switched on once a round, around its calls."""
+    ``Setting`` is switched on once a round, around its calls. ``between`` (untimed) runs before each round of each
+    function, so that every round starts as the first after the bandwidth probe did (see ``evict``)."""
     runs = [[] for _ in fns]
     for fn in fns:
         fn(0)
     for _ in range(repeats):
         for fn, times in zip(fns, runs):
+            if between is not None:
+                between()
             times.append((fn.round(calls) if isinstance(fn, Setting) else plain_round(fn, calls)) / calls)
     return [statistics.median(times) for times in runs]
+
+
+def evict(smoke: bool):
+    """A sum over 256 MiB (eight times the last-level cache seen here; a smoke run: 8 MiB), to run before each
+    function's round. Here a round read right after the probe's 1 GiB took ~9% longer than the same calls right
+    after another function's round over the same experts (2-bit [5632, 1024]: the calls' first pass over the 64
+    experts ~100 us a call, the second ~92; the experts' scales warmed first, or huge pages, changed nothing), so the
+    first function of a round ran cold and the others warm: the 8-bit-input 2-bit row, timed first in its round, read
+    0.81-0.89x the exact row's speed at 42-48 GB/s, 0.87-0.94x with every round after this sum (1.18-1.22x at 70-75
+    GB/s, 1.07-1.11x before). Each share of the bandwidth stays that of a cold round, as a model larger than the
+    cache reads its experts."""
+    junk = torch.randn((2 if smoke else 64) * 2 ** 20)
+    return lambda: junk.sum()
 
 
 def plain_round(fn, calls: int) -> float:
@@ -167,7 +183,7 @@ def int8_dot_row(isa, label, bits, group_size, x, picks, w, s, calls, per_expert
     outputs."""
     plain = with_isa(isa, lambda i: kernels.moe_gemv(x, picks[i], w, s, bits, group_size))
     dot = with_int8_inputs(isa, lambda i: kernels.moe_gemv(x, picks[i], w, s, bits, group_size))
-    t_dot, t_plain, t_sum = clock([dot, plain, probe[0]], calls)
+    t_dot, t_plain, t_sum = clock([dot, plain, probe[0]], calls, between=probe[3])
     bw = max(probe[1] / t_sum / 1e9, probe[2])
     y, y8 = torch.cat([plain(i).float() for i in range(calls)]), torch.cat([dot(i).float() for i in range(calls)])
     gbs = k * per_expert / t_dot / 1e9
@@ -189,7 +205,9 @@ def main(argv=None):
     S = 8 if args.smoke else 64  # 64 bf16 experts of [2I, H]: 738 MB, beyond the 300 MB last-level cache
     calls = 8 if args.smoke else 64
     sum_gbs, how, compiled = read_bandwidth(args.smoke)
-    probe = (*sum_slices(args.smoke), compiled)  # (fn, bytes a call, the compiled sum's GB/s: the floor of 'bw')
+    # (fn, bytes a call, the compiled sum's GB/s: the floor of 'bw', the eviction before each round)
+    # (fn, bytes a call, the compiled sum's GB/s: the floor of 'bw', the eviction before each round)
+    probe = (*sum_slices(args.smoke), compiled, evict(args.smoke))
     x = torch.randn(1, H).to(torch.bfloat16)
     isas = list(kernels.ISAS[:kernels.ISAS.index(kernels.best_isa()) + 1][::-1])
     print(f"processor flags: {cpu_flags()}\nkernel instruction sets: {', '.join(isas)} (best first)")
@@ -204,7 +222,7 @@ def main(argv=None):
         row = torch_row(label, w, s, group_size)
         if row is not None:
             fns.append(lambda i: [row(x, int(e)) for e in picks[i][0]])
-        *times, t_sum = clock(fns + [probe[0]], calls)
+        *times, t_sum = clock(fns + [probe[0]], calls, between=probe[3])
         bw = max(probe[1] / t_sum / 1e9, probe[2])
         gbs = [k * per_expert / t / 1e9 for t in times]
         cells = " ".join(f"{g:16.1f} {g / bw:6.2f}" for g in gbs[:len(isas)])

@@ -72,7 +72,7 @@ def test_stored_codes_benchmark_smoke():
 def test_moe_gemv_benchmark_switches_the_kernel_settings_once_a_round_and_restores_them():
     """moe_gemv.py's rows time the kernel's calls alone: a row's settings (instruction set, 8-bit inputs) are on for
     each of its calls and switched once a round, not around each call; afterwards, or after a call that raised, the
-    settings are those before."""
+    settings are those before; the eviction runs before each function's round."""
     from zoo.moe import kernels
 
     if not kernels.load():
@@ -112,7 +112,10 @@ def test_moe_gemv_benchmark_switches_the_kernel_settings_once_a_round_and_restor
         except RuntimeError:
             pass
         assert (real_isa(), kernels.int8_inputs()) == before
-        assert moe_gemv.clock([row], 3, repeats=2)[0] > 0 and len(seen) == 2 + 1 + 2 * 3
+        evictions = []
+        assert moe_gemv.clock([row, lambda i: None], 3, repeats=2, between=lambda: evictions.append(len(seen)))[0] > 0
+        assert len(seen) == 2 + 1 + 2 * 3
+        assert evictions == [3, 6, 6, 9]  # before each function's round, untimed
     finally:
         kernels.isa = real_isa
         kernels.isa(kernels.best_isa())
