@@ -206,7 +206,6 @@ def main(argv=None):
     calls = 8 if args.smoke else 64
     sum_gbs, how, compiled = read_bandwidth(args.smoke)
     # (fn, bytes a call, the compiled sum's GB/s: the floor of 'bw', the eviction before each round)
-    # (fn, bytes a call, the compiled sum's GB/s: the floor of 'bw', the eviction before each round)
     probe = (*sum_slices(args.smoke), compiled, evict(args.smoke))
     x = torch.randn(1, H).to(torch.bfloat16)
     isas = list(kernels.ISAS[:kernels.ISAS.index(kernels.best_isa()) + 1][::-1])

@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "moe_block.py"
 
 
@@ -69,7 +71,7 @@ def test_stored_codes_benchmark_smoke():
     assert all(float(r[1].split()[0]) > 0 and float(r[1].split()[2]) > 0 for r in rows), out
 
 
-def test_moe_gemv_benchmark_switches_the_kernel_settings_once_a_round_and_restores_them():
+def test_moe_gemv_benchmark_switches_the_kernel_settings_once_a_round_and_restores_them(monkeypatch):
     """moe_gemv.py's rows time the kernel's calls alone: a row's settings (instruction set, 8-bit inputs) are on for
     each of its calls and switched once a round, not around each call; afterwards, or after a call that raised, the
     settings are those before; the eviction runs before each function's round."""
@@ -77,14 +79,13 @@ def test_moe_gemv_benchmark_switches_the_kernel_settings_once_a_round_and_restor
 
     if not kernels.load():
         return
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import moe_gemv
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import moe_gemv
+
     isa = kernels.best_isa()
     dot = isa in kernels.INT8_DOT_ISAS
-    before = kernels.isa("portable"), kernels.int8_inputs()
+    original = kernels.isa(), kernels.int8_inputs()
+    before = kernels.isa("portable"), kernels.int8_inputs(False)
     switches, seen = [], []
     real_isa = kernels.isa
 
@@ -93,12 +94,12 @@ def test_moe_gemv_benchmark_switches_the_kernel_settings_once_a_round_and_restor
         return real_isa(want)
 
     def call(i):
-        seen.append((kernels.isa(), kernels.int8_inputs()))
+        seen.append((real_isa(), kernels.int8_inputs()))
         if i < 0:
             raise RuntimeError("planted")
 
+    monkeypatch.setattr(kernels, "isa", counting_isa)
     try:
-        kernels.isa = counting_isa
         row = moe_gemv.with_int8_inputs(isa, call) if dot else moe_gemv.with_isa(isa, call)
         assert row.round(5) > 0
         assert seen == [(isa, dot)] * 5
@@ -107,16 +108,13 @@ def test_moe_gemv_benchmark_switches_the_kernel_settings_once_a_round_and_restor
         seen.clear()
         row(0)
         assert seen == [(isa, dot)] and (real_isa(), kernels.int8_inputs()) == before
-        try:
+        with pytest.raises(RuntimeError, match="planted"):
             row(-1)
-        except RuntimeError:
-            pass
         assert (real_isa(), kernels.int8_inputs()) == before
         evictions = []
         assert moe_gemv.clock([row, lambda i: None], 3, repeats=2, between=lambda: evictions.append(len(seen)))[0] > 0
         assert len(seen) == 2 + 1 + 2 * 3
         assert evictions == [3, 6, 6, 9]  # before each function's round, untimed
     finally:
-        kernels.isa = real_isa
-        kernels.isa(kernels.best_isa())
-        kernels.int8_inputs(False)
+        real_isa(original[0])
+        kernels.int8_inputs(original[1])
