@@ -179,31 +179,6 @@ struct Item {  // rows [r0, r1) of one expert for its np (token, slot) pairs, in
   int64_t first;
 };
 
-// int4 rows past the last full block of 64: torch packs them two rows per byte (row 2j low, 2j+1 high) per k.
-// Only small layers have such a tail; plain scalar code. X: float inputs, or 8-bit ones (int8_t: exact int32 dots
-// per group, sxs their per-group sums, and the outputs times the inputs' scales xscale)
-template <class X>
-static void int4_tail(const uint8_t* w, const Scales& sc, int64_t N, int64_t K, int64_t g, int64_t r0, int64_t r1,
-                      int np, const X* const* xs, const float* const* sxs, const float* xscale, float* const* ys) {
-  using Acc = std::conditional_t<std::is_same_v<X, float>, float, int32_t>;
-  const int64_t full = N / 64 * 64, tail = N - full;
-  const uint8_t* t = w + full * K / 2;
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t j = r - full;
-    for (int p = 0; p < np; ++p) {
-      float total = 0;
-      for (int64_t gi = 0; gi < K / g; ++gi) {
-        Acc acc = 0;
-        for (int64_t k = gi * g; k < (gi + 1) * g; ++k)
-          acc += Acc((t[k * (tail / 2) + j / 2] >> (4 * (j & 1))) & 15) * xs[p][k];
-        float s = sc.scale(gi, r);
-        total += s * float(acc) + (sc.zero(gi, r) - 8 * s) * sxs[p][gi];
-      }
-      ys[p][r] = xscale ? total * xscale[p] : total;
-    }
-  }
-}
-
 // 8 float lanes (the portable and AVX2 builds): the lane count, a float vector and the 8-bit vectors widened to it
 #define ZOO_EIGHT_LANE_TYPES                                \
   constexpr int L = 8;                                      \

@@ -275,6 +275,43 @@ static void rows_int8_dot(const int8_t* w, const Scales& sc, int64_t K, int64_t 
 }
 #endif
 
+// int4 rows past the last full block of 64: torch packs them two rows per byte (row 2j low, 2j+1 high) per k.
+// Only small layers have such a tail (16, 32 or 48 rows). 16 rows at a time (8 bytes per k), their sums in
+// registers over a group's k in order, as a row at a time summed them (that form, its k loop inner and strided,
+// ran a 16-row tail at ~2 us a row, 10-25x a full block's rows). X: float inputs, or 8-bit ones (int8_t: exact int32
+// dots per group, sxs their per-group sums, and the outputs times the inputs' scales xscale)
+template <class X>
+static void int4_tail(const uint8_t* w, const Scales& sc, int64_t N, int64_t K, int64_t g, int64_t r0, int64_t r1,
+                      int np, const X* const* xs, const float* const* sxs, const float* xscale, float* const* ys) {
+  using Acc = std::conditional_t<std::is_same_v<X, float>, float, int32_t>;
+  const int64_t full = N / 64 * 64, half = (N - full) / 2;  // (the pack needs N a multiple of 16: half of 8)
+  const uint8_t* t = w + full * K / 2;
+  for (int p = 0; p < np; ++p)
+    for (int64_t c = 0; c < half; c += 8) {  // rows full + 2 c .. full + 2 c + 15
+      float total[16] = {};
+      for (int64_t gi = 0; gi < K / g; ++gi) {
+        Acc even[8] = {}, odd[8] = {};  // rows full + 2 (c + l) and full + 2 (c + l) + 1
+        for (int64_t k = gi * g; k < (gi + 1) * g; ++k) {
+          const uint8_t* b = t + k * half + c;
+          const Acc xk = Acc(xs[p][k]);
+          for (int l = 0; l < 8; ++l) {
+            even[l] += Acc(b[l] & 15) * xk;
+            odd[l] += Acc(b[l] >> 4) * xk;
+          }
+        }
+        for (int j = 0; j < 16; ++j) {
+          const int64_t r = full + 2 * c + j;
+          const float s = sc.scale(gi, r), dot = float(j % 2 ? odd[j / 2] : even[j / 2]);
+          total[j] += s * dot + (sc.zero(gi, r) - 8 * s) * sxs[p][gi];
+        }
+      }
+      for (int j = 0; j < 16; ++j) {
+        const int64_t r = full + 2 * c + j;
+        if (r >= r0 && r < r1) ys[p][r] = xscale ? total[j] * xscale[p] : total[j];
+      }
+    }
+}
+
 // torch's CPU int4 pack, one block of 64 rows: for each k, 32 bytes; byte j holds row j (low nibble) and row
 // j + 32 (high nibble). Scale and zero per group of g inputs: w = (q - 8) * s + z, so a group contributes
 // s * sum(q x) + (z - 8 s) * sum(x), and sum(x) per group is precomputed (sxs).
