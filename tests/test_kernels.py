@@ -553,14 +553,16 @@ def test_packed_rows_every_group_layout(isa, bits, g, T):
         torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-4 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("g,K", [(32, 1024), (64, 1280), (64, 512), (128, 768), (256, 512), (512, 1024)])
+@pytest.mark.parametrize("g,K", [(32, 1024), (64, 1280), (64, 512), (128, 768), (256, 512), (512, 1024),
+                                 (64, 1408), (32, 800), (128, 896)])
 @pytest.mark.parametrize("N", [64, 80, 70])
 @pytest.mark.parametrize("T", [1, 2, 3, 8])
 def test_2bit_bf16_inputs_256_a_step(isa, g, K, N, T):
-    """2 bits times bf16 inputs, K a multiple of 256 and g dividing 256 or a multiple of it: on avx512-bf16 the codes'
-    bf16 dot-product kernel, 256 codes a step (rows_int2_bf16: 8, 4, 2, 1 groups a step, groups of several steps;
-    16 rows a block: items of 64, 16 and 6 rows, the last a short block), 1..8 inputs on one expert and an input per
-    slot: within the outputs' bf16 rounding of the reference on the same inputs in fp32. The path seen on a sum whose
+    """2 bits times bf16 inputs, g dividing 256 or a multiple of it: on avx512-bf16 the codes' bf16 dot-product
+    kernel, 256 codes a step (rows_int2_bf16: 8, 4, 2, 1 groups a step, groups of several steps; a shorter last step
+    where 256 does not divide K: 2, 1 and 1 groups; 16 rows a block: items of 64, 16 and 6 rows, the last a short
+    block), 1..8 inputs on one expert and an input per slot: within the outputs' bf16 rounding of the reference on
+    the same inputs in fp32. The path seen on a sum whose
     fp32 result depends on the order (2^100 at code 0, -2^100 at code 16, ones, every weight 1): the step's lanes 0
     and 1 (codes 0..15 and 16..31) absorb their 30 ones and cancel when the lanes are first added, the other ones all
     count (K - 32); the float kernel gives another sum."""
@@ -581,6 +583,25 @@ def test_2bit_bf16_inputs_256_a_step(isa, g, K, N, T):
         assert torch.equal(lost, kept.bfloat16().float())
 
 
+@pytest.mark.parametrize("g,K", [(32, 96), (64, 1408), (128, 640)])
+def test_2bit_last_shorter_step_keeps_to_its_own_inputs(isa, g, K):
+    """A 2-bit row's shorter last step (256 not dividing K; avx512-bf16's kernels) sums its own codes and inputs only
+    (its inputs loaded under a mask, its lanes past K left out of the group sums): the next token's inputs NaN, the
+    first token's outputs are those of a call without it, bitwise, with bf16 inputs and 8-bit ones where the set has
+    them."""
+    w, sz, _ = packed_stack_with_codes(2, g, N=32, K=K)
+    x = torch.randn(2, K).bfloat16()
+    x[1] = float("nan")
+    idx = torch.tensor([[0, 2], [1, 0]])
+    for int8 in (False, True) if isa in kernels.INT8_DOT_ISAS else (False,):
+        kernels.int8_inputs(int8)
+        got = kernels.moe_gemv(x, idx, w, sz, 2, g)[0].float()
+        want = kernels.moe_gemv(x[:1], idx[:1], w, sz, 2, g)[0].float()
+        assert bool(got.isfinite().all())
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    kernels.int8_inputs(False)
+
+
 @pytest.mark.parametrize("bits", [2, 3])
 @pytest.mark.parametrize("g", [32, 64, 96, 192])
 @pytest.mark.parametrize("T", [1, 3, 6, 8])
@@ -592,13 +613,15 @@ def test_packed_8bit_inputs_are_exact_integer_dots(int8_inputs, bits, g, T):
     assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g), bits, g, T)
 
 @pytest.mark.parametrize("bits,g,K", [(2, 64, 576), (3, 64, 1024), (3, 128, 512), (2, 192, 768), (2, 32, 320),
-                                      (2, 32, 256), (2, 64, 512), (2, 128, 1024), (2, 256, 768), (2, 512, 1024)])
+                                      (2, 32, 256), (2, 64, 512), (2, 128, 1024), (2, 256, 768), (2, 512, 1024),
+                                      (2, 64, 1408), (2, 128, 896)])
 @pytest.mark.parametrize("T", [1, 3, 8])
 def test_packed_8bit_inputs_over_many_groups(int8_inputs, bits, g, K, T):
     """Rows of many groups of whole chunk pairs (taken two groups a step, an odd count leaving one), one and three
-    pairs per group, and single-chunk groups: the integer reference's result. 2 bits with K a multiple of 256 and g
-    dividing 256 or a multiple of it go 256 codes a step (rows_int2_dot256: 8, 4, 2, 1 groups a step, and groups of
-    several steps); the others (576, 192 of 768, 320) the per-group way."""
+    pairs per group, and single-chunk groups: the integer reference's result. 2 bits with g dividing 256 or a
+    multiple of it go 256 codes a step (rows_int2_dot256: 8, 4, 2, 1 groups a step, and groups of several steps),
+    where 256 does not divide K (576, 320, 1408, 896) with a shorter last step on avx512-bf16 and the per-group way on
+    AVX2; groups of 192 the per-group way."""
     assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g, 64, K), bits, g, T)
 
 

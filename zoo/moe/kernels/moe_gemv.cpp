@@ -169,9 +169,13 @@ static bool scaled_for_subnormals(const float* X, int64_t rows, int64_t K, std::
   return true;
 }
 
-// Whether 2-bit rows of K inputs in groups of g take 8-bit inputs 256 at a time (rows_int2_dot256: each 16 inputs of a
-// step in one group)
-static inline bool int2_steps_of_256(int64_t K, int64_t g) { return K % 256 == 0 && (256 % g == 0 || g % 256 == 0); }
+// Whether 2-bit rows of K inputs in groups of g go 256 codes a step (rows_int2_dot256, rows_int2_bf16: each 16 inputs
+// of a step in one group). With `partial` (the avx512-bf16 set's kernels) a row's last step may be shorter (K - k a
+// multiple of g there, as g divides 256): on the float kernel instead, such rows had run at about half the speed
+// (AMD Zen 5, [128, 1088] experts, g = 64, one thread, in L2: 42 against 21 ns a row, 8-bit inputs 33 against 17).
+static inline bool int2_steps_of_256(int64_t K, int64_t g, bool partial) {
+  return (partial || K % 256 == 0) && (256 % g == 0 || g % 256 == 0);
+}
 
 struct Item {  // rows [r0, r1) of one expert for its np (token, slot) pairs, in_rows / out_rows [first, first + np)
   int64_t slot, r0, r1;
@@ -523,7 +527,7 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
   // products: the inputs are read as they are, 2-bit codes' permuted (codes also need them in fp32, for the
   // per-group sums and the tail rows; int8 for one-input items)
   const bool bf16_dot = g_isa == 3 && !f32 && kind != Kind::f32 &&
-                        (kind != Kind::int2 || int2_steps_of_256(K, group_size));
+                        (kind != Kind::int2 || int2_steps_of_256(K, group_size, g_isa == 3));
   // 8-bit inputs: q = round(x / s) in [-127, 127] with s = max|x| / 127 per row, for vpdpbusd's signed operand
   // (2/3/4-bit codes are its unsigned one) or stored q + 128 as its unsigned operand (int8 weights are the signed
   // one; AVX2 takes q as it is, rows_int8_dot there). AVX2 has no 8-bit kernel for 2-bit rows outside steps of 256:
@@ -531,7 +535,7 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
   // scales afterwards), so the results do not depend on the set's kernels.
   const bool int8_dot =
       g_int8_inputs && has_8bit_dots(g_isa) && kind != Kind::f32 && kind != Kind::bf16 && K <= VNNI_MAX_K;
-  const bool q_as_float = int8_dot && g_isa == 1 && kind == Kind::int2 && !int2_steps_of_256(K, group_size);
+  const bool q_as_float = int8_dot && g_isa == 1 && kind == Kind::int2 && !int2_steps_of_256(K, group_size, false);
   std::vector<float> xbuf;
   if (!f32 && !(bf16_dot && kind == Kind::bf16)) {
     xbuf.resize(rows * K);
@@ -555,13 +559,14 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
   }
   std::vector<uint16_t> xb_permuted;
   if (bf16_dot && kind == Kind::int2 && !int8_dot) {
-    // layout 4 (rows_int2_bf16): per 256 inputs, pass j's 32 words, word w <- input 8 w + j
+    // layout 4 (rows_int2_bf16): per 256 inputs (n in a shorter last step), pass j's n / 8 words, word w <- input
+    // 8 w + j
     xb_permuted.resize(rows * K);
     const uint16_t* xb = static_cast<const uint16_t*>(x);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t k0 = 0; k0 < K; k0 += 256)
-        for (int j = 0; j < 8; ++j)
-          for (int i = 0; i < 32; ++i) xb_permuted[r * K + k0 + 32 * j + i] = xb[r * K + k0 + 8 * i + j];
+        for (int64_t j = 0, n = std::min<int64_t>(256, K - k0); j < 8; ++j)
+          for (int64_t i = 0; i < n / 8; ++i) xb_permuted[r * K + k0 + n / 8 * j + i] = xb[r * K + k0 + 8 * i + j];
   }
   // 3-bit rows on VBMI (rows_int3_vbmi): bf16 inputs in layout 5, 8-bit ones in their order
   const bool int3_vbmi = g_isa == 3 && kind == Kind::int3 && (bf16_dot || int8_dot) && g_vbmi && group_size % 64 == 0;
@@ -582,12 +587,13 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
   }
   if ((kind == Kind::int2 || (kind == Kind::int3 && !int3_vbmi)) && int8_dot && !q_as_float) {
     xq_permuted.resize(rows * K);
-    if (kind == Kind::int2 && int2_steps_of_256(K, group_size)) {
-      // layout 3 (rows_int2_dot256): per 256 inputs, pass j's 64 bytes, byte i <- input 4 i + j
+    if (kind == Kind::int2 && int2_steps_of_256(K, group_size, g_isa == 3)) {
+      // layout 3 (rows_int2_dot256): per 256 inputs (n in a shorter last step), pass j's n / 4 bytes, byte i <-
+      // input 4 i + j
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t k0 = 0; k0 < K; k0 += 256)
-          for (int j = 0; j < 4; ++j)
-            for (int i = 0; i < 64; ++i) xq_permuted[r * K + k0 + 64 * j + i] = xq[r * K + k0 + 4 * i + j];
+          for (int64_t j = 0, n = std::min<int64_t>(256, K - k0); j < 4; ++j)
+            for (int64_t i = 0; i < n / 4; ++i) xq_permuted[r * K + k0 + n / 4 * j + i] = xq[r * K + k0 + 4 * i + j];
     } else {
       for (int64_t r = 0; r < rows; ++r)
         permute_for_packed(xq.data() + r * K, xq_permuted.data() + r * K, K, group_size, int(bits), 2);

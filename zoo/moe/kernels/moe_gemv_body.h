@@ -45,6 +45,11 @@ static constexpr bool kPrefetch = true;
 #else
 static constexpr bool kPrefetch = false;
 #endif
+#ifdef ZOO_VNNI  // rows_int2_dot256 and rows_int2_bf16 take a shorter last step (int2_steps_of_256)
+static constexpr bool kInt2LastStepShorter = true;
+#else
+static constexpr bool kInt2LastStepShorter = false;
+#endif
 // a run of n bytes from p asked for, a cache line at a time (a prefetch never faults, past an allocation too)
 static inline void prefetch_bytes(const void* p, int64_t n) {
   for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
@@ -1291,7 +1296,11 @@ static inline __attribute__((always_inline)) void int2_row_block(const uint8_t* 
   const char* sf = static_cast<const char*>(sc.ptr) + (rb + ahead) * pair_bytes;
   for (int p = 0; p < NP; ++p) {
     __m512 acc = _mm512_setzero_ps(), zacc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 256) {
+    // one step at k: 256 codes, or (PART) the row's last K - k < 256, its bytes loaded under a mask (lanes past them
+    // zeros, as are the inputs': step_inputs) and only its groups scaled (g divides 256 there)
+    auto step = [&](int64_t k, auto part) __attribute__((always_inline)) {
+      constexpr bool PART = decltype(part)::value;
+      const __mmask64 bytes = PART ? ~0ull >> (64 - (K - k) / 4) : ~0ull;
       const auto x = step_inputs(p, k);
       __m512 D[16];
 #pragma GCC unroll 16
@@ -1300,13 +1309,15 @@ static inline __attribute__((always_inline)) void int2_row_block(const uint8_t* 
           D[i] = _mm512_setzero_ps();
           continue;
         }
-        const __m512i v = _mm512_loadu_si512(wb + i * row_bytes + k / 4);
+        const uint8_t* b = wb + i * row_bytes + k / 4;
+        const __m512i v = PART ? _mm512_maskz_loadu_epi8(bytes, b) : _mm512_loadu_si512(b);
         if (p == 0) __builtin_prefetch(wf + i * row_bytes + k / 4);
         D[i] = row_dots(v, x);
       }
       __m512 sums[16 / L];
       step_group_sums<L, INT>(D, sums);
       for (int m = 0; m < 16 / L; ++m) {
+        if (PART && k + 16 * L * m >= K) break;
         const int64_t gi = (k + 16 * L * m) / g;
         __m512 s, zm;
         scale_pairs16(sc, gi, rb, rows, s, zm);
@@ -1314,7 +1325,10 @@ static inline __attribute__((always_inline)) void int2_row_block(const uint8_t* 
         acc = _mm512_fmadd_ps(s, INT ? _mm512_cvtepi32_ps(_mm512_castps_si512(sums[m])) : sums[m], acc);
         if (L < 16 || k % g == 0) zacc = _mm512_fmadd_ps(zm, _mm512_set1_ps(sxs[p][gi]), zacc);  // once a group
       }
-    }
+    };
+    int64_t k = 0;
+    for (; k + 256 <= K; k += 256) step(k, std::false_type());
+    if (k < K) step(k, std::true_type());
     const __m512 y = _mm512_add_ps(acc, zacc);
     _mm512_mask_storeu_ps(ys[p] + rb, __mmask16((1u << rows) - 1),
                           out_scale ? _mm512_mul_ps(y, _mm512_set1_ps(out_scale[p])) : y);
@@ -1357,7 +1371,12 @@ static void rows_int2_bf16(const uint8_t* w, const Scales& sc, int64_t K, int64_
   const __m512i table = PackedBf16<2>().table;  // the codes 0..3 as bf16, repeated
   auto step_inputs = [&](int p, int64_t k) {
     Bf16Step st;
-    for (int j = 0; j < 8; ++j) st.x[j] = (__m512bh)_mm512_loadu_si512(xb[p] + k + 32 * (j & 3) + 128 * (j >> 2));
+    if (k + 256 <= K) {
+      for (int j = 0; j < 8; ++j) st.x[j] = (__m512bh)_mm512_loadu_si512(xb[p] + k + 32 * j);
+    } else {  // a last step of n < 256 codes: pass j's n / 8 words at k + n / 8 j, zeros past them
+      const int64_t w = (K - k) / 8;
+      for (int j = 0; j < 8; ++j) st.x[j] = (__m512bh)_mm512_maskz_loadu_epi16(~0u >> (32 - w), xb[p] + k + w * j);
+    }
     return st;
   };
   auto row_dots = [&](__m512i v, const Bf16Step& st) {
@@ -1388,7 +1407,12 @@ static void rows_int2_dot256(const uint8_t* w, const Scales& sc, int64_t K, int6
   const __m512i three = _mm512_set1_epi8(3), top = _mm512_set1_epi8(0x3f);
   auto step_inputs = [&](int p, int64_t k) {
     Int8Step st;
-    for (int j = 0; j < 4; ++j) st.x[j] = _mm512_loadu_si512(xs[p] + k + 64 * j);
+    if (k + 256 <= K) {
+      for (int j = 0; j < 4; ++j) st.x[j] = _mm512_loadu_si512(xs[p] + k + 64 * j);
+    } else {  // a last step of n < 256 codes: pass j's n / 4 bytes at k + n / 4 j, zeros past them
+      const int64_t b = (K - k) / 4;
+      for (int j = 0; j < 4; ++j) st.x[j] = _mm512_maskz_loadu_epi8(~0ull >> (64 - b), xs[p] + k + b * j);
+    }
     return st;
   };
   auto row_dots = [&](__m512i v, const Int8Step& st) {
@@ -1939,7 +1963,7 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
         const int8_t* xqs[8];
         float scales[8];
         signed_8bit_inputs(pb, np, in_row, xqs, scales);
-        if (pb.kind == Kind::int2 && int2_steps_of_256(pb.K, pb.g)) {
+        if (pb.kind == Kind::int2 && int2_steps_of_256(pb.K, pb.g, kInt2LastStepShorter)) {
           ZOO_NP((rows_int2_dot256<NP>(w, sc, pb.K, pb.g, it.r0, it.r1, xqs, sxs, scales, ys)));
 #ifdef ZOO_VNNI
         } else if (pb.kind == Kind::int2) {
