@@ -1,4 +1,5 @@
 """The block benchmark runs end to end at a smoke size (its numbers are not asserted: this machine is noisy)."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,34 @@ def test_moe_gemv_benchmark_smoke():
     dot = kernels.best_isa() in kernels.INT8_DOT_ISAS  # the 8-bit-input rows, where they can run
     want = ["bf16", *(f for b in (8, 4, 3, 2) for f in [f"int{b}", *([f"int{b},"] if dot else [])])]
     assert forms == want, out
+
+
+def test_moe_gemv_shapes_benchmark_smoke():
+    """The shapes table: a row per projection, a share of the bandwidth per stored form (and 8-bit-input form where
+    the set has them), each positive, the lowest of them at the row's end."""
+    from zoo.moe import kernels
+
+    out = kernel_benchmark_smoke("moe_gemv_shapes.py")
+    if out is None:
+        return
+    header = next(line for line in out.splitlines() if line.startswith("model "))
+    dot = kernels.best_isa() in kernels.INT8_DOT_ISAS
+    forms = ["bf16", *(f for b in (8, 4, 3, 2) for f in [f"int{b}", *([f"int{b} x8"] if dot else [])])]
+    assert re.findall(r"int\d x8|int\d|bf16", header.split("bf16 MB")[1]) == forms, header
+    rows = [line.split() for line in out.splitlines() if line.startswith("smoke ")]
+    assert [(r[1], r[2] + r[3]) for r in rows] == [("gate_up", "[256,128]"), ("down", "[128,320]")], out
+    shares = [[float(v) for v in r[5:5 + len(forms)]] for r in rows]
+    assert all(v > 0 for row in shares for v in row), out
+    assert [float(r[5 + len(forms)]) for r in rows] == [min(row) for row in shares], out
+
+
+def test_moe_gemv_shapes_benchmark_names_unknown_models():
+    """A misspelt model: one line naming it, the close match and the known names, before any work."""
+    run = subprocess.run([sys.executable, str(SCRIPT.parent / "moe_gemv_shapes.py"), "--models", "olmoe,mixtrl"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stdout == "" and run.stderr == (
+        "unknown model 'mixtrl' (did you mean mixtral?); known: deepseek-v3, gpt-oss, mixtral, olmoe, qwen-moe, "
+        "qwen3-moe\n"), run.stderr
 
 
 def test_stored_codes_benchmark_smoke():
