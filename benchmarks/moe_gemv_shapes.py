@@ -70,6 +70,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--models", default="", help="comma-separated model names of SHAPES (default: all)")
+    ap.add_argument("--isa", default="", help="the kernel's instruction set (default: the best the processor has)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
@@ -86,9 +87,12 @@ def main(argv=None):
     if not kernels.load():
         print(f"zoo::moe_gemv unavailable: {kernels.unavailable_reason()}")
         return
+    isa = args.isa or kernels.best_isa()
+    usable = kernels.ISAS[:kernels.ISAS.index(kernels.best_isa()) + 1]
+    if isa not in usable:
+        raise SystemExit(f"--isa {isa!r}: this processor runs {', '.join(usable)}")
     sum_gbs, how, compiled = read_bandwidth(args.smoke)
     probe = (*sum_slices(args.smoke), compiled, evict(args.smoke))
-    isa = kernels.best_isa()
     dot = isa in kernels.INT8_DOT_ISAS
     print(f"processor flags: {cpu_flags()}\nkernel instruction set: {isa}")
     print(f"machine read bandwidth ({how}, {args.threads} threads): {sum_gbs:.1f} GB/s\n")
