@@ -97,14 +97,17 @@ def test_many_pairs_for_one_expert(isa):
 def test_long_rows(isa, bits, dtype, K):
     """bf16, fp32 and int8 rows longer than 4 KB (a Mixtral down projection's 14336 inputs; 4104: a vector tail too),
     whose weights the avx2 set asks for a line a step rather than two rows at once: one and two inputs (decode), on
-    every set, against the reference."""
+    every set, against the reference; int8 rows on 8-bit inputs too where the set has them."""
     w, s = stack(bits, 3, 40, K, dtype=dtype)
-    for T in (1, 2):
-        x = torch.randn(T, K).to(dtype)
-        idx = routing(T, 2, 3)
-        want = kernels.moe_gemv_reference(x.float(), idx, w, s, bits)
-        got = kernels.moe_gemv(x, idx, w, s, bits)
-        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    for int8 in (False, True) if bits == 8 and isa in kernels.INT8_DOT_ISAS else (False,):
+        kernels.int8_inputs(int8)
+        for T in (1, 2):
+            x = torch.randn(T, K).to(dtype)
+            idx = routing(T, 2, 3)
+            want = kernels.moe_gemv_reference(x.float(), idx, w, s, bits)
+            got = kernels.moe_gemv(x, idx, w, s, bits)
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    kernels.int8_inputs(False)
 
 
 @pytest.mark.parametrize("bits", [16, 8])
