@@ -603,10 +603,10 @@ def test_2bit_bf16_inputs_256_a_step(isa, g, K, N, T):
 
 @pytest.mark.parametrize("g,K", [(32, 96), (64, 1408), (128, 640)])
 def test_2bit_last_shorter_step_keeps_to_its_own_inputs(isa, g, K):
-    """A 2-bit row's shorter last step (256 not dividing K; avx512-bf16's kernels) sums its own codes and inputs only
-    (its inputs loaded under a mask, its lanes past K left out of the group sums): the next token's inputs NaN, the
-    first token's outputs are those of a call without it, bitwise, with bf16 inputs and 8-bit ones where the set has
-    them."""
+    """A 2-bit row's shorter last step (256 not dividing K: avx512-bf16's kernels, AVX2's on 8-bit inputs) sums its
+    own codes and inputs only (loaded under a mask, its lanes past K left out of the sums): the next token's inputs
+    NaN, the first token's outputs are those of a call without it, bitwise, with bf16 inputs and 8-bit ones where
+    the set has them."""
     w, sz, _ = packed_stack_with_codes(2, g, N=32, K=K)
     x = torch.randn(2, K).bfloat16()
     x[1] = float("nan")
@@ -638,8 +638,8 @@ def test_packed_8bit_inputs_over_many_groups(int8_inputs, bits, g, K, T):
     """Rows of many groups of whole chunk pairs (taken two groups a step, an odd count leaving one), one and three
     pairs per group, and single-chunk groups: the integer reference's result. 2 bits with g dividing 256 or a
     multiple of it go 256 codes a step (rows_int2_dot256: 8, 4, 2, 1 groups a step, and groups of several steps),
-    where 256 does not divide K (576, 320, 1408, 896) with a shorter last step on avx512-bf16 and the per-group way on
-    AVX2; groups of 192 the per-group way."""
+    where 256 does not divide K (576, 320, 1408, 896) with a shorter last step; groups of 192 the per-group way (on
+    AVX2 the float kernel on the same rounded inputs)."""
     assert_8bit_inputs_exact(*packed_stack_with_codes(bits, g, 64, K), bits, g, T)
 
 

@@ -455,9 +455,9 @@ def int8_inputs(on: Optional[bool] = None) -> bool:
     up to ``INT8_DOT_PAIRS``, and quantized linear layers' up to ``INT8_DOT_ROWS`` rows.
     ``int8_inputs(True)`` / ``(False)`` turns that on / off (on: ValueError unless the kernels run a set in
     ``INT8_DOT_ISAS``: ``avx512-bf16`` with vpdpbusd, or ``avx2`` with its 8-bit and 16-bit multiply-adds, where
-    2-bit rows outside steps of 256 run the float kernel on the same rounded inputs, the same result; another set
-    switched to afterwards ignores it). Off by default: it changes the results (``benchmarks/int8_inputs.py``
-    measures by how much)."""
+    2-bit rows in groups of 96 or 192 (outside steps of 256) run the float kernel on the same rounded inputs, the
+    same result; another set switched to afterwards ignores it). Off by default: it changes the results
+    (``benchmarks/int8_inputs.py`` measures by how much)."""
     if on is not None and not isinstance(on, bool):
         raise ValueError(f"int8_inputs takes True, False or None, got {on!r}")
     if not load():

@@ -170,12 +170,10 @@ static bool scaled_for_subnormals(const float* X, int64_t rows, int64_t K, std::
 }
 
 // Whether 2-bit rows of K inputs in groups of g go 256 codes a step (rows_int2_dot256, rows_int2_bf16: each 16 inputs
-// of a step in one group). With `partial` (the avx512-bf16 set's kernels) a row's last step may be shorter (K - k a
-// multiple of g there, as g divides 256): on the float kernel instead, such rows had run at about half the speed
-// (AMD Zen 5, [128, 1088] experts, g = 64, one thread, in L2: 42 against 21 ns a row, 8-bit inputs 33 against 17).
-static inline bool int2_steps_of_256(int64_t K, int64_t g, bool partial) {
-  return (partial || K % 256 == 0) && (256 % g == 0 || g % 256 == 0);
-}
+// of a step in one group), a row's last step shorter where 256 does not divide K (K - k a multiple of g there, as g
+// divides 256). Such rows had run the per-group or the float kernel instead, at about half the speed (AMD Zen 5,
+// [128, 1088] experts, g = 64, one thread, in L2: 42 against 21 ns a row, 8-bit inputs 33 against 17).
+static inline bool int2_steps_of_256(int64_t g) { return 256 % g == 0 || g % 256 == 0; }
 
 struct Item {  // rows [r0, r1) of one expert for its np (token, slot) pairs, in_rows / out_rows [first, first + np)
   int64_t slot, r0, r1;
@@ -527,15 +525,15 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
   // products: the inputs are read as they are, 2-bit codes' permuted (codes also need them in fp32, for the
   // per-group sums and the tail rows; int8 for one-input items)
   const bool bf16_dot = g_isa == 3 && !f32 && kind != Kind::f32 &&
-                        (kind != Kind::int2 || int2_steps_of_256(K, group_size, g_isa == 3));
+                        (kind != Kind::int2 || int2_steps_of_256(group_size));
   // 8-bit inputs: q = round(x / s) in [-127, 127] with s = max|x| / 127 per row, for vpdpbusd's signed operand
   // (2/3/4-bit codes are its unsigned one) or stored q + 128 as its unsigned operand (int8 weights are the signed
-  // one; AVX2 takes q as it is, rows_int8_dot there). AVX2 has no 8-bit kernel for 2-bit rows outside steps of 256:
-  // they run the float kernel on the same q as floats (exact integer sums per group, the outputs times the inputs'
-  // scales afterwards), so the results do not depend on the set's kernels.
+  // one; AVX2 takes q as it is, rows_int8_dot there). AVX2 has no 8-bit kernel for 2-bit rows outside steps of 256
+  // (groups of 96 or 192 inputs): they run the float kernel on the same q as floats (exact integer sums per group,
+  // the outputs times the inputs' scales afterwards), so the results do not depend on the set's kernels.
   const bool int8_dot =
       g_int8_inputs && has_8bit_dots(g_isa) && kind != Kind::f32 && kind != Kind::bf16 && K <= VNNI_MAX_K;
-  const bool q_as_float = int8_dot && g_isa == 1 && kind == Kind::int2 && !int2_steps_of_256(K, group_size, false);
+  const bool q_as_float = int8_dot && g_isa == 1 && kind == Kind::int2 && !int2_steps_of_256(group_size);
   std::vector<float> xbuf;
   if (!f32 && !(bf16_dot && kind == Kind::bf16)) {
     xbuf.resize(rows * K);
@@ -587,7 +585,7 @@ static void moe_gemv_rows(const Call& c, float* Yp) {
   }
   if ((kind == Kind::int2 || (kind == Kind::int3 && !int3_vbmi)) && int8_dot && !q_as_float) {
     xq_permuted.resize(rows * K);
-    if (kind == Kind::int2 && int2_steps_of_256(K, group_size, g_isa == 3)) {
+    if (kind == Kind::int2 && int2_steps_of_256(group_size)) {
       // layout 3 (rows_int2_dot256): per 256 inputs (n in a shorter last step), pass j's n / 4 bytes, byte i <-
       // input 4 i + j
       for (int64_t r = 0; r < rows; ++r)

@@ -45,11 +45,6 @@ static constexpr bool kPrefetch = true;
 #else
 static constexpr bool kPrefetch = false;
 #endif
-#ifdef ZOO_VNNI  // rows_int2_dot256 and rows_int2_bf16 take a shorter last step (int2_steps_of_256)
-static constexpr bool kInt2LastStepShorter = true;
-#else
-static constexpr bool kInt2LastStepShorter = false;
-#endif
 // a run of n bytes from p asked for, a cache line at a time (a prefetch never faults, past an allocation too)
 static inline void prefetch_bytes(const void* p, int64_t n) {
   for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
@@ -1459,25 +1454,40 @@ static inline void rows_int2_dot256_step(const uint8_t* wp, int64_t row_bytes, i
   __m256 acc[RS][NP];
   for (int j = 0; j < RS; ++j)
     for (int p = 0; p < NP; ++p) acc[j][p] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 256, wp += 64) {
-    for (int h = 0; h < 2; ++h) {
-      for (int j = 0; j < RS; ++j) {
-        const __m256i v = load<__m256i>(wp + j * row_bytes + 32 * h);
-        const __m256i c0 = _mm256_and_si256(v, three), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 2), three);
-        const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), three);
-        const __m256i c3 = _mm256_and_si256(_mm256_srli_epi16(v, 6), three);
-        const float* srow = rs.s + (i0 + j) * G;
-        const __m256 vs = _mm256_permutevar8x32_ps(_mm256_loadu_ps(srow + (k + 128 * h) / g), groups);
-        for (int p = 0; p < NP; ++p) {
-          const int8_t* x = xs[p] + k + 32 * h;
-          __m256i d = _mm256_maddubs_epi16(c0, load<__m256i>(x));
-          d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c1, load<__m256i>(x + 64)));
-          d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c2, load<__m256i>(x + 128)));
-          d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c3, load<__m256i>(x + 192)));
-          acc[j][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), vs, acc[j][p]);
-        }
+  // one half of the step at k: 32 code bytes, or (PART: the row's last K - k < 256 codes, pass j's n / 4 bytes at
+  // k + n / 4 j) the half's `live` 4-byte words of them loaded under a mask, the rest zeros, codes and inputs
+  auto half = [&](int64_t k, int h, auto part) __attribute__((always_inline)) {
+    constexpr bool PART = decltype(part)::value;
+    const int64_t pass = PART ? (K - k) / 4 : 64;  // a pass's bytes
+    const int live = PART ? int(std::min<int64_t>(8, std::max<int64_t>(0, pass / 4 - 8 * h))) : 8;
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(live), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    auto bytes = [&](const void* p) {
+      return PART ? _mm256_maskload_epi32(static_cast<const int*>(p), mask) : load<__m256i>(p);
+    };
+    for (int j = 0; j < RS; ++j) {
+      const __m256i v = bytes(wp + j * row_bytes + 32 * h);
+      const __m256i c0 = _mm256_and_si256(v, three), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 2), three);
+      const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), three);
+      const __m256i c3 = _mm256_and_si256(_mm256_srli_epi16(v, 6), three);
+      const float* srow = rs.s + (i0 + j) * G;
+      const __m256 vs = _mm256_permutevar8x32_ps(_mm256_loadu_ps(srow + (k + 128 * h) / g), groups);
+      for (int p = 0; p < NP; ++p) {
+        const int8_t* x = xs[p] + k + 32 * h;
+        __m256i d = _mm256_maddubs_epi16(c0, bytes(x));
+        d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c1, bytes(x + pass)));
+        d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c2, bytes(x + 2 * pass)));
+        d = _mm256_add_epi16(d, _mm256_maddubs_epi16(c3, bytes(x + 3 * pass)));
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones));
+        // (PART: the lanes past the codes hold zeros; their scales, read past the row's groups, are left out)
+        acc[j][p] = _mm256_fmadd_ps(sums, PART ? _mm256_and_ps(vs, _mm256_castsi256_ps(mask)) : vs, acc[j][p]);
       }
     }
+  };
+  int64_t k = 0;
+  for (; k + 256 <= K; k += 256, wp += 64) half(k, 0, std::false_type()), half(k, 1, std::false_type());
+  if (k < K) {
+    half(k, 0, std::true_type());
+    if (K - k > 128) half(k, 1, std::true_type());
   }
   for (int j = 0; j < RS; ++j)
     for (int p = 0; p < NP; ++p) ys[p][r + j] = (hsum((vf8)acc[j][p]) + rs.zt[p * R + i0 + j]) * xscale[p];
@@ -1977,7 +1987,7 @@ static void run_chunk(const Problem& pb, const Item& it, int np, const int64_t* 
         const int8_t* xqs[8];
         float scales[8];
         signed_8bit_inputs(pb, np, in_row, xqs, scales);
-        if (pb.kind == Kind::int2 && int2_steps_of_256(pb.K, pb.g, kInt2LastStepShorter)) {
+        if (pb.kind == Kind::int2 && int2_steps_of_256(pb.g)) {
           ZOO_NP((rows_int2_dot256<NP>(w, sc, pb.K, pb.g, it.r0, it.r1, xqs, sxs, scales, ys)));
 #ifdef ZOO_VNNI
         } else if (pb.kind == Kind::int2) {
