@@ -287,9 +287,10 @@ static void rows_int8_dot(const int8_t* w, const Scales& sc, int64_t K, int64_t 
 
 // int4 rows past the last full block of 64: torch packs them two rows per byte (row 2j low, 2j+1 high) per k.
 // Only small layers have such a tail (16, 32 or 48 rows). 16 rows at a time (8 bytes per k), their sums in
-// registers over a group's k in order, as a row at a time summed them (that form, its k loop inner and strided,
-// ran a 16-row tail at ~2 us a row, 10-25x a full block's rows). X: float inputs, or 8-bit ones (int8_t: exact int32
-// dots per group, sxs their per-group sums, and the outputs times the inputs' scales xscale)
+// registers over a group's k in order, as a row at a time summed them (that form, its k loop inner and strided, took
+// ~1.9 us a tail row of 1024 inputs, ~95x a full block's rows; this one ~0.13 us, ~6x: AMD Zen 5, one thread, in
+// cache). X: float inputs, or 8-bit ones (int8_t: exact int32 dots per group, sxs their per-group sums, and the
+// outputs times the inputs' scales xscale)
 template <class X>
 static void int4_tail(const uint8_t* w, const Scales& sc, int64_t N, int64_t K, int64_t g, int64_t r0, int64_t r1,
                       int np, const X* const* xs, const float* const* sxs, const float* xscale, float* const* ys) {
