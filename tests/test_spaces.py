@@ -296,8 +296,10 @@ def fake_plugin(tmp_path, monkeypatch):
     yield router
     for e in entries:
         registry.by_kind["router"].pop(e.name, None)
+    # dropped for good (monkeypatch's delitem would put them back at its own teardown, and the next test would
+    # import this one's package from a folder that is gone)
     for name in [m for m in sys.modules if m.startswith("moe_zoo_fake")]:
-        monkeypatch.delitem(sys.modules, name)
+        del sys.modules[name]
 
 
 def test_find_space_by_component_or_space_name(fake_plugin):
